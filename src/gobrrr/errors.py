@@ -1,0 +1,7 @@
+"""The one exception type users see. The CLI turns it into one line and exit code 2."""
+
+from __future__ import annotations
+
+
+class GobrrrError(Exception):
+    """Bad input or an environment gobrrr cannot work in. The message names the value and the fix."""

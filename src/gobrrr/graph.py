@@ -1,0 +1,195 @@
+"""The step graph: one training step as the ordered list of ATen ops that ran.
+
+Every other part of gobrrr reads this. A node is one ATen op with its phase, the module that
+ran it, its tensor inputs and outputs (shape, stride, dtype, storage identity) and its
+non-tensor arguments. Storages carry their size, what they are (parameter, gradient, ...)
+and their exact lifetime in op indices, as observed while the step ran on fake tensors.
+
+Serialized as versioned JSON (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gobrrr.errors import GobrrrError
+
+SCHEMA_VERSION = 1
+
+PHASES = ("forward", "backward", "recompute", "optimizer")
+# What a storage holds; "activation" = created in forward and still alive when backward starts
+# (saved for backward), "temporary" = everything else created during the step.
+KINDS = (
+    "parameter",
+    "buffer",
+    "gradient",
+    "optimizer_state",
+    "input",
+    "activation",
+    "temporary",
+)
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in `str(torch.float32)` without the prefix."""
+    return _ITEMSIZE.get(dtype, 4)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor argument or result of an op. `storage` is an id into StepGraph.storages."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    storage: int
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements this view covers (what a kernel reading it once moves)."""
+        return self.numel * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in reversed(list(zip(self.shape, self.stride))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """One allocation. `created`/`freed` are op indices; -1 = before the step, None = survives it."""
+
+    id: int
+    nbytes: int
+    kind: str
+    created: int
+    freed: int | None
+    label: str = ""  # e.g. the parameter name; empty for anonymous activations
+    module: str = ""  # module of the op that created it
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One ATen op. `args`/`kwargs` are the op's non-tensor arguments, tensors replaced by
+    {"t": i} (index into `inputs`), lists of tensors by lists of such references."""
+
+    index: int
+    op: str  # "aten.mm.default"
+    phase: str
+    module: str  # fully qualified name, "" for the top level
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    allocs: tuple[int, ...] = ()  # storages this op created
+    frees: tuple[int, ...] = ()  # storages that died right after this op
+
+    @property
+    def name(self) -> str:
+        """"aten.mm.default" -> "mm"."""
+        parts = self.op.split(".")
+        return parts[1] if len(parts) >= 2 else self.op
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        """Positional argument i, or keyword `name`, of the op's schema."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[i] if i < len(self.args) else default
+
+    def tensor(self, ref: Any) -> TensorInfo | None:
+        """Resolve a {"t": i} reference found in args."""
+        if isinstance(ref, dict) and "t" in ref:
+            return self.inputs[ref["t"]]
+        return None
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """One full training step. `meta` says what was traced: model, batch, seq, precision,
+    tokens per step, parameter counts, the device the ops were traced on."""
+
+    nodes: tuple[OpNode, ...]
+    storages: tuple[StorageInfo, ...]
+    meta: dict[str, Any]
+    version: int = SCHEMA_VERSION
+
+    def storage(self, sid: int) -> StorageInfo:
+        return self.storages[sid]
+
+    def phase_nodes(self, phase: str) -> list[OpNode]:
+        return [n for n in self.nodes if n.phase == phase]
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a half-written graph never exists on disk."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @staticmethod
+    def from_json(text: str) -> StepGraph:
+        data = json.loads(text)
+        version = data.get("version")
+        if version != SCHEMA_VERSION:
+            raise GobrrrError(
+                f"step graph has schema version {version!r}, this gobrrr reads {SCHEMA_VERSION}: "
+                "re-capture it with this version"
+            )
+
+        def tinfo(d: dict) -> TensorInfo:
+            return TensorInfo(tuple(d["shape"]), tuple(d["stride"]), d["dtype"],
+                              d["storage"], d.get("offset", 0))
+
+        nodes = tuple(
+            OpNode(
+                index=n["index"], op=n["op"], phase=n["phase"], module=n["module"],
+                inputs=tuple(tinfo(t) for t in n["inputs"]),
+                outputs=tuple(tinfo(t) for t in n["outputs"]),
+                args=tuple(_untuple(a) for a in n["args"]), kwargs=n["kwargs"],
+                allocs=tuple(n["allocs"]), frees=tuple(n["frees"]),
+            )
+            for n in data["nodes"]
+        )
+        storages = tuple(StorageInfo(**s) for s in data["storages"])
+        return StepGraph(nodes=nodes, storages=storages, meta=data["meta"], version=version)
+
+    @staticmethod
+    def load(path: str | Path) -> StepGraph:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise GobrrrError(f"cannot read step graph {path}: {e.strerror}") from None
+        return StepGraph.from_json(text)
+
+
+def _untuple(x: Any) -> Any:
+    return x

@@ -1,0 +1,223 @@
+"""GPU specs (dense datasheet peaks, never the 2:4-sparsity figures) and calibrations.
+
+A GpuSpec says what the chip can do on paper; a Calibration says what one was measured to
+achieve (matmul FLOP/s, copy bandwidth, per-kernel launch overhead). The cost model uses a
+calibration when one exists for the target GPU and the spec with default efficiencies
+otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gobrrr.errors import GobrrrError
+
+TF = 1e12
+GB = 1e9
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model.
+
+    Fields:
+        name: canonical key, e.g. "h100-sxm".
+        full_name: what `torch.cuda.get_device_name()` prints on one, for matching.
+        memory_bytes: usable device memory in bytes.
+        bandwidth: HBM bandwidth in bytes/s (datasheet).
+        peak_flops: dense FLOP/s per math mode: "fp32" (CUDA cores), "tf32", "bf16",
+            "fp16", "fp8" (tensor cores).
+        sms: streaming multiprocessors, for wave quantization of matmuls.
+        launch_overhead: seconds of host time per eager kernel launch (dispatch + launch).
+        kernel_latency: seconds of device time a kernel costs however small it is.
+        blas_workspace: bytes the cuBLAS handle keeps allocated (counts in max_memory_allocated).
+        matmul_efficiency / bandwidth_efficiency: achievable fraction of peak when no
+            calibration exists (large, well-shaped problems).
+        aliases: other names users type.
+    """
+
+    name: str
+    full_name: str
+    memory_bytes: int
+    bandwidth: float
+    peak_flops: dict[str, float]
+    sms: int
+    launch_overhead: float = 10e-6
+    kernel_latency: float = 2.5e-6
+    blas_workspace: int = 8 * 1024**2 + 128 * 1024
+    matmul_efficiency: float = 0.80
+    bandwidth_efficiency: float = 0.88
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP/byte above which a bf16 tensor-core op is compute-bound."""
+        return self.peak_flops["bf16"] / self.bandwidth
+
+    def peak(self, mode: str) -> float:
+        """Dense peak FLOP/s for a math mode; fp32 falls back to the CUDA-core rate."""
+        if mode not in self.peak_flops:
+            raise GobrrrError(f"GPU {self.name} has no peak for {mode!r}; "
+                              f"known: {', '.join(sorted(self.peak_flops))}")
+        return self.peak_flops[mode]
+
+
+def _spec(name, full, mem_gib, bw_gbs, fp32, tf32, bf16, fp8, sms, **kw) -> GpuSpec:
+    peaks = {"fp32": fp32 * TF, "tf32": tf32 * TF, "bf16": bf16 * TF, "fp16": bf16 * TF}
+    if fp8:
+        peaks["fp8"] = fp8 * TF
+    return GpuSpec(name=name, full_name=full, memory_bytes=int(mem_gib * GiB),
+                   bandwidth=bw_gbs * GB, peak_flops=peaks, sms=sms, **kw)
+
+
+_HOPPER_WS = 32 * 1024**2  # cuBLAS workspace default on sm90+: 4096 KiB x 8
+
+BUILTIN_GPUS: tuple[GpuSpec, ...] = (
+    _spec("a100-40gb", "NVIDIA A100-SXM4-40GB", 39.39, 1555, 19.5, 156, 312, None, 108,
+          aliases=("a100-40",)),
+    _spec("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.15, 2039, 19.5, 156, 312, None, 108,
+          aliases=("a100", "a100-80")),
+    _spec("h100-sxm", "NVIDIA H100 80GB HBM3", 79.65, 3350, 66.9, 494.7, 989.4, 1978.9, 132,
+          blas_workspace=_HOPPER_WS, aliases=("h100", "h100-80gb")),
+    _spec("h100-pcie", "NVIDIA H100 PCIe", 79.65, 2000, 51.2, 378, 756.5, 1513, 114,
+          blas_workspace=_HOPPER_WS),
+    _spec("h200", "NVIDIA H200", 140.4, 4800, 66.9, 494.7, 989.4, 1978.9, 132,
+          blas_workspace=_HOPPER_WS, aliases=("h200-sxm",)),
+    _spec("b200", "NVIDIA B200", 178.4, 8000, 75, 1100, 2250, 4500, 148,
+          blas_workspace=_HOPPER_WS),
+    _spec("l4", "NVIDIA L4", 22.5, 300, 30.3, 60, 121, 242, 58),
+    _spec("l40s", "NVIDIA L40S", 44.5, 864, 91.6, 183, 362, 733, 142),
+    _spec("rtx4090", "NVIDIA GeForce RTX 4090", 23.6, 1008, 82.6, 82.6, 165.2, 330.3, 128,
+          aliases=("4090", "rtx-4090")),
+)
+
+
+def gpu_names() -> list[str]:
+    return [g.name for g in BUILTIN_GPUS]
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """A built-in GPU by name or alias, or a user's own from a .toml/.json file path."""
+    key = name.strip().lower()
+    for g in BUILTIN_GPUS:
+        if key == g.name or key in g.aliases:
+            return g
+    if key.endswith((".toml", ".json")):
+        return load_gpu_file(name)
+    names = ", ".join(gpu_names())
+    raise GobrrrError(f"unknown GPU {name!r}: choose one of {names}, or give a .toml/.json spec file")
+
+
+def match_device_name(device_name: str) -> GpuSpec | None:
+    """The built-in spec whose full name is what CUDA reports, if any."""
+    for g in BUILTIN_GPUS:
+        if g.full_name.lower() == device_name.lower():
+            return g
+    for g in BUILTIN_GPUS:  # looser: "NVIDIA H100 80GB HBM3" vs variants
+        if g.full_name.lower() in device_name.lower():
+            return g
+    return None
+
+
+_REQUIRED = ("name", "memory_gb", "bandwidth_gbs", "bf16_tflops")
+
+
+def load_gpu_file(path: str | Path) -> GpuSpec:
+    """A user's GPU from TOML or JSON with keys: name, memory_gb, bandwidth_gbs, bf16_tflops,
+    and optionally fp16_tflops, tf32_tflops, fp32_tflops, fp8_tflops, sms, launch_overhead_us."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise GobrrrError(f"cannot read GPU spec file {path}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GobrrrError(f"GPU spec file {path} is not valid {p.suffix[1:]}: {e}") from None
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)} "
+                          f"(needs {', '.join(_REQUIRED)})")
+    bf16 = float(data["bf16_tflops"])
+    for k in ("memory_gb", "bandwidth_gbs", "bf16_tflops"):
+        if float(data[k]) <= 0:
+            raise GobrrrError(f"GPU spec file {path}: {k} must be > 0, got {data[k]}")
+    peaks = {
+        "bf16": bf16 * TF,
+        "fp16": float(data.get("fp16_tflops", bf16)) * TF,
+        "tf32": float(data.get("tf32_tflops", bf16 / 2)) * TF,
+        "fp32": float(data.get("fp32_tflops", bf16 / 15)) * TF,
+    }
+    if "fp8_tflops" in data:
+        peaks["fp8"] = float(data["fp8_tflops"]) * TF
+    return GpuSpec(
+        name=str(data["name"]), full_name=str(data.get("full_name", data["name"])),
+        memory_bytes=int(float(data["memory_gb"]) * GB),
+        bandwidth=float(data["bandwidth_gbs"]) * GB, peak_flops=peaks,
+        sms=int(data.get("sms", 100)),
+        launch_overhead=float(data.get("launch_overhead_us", 10.0)) * 1e-6,
+    )
+
+
+# -- calibration ----------------------------------------------------------------------------
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one GPU was measured to achieve. FLOP/s and bytes/s are achieved rates on large
+    problems; `matmul_curve` maps a matmul's FLOPs to its achieved fraction of the large-shape
+    rate (small matmuls do not fill the chip), as sorted [flops, fraction] pairs."""
+
+    gpu: str
+    device_name: str
+    matmul_flops: dict[str, float]
+    copy_bandwidth: float
+    pointwise_bandwidth: float
+    reduction_bandwidth: float
+    launch_overhead: float
+    kernel_latency: float
+    blas_workspace: int | None = None
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    version: int = CALIBRATION_VERSION
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: str | Path) -> Calibration:
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != CALIBRATION_VERSION:
+            raise GobrrrError(f"calibration {path} has version {data.get('version')!r}, "
+                              f"expected {CALIBRATION_VERSION}: run `gobrrr calibrate` again")
+        return Calibration(**data)
+
+
+def calibration_dirs() -> list[Path]:
+    """Where calibrations are looked for: the user's, then the ones shipped with gobrrr."""
+    import os
+
+    user = Path(os.environ.get("GOBRRR_HOME", Path.home() / ".cache" / "gobrrr")) / "calibration"
+    return [user, Path(__file__).parent / "data" / "calibration"]
+
+
+def find_calibration(gpu: GpuSpec) -> Calibration | None:
+    for d in calibration_dirs():
+        p = d / f"{gpu.name}.json"
+        if p.exists():
+            return Calibration.load(p)
+    return None
+
+
+def with_overrides(gpu: GpuSpec, **kw: Any) -> GpuSpec:
+    return replace(gpu, **kw)

@@ -88,6 +88,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's init: N(0, 0.02) weights, zero biases (nanoGPT); keeps the first loss near ln V."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class GPT2(nn.Module):
     """GPT-2 language model; forward(idx, targets) returns the mean cross-entropy loss."""
 
@@ -105,6 +113,10 @@ class GPT2(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as released
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.n_layer) ** 0.5)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape

@@ -163,6 +163,9 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.lm_head.weight = self.embed_tokens.weight
+        for m in self.modules():  # N(0, 0.02) as HF's initializer_range; first loss near ln V
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape

@@ -1,0 +1,311 @@
+"""Trace one training step on fake tensors into a StepGraph.
+
+    graph = capture(lambda: get_workload("gpt2", 8, 1024), precision="bf16-mixed")
+
+The workload is built inside `FakeTensorMode`, so no memory is allocated and nothing is
+computed: a 70B model traces on a laptop. One untraced warm-up step creates the optimizer
+state; the second, steady-state step is recorded: forward, loss, backward, optimizer step,
+zero_grad. Tensors live on the CPU during the trace; CUDA's autocast rules and CUDA's
+default optimizer implementation (foreach) are reproduced so dtypes and allocations are
+those of a CUDA run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.module_tracker import ModuleTracker
+
+from gobrrr.capture.autocast import cuda_autocast_rules
+from gobrrr.capture.recorder import Recorder, StorageTable
+from gobrrr.errors import GobrrrError
+from gobrrr.graph import StepGraph
+from gobrrr.transforms import apply_checkpointing
+from gobrrr.workload import Workload, iter_tensors, map_tensors
+
+PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
+CHECKPOINTS = ("none", "full")
+
+WorkloadSource = Workload | Callable[[], Workload]
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise GobrrrError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+
+
+class _Driver:
+    """Tracks the phase and the innermost module while the step runs."""
+
+    def __init__(self, tracker: ModuleTracker) -> None:
+        self.tracker = tracker
+        self.phase = "forward"
+        self.forward_depth = 0  # > 0 while a module's forward runs
+
+    def module(self) -> str:
+        parents = [p for p in self.tracker.parents if p != "Global"]
+        if not parents:
+            return ""
+        deepest = max(parents, key=lambda p: (p.count("."), len(p)))
+        return deepest.partition(".")[2]
+
+    def current_phase(self) -> str:
+        if self.phase == "backward" and self.forward_depth > 0:
+            return "recompute"
+        return self.phase
+
+
+@contextlib.contextmanager
+def _forward_depth(driver: _Driver) -> Iterator[None]:
+    def pre(mod, args):
+        driver.forward_depth += 1
+
+    def post(mod, args, out):
+        driver.forward_depth -= 1
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter and buffer by fn(it), keeping tied parameters tied. (Module.to
+    and _apply cannot swap fake tensors.)"""
+    memo: dict[int, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            new = fn(t.detach())
+            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else new
+        return memo[id(t)]
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = convert(p)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = convert(b)
+
+
+def _to_fake(workload: Workload, mode: FakeTensorMode) -> Workload:
+    """A workload built from real tensors, moved into fake ones (same structure, no memory)."""
+    _convert_tensors(workload.model, mode.from_tensor)
+    return dataclasses.replace(workload, batch=map_tensors(workload.batch, mode.from_tensor))
+
+
+def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:
+    if isinstance(source, Workload):
+        w = source
+        if any(not isinstance(p, torch._subclasses.FakeTensor) for p in w.model.parameters()):
+            w = _to_fake(w, mode)
+        return w
+    try:
+        w = source()
+    except GobrrrError:
+        raise
+    except Exception as e:
+        raise GobrrrError(f"building the workload raised {type(e).__name__}: {e}") from e
+    if not isinstance(w, Workload):
+        raise GobrrrError(f"the workload function returned {type(w).__name__}, "
+                          "expected a gobrrr.Workload")
+    return w
+
+
+def _prepare(w: Workload, precision: str) -> Workload:
+    if precision == "bf16":
+        _convert_tensors(w.model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        w = dataclasses.replace(w, batch=map_tensors(
+            w.batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t))
+    return w
+
+
+def _cuda_optimizer_defaults(opt: torch.optim.Optimizer) -> None:
+    """CUDA picks the foreach implementation when neither foreach nor fused is chosen; on the
+    CPU (and for fake tensors) torch would pick the per-tensor loop. Choose what CUDA would."""
+    for g in opt.param_groups:
+        if "foreach" in g and g.get("foreach") is None and not g.get("fused"):
+            g["foreach"] = True
+
+
+class _Step:
+    """One training step, the same code for the warm-up and the recorded step."""
+
+    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None) -> None:
+        self.w = w
+        self.precision = precision
+        self.driver = driver
+        self.opt = w.make_optimizer()
+        _cuda_optimizer_defaults(self.opt)
+        self.scaler = None
+        if precision == "fp16-mixed":
+            self.scaler = torch.amp.GradScaler("cpu")
+
+    def _phase(self, name: str) -> None:
+        if self.driver is not None:
+            self.driver.phase = name
+
+    def run(self) -> None:
+        self._phase("forward")
+        dtype = autocast_dtype(self.precision)
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with ctx:
+            loss = self.w.compute_loss(self.w.batch)
+        self._phase("backward")
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        del loss
+        self._phase("optimizer")
+        if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
+            self.scaler.unscale_(self.opt)
+            self.opt.step()
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
+    names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
+    for n, p in w.model.named_parameters():
+        table.register(p, "parameter", label=n)
+    for n, b in w.model.named_buffers():
+        table.register(b, "buffer", label=n)
+    for p, state in opt.state.items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                sid = table.register(v, "optimizer_state", label=f"{names.get(id(p), '?')}.{k}")
+                if k == "step" and v.numel() == 1 and not opt.defaults.get("fused"):
+                    table.records[sid].host = True  # a CPU scalar on CUDA runs (not capturable)
+    for t in iter_tensors(w.batch):
+        table.register(t, "input")
+
+
+def _classify(table: StorageTable, nodes: list) -> None:
+    """Name what the anonymous storages were: gradients, activations, temporaries."""
+    first_bwd = next((n.index for n in nodes if n.phase == "backward"), len(nodes))
+    for r in table.records:
+        if r.kind == "temporary" and r.created >= 0 and r.created < first_bwd:
+            if r.freed is None or r.freed >= first_bwd:
+                r.kind = "activation"
+
+
+def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None:
+    for p in w.model.parameters():
+        if p.grad is not None:
+            sid = table.lookup(p.grad)
+            if sid is not None:
+                table.records[sid].kind = "gradient"
+                table.records[sid].label = f"{names.get(id(p), '?')}.grad"
+
+
+def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
+            checkpoint: str = "none") -> StepGraph:
+    """Trace one steady-state training step of `source` (a Workload, or a function returning
+    one, called under fake tensors) and return its StepGraph."""
+    check_precision(precision)
+    if checkpoint not in CHECKPOINTS:
+        raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: choose {', '.join(CHECKPOINTS)}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
+    with mode, rules:
+        w = _prepare(_build(source, mode), precision)
+        blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
+        if checkpoint == "full" and not blocks:
+            raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
+                              "modules of one class) to checkpoint in this model")
+        graph = _trace(w, precision)
+    meta = dict(graph.meta, checkpoint=checkpoint, checkpointed_blocks=len(blocks))
+    return dataclasses.replace(graph, meta=meta)
+
+
+def _trace(w: Workload, precision: str) -> StepGraph:
+    names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
+    with torch.enable_grad():
+        step = _Step(w, precision)
+        _guarded(step.run, "warm-up step")
+        table = StorageTable()
+        _register_state(table, w, step.opt)
+        with ModuleTracker() as tracker, _forward_depth(driver := _Driver(tracker)):
+            step.driver = driver
+            rec = Recorder(table, driver.module, driver.current_phase)
+
+            def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
+                _mark_grads(table, w, names)
+
+            hook = step.opt.register_step_pre_hook(grab_grads)
+            try:
+                with rec:
+                    _guarded(step.run, "traced step", rec)
+            finally:
+                hook.remove()
+        table.clock = len(rec.nodes) - 1
+        table.close()
+    _classify(table, rec.nodes)
+    return _assemble(rec, table, w, precision)
+
+
+def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:
+    frees: dict[int, list[int]] = {}
+    for r in table.records:
+        if r.freed is not None and r.freed >= 0:
+            frees.setdefault(r.freed, []).append(r.id)
+    nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in rec.nodes)
+    params = list(w.model.parameters())
+    n_params = sum(p.numel() for p in params)
+    meta: dict[str, Any] = {
+        "name": w.name, "precision": precision, "tokens": w.token_count(), "seq_len": w.seq_len,
+        "params": n_params, "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "embedding_params": _embedding_params(w.model), "info": dict(w.info),
+        "traced_on": "cpu-fake", "torch": torch.__version__,
+    }
+    return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
+
+
+def _embedding_params(model: torch.nn.Module) -> int:
+    """Parameters of nn.Embedding modules (excluded from 6N in model FLOPs)."""
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            total += m.weight.numel()
+    return total
+
+
+def _guarded(fn: Callable[[], None], what: str, rec: Recorder | None = None) -> None:
+    """Run the user's step; turn what it raises into one clear line."""
+    try:
+        fn()
+    except GobrrrError:
+        raise
+    except torch._subclasses.fake_tensor.UnsupportedFakeTensorException as e:
+        raise GobrrrError(f"the {what} used an op fake tensors cannot run{_where(rec)}: {e}") from e
+    except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+            torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+        raise GobrrrError(
+            f"the {what} used a data-dependent op ({e}){_where(rec)}: its output shape depends on "
+            "tensor values, which a fake-tensor trace does not have; rewrite it with static "
+            "shapes (e.g. masking instead of boolean indexing)") from e
+    except Exception as e:
+        raise GobrrrError(f"the {what} raised {type(e).__name__}{_where(rec)}: {e}") from e
+
+
+def _where(rec: Recorder | None) -> str:
+    if rec is None or not rec.nodes:
+        return ""
+    last = rec.nodes[-1]
+    return f" (after op {last.op} in module '{last.module or '<top>'}', phase {last.phase})"

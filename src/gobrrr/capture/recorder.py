@@ -1,0 +1,141 @@
+"""A dispatch-mode recorder: every ATen op of a step, with exact storage lifetimes.
+
+Storages are the unit of memory (one storage = one allocation on a CUDA device). A storage is
+born with the first op that outputs it and dies when its last reference goes: a weakref
+finalizer on the storage fires at that moment, in eager order, so the lifetimes are the ones
+the real step would have.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from gobrrr.graph import OpNode, StorageInfo, TensorInfo
+
+# Ops that only read metadata; they produce no tensor and cost nothing.
+_SKIP = {"aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
+         "prim.device", "aten.is_same_size", "aten._local_scalar_dense"}
+
+
+@dataclass
+class _Storage:
+    id: int
+    nbytes: int
+    kind: str
+    created: int
+    freed: int | None = None
+    label: str = ""
+    module: str = ""
+    host: bool = False  # lives in host memory on a real GPU run (e.g. optimizer step counters)
+
+
+class StorageTable:
+    """Maps live storages to ids and records when each one dies."""
+
+    def __init__(self) -> None:
+        self.records: list[_Storage] = []
+        self._live: dict[int, int] = {}  # storage _cdata -> id, while alive
+        self._finalizers: list[weakref.finalize] = []
+        self.clock = -1  # index of the last recorded op
+
+    def lookup(self, t: torch.Tensor) -> int | None:
+        return self._live.get(t.untyped_storage()._cdata)
+
+    def register(self, t: torch.Tensor, kind: str, label: str = "", module: str = "") -> int:
+        st = t.untyped_storage()
+        key = st._cdata
+        sid = self._live.get(key)
+        if sid is not None:
+            return sid
+        sid = len(self.records)
+        self.records.append(_Storage(sid, st.nbytes(), kind, self.clock, label=label,
+                                     module=module))
+        self._live[key] = sid
+        self._finalizers.append(weakref.finalize(st, self._died, key, sid))
+        return sid
+
+    def _died(self, key: int, sid: int) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+        self.records[sid].freed = self.clock
+
+    def close(self) -> None:
+        """Stop watching: what is alive now survives the step."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+    def infos(self) -> tuple[StorageInfo, ...]:
+        return tuple(StorageInfo(id=r.id, nbytes=0 if r.host else r.nbytes, kind=r.kind,
+                                 created=r.created, freed=r.freed, label=r.label,
+                                 module=r.module) for r in self.records)
+
+
+def _jsonable(x: Any, refs: dict[int, int]) -> Any:
+    """Non-tensor args as JSON values; a tensor becomes {"t": index into inputs}."""
+    if isinstance(x, torch.Tensor):
+        return {"t": refs[id(x)]}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v, refs) for v in x]
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return str(x)
+    return repr(x)
+
+
+class Recorder(TorchDispatchMode):
+    """Records each ATen op as an OpNode. `phase` and `module` are set by the driver."""
+
+    def __init__(self, table: StorageTable, module_of, phase_of) -> None:
+        super().__init__()
+        self.table = table
+        self.nodes: list[OpNode] = []
+        self._module_of = module_of
+        self._phase_of = phase_of
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name.rsplit(".", 1)[0] not in _SKIP:
+            self._record(name, args, kwargs, out)
+        return out
+
+    def _tinfo(self, t: torch.Tensor, module: str) -> TensorInfo:
+        sid = self.table.lookup(t)
+        if sid is None:  # first seen as an output of this op (or a constant from outside)
+            sid = self.table.register(t, "temporary", module=module)
+        return TensorInfo(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
+                          str(t.dtype).removeprefix("torch."), sid, int(t.storage_offset()))
+
+    def _record(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        index = len(self.nodes)
+        module, phase = self._module_of(), self._phase_of()
+        in_flat, _ = tree_flatten((args, kwargs))
+        refs: dict[int, int] = {}
+        inputs: list[TensorInfo] = []
+        for t in in_flat:
+            if isinstance(t, torch.Tensor) and id(t) not in refs:
+                refs[id(t)] = len(inputs)
+                inputs.append(self._tinfo(t, module))
+        self.table.clock = index
+        before = len(self.table.records)
+        out_flat, _ = tree_flatten(out)
+        outputs = [self._tinfo(t, module) for t in out_flat if isinstance(t, torch.Tensor)]
+        allocs = tuple(range(before, len(self.table.records)))
+        for sid in allocs:
+            self.table.records[sid].created = index
+        self.nodes.append(OpNode(
+            index=index, op=name, phase=phase, module=module, inputs=tuple(inputs),
+            outputs=tuple(outputs), args=tuple(_jsonable(a, refs) for a in args),
+            kwargs={k: _jsonable(v, refs) for k, v in kwargs.items()}, allocs=allocs,
+        ))

@@ -1,0 +1,102 @@
+"""Matmuls and convolutions: tensor-core ops. FLOPs match torch.utils.flop_counter where it
+covers the op (a fused bias add is not counted, as there)."""
+
+from __future__ import annotations
+
+from gobrrr.cost._ops_common import CostFn, OpCost, io_bytes, matmul_math, prod, sum_read, targ
+from gobrrr.graph import OpNode, TensorInfo
+
+
+def _matmul_cost(node: OpNode, tf32: bool, a: TensorInfo, flops: int) -> OpCost:
+    return OpCost(float(flops), float(io_bytes(node)), matmul_math(a.dtype, tf32), "matmul", 1)
+
+
+def _out_k(node: OpNode, tf32: bool, ia: int, na: str) -> OpCost:
+    """2·(output elements)·K, K = the last dim of operand A: mm, bmm, matmul, linear, mv, dot."""
+    a = targ(node, ia, na)
+    out = node.outputs[0]
+    return _matmul_cost(node, tf32, a, 2 * out.numel * (a.shape[-1] if a.shape else 1))
+
+
+def mm(node: OpNode, tf32: bool) -> OpCost:
+    # (M, K) @ (K, N) -> (M, N); also bmm, matmul, linear, _scaled_mm, mv, dot
+    return _out_k(node, tf32, 0, "self")
+
+
+def addmm(node: OpNode, tf32: bool) -> OpCost:
+    # self + (M, K) @ (K, N): the bias add is fused in the epilogue and not counted
+    return _out_k(node, tf32, 1, "mat1")
+
+
+def baddbmm(node: OpNode, tf32: bool) -> OpCost:
+    return _out_k(node, tf32, 1, "batch1")
+
+
+def addmv(node: OpNode, tf32: bool) -> OpCost:
+    return _out_k(node, tf32, 1, "mat")
+
+
+def addbmm(node: OpNode, tf32: bool) -> OpCost:
+    # self + sum_b (B, M, K) @ (B, K, N): the output has no batch dim
+    b1, b2 = targ(node, 1, "batch1"), targ(node, 2, "batch2")
+    return _matmul_cost(node, tf32, b1, 2 * b1.numel * b2.shape[-1])
+
+
+def conv_flop_count(x: tuple, w: tuple, out: tuple, transposed: bool) -> int:
+    """torch.utils.flop_counter's count: 2 · batch · C_out · C_in/groups · kernel · spatial
+    (spatial of the output, or of the input for a transposed conv)."""
+    conv_shape = (x if transposed else out)[2:]
+    c_out, c_in, *kernel = w
+    return 2 * prod(conv_shape) * prod(kernel) * x[0] * c_out * c_in
+
+
+def _conv_cost(node: OpNode, tf32: bool, flops: int, launches: int) -> OpCost:
+    x = node.inputs[0]
+    return OpCost(float(flops), float(io_bytes(node)), matmul_math(x.dtype, tf32), "conv",
+                  launches)
+
+
+def convolution(node: OpNode, tf32: bool) -> OpCost:
+    """convolution(input, weight, bias?, stride, padding, dilation, transposed, ...)."""
+    x, w = targ(node, 0, "input"), targ(node, 1, "weight")
+    transposed = node.name in ("convolution", "_convolution", "convolution_overrideable") and bool(
+        node.arg(6, "transposed", False))
+    flops = conv_flop_count(x.shape, w.shape, node.outputs[0].shape, transposed)
+    return _conv_cost(node, tf32, flops, 1)
+
+
+def _t(shape: tuple) -> tuple:
+    return (shape[1], shape[0], *shape[2:])
+
+
+def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
+    """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
+    transposed, output_padding, groups, output_mask): grad_input and grad_weight each cost one
+    convolution; the grad_bias reduction is not counted (as in FlopCounterMode)."""
+    go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
+    transposed = bool(node.arg(7, "transposed", False))
+    mask = list(node.arg(10, "output_mask", (True, True, True)))
+    flops = 0
+    if mask[0]:  # grad_input = conv_transpose(grad_out, weight)
+        flops += conv_flop_count(go.shape, w.shape, x.shape, not transposed)
+    if mask[1]:  # grad_weight = conv(input, grad_out) with batch and channels swapped
+        a, b = (go, x) if transposed else (x, go)
+        flops += conv_flop_count(_t(a.shape), _t(b.shape), _t(w.shape), False)
+    # grad_out is always read; input only for grad_weight, weight only for grad_input
+    nbytes = sum_read([go, x if mask[1] else None, w if mask[0] else None])
+    nbytes += sum_read(node.outputs)
+    return OpCost(float(flops), float(nbytes), matmul_math(go.dtype, tf32), "conv",
+                  max(1, sum(bool(m) for m in mask)))
+
+
+COSTS: dict[str, CostFn] = {
+    **{f"aten.{n}": mm for n in ("mm", "bmm", "matmul", "linear", "_scaled_mm", "_int_mm", "mv",
+                                 "dot", "vdot", "inner")},
+    "aten.addmm": addmm, "aten.addmm_": addmm, "aten._addmm_activation": addmm,
+    "aten.baddbmm": baddbmm, "aten.baddbmm_": baddbmm,
+    "aten.addbmm": addbmm, "aten.addbmm_": addbmm, "aten.addmv": addmv, "aten.addmv_": addmv,
+    **{f"aten.{n}": convolution for n in ("convolution", "_convolution", "cudnn_convolution",
+                                          "convolution_overrideable", "_slow_conv2d_forward",
+                                          "mkldnn_convolution")},
+    "aten.convolution_backward": convolution_backward,
+}

@@ -73,7 +73,7 @@ class TensorInfo:
 
     def is_contiguous(self) -> bool:
         expected = 1
-        for size, stride in reversed(list(zip(self.shape, self.stride))):
+        for size, stride in reversed(list(zip(self.shape, self.stride, strict=False))):
             if size != 1 and stride != expected:
                 return False
             expected *= size
@@ -82,7 +82,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class StorageInfo:
-    """One allocation. `created`/`freed` are op indices; -1 = before the step, None = survives it."""
+    """One allocation. `created`/`freed` are op indices: -1 = before the step, None = it
+    survives the step."""
 
     id: int
     nbytes: int

@@ -110,7 +110,8 @@ def get_gpu(name: str) -> GpuSpec:
     if key.endswith((".toml", ".json")):
         return load_gpu_file(name)
     names = ", ".join(gpu_names())
-    raise GobrrrError(f"unknown GPU {name!r}: choose one of {names}, or give a .toml/.json spec file")
+    raise GobrrrError(f"unknown GPU {name!r}: choose one of {names}, "
+                      "or give a .toml/.json spec file")
 
 
 def match_device_name(device_name: str) -> GpuSpec | None:

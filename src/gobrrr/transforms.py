@@ -14,7 +14,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     nn.ModuleList/nn.Sequential whose children are two or more modules of one class."""
     found: list[nn.Module] = []
     claimed: set[int] = set()
-    for name, mod in model.named_modules():
+    for _name, mod in model.named_modules():
         if id(mod) in claimed or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
             continue
         kids = list(mod.children())

@@ -159,6 +159,21 @@ class _Step:
         if self.driver is not None:
             self.driver.phase = name
 
+    def init_optimizer_state(self) -> None:
+        """What a warm-up step leaves behind, without its forward and backward: the optimizer
+        state (created lazily by the first step). Gradients of zeros stand in for real ones."""
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if self.scaler:
+            self.scaler.scale(torch.zeros((), dtype=torch.float32))  # creates its scale tensor
+            self.scaler.unscale_(self.opt)
+            self.opt.step()
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
     def run(self) -> None:
         self._phase("forward")
         dtype = autocast_dtype(self.precision)
@@ -218,7 +233,8 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     one, called under fake tensors) and return its StepGraph."""
     check_precision(precision)
     if checkpoint not in CHECKPOINTS:
-        raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: choose {', '.join(CHECKPOINTS)}")
+        raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
+                          f"choose {', '.join(CHECKPOINTS)}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     with mode, rules:
@@ -236,7 +252,7 @@ def _trace(w: Workload, precision: str) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
         step = _Step(w, precision)
-        _guarded(step.run, "warm-up step")
+        _guarded(step.init_optimizer_state, "optimizer's first step")
         table = StorageTable()
         _register_state(table, w, step.opt)
         with ModuleTracker() as tracker, _forward_depth(driver := _Driver(tracker)):
@@ -276,13 +292,20 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -
 
 
 def _embedding_params(model: torch.nn.Module) -> int:
-    """Parameters of nn.Embedding modules (excluded from 6N in model FLOPs)."""
+    """Parameters used only as embedding lookups (excluded from 6N in model FLOPs). An
+    embedding tied to an output head takes part in a matmul and is not counted here."""
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                users[id(p)] = users.get(id(p), 0) + 1
     seen: set[int] = set()
     total = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Embedding) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            total += m.weight.numel()
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Embedding) and id(w) not in seen and users.get(id(w)) == 1:
+            seen.add(id(w))
+            total += w.numel()
     return total
 
 

@@ -1,0 +1,245 @@
+"""Roofline time of every op on a target GPU, and the step time they add up to.
+
+Per kernel: device time = max(flops / achieved FLOP/s, bytes / achieved bandwidth) + a fixed
+kernel latency. Per op: host time = the eager dispatch + launch cost. The step is simulated
+as two queues, the host issuing ops in order and the device running them as soon as they are
+issued and the previous kernel is done; when the host is slower than the device, the device
+idles and the step is overhead-bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.graph import OpNode, StepGraph
+from gobrrr.hardware import Calibration, GpuSpec
+
+MATMUL_MATH = ("bf16", "fp16", "fp8", "tf32", "fp32")
+# Fraction of the dense matmul rate fused attention kernels reach without a calibration
+# (FlashAttention-2 on an H100: ~35-55% of peak for fwd+bwd).
+ATTENTION_EFFICIENCY = 0.45
+VIEW_HOST_FRACTION = 0.3  # a metadata-only op costs this share of a launch in host time
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op's predicted cost. Times in seconds; intensity in FLOP/byte."""
+
+    index: int
+    op: str
+    module: str
+    phase: str
+    kind: str
+    math: str
+    flops: float
+    bytes: float
+    intensity: float
+    compute_s: float
+    memory_s: float
+    device_s: float
+    host_s: float
+    regime: str  # "compute" | "memory" | "overhead" | "none" (views: no kernel)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The step on one GPU. Times in seconds, FLOP/s as fractions of the dense peak."""
+
+    gpu: str
+    calibrated: bool
+    ops: tuple[OpTime, ...] = field(repr=False)
+    step_s: float
+    device_s: float
+    host_s: float
+    idle_s: float
+    flops: float
+    model_flops: float
+    tokens: int
+    peak_flops: float
+    phase_s: dict[str, float]
+    regime_s: dict[str, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (6N + attention) per second over the dense peak for the precision."""
+        return self.model_flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """All executed FLOPs (recompute included) per second over the dense peak."""
+        return self.flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
+
+    def regime_share(self) -> dict[str, float]:
+        """Share of the step's time by regime; idle device time counts as overhead."""
+        total = self.step_s or 1.0
+        out = {k: v / total for k, v in self.regime_s.items()}
+        out["overhead"] = out.get("overhead", 0.0) + self.idle_s / total
+        return out
+
+    def by_module(self, depth: int = 2) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for o in self.ops:
+            out[".".join((o.module or "<top>").split(".")[:depth])] += o.device_s
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def backward_forward_ratio(self) -> float:
+        fwd = sum(o.flops for o in self.ops if o.phase == "forward")
+        bwd = sum(o.flops for o in self.ops if o.phase in ("backward", "recompute"))
+        return bwd / fwd if fwd else 0.0
+
+
+class Rates:
+    """Achieved FLOP/s and bytes/s on one GPU, from a calibration or the spec."""
+
+    def __init__(self, gpu: GpuSpec, cal: Calibration | None) -> None:
+        self.gpu, self.cal = gpu, cal
+        eff_bw = gpu.bandwidth * gpu.bandwidth_efficiency
+        self.copy_bw = cal.copy_bandwidth if cal else eff_bw
+        self.pointwise_bw = cal.pointwise_bandwidth if cal else eff_bw
+        self.reduction_bw = cal.reduction_bandwidth if cal else eff_bw
+        self.launch = cal.launch_overhead if cal else gpu.launch_overhead
+        self.latency = cal.kernel_latency if cal else gpu.kernel_latency
+
+    def matmul(self, math_mode: str, flops: float) -> float:
+        """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`."""
+        if self.cal and math_mode in self.cal.matmul_flops:
+            rate = self.cal.matmul_flops[math_mode]
+            return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
+        return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
+
+    def attention(self, math_mode: str) -> float:
+        if self.cal and "attention" in self.cal.matmul_flops and math_mode in ("bf16", "fp16"):
+            return self.cal.matmul_flops["attention"]
+        return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
+
+    def bandwidth(self, kind: str) -> float:
+        if kind in ("reduction", "norm", "softmax", "loss"):
+            return self.reduction_bw
+        if kind in ("copy",):
+            return self.copy_bw
+        return self.pointwise_bw
+
+
+def _curve(points: list[list[float]] | None, flops: float) -> float:
+    """Achieved fraction of the large-matmul rate at this size (log-linear interpolation)."""
+    if not points:
+        return 1.0
+    xs = [math.log(p[0]) for p in points]
+    x = math.log(max(flops, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return points[0][1] * max(flops, 1.0) / points[0][0]  # below the range: latency-bound
+    if i == len(xs):
+        return points[-1][1]
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
+
+
+def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
+    """Fraction of the chip a matmul keeps busy: output tiles over full waves of SMs."""
+    if node.name not in ("mm", "addmm", "bmm", "baddbmm") or not node.outputs:
+        return 1.0
+    shape = node.outputs[0].shape
+    batch = shape[0] if len(shape) == 3 else 1
+    m, n = shape[-2], shape[-1]
+    tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
+    waves = math.ceil(tiles / sms)
+    return tiles / (waves * sms) if waves else 1.0
+
+
+def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
+    """Roofline time of one op."""
+    if cost.launches == 0:
+        host = rates.launch * VIEW_HOST_FRACTION
+        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
+                      0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
+    if cost.kind == "attention":
+        rate = rates.attention(cost.math)
+    elif cost.math in MATMUL_MATH:
+        rate = rates.matmul(cost.math, cost.flops)
+        if rates.cal is None:
+            rate *= wave_efficiency(node, rates.gpu.sms)
+    else:
+        rate = rates.gpu.peak("fp32")  # CUDA cores
+    compute = cost.flops / rate if rate > 0 else 0.0
+    memory = cost.bytes / rates.bandwidth(cost.kind)
+    latency = rates.latency * cost.launches
+    device = max(compute, memory) + latency
+    host = rates.launch * cost.launches
+    if host >= device:
+        regime = "overhead"
+    else:
+        regime = "compute" if compute >= memory else "memory"
+    intensity = cost.flops / cost.bytes if cost.bytes else math.inf
+    return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
+                  cost.flops, cost.bytes, intensity, compute, memory, device, host, regime)
+
+
+def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None) -> Prediction:
+    """Predict the step's time on `gpu`."""
+    tf32 = graph.meta.get("precision") == "tf32"
+    rates = Rates(gpu, calibration)
+    ops = tuple(time_op(n, op_cost(n, tf32), rates) for n in graph.nodes)
+    host_t = device_t = 0.0
+    for o in ops:  # two queues: the host issues, the device runs when issued and free
+        host_t += o.host_s
+        if o.device_s > 0:
+            device_t = max(device_t, host_t) + o.device_s
+    step = max(host_t, device_t)
+    device_busy = sum(o.device_s for o in ops)
+    phase_s: dict[str, float] = defaultdict(float)
+    regime_s: dict[str, float] = defaultdict(float)
+    for o in ops:
+        phase_s[o.phase] += o.device_s
+        if o.device_s > 0:
+            regime_s[o.regime] += o.device_s
+    return Prediction(
+        gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
+        device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
+        flops=sum(o.flops for o in ops), model_flops=model_flops(graph),
+        tokens=int(graph.meta.get("tokens") or 0), peak_flops=gpu.peak(_peak_mode(graph)),
+        phase_s=dict(phase_s), regime_s=dict(regime_s),
+    )
+
+
+def _peak_mode(graph: StepGraph) -> str:
+    return {"fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16"}.get(
+        graph.meta.get("precision", "bf16"), "bf16")
+
+
+def model_flops(graph: StepGraph) -> float:
+    """Model FLOPs of the step: 6 · N · tokens for the parameters that take part in matmuls
+    (embedding lookups excluded, a tied output head included) plus attention: 3 × the forward
+    score and value matmuls, counted over the full S×S (the PaLM convention, 12·L·d·S per
+    token, not halved for causal)."""
+    n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
+    attn = 0.0
+    for node in graph.nodes:
+        if node.phase == "forward" and _is_attention_forward(node):
+            q, k = node.inputs[0], node.inputs[1]
+            b, h, s_q, d = _bhsd(q)
+            s_k = k.shape[-2]
+            attn += 4.0 * b * h * s_q * s_k * d
+    return 6.0 * n * graph.meta.get("tokens", 0) + 3.0 * attn
+
+
+def _is_attention_forward(node: OpNode) -> bool:
+    name = node.name
+    return ("scaled_dot_product" in name and "backward" not in name) or name == "attention_fwd"
+
+
+def _bhsd(t) -> tuple[int, int, int, int]:
+    shape = t.shape
+    if len(shape) == 4:
+        return shape[0], shape[1], shape[2], shape[3]
+    if len(shape) == 3:
+        return 1, shape[0], shape[1], shape[2]
+    return 1, 1, shape[-2], shape[-1]

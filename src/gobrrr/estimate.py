@@ -1,0 +1,148 @@
+"""`gobrrr.estimate`: predict a step's memory and time on a GPU, without one."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gobrrr import formulas
+from gobrrr.capture import capture
+from gobrrr.cost.roofline import Prediction, predict
+from gobrrr.errors import GobrrrError
+from gobrrr.graph import StepGraph
+from gobrrr.hardware import Calibration, GpuSpec, find_calibration, get_gpu
+from gobrrr.memory import MemoryResult, simulate
+from gobrrr.workload import Workload
+
+ESTIMATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted step: the graph it was computed from, its memory and its time."""
+
+    graph: StepGraph = field(repr=False)
+    gpu: GpuSpec
+    memory: MemoryResult
+    time: Prediction
+    calibration: str | None  # device name of the calibration used, None = datasheet + defaults
+    formulas: dict[str, Any]
+    capture_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.gpu.memory_bytes
+
+    def to_dict(self, top: int = 15) -> dict[str, Any]:
+        """JSON-ready summary (bytes, seconds, FLOP/s fractions)."""
+        t, m = self.time, self.memory
+        ops = sorted(t.ops, key=lambda o: -o.device_s)[:top]
+        return {
+            "version": ESTIMATE_VERSION,
+            "workload": {k: v for k, v in self.graph.meta.items() if k != "info"},
+            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
+                    "calibration": self.calibration},
+            "memory": {"peak_bytes": m.peak, "fits": self.fits, "peak_op": m.peak_op,
+                       "peak_module": m.peak_module, "peak_phase": m.peak_phase,
+                       "at_peak": m.at_peak, "persistent": m.persistent,
+                       "activations_saved_bytes": saved_activations(self.graph)},
+            "time": {"step_s": t.step_s, "device_s": t.device_s, "host_s": t.host_s,
+                     "idle_s": t.idle_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+                     "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
+                     "regime_share": t.regime_share(), "phase_s": t.phase_s,
+                     "backward_forward_flops": t.backward_forward_ratio(),
+                     "modules_s": dict(list(t.by_module().items())[:top])},
+            "top_ops": [{"index": o.index, "op": o.op, "module": o.module, "phase": o.phase,
+                         "kind": o.kind, "device_s": o.device_s, "flops": o.flops,
+                         "bytes": o.bytes, "intensity": o.intensity, "regime": o.regime}
+                        for o in ops],
+            "formulas": self.formulas,
+            "ops": len(self.graph.nodes),
+            "capture_s": self.capture_s,
+        }
+
+
+def saved_activations(graph: StepGraph) -> int:
+    """Bytes created in forward and still alive when backward starts (saved for backward)."""
+    from gobrrr.memory import round_alloc
+
+    return sum(round_alloc(s.nbytes) for s in graph.storages if s.kind == "activation")
+
+
+def workload_factory(source: str | Callable[..., Workload] | Workload,
+                     batch: int | None = None, seq: int | None = None) -> Callable[[], Workload]:
+    """A zero-argument function building the workload: a built-in model name, a
+    "file.py:function" spec, a function taking optional batch_size/seq_len, or a Workload."""
+    from gobrrr.models.registry import get_workload, load_workload, model_names
+
+    if isinstance(source, Workload):
+        return lambda: source
+    if isinstance(source, str):
+        if source in model_names():
+            return lambda: get_workload(source, batch_size=batch, seq_len=seq)
+        if ":" in source or source.endswith(".py"):
+            return lambda: load_workload(source, batch_size=batch, seq_len=seq)
+        raise GobrrrError(f"unknown model {source!r}: choose one of {', '.join(model_names())}, "
+                          "or give path/to/file.py:function")
+    if callable(source):
+        kwargs = _accepted(source, batch_size=batch, seq_len=seq)
+        return lambda: source(**kwargs)
+    raise GobrrrError(f"cannot make a workload from {type(source).__name__}")
+
+
+def _accepted(fn: Callable, **kw: Any) -> dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in kw.items() if v is not None and k in params}
+
+
+def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpec = "h100",
+             *, batch: int | None = None, seq: int | None = None,
+             precision: str = "bf16-mixed", checkpoint: str = "none",
+             calibration: Calibration | None | bool = True) -> Estimate:
+    """Predict peak memory and step time of one training step on `gpu`.
+
+    calibration: True = use a saved calibration for this GPU if one exists; False/None = the
+    datasheet with default efficiencies; or a Calibration to use.
+    """
+    spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
+    cal = find_calibration(spec) if calibration is True else (calibration or None)
+    t0 = time.perf_counter()
+    graph = capture(workload_factory(source, batch, seq), precision=precision,
+                    checkpoint=checkpoint)
+    took = time.perf_counter() - t0
+    workspace = cal.blas_workspace if cal and cal.blas_workspace is not None else \
+        spec.blas_workspace
+    return Estimate(graph=graph, gpu=spec, memory=simulate(graph, workspace=workspace),
+                    time=predict(graph, spec, cal),
+                    calibration=cal.device_name if cal else None,
+                    formulas=closed_forms(graph), capture_s=took)
+
+
+def closed_forms(graph: StepGraph) -> dict[str, Any]:
+    """The textbook numbers for a transformer, beside the traced ones."""
+    info = graph.meta.get("info") or {}
+    if not all(k in info for k in ("layers", "hidden", "vocab", "heads")):
+        return {}
+    L, d, V, a = info["layers"], info["hidden"], info["vocab"], info["heads"]
+    seq = graph.meta.get("seq_len") or 0
+    batch = (graph.meta.get("tokens") or 0) // seq if seq else 0
+    elem = 4 if graph.meta.get("precision") in ("fp32", "tf32") else 2
+    out: dict[str, Any] = {
+        "params_traced": graph.meta.get("params"),
+        "params_textbook_12d2L_2dV": formulas.textbook_params(L, d, V),
+    }
+    if seq:
+        out["activations_traced_bytes"] = saved_activations(graph)
+        out["activations_lecture_bytes"] = batch * formulas.activation_bytes_per_sequence(
+            L, d, seq, a, V, elem)
+        recompute = "full" if graph.meta.get("checkpoint") == "full" else "flash"
+        out["activations_megatron_bytes"] = formulas.megatron_activation_bytes(
+            seq, batch, d, a, L, recompute=recompute)
+        out["megatron_variant"] = recompute
+    return out

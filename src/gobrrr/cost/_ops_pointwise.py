@@ -63,6 +63,8 @@ new_empty_strided empty_permuted _has_compatible_shallow_copy_type is_same_size 
 sym_stride sym_numel sym_storage_offset record_stream _assert_async _assert_tensor_metadata
 _functional_assert_async _make_dep_token lift _indices _values indices values
 _nested_tensor_size _version""".split()
+_RANDOM = ("rand", "normal", "uniform", "exponential", "random", "geometric", "cauchy",
+           "log_normal", "bernoulli")
 # view-or-copy ops: a view when the output shares the input's storage, else a copy
 _MAYBE_VIEWS = "reshape reshape_as flatten contiguous to _unsafe_view_copy".split()
 _REDUCE_PER_ELEM = {
@@ -89,7 +91,8 @@ def write_only(node: OpNode, tf32: bool) -> OpCost:
     out = first_out(node)
     extra = node.inputs[1:] if in_place else ()
     n = out.numel if out is not None else 0
-    return vector(n, read_bytes(out) + sum_read(extra), "copy")
+    kind = "pointwise" if node.name.startswith(_RANDOM) else "copy"
+    return vector(n, read_bytes(out) + sum_read(extra), kind)
 
 
 def copy(node: OpNode, tf32: bool) -> OpCost:

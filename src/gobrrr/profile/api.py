@@ -1,0 +1,142 @@
+"""`profile()`: one workload measured for real, joined, classified and diagnosed."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gobrrr.errors import GobrrrError
+from gobrrr.graph import StepGraph
+from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.profile.analyze import analyze
+from gobrrr.profile.diagnose import diagnose
+from gobrrr.profile.join import join_trace
+from gobrrr.profile.result import ProfileResult
+from gobrrr.profile.runner import (
+    _PEAK_MODE,
+    CPU_LABEL,
+    Measured,
+    calibration_for,
+    check_device,
+    check_precision,
+    gpu_for,
+    load_graph_arg,
+    measure,
+    median,
+    model_flops_per_step,
+    oom_error,
+)
+from gobrrr.workload import Workload
+
+
+def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mixed",
+            steps: int = 10, warmup: int = 3, checkpoint: str = "none", compile: bool = False,
+            trace_path: str | Path | None = None, graph: StepGraph | str | Path | None = None,
+            gpu: str | GpuSpec | None = None,
+            calibration: Calibration | None = None) -> ProfileResult:
+    """Measure `workload`'s training step on `device` ("cuda", "cuda:N" or "cpu").
+
+    Runs `warmup` steps, times `steps` steps (median/min/max seconds), then profiles one
+    step under torch.profiler (CPU + CUDA, shapes recorded) and joins every kernel to its ATen
+    op, module and phase, and to `graph`'s nodes when a StepGraph (or its JSON path) is given.
+    `trace_path` gets that step as a Chrome/Perfetto trace (written atomically).
+    `gpu` names the spec to judge against (default: the one CUDA reports);
+    `calibration` defaults to the stored one for that GPU.
+
+    The workload is moved to the device (its model in place). Raises GobrrrError for: no GPU
+    when one was asked for, CUDA out of memory, a workload that raises.
+    """
+    check_device(device)
+    check_precision(precision)
+    if steps < 1 or warmup < 0:
+        raise GobrrrError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
+    graph = load_graph_arg(graph)
+    tokens = workload.token_count()
+    try:
+        m = measure(workload, device, precision, steps, warmup, checkpoint, compile, trace_path)
+    except torch.cuda.OutOfMemoryError:
+        raise oom_error(device, workload, precision) from None
+    except (GobrrrError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # the user's model, loss or optimizer failed
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise GobrrrError(f"workload {workload.name!r} raised {type(e).__name__}: {msg} "
+                          "(run it once without gobrrr to debug; GOBRRR_DEBUG=1 shows the "
+                          "traceback)") from e
+    return summarize(m, RunInfo(workload.name, device, precision, checkpoint, compile, steps,
+                                warmup, tokens), workload=workload, graph=graph, gpu=gpu,
+                     calibration=calibration)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What was run: the labels a ProfileResult carries."""
+
+    workload: str
+    device: str
+    precision: str
+    checkpoint: str
+    compiled: bool
+    steps: int
+    warmup: int
+    tokens: int
+
+
+def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
+              graph: StepGraph | None = None, gpu: str | GpuSpec | None = None,
+              calibration: Calibration | None = None,
+              model_flops: float | None = None) -> ProfileResult:
+    """Analyze raw measurements (also those of a stored trace) into a ProfileResult."""
+    on_gpu = info.device.startswith("cuda")
+    spec = gpu_for(m.device_name, gpu) if on_gpu else None
+    cal = calibration if calibration is not None else calibration_for(spec)
+    joined = join_trace(m.trace, has_device=on_gpu)
+    an = analyze(joined, spec, info.precision, graph, cal)
+    step_s = median(m.step_times)
+    if model_flops is None:
+        model_flops = model_flops_per_step(workload, graph) if workload is not None else 0.0
+    executed = sum(o.flops for o in an.ops)
+    peak = spec.peak(_PEAK_MODE[info.precision]) if spec is not None else 0.0
+    idle = max(0.0, an.span_s - an.busy_s) if on_gpu else 0.0
+    idle_share = idle / an.span_s if on_gpu and an.span_s > 0 else 0.0
+    return ProfileResult(
+        workload=info.workload, device=info.device, device_name=m.device_name,
+        gpu=spec.name if spec else "", label="" if on_gpu else CPU_LABEL,
+        precision=info.precision, checkpoint=info.checkpoint, compiled=info.compiled,
+        steps=info.steps, warmup=info.warmup, tokens=info.tokens, step_s=step_s,
+        step_min_s=min(m.step_times), step_max_s=max(m.step_times),
+        step_times=tuple(m.step_times), tokens_per_s=info.tokens / step_s if step_s else 0.0,
+        model_flops=model_flops, executed_flops=executed, peak_flops=peak,
+        mfu=model_flops / step_s / peak if peak and step_s else None,
+        hfu=executed / step_s / peak if peak and step_s else None,
+        peak_allocated=m.peak_allocated, peak_reserved=m.peak_reserved,
+        profiled_step_s=an.span_s, busy_s=an.busy_s, idle_s=idle, idle_share=idle_share,
+        kernels=an.kernels, kernels_attributed=an.kernels_attributed,
+        graph_matched=an.graph_matched, ops=an.ops, phases=an.phases, modules=an.modules,
+        kinds=an.kinds,
+        diagnosis=diagnose(an.ops, spec, step_s, idle_share, m.peak_allocated, cal,
+                           info.precision),
+        meta=environment(on_gpu, cal is not None))
+
+
+def environment(on_gpu: bool, calibrated: bool) -> dict:
+    """Versions and date recorded with every result."""
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "calibrated": calibrated}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if on_gpu:
+        env["cuda"] = torch.version.cuda
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["gpu_memory"] = props.total_memory
+        env["sms"] = props.multi_processor_count
+    return env

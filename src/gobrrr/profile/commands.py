@@ -1,0 +1,156 @@
+"""`gobrrr profile` and `gobrrr calibrate`: argparse glue over the Python API, rich output.
+
+Handlers return an exit code; bad input raises GobrrrError (the CLI prints one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+
+from gobrrr.errors import GobrrrError
+from gobrrr.workload import Workload
+
+PROFILE_EXAMPLES = """examples:
+  gobrrr profile gpt2 --batch 8 --seq 1024 --precision bf16-mixed
+  gobrrr profile gpt2 --batch 1 --seq 256 --scaling
+  gobrrr profile gpt2 --batch 8 --seq 1024 --compare --trace step.json
+  gobrrr profile my_train.py:workload --compile --json
+  gobrrr profile gpt2 --device cpu --batch 1 --seq 64 --steps 2"""
+
+CALIBRATE_EXAMPLES = """examples:
+  gobrrr calibrate
+  gobrrr calibrate --output h100.json --json"""
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """The `profile` subcommand: measure a real training step."""
+    p = subparsers.add_parser("profile", help="measure a real training step on the GPU",
+                              epilog=PROFILE_EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", nargs="?", help="a built-in model name, or path/file.py:function")
+    p.add_argument("--model", help="a built-in model (same as the positional argument)")
+    p.add_argument("--gpu", help="GPU spec to judge against (default: the one CUDA reports)")
+    p.add_argument("--batch", type=int, help="batch size")
+    p.add_argument("--seq", type=int, help="sequence length")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (default 3)")
+    p.add_argument("--checkpoint", default="none", help="none | full (checkpoint every block)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    p.add_argument("--compare", action="store_true",
+                   help="also capture the step graph and compare with the prediction")
+    p.add_argument("--scaling", action="store_true",
+                   help="time the step at batch B, 2B, 4B: is it overhead-bound?")
+    p.add_argument("--trace", metavar="FILE", help="write the profiled step as a Chrome trace")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.set_defaults(func=run_profile)
+    return p
+
+
+def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
+    """The `calibrate` subcommand: microbenchmarks of this GPU."""
+    p = subparsers.add_parser("calibrate", help="measure this GPU's achieved rates",
+                              epilog=CALIBRATE_EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.add_argument("--output", metavar="FILE",
+                   help="where to save (default ~/.cache/gobrrr/calibration/<gpu>.json)")
+    p.add_argument("--no-save", action="store_true", help="measure and print only")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def _factory(args) -> Callable[[int | None], Workload]:
+    from gobrrr.estimate import workload_factory
+
+    if args.workload and args.model:
+        raise GobrrrError("give either a workload name / file:function or --model, not both")
+    spec = args.workload or args.model
+    if not spec:
+        raise GobrrrError("name a workload: gobrrr profile gpt2 (or path/file.py:function)")
+    return lambda b: workload_factory(spec, b, args.seq)()
+
+
+def run_profile(args) -> int:
+    """Handler of `gobrrr profile`."""
+    from gobrrr.profile.api import profile
+
+    make = _factory(args)
+    out: dict = {}
+    graph = prediction = None
+    if args.compare:
+        graph, prediction = _predict(make, args)
+    result = profile(make(args.batch), device=args.device, precision=args.precision,
+                     steps=args.steps, warmup=args.warmup, checkpoint=args.checkpoint,
+                     compile=args.compile, trace_path=args.trace, graph=graph, gpu=args.gpu)
+    out["profile"] = asdict(result)
+    comparison = scaling = None
+    if prediction is not None:
+        from gobrrr.profile.compare import compare
+
+        comparison = compare(prediction, result)
+        out["compare"] = comparison.to_dict()
+    if args.scaling:
+        from gobrrr.profile.scaling import scaling as run_scaling
+
+        batch = args.batch or _default_batch(make)
+        scaling = run_scaling(make, batch, args.device, args.precision,
+                              args.steps, args.warmup, compile=args.compile)
+        out["scaling"] = scaling.to_dict()
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        from gobrrr.profile.show import print_profile
+
+        print_profile(result, comparison, scaling)
+    return 0
+
+
+def _default_batch(make) -> int:
+    """The batch size a workload builds when none is given (built on the meta device)."""
+    import torch
+
+    from gobrrr.workload import iter_tensors
+
+    with torch.device("meta"):
+        ts = list(iter_tensors(make(None).batch))
+    return int(ts[0].shape[0]) if ts and ts[0].dim() else 1
+
+
+def _predict(make, args):
+    from gobrrr.capture import capture
+    from gobrrr.cost.roofline import predict
+    from gobrrr.hardware import find_calibration, get_gpu, match_device_name
+
+    graph = capture(lambda: make(args.batch), precision=args.precision,
+                    checkpoint=args.checkpoint)
+    spec = get_gpu(args.gpu) if args.gpu else None
+    if spec is None and args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            spec = match_device_name(torch.cuda.get_device_name())
+    spec = spec or get_gpu("h100")
+    return graph, predict(graph, spec, find_calibration(spec))
+
+
+def run_calibrate(args) -> int:
+    """Handler of `gobrrr calibrate`."""
+    from gobrrr.profile.calibrate import calibrate, default_path
+
+    save = False if args.no_save else (args.output or True)
+    cal = calibrate(args.device, save=save)
+    if args.json:
+        print(json.dumps(asdict(cal), indent=1))
+    else:
+        from gobrrr.profile.show import print_calibration
+
+        where = args.output or (None if args.no_save else str(default_path(cal.gpu)))
+        print_calibration(cal, where)
+    return 0

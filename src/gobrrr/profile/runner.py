@@ -1,0 +1,374 @@
+"""Measure real training steps: warm up, time steps, profile one more under torch.profiler.
+
+`profile(workload, device, precision)` moves the workload to the device, runs
+`run_step` (forward + loss under the precision's autocast, backward, optimizer.step,
+zero_grad) `warmup` times, times `steps` steps with CUDA events (perf_counter on the CPU),
+then records one step under torch.profiler and joins its kernels to ops, modules and phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from gobrrr.errors import GobrrrError
+from gobrrr.graph import StepGraph
+from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
+from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
+from gobrrr.workload import Workload, iter_tensors, map_tensors
+
+PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
+CHECKPOINTS = ("none", "full")
+CPU_LABEL = "cpu: measured on the CPU, not a GPU"
+_PEAK_MODE = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16",
+              "bf16": "bf16"}
+
+
+# -- one real step --------------------------------------------------------------------------
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise GobrrrError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}: "
+                          "pick one, e.g. --precision bf16-mixed")
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """torch.autocast for the mixed precisions, a no-op otherwise."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    if precision == "fp16-mixed":
+        return torch.autocast(device_type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """TF32 on for "tf32", off for everything else (so "fp32" is true fp32); restored after."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def run_step(workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
+             scaler: Any = None, device_type: str = "cuda") -> torch.Tensor:
+    """One training step, the real-device twin of the capture's: forward + loss (autocast for
+    the mixed precisions), backward (through the GradScaler for fp16), optimizer.step,
+    zero_grad(set_to_none=True). Each part sits in a `gobrrr::<phase>` profiler range.
+    Returns the loss (detached)."""
+    with record_function(PHASE_PREFIX + "forward"):
+        with autocast_for(precision, device_type):
+            loss = workload.compute_loss(workload.batch)
+    with record_function(PHASE_PREFIX + "backward"):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    with record_function(PHASE_PREFIX + "optimizer"):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "none",
+            compile: bool = False) -> tuple[Workload, torch.optim.Optimizer, Any]:
+    """Move the workload to the device in the precision; returns (workload, optimizer, scaler).
+
+    The workload's own tensors are moved (its model in place); "bf16" casts the model and the
+    floating inputs to bfloat16. `checkpoint` "none", or "full" (each repeated block)."""
+    check_precision(precision)
+    model = workload.model.to(device)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    batch = map_tensors(workload.batch, lambda t: t.to(
+        device, dtype=dtype if dtype is not None and t.is_floating_point() else None))
+    if checkpoint not in CHECKPOINTS:
+        raise GobrrrError(f"checkpoint={checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
+    if checkpoint != "none":
+        from gobrrr.transforms import apply_checkpointing
+
+        if not apply_checkpointing(model):
+            raise GobrrrError(f"checkpoint={checkpoint!r}: the model has no repeated blocks to "
+                              "checkpoint; use checkpoint='none'")
+    workload.model, workload.batch = model, batch
+    opt = workload.make_optimizer()
+    if compile:
+        workload.model = torch.compile(model)
+    scaler = None
+    if precision == "fp16-mixed":
+        scaler = torch.amp.GradScaler(device.split(":")[0])
+    return workload, opt, scaler
+
+
+# -- module labels --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def module_ranges(model: nn.Module) -> Iterator[None]:
+    """Push a `gobrrr.module::<fqn>` profiler range for the duration of every module's
+    forward (pre-hook enters it, post-hook leaves it); removed on exit."""
+    handles = []
+    for name, mod in model.named_modules():
+        label = MODULE_PREFIX + name
+        stack: list[Any] = []
+
+        def pre(m, args, _label=label, _stack=stack):
+            rf = record_function(_label)
+            rf.__enter__()
+            _stack.append(rf)
+
+        def post(m, args, out, _stack=stack):
+            if _stack:
+                _stack.pop().__exit__(None, None, None)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(step, n: int, device: str) -> list[float]:
+    """Seconds per call of `step()`, n calls: CUDA events on a GPU, perf_counter on the CPU."""
+    out = []
+    for _ in range(n):
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Raw measurements of one workload, before analysis."""
+
+    step_times: tuple[float, ...]
+    trace: dict
+    peak_allocated: int
+    peak_reserved: int
+    device_name: str
+
+
+def measure(workload: Workload, device: str, precision: str, steps: int, warmup: int,
+            checkpoint: str, compile: bool, trace_path: str | Path | None) -> Measured:
+    """Warm up, time `steps` steps, profile one more; see `profile` for the faults raised."""
+    wl, opt, scaler = prepare(workload, device, precision, checkpoint, compile)
+    dev_type = device.split(":")[0]
+    step = lambda: run_step(wl, opt, precision, scaler, dev_type)
+    with matmul_precision(precision):
+        for _ in range(max(warmup, 1)):
+            step()
+        _sync(device)
+        if dev_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = time_steps(step, steps, device)
+        peak_a, peak_r = _peaks(dev_type)
+        trace = _profile_one(wl, step, dev_type, trace_path, hooks=not compile)
+    name = torch.cuda.get_device_name() if dev_type == "cuda" else _cpu_name()
+    return Measured(tuple(times), trace, peak_a, peak_r, name)
+
+
+def _peaks(dev_type: str) -> tuple[int, int]:
+    if dev_type != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def _cpu_name() -> str:
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _profile_one(wl: Workload, step, dev_type: str, trace_path, hooks: bool) -> dict:
+    """One warm-up step and one recorded step under torch.profiler; the trace as a dict.
+    The trace is exported (atomically to `trace_path` when given) as the cycle ends."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev_type == "cuda" else [])
+    hook_ctx = module_ranges(wl.model) if hooks else contextlib.nullcontext()
+    out: dict = {}
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+    with hook_ctx, profile(activities=acts, record_shapes=True,
+                           schedule=schedule(wait=0, warmup=1, active=1),
+                           on_trace_ready=lambda p: out.update(_export(p, trace_path))) as prof:
+        for _ in range(2):
+            with record_function(STEP_LABEL):
+                step()
+            _sync(dev_type)
+            prof.step()
+    if not out:
+        raise GobrrrError("torch.profiler returned no trace for the profiled step")
+    return out
+
+
+def _export(prof, trace_path) -> dict:
+    """Export the Chrome trace (atomically to `trace_path` when given) and load it."""
+    import json
+
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=_tmp_dir(trace_path))
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            trace = json.load(f)
+        if trace_path is not None:
+            os.replace(tmp, trace_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return trace
+
+
+def _tmp_dir(trace_path) -> str | None:
+    return str(Path(trace_path).resolve().parent) if trace_path is not None else None
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GobrrrError(f"device {device!r} was asked for but no CUDA GPU is visible: run on a "
+                          "machine with a GPU, or pass --device cpu")
+    if not device.startswith(("cuda", "cpu")):
+        raise GobrrrError(f"device {device!r}: use 'cuda' (or 'cuda:N') or 'cpu'")
+
+
+def oom_error(device: str, workload: Workload, precision: str) -> GobrrrError:
+    """Free what the failed step held and say how much it needed."""
+    needed = torch.cuda.max_memory_reserved()
+    total = torch.cuda.get_device_properties(device).total_memory
+    workload.model.to("cpu")
+    with contextlib.suppress(Exception):
+        workload.batch = map_tensors(workload.batch, lambda t: t.to("cpu"))
+    torch.cuda.empty_cache()
+    return GobrrrError(
+        f"{workload.name} does not fit: needed >= {needed / GiB:.1f} GiB of "
+        f"{total / GiB:.1f} GiB on {torch.cuda.get_device_name()} at {precision}: use a smaller "
+        "--batch, --checkpoint blocks, or a lower precision")
+
+
+def gpu_for(device_name: str, gpu: str | GpuSpec | None) -> GpuSpec | None:
+    """The spec of the GPU measured on: the one given, else the one CUDA names."""
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    if gpu:
+        from gobrrr.hardware import get_gpu
+
+        return get_gpu(gpu)
+    return match_device_name(device_name)
+
+
+def model_flops_per_step(workload: Workload, graph: StepGraph | None) -> float:
+    """Model FLOPs of one step: 6·N per token over the parameters that take part in a matmul
+    plus attention 12·L·d·S per token over the full S×S (the PaLM convention, not halved for
+    causal; as the roofline prediction and BENCHMARKS.md count it). From the graph when one is
+    given, else from the workload's parameters and `info` (layers, hidden)."""
+    if graph is not None:
+        from gobrrr.cost.roofline import model_flops
+
+        return float(model_flops(graph))
+    from gobrrr.formulas import model_flops_per_token
+
+    n = _nonembed_params(workload.model)
+    info = workload.info or {}
+    layers, hidden, seq = info.get("layers"), info.get("hidden"), workload.seq_len
+    if layers and hidden and seq:
+        per_token = model_flops_per_token(n, layers, hidden, seq, causal=False)
+    else:
+        per_token = 6.0 * n
+    return per_token * workload.token_count()
+
+
+def _nonembed_params(model: nn.Module) -> int:
+    """Parameters that take part in a matmul per token: all but embedding tables that are
+    not also used as a Linear weight (a tied output head counts)."""
+    linear_w = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    embed = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    seen: set[int] = set()
+    n = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in embed and id(p) not in linear_w:
+            continue
+        n += p.numel()
+    return n
+
+
+def batch_on(workload: Workload) -> str:
+    ts = list(iter_tensors(workload.batch))
+    return str(ts[0].device) if ts else "cpu"
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def load_graph_arg(graph: StepGraph | str | Path | None) -> StepGraph | None:
+    if graph is None or isinstance(graph, StepGraph):
+        return graph
+    return StepGraph.load(graph)
+
+
+def calibration_for(gpu: GpuSpec | None) -> Calibration | None:
+    if gpu is None:
+        return None
+    from gobrrr.hardware import find_calibration
+
+    try:
+        return find_calibration(gpu)
+    except (OSError, ValueError, TypeError, GobrrrError):
+        return None
+
+
+def time_workload(workload: Workload, device: str, precision: str, steps: int, warmup: int,
+                  checkpoint: str = "none", compile: bool = False) -> tuple[float, ...]:
+    """Seconds per step of `steps` timed steps after `warmup` (no profiler): the step times
+    that `profile` reports, for scaling tests."""
+    wl, opt, scaler = prepare(workload, device, precision, checkpoint, compile)
+    dev_type = device.split(":")[0]
+    step = lambda: run_step(wl, opt, precision, scaler, dev_type)
+    with matmul_precision(precision):
+        for _ in range(max(warmup, 1)):
+            step()
+        _sync(device)
+        return tuple(time_steps(step, steps, device))

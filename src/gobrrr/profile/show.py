@@ -1,0 +1,110 @@
+"""Terminal tables for a ProfileResult, a Comparison, a ScalingResult, a Calibration."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from gobrrr.hardware import Calibration, GiB
+from gobrrr.profile.result import ProfileResult
+
+
+def _t(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def print_profile(r: ProfileResult, comparison=None, scaling=None, top: int = 12,
+                  console: Console | None = None) -> None:
+    """Step summary, top ops, top modules, diagnosis (and comparison / scaling if given)."""
+    c = console or Console()
+    c.print(_summary(r))
+    c.print(_ops(r, top))
+    c.print(_groups("Modules", r.modules, top))
+    c.print(_groups("Op kinds", r.kinds, top))
+    if r.diagnosis:
+        t = Table(title="Diagnosis (largest saving first)")
+        for col in ("finding", "saves", "evidence", "remedy"):
+            t.add_column(col, overflow="fold")
+        for f in r.diagnosis:
+            saves = _t(f.saving_s) + (f" / {f.memory_bytes / GiB:.2g} GiB" if f.memory_bytes
+                                      else "")
+            t.add_row(f.title, saves, f.evidence, f.remedy)
+        c.print(t)
+    if comparison is not None:
+        t = Table(title="Predicted vs measured")
+        for col in ("group", "predicted", "measured", "error"):
+            t.add_column(col)
+        for row in (comparison.step, *comparison.kinds, *comparison.phases):
+            t.add_row(row.name, _t(row.predicted_s), _t(row.measured_s), _pct(row.rel_error))
+        c.print(t)
+    if scaling is not None:
+        c.print(f"[bold]Batch scaling:[/] {scaling.summary}")
+
+
+def _summary(r: ProfileResult) -> Table:
+    t = Table(title=f"{r.workload} on {r.device_name} ({r.precision}"
+                    f"{', compiled' if r.compiled else ''}) {r.label}".strip(), show_header=False)
+    rows = [
+        (f"step (median of {r.steps})", f"{_t(r.step_s)}  (min {_t(r.step_min_s)}, "
+                                          f"max {_t(r.step_max_s)})"),
+        ("tokens/s", f"{r.tokens_per_s:,.0f}"),
+        ("MFU / HFU", f"{_pct(r.mfu)} / {_pct(r.hfu)}"),
+        ("peak allocated / reserved", f"{r.peak_allocated / GiB:.2f} / "
+                                      f"{r.peak_reserved / GiB:.2f} GiB"),
+        ("GPU idle in the profiled step", f"{_t(r.idle_s)} ({_pct(r.idle_share)})"),
+        ("kernels attributed", f"{r.kernels_attributed} / {r.kernels}"),
+    ]
+    if r.graph_matched is not None:
+        rows.append(("ops joined to the step graph", _pct(r.graph_matched)))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _ops(r: ProfileResult, top: int) -> Table:
+    t = Table(title=f"Top {top} ops by device time")
+    for col in ("op", "phase", "module", "time", "TFLOP/s", "GB/s", "roofline", "regime"):
+        t.add_column(col, overflow="fold")
+    for o in sorted(r.ops, key=lambda o: -o.device_s)[:top]:
+        t.add_row(o.op.replace("aten::", ""), o.phase, o.module or "-", _t(o.device_s),
+                  f"{o.flops_per_s / 1e12:.3g}", f"{o.bytes_per_s / 1e9:.4g}",
+                  _pct(o.roofline), o.regime)
+    return t
+
+
+def _groups(title: str, groups, top: int) -> Table:
+    t = Table(title=title)
+    for col in ("name", "time", "share", "ops", "TFLOP/s", "GB/s", "regime"):
+        t.add_column(col)
+    for g in groups[:top]:
+        t.add_row(g.name, _t(g.device_s), _pct(g.share), str(g.ops),
+                  f"{g.flops_per_s / 1e12:.3g}", f"{g.bytes_per_s / 1e9:.4g}", g.regime)
+    return t
+
+
+def print_calibration(cal: Calibration, where: str | None,
+                      console: Console | None = None) -> None:
+    c = console or Console()
+    t = Table(title=f"Calibration of {cal.device_name} ({cal.gpu})", show_header=False)
+    for dt, rate in cal.matmul_flops.items():
+        t.add_row(f"matmul {dt}", f"{rate / 1e12:.4g} TFLOP/s")
+    t.add_row("copy bandwidth", f"{cal.copy_bandwidth / 1e9:.4g} GB/s")
+    t.add_row("pointwise bandwidth", f"{cal.pointwise_bandwidth / 1e9:.4g} GB/s")
+    t.add_row("reduction bandwidth", f"{cal.reduction_bandwidth / 1e9:.4g} GB/s")
+    t.add_row("eager op (host)", _t(cal.launch_overhead))
+    t.add_row("tiny kernel (device)", _t(cal.kernel_latency))
+    ws = "-" if cal.blas_workspace is None else f"{cal.blas_workspace / 2**20:.3g} MiB"
+    t.add_row("cuBLAS workspace", ws)
+    c.print(t)
+    if where:
+        c.print(f"saved to {where}")

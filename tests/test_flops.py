@@ -542,3 +542,44 @@ def test_graph_costs_tf32_and_json_round_trip():
         assert {c.math for c in costs if c.kind == "matmul"} == {math_}
         assert graph_costs(StepGraph.from_json(graph.to_json())) == costs
     assert not UNKNOWN_OPS & {n.op for n in nodes}
+
+
+def test_pooling_and_elementwise_losses_are_known():
+    def make():
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        return lambda: (F.mse_loss(F.max_pool2d(x, 2), torch.zeros(2, 3, 4, 4))
+                        + F.adaptive_avg_pool2d(x, 1).sum()).backward()
+    nodes, _ = record(make)
+    get = {packet(n.op): op_cost(n) for n in nodes}
+    assert get["aten.max_pool2d_with_indices"].flops == 2 * 3 * 4 * 4 * 4  # out × 2×2 window
+    assert get["aten.mse_loss"].kind == "loss"
+    assert not UNKNOWN_OPS & {n.op for n in nodes}
+
+
+def test_linear_cross_entropy_chunking_mirrors_the_kernel():
+    from gobrrr.cost._ops_gobrrr import _default_chunk
+    from gobrrr.kernels.linear_cross_entropy import default_chunk
+    for n, d, v in [(1, 64, 100), (1000, 768, 50257), (16384, 4096, 128256), (5000, 64, 100)]:
+        assert _default_chunk(n, d, v) == default_chunk(n, d, v)
+
+
+def test_gobrrr_layer_norm_backward_without_bias():
+    x, w, stat = _t((8, 64)), _t((64,)), _t((8,), "float32")
+    outs = (x, w, _t((0,)))  # dbias comes back empty when the norm has no bias
+    node = OpNode(0, "gobrrr.layer_norm_bwd.default", "backward", "", (x, x, w, stat, stat),
+                  outs, ({"t": 0}, {"t": 1}, {"t": 2}, {"t": 3}, {"t": 4}, False))
+    assert op_cost(node).flops == (9 + 2) * 512 and op_cost(node).launches == 3
+
+
+@pytest.mark.parametrize("name,extra", [("gpt2", {"n_layer": 1}), ("llama3-1b", {"n_layer": 1}),
+                                        ("mlp", {}), ("convnet", {})])
+def test_built_in_training_steps_have_no_unknown_ops(name, extra):
+    """Every op in a captured training step of each built-in model has a cost formula."""
+    from gobrrr.capture import capture
+    from gobrrr.models.registry import get_workload
+    seq = None if name in ("mlp", "convnet") else 64
+    graph = capture(lambda: get_workload(name, batch_size=2, seq_len=seq, **extra))
+    costs = graph_costs(graph)
+    assert not UNKNOWN_OPS & {n.op for n in graph.nodes}
+    assert all(c.flops >= 0 and c.bytes >= 0 for c in costs)
+    assert sum(c.flops for c in costs if c.kind in ("matmul", "conv")) > 0

@@ -12,7 +12,7 @@ from gobrrr.graph import OpNode
 
 SWIGLU_FWD, SWIGLU_BWD = 5, 10
 CE_PER_LOGIT = 4  # max, exp, sum, softmax-minus-one-hot: the vector work per logit
-CE_LAUNCHES = 4  # logits matmul, loss/grad kernel, dhidden and dweight matmuls (per chunk)
+CE_MIN_CHUNK = 1024  # mirrors gobrrr.kernels.linear_cross_entropy: at least 1024 tokens a chunk
 
 
 def _n0(node: OpNode) -> int:
@@ -29,10 +29,15 @@ def rms_norm_fwd(node: OpNode, tf32: bool) -> OpCost:
     return vector((RMS_FWD + 1) * _x(node), io_bytes(node), "norm")
 
 
+def _has(node: OpNode, i: int) -> bool:
+    return len(node.outputs) > i and node.outputs[i].numel > 0
+
+
 def rms_norm_bwd(node: OpNode, tf32: bool) -> OpCost:
-    """rms_norm_bwd(dy, x, weight, rstd) -> (dx, dw): one kernel + a reduction of partial dw."""
-    per = RMS_DX + NORM_DW * (len(node.outputs) > 1)
-    return vector(per * _x(node), io_bytes(node), "norm", 2)
+    """rms_norm_bwd(dy, x, weight, rstd) -> (dx, dw): one kernel, then a sum of the per-program
+    partial dw and its cast (3 launches)."""
+    per = RMS_DX + NORM_DW * _has(node, 1)
+    return vector(per * _x(node), io_bytes(node), "norm", 3)
 
 
 def layer_norm_fwd(node: OpNode, tf32: bool) -> OpCost:
@@ -42,9 +47,11 @@ def layer_norm_fwd(node: OpNode, tf32: bool) -> OpCost:
 
 
 def layer_norm_bwd(node: OpNode, tf32: bool) -> OpCost:
-    """layer_norm_bwd(dy, x, weight, mean, rstd) -> (dx, dw, db?)."""
-    per = LN_DX + NORM_DW * (len(node.outputs) > 1) + NORM_DB * (len(node.outputs) > 2)
-    return vector(per * _x(node), io_bytes(node), "norm", 2)
+    """layer_norm_bwd(dy, x, weight, mean, rstd, has_bias) -> (dx, dw, db or empty): one kernel,
+    then sum + cast of the partial dw (and db)."""
+    has_db = _has(node, 2)
+    per = LN_DX + NORM_DW * _has(node, 1) + NORM_DB * has_db
+    return vector(per * _x(node), io_bytes(node), "norm", 3 + 2 * has_db)
 
 
 def swiglu_fwd(node: OpNode, tf32: bool) -> OpCost:
@@ -66,16 +73,27 @@ def gelu_bwd(node: OpNode, tf32: bool) -> OpCost:
 
 
 def linear_cross_entropy(node: OpNode, tf32: bool) -> OpCost:
-    """linear_cross_entropy(hidden (N, d), weight (V, d), targets, bias?, ...) -> (loss,
-    dhidden?, dweight?, dbias?): 2·N·d·V for the logits, + 2·N·d·V for each gradient matmul
-    whose result is returned, + CE_PER_LOGIT·N·V vector ops. The logits never reach HBM."""
+    """linear_cross_entropy(hidden (N, d), weight (V, d), targets, bias?, ignore_index,
+    reduction, label_smoothing, chunk_size) -> (loss, dhidden, dweight, dbias or empty):
+    2·N·d·V for the logits, + 2·N·d·V for each gradient matmul whose result is returned,
+    + CE_PER_LOGIT·N·V vector ops (+ N·V for dbias). The logits never reach HBM.
+    Launches: 5 + chunks · (6 + 2 with a bias), chunks of chunk_size (0: the kernel's default)."""
     hidden, weight = node.inputs[0], node.inputs[1]
     d = hidden.shape[-1]
     n, v = hidden.numel // max(d, 1), weight.numel // max(d, 1)
-    grads = sum(1 for t in node.outputs[1:3] if t.numel > 1)
-    flops = 2 * n * d * v * (1 + grads) + CE_PER_LOGIT * n * v
+    grads = _has(node, 1) + _has(node, 2)
+    bias = _has(node, 3)
+    flops = 2 * n * d * v * (1 + grads) + (CE_PER_LOGIT + bias) * n * v
+    chunk = int(node.arg(7, "chunk_size", 0) or 0) or _default_chunk(n, d, v)
+    launches = 5 + -(-n // max(chunk, 1)) * (6 + 2 * bias)
     return OpCost(float(flops), float(io_bytes(node)), matmul_math(hidden.dtype, tf32), "loss",
-                  CE_LAUNCHES)
+                  launches)
+
+
+def _default_chunk(n: int, d: int, v: int) -> int:
+    """Tokens per chunk: logits about the size of the hidden states, at least CE_MIN_CHUNK."""
+    by_size = 1 << max(0, (-(-n * d // max(v, 1)) - 1).bit_length())  # next power of two
+    return max(1, min(n, max(by_size, CE_MIN_CHUNK)))
 
 
 COSTS: dict[str, CostFn] = {

@@ -3,7 +3,8 @@
 FLOPs per element of the normalized input (rough arithmetic counts, transcendentals = 1):
 layer norm forward 5 (+1 weight, +1 bias), backward dx 9, dweight 2, dbias 1; RMS norm forward 3
 (+1 weight), backward dx 6, dweight 2; batch / group norm as layer norm. Softmax forward 5,
-backward 4; log-softmax the same. Embedding forward 0 (a gather), backward 1 add per gathered
+backward 4; log-softmax the same. Elementwise losses (mse, l1, bce, ...) 3 per element;
+pooling 1 per output element × window. Embedding forward 0 (a gather), backward 1 add per gathered
 element; nll_loss 1 per target. Bytes: each input read once, each output written once; ops
 that touch only some rows (embedding, nll_loss, gather) read only those.
 """
@@ -24,6 +25,15 @@ from gobrrr.graph import OpNode
 LN_FWD, LN_DX, NORM_DW, NORM_DB = 5, 9, 2, 1
 RMS_FWD, RMS_DX = 3, 6
 SOFTMAX_FWD, SOFTMAX_BWD = 5, 4
+LOSS_PER_ELEM = 3
+_LOSSES = """mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy
+binary_cross_entropy_with_logits soft_margin_loss kl_div multilabel_margin_loss_forward
+multi_margin_loss""".split()
+_POOLS = """max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices
+avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
+_adaptive_avg_pool2d _adaptive_avg_pool3d adaptive_max_pool2d adaptive_max_pool3d
+upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_bilinear2d upsample_linear1d
+upsample_bicubic2d upsample_trilinear3d _upsample_nearest_exact2d""".split()
 
 
 def _mask(node: OpNode, i: int, n: int) -> list[bool]:
@@ -154,6 +164,25 @@ def scatter_like(node: OpNode, tf32: bool) -> OpCost:
     return vector(flops, io_bytes(node), "copy")
 
 
+def elementwise_loss(node: OpNode, tf32: bool) -> OpCost:
+    """mse/l1/smooth_l1/huber/bce losses and their backward: LOSS_PER_ELEM per input element
+    (difference, square or abs, sum; the backward's scale), bytes = inputs + outputs."""
+    return vector(LOSS_PER_ELEM * _big(node), io_bytes(node), "loss")
+
+
+def pooling(node: OpNode, tf32: bool) -> OpCost:
+    """max/avg/adaptive pooling and upsampling, forward and backward: one compare or add per
+    (output element × window element), at least one per input element."""
+    windowed = "pool" in node.name and "adaptive" not in node.name
+    kernel = node.arg(1, "kernel_size", None) if windowed else None
+    window = 1
+    if isinstance(kernel, (list, tuple)) and "backward" not in node.name:
+        for k in kernel:
+            window *= int(k)
+    out = max((t.numel for t in node.outputs), default=0)
+    return vector(max(out * window, _big(node)), io_bytes(node), "reduction")
+
+
 def _table() -> dict[str, CostFn]:
     costs: dict[str, CostFn] = {
         "aten.native_layer_norm": layer_norm, "aten.layer_norm": layer_norm,
@@ -177,6 +206,10 @@ def _table() -> dict[str, CostFn]:
               "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
               "cudnn_batch_norm", "batch_norm"):
         costs[f"aten.{n}"] = batch_norm
+    for n in _LOSSES:
+        costs[f"aten.{n}"] = costs[f"aten.{n}_backward"] = elementwise_loss
+    for n in _POOLS:
+        costs[f"aten.{n}"] = costs[f"aten.{n}_backward"] = pooling
     for n in ("scatter", "scatter_add", "scatter_reduce", "index_add", "index_put", "index_copy",
               "_index_put_impl", "index_fill", "masked_scatter"):
         costs[f"aten.{n}"] = costs[f"aten.{n}_"] = scatter_like

@@ -558,7 +558,7 @@ def test_pooling_and_elementwise_losses_are_known():
 
 def test_linear_cross_entropy_chunking_mirrors_the_kernel():
     from gobrrr.cost._ops_gobrrr import _default_chunk
-    from gobrrr.kernels.linear_cross_entropy import default_chunk
+    default_chunk = pytest.importorskip("gobrrr.kernels.linear_cross_entropy").default_chunk
     for n, d, v in [(1, 64, 100), (1000, 768, 50257), (16384, 4096, 128256), (5000, 64, 100)]:
         assert _default_chunk(n, d, v) == default_chunk(n, d, v)
 
@@ -583,3 +583,60 @@ def test_built_in_training_steps_have_no_unknown_ops(name, extra):
     assert not UNKNOWN_OPS & {n.op for n in graph.nodes}
     assert all(c.flops >= 0 and c.bytes >= 0 for c in costs)
     assert sum(c.flops for c in costs if c.kind in ("matmul", "conv")) > 0
+
+
+def test_gobrrr_kernel_ops_traced_from_their_real_registrations():
+    """The gobrrr:: ops through their autograd wrappers on fake tensors: every node is costed by
+    its formula (none unknown), attention and linear cross-entropy at hand values."""
+    kernels = pytest.importorskip("gobrrr.kernels")
+    n, d, v = 64, 32, 50
+
+    def make():
+        x = torch.randn(n, d, requires_grad=True)
+        w, b = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
+        q = torch.randn(B, H, S, D, requires_grad=True)
+        kv = torch.randn(B, 2, S, D, requires_grad=True)
+        head, targets = torch.randn(v, d, requires_grad=True), torch.randint(0, v, (n,))
+
+        def step():
+            h = kernels.rms_norm(x, w) + kernels.layer_norm(x, w, b)
+            h = kernels.swiglu(h, kernels.gelu(h, "tanh"))
+            att = kernels.attention(q, kv, kv, causal=True)
+            (kernels.linear_cross_entropy(h, head, targets) + att.sum()).backward()
+        return step
+    nodes, _ = record(make)
+    ops = {packet(n_.op) for n_ in nodes if n_.op.startswith("gobrrr.")}
+    assert ops == {f"gobrrr.{k}" for k in (
+        "rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd", "swiglu_fwd",
+        "swiglu_bwd", "gelu_fwd", "gelu_bwd", "attention_fwd", "attention_bwd",
+        "linear_cross_entropy")}
+    assert not UNKNOWN_OPS & {n_.op for n_ in nodes}
+    get = {packet(n_.op): op_cost(n_) for n_ in nodes}
+    assert get["gobrrr.attention_fwd"].flops == FWD / 2
+    assert get["gobrrr.attention_bwd"].flops == 2.5 * FWD / 2
+    assert get["gobrrr.linear_cross_entropy"].flops == 6 * n * d * v + 4 * n * v
+    assert get["gobrrr.rms_norm_fwd"].flops == 4 * n * d
+
+
+def test_scaled_mm_addbmm_and_foreach_norm():
+    a, b = _t((64, 32), "float8_e4m3fn"), _t((32, 16), "float8_e4m3fn")
+    scale = _t((), "float32")
+    node = schema_node("aten._scaled_mm.default", self=a, mat2=b, scale_a=scale, scale_b=scale,
+                       out_dtype=torch.bfloat16)
+    node = OpNode(0, node.op, "forward", "", node.inputs, (_t((64, 16)),), node.args)
+    c = op_cost(node)
+    assert (c.flops, c.math, c.kind) == (2 * 64 * 32 * 16, "fp8", "matmul")
+    assert c.bytes == 64 * 32 + 32 * 16 + 2 * 4 + 2 * 64 * 16  # + two fp32 0-dim scales
+    # addbmm sums over the batch: 2·B·M·N·K although the output has no batch dim
+    add = schema_node("aten.addbmm.default", self=_t((5, 11), "float32"),
+                      batch1=_t((3, 5, 7), "float32"), batch2=_t((3, 7, 11), "float32"))
+    add = OpNode(0, add.op, "forward", "", add.inputs, (_t((5, 11), "float32"),), add.args)
+    assert op_cost(add).flops == 2 * 3 * 5 * 7 * 11
+
+    def make():
+        ts = [torch.randn(s) for s in PARAM_SHAPES]
+        return lambda: torch._foreach_norm(ts)
+    nodes, _ = record(make)
+    norm = op_cost(only(nodes, "aten._foreach_norm")[0])
+    n = sum(math.prod(s) for s in PARAM_SHAPES)
+    assert (norm.flops, norm.kind, norm.launches) == (2 * n, "reduction", 2)

@@ -18,6 +18,7 @@ import gc
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -68,8 +69,6 @@ def environment() -> dict:
         triton_version = None
     driver = None
     try:
-        import subprocess
-
         query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         driver = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -119,18 +118,24 @@ def measure_case(name, batch, seq, precision, checkpoint, compile_, steps=10, wa
 
 
 def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
-    """PyTorch's own roofline estimate of the step (ms -> s), or None if it cannot run."""
+    """PyTorch's own roofline estimate of the step (its ms -> s), traced on fake CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.runtime_estimator import RuntimeEstimator
 
-    with FakeTensorMode():
-        with torch.device("cuda"):
-            wl = get_workload(name, batch_size=batch, seq_len=seq)
-        wl, opt, scaler = prepare(wl, "cuda", precision, checkpoint, False)
+    from gobrrr.capture import _convert_tensors
+    from gobrrr.profile.runner import autocast_for
+    from gobrrr.transforms import apply_checkpointing
+
+    with FakeTensorMode(), torch.device("cuda"):
+        wl = get_workload(name, batch_size=batch, seq_len=seq)
+        if precision == "bf16":
+            _convert_tensors(wl.model, lambda t: t.to(torch.bfloat16) if t.is_floating_point()
+                             else t)
+        if checkpoint == "full":
+            apply_checkpointing(wl.model)
+        opt = wl.make_optimizer()
         est = RuntimeEstimator()
         with matmul_precision(precision), est("operator-level-cost-model"):
-            from gobrrr.profile.runner import autocast_for
-
             with autocast_for(precision, "cuda"):
                 loss = wl.compute_loss(wl.batch)
             loss.backward()
@@ -150,52 +155,104 @@ def ours(name, batch, seq, precision, checkpoint, cal: Calibration | None) -> di
     return out
 
 
+def run_case(i: int, cal: Calibration | None) -> dict:
+    case = CASES[i]
+    name, batch, seq, precision, checkpoint, compile_ = case
+    row = {"model": name, "batch": batch, "seq": seq, "precision": precision,
+           "checkpoint": checkpoint, "compile": compile_}
+    t0 = time.time()
+    try:
+        row["measured"] = measure_case(*case)
+    except torch.cuda.OutOfMemoryError:
+        row["measured"] = {"oom": True}
+        _free()
+    for key, fn in (("runtime_estimator_s", lambda: runtime_estimator(*case[:5])),
+                    ("gobrrr", lambda: ours(*case[:5], cal))):
+        if compile_ and key == "runtime_estimator_s":
+            continue
+        try:
+            row[key] = fn()
+        except Exception as e:  # recorded, not fatal: one case must not sink the run
+            row[key + "_error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc(limit=2)
+    row["wall_s"] = time.time() - t0
+    return row
+
+
+def workspace_probe() -> dict:
+    """Bytes the BLAS libraries keep allocated, in this fresh process: after a plain matmul
+    (cuBLAS) and after an addmm with a bias (cuBLASLt), bf16 and fp32."""
+    out = {"start": torch.cuda.memory_allocated()}
+    a = torch.randn(256, 256, device="cuda")
+    b = torch.randn(256, device="cuda")
+    before = torch.cuda.memory_allocated()
+    _ = a @ a
+    torch.cuda.synchronize()
+    out["after_mm"] = torch.cuda.memory_allocated() - before
+    _ = torch.addmm(b, a, a)
+    torch.cuda.synchronize()
+    out["after_addmm"] = torch.cuda.memory_allocated() - before
+    ab = a.bfloat16()
+    base = torch.cuda.memory_allocated()
+    _ = torch.addmm(b.bfloat16(), ab, ab)
+    _ = ab @ ab
+    torch.cuda.synchronize()
+    out["after_bf16"] = torch.cuda.memory_allocated() - base
+    return out
+
+
+def _summary(row: dict) -> str:
+    m, g = row.get("measured", {}), row.get("gobrrr", {})
+    if "peak_allocated" not in m or not g:
+        return f"{row['model']} {row['batch']} {row['precision']}: {row}"
+    re_s = row.get("runtime_estimator_s") or 0.0
+    cal_s = g.get("step_s_calibrated", float("nan"))
+    return (f"{row['model']:12s} b={row['batch']:<5} s={row['seq']} {row['precision']:10s} "
+            f"ck={row['checkpoint']:4s} c={int(row['compile'])} peak "
+            f"{m['peak_allocated'] / 2**30:7.3f} GiB pred {g['peak'] / 2**30:7.3f} "
+            f"({g['peak'] / m['peak_allocated'] - 1:+.1%})  step {m['step_s'] * 1e3:8.2f} ms "
+            f"pred {g['step_s'] * 1e3:8.2f} cal {cal_s * 1e3:8.2f} "
+            f"({cal_s / m['step_s'] - 1:+.0%}) RE {re_s * 1e3:8.2f} "
+            f"({re_s / m['step_s'] - 1:+.0%})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--cases", default=None, help="a range like 0-9")
     ap.add_argument("--calibration", default=None)
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    cases = CASES
-    if args.cases:
-        lo, hi = (int(x) for x in args.cases.split("-"))
-        cases = CASES[lo:hi + 1]
     cal = Calibration.load(args.calibration) if args.calibration else None
+    if args.one is not None:  # child: one case in a fresh process, JSON on the last line
+        row = run_case(args.one, cal) if args.one >= 0 else workspace_probe()
+        print("ROW " + json.dumps(row))
+        return
+    lo, hi = (int(x) for x in args.cases.split("-")) if args.cases else (0, len(CASES) - 1)
     env = environment()
     spec = match_device_name(env["device"])
-    print("device:", env["device"], "gpu spec:", spec.name if spec else None)
-    results = []
-    for case in cases:
-        name, batch, seq, precision, checkpoint, compile_ = case
-        row = {"model": name, "batch": batch, "seq": seq, "precision": precision,
-               "checkpoint": checkpoint, "compile": compile_}
-        t0 = time.time()
-        try:
-            row["measured"] = measure_case(*case)
-        except torch.cuda.OutOfMemoryError:
-            row["measured"] = {"oom": True}
-            _free()
-        for key, fn in (("runtime_estimator_s", lambda c=case: runtime_estimator(*c[:5])),
-                        ("gobrrr", lambda c=case: ours(*c[:5], cal))):
-            if compile_ and key == "runtime_estimator_s":
-                continue
-            try:
-                row[key] = fn()
-            except Exception as e:  # recorded, not fatal: one case must not sink the run
-                row[key + "_error"] = f"{type(e).__name__}: {e}"
-                traceback.print_exc(limit=2)
-        row["wall_s"] = time.time() - t0
-        results.append(row)
-        m, g = row.get("measured", {}), row.get("gobrrr", {})
-        if "peak_allocated" in m and g:
-            print(f"{name:12s} b={batch:<5} s={seq} {precision:10s} ck={checkpoint:4s} "
-                  f"c={int(compile_)} peak {m['peak_allocated'] / 2**30:7.3f} GiB pred "
-                  f"{g['peak'] / 2**30:7.3f} ({g['peak'] / m['peak_allocated'] - 1:+.1%})  step "
-                  f"{m['step_s'] * 1e3:8.2f} ms pred {g['step_s'] * 1e3:8.2f} "
-                  f"({g['step_s'] / m['step_s'] - 1:+.0%}) RE "
-                  f"{(row.get('runtime_estimator_s') or 0) * 1e3:8.2f}", flush=True)
+    print("device:", env["device"], "gpu spec:", spec.name if spec else None, flush=True)
+    results, probe = [], None
+    for i in [-1, *range(lo, hi + 1)]:
+        cmd = [sys.executable, __file__, args.out, "--one", str(i)]
+        if args.calibration:
+            cmd += ["--calibration", args.calibration]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        if not rows:
+            print(f"case {i} failed:\n{proc.stderr[-2000:]}", flush=True)
+            continue
+        if i < 0:
+            probe = json.loads(rows[-1])
+            print("workspace probe:", probe, flush=True)
+            continue
+        results.append(json.loads(rows[-1]))
+        print(_summary(results[-1]), flush=True)
         tmp = Path(args.out + ".tmp")  # rewritten after every case: a cut run keeps its cases
-        tmp.write_text(json.dumps({"version": 1, "environment": env, "cases": results}, indent=1))
+        tmp.write_text(json.dumps({"version": 1, "environment": env, "workspace": probe,
+                                   "calibration": args.calibration and json.loads(
+                                       Path(args.calibration).read_text()),
+                                   "cases": results}, indent=1))
         tmp.replace(args.out)
 
 

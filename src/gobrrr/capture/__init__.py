@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.module_tracker import ModuleTracker
 
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.recorder import Recorder, StorageTable
@@ -44,36 +43,56 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 class _Driver:
-    """Tracks the phase and the innermost module while the step runs."""
+    """Tracks the phase and the innermost module while the step runs.
 
-    def __init__(self, tracker: ModuleTracker) -> None:
-        self.tracker = tracker
+    Forward (and recompute): a stack pushed and popped by global module forward hooks.
+    Backward: a pre-hook on the autograd node of each module's output sets the module when
+    backward enters it, and one on the node of each input sets the parent when it leaves.
+    (torch's ModuleTracker does this with tensor hooks that keep checkpointed recomputations
+    alive, which would distort the memory being measured.)"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {id(m): n for n, m in model.named_modules()}
         self.phase = "forward"
-        self.forward_depth = 0  # > 0 while a module's forward runs
+        self.stack: list[str] = []
+        self.backward_module = ""
 
     def module(self) -> str:
-        parents = [p for p in self.tracker.parents if p != "Global"]
-        if not parents:
-            return ""
-        deepest = max(parents, key=lambda p: (p.count("."), len(p)))
-        return deepest.partition(".")[2]
+        if self.stack:  # inside a forward (or a recomputed forward during backward)
+            return self.stack[-1]
+        return self.backward_module if self.phase == "backward" else ""
 
     def current_phase(self) -> str:
-        if self.phase == "backward" and self.forward_depth > 0:
+        if self.phase == "backward" and self.stack:
             return "recompute"
         return self.phase
 
+    def _set(self, name: str):
+        def hook(grad_outputs):
+            self.backward_module = name
+
+        return hook
+
+    def pre(self, mod, args) -> None:
+        self.stack.append(self.names.get(id(mod), type(mod).__name__))
+
+    def post(self, mod, args, out) -> None:
+        name = self.stack.pop() if self.stack else ""
+        if self.phase != "forward" or not torch.is_grad_enabled():
+            return
+        parent = name.rpartition(".")[0]
+        for t in iter_tensors(out):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._set(name))
+        for t in iter_tensors(args):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._set(parent))
+
 
 @contextlib.contextmanager
-def _forward_depth(driver: _Driver) -> Iterator[None]:
-    def pre(mod, args):
-        driver.forward_depth += 1
-
-    def post(mod, args, out):
-        driver.forward_depth -= 1
-
-    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h2 = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
+def _module_hooks(driver: _Driver) -> Iterator[None]:
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(driver.pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(driver.post, always_call=True)
     try:
         yield
     finally:
@@ -255,7 +274,7 @@ def _trace(w: Workload, precision: str) -> StepGraph:
         _guarded(step.init_optimizer_state, "optimizer's first step")
         table = StorageTable()
         _register_state(table, w, step.opt)
-        with ModuleTracker() as tracker, _forward_depth(driver := _Driver(tracker)):
+        with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
             rec = Recorder(table, driver.module, driver.current_phase)
 

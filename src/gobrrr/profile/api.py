@@ -101,8 +101,11 @@ def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
         model_flops = model_flops_per_step(workload, graph) if workload is not None else 0.0
     executed = sum(o.flops for o in an.ops)
     peak = spec.peak(_PEAK_MODE[info.precision]) if spec is not None else 0.0
-    idle = max(0.0, an.span_s - an.busy_s) if on_gpu else 0.0
-    idle_share = idle / an.span_s if on_gpu and an.span_s > 0 else 0.0
+    # Idle time of a timed step: its median time less the kernel time of the profiled step
+    # (kernel durations are what the profiler measures well; its host overhead would inflate
+    # the gaps inside the profiled step itself).
+    idle = max(0.0, step_s - an.busy_s) if on_gpu else 0.0
+    idle_share = idle / step_s if on_gpu and step_s > 0 else 0.0
     return ProfileResult(
         workload=info.workload, device=info.device, device_name=m.device_name,
         gpu=spec.name if spec else "", label="" if on_gpu else CPU_LABEL,

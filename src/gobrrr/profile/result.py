@@ -105,10 +105,10 @@ class ProfileResult:
     hfu: float | None
     peak_allocated: int
     peak_reserved: int
-    profiled_step_s: float  # device span of the profiled step
+    profiled_step_s: float  # device span of the profiled step (first kernel to last)
     busy_s: float  # union of kernel intervals in the profiled step
-    idle_s: float
-    idle_share: float  # idle_s / profiled_step_s
+    idle_s: float  # step_s - busy_s: the GPU idle in a timed step
+    idle_share: float  # idle_s / step_s
     kernels: int
     kernels_attributed: int
     graph_matched: float | None  # fraction of kernel-launching ops joined to a graph node

@@ -61,7 +61,7 @@ def _summary(r: ProfileResult) -> Table:
         ("MFU / HFU", f"{_pct(r.mfu)} / {_pct(r.hfu)}"),
         ("peak allocated / reserved", f"{r.peak_allocated / GiB:.2f} / "
                                       f"{r.peak_reserved / GiB:.2f} GiB"),
-        ("GPU idle in the profiled step", f"{_t(r.idle_s)} ({_pct(r.idle_share)})"),
+        ("GPU idle in a step", f"{_t(r.idle_s)} ({_pct(r.idle_share)})"),
         ("kernels attributed", f"{r.kernels_attributed} / {r.kernels}"),
     ]
     if r.graph_matched is not None:

@@ -116,12 +116,24 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     graph = capture(workload_factory(source, batch, seq), precision=precision,
                     checkpoint=checkpoint)
     took = time.perf_counter() - t0
-    workspace = cal.blas_workspace if cal and cal.blas_workspace is not None else \
-        spec.blas_workspace
+    workspace = blas_workspace(graph, spec, cal)
     return Estimate(graph=graph, gpu=spec, memory=simulate(graph, workspace=workspace),
                     time=predict(graph, spec, cal),
                     calibration=cal.device_name if cal else None,
                     formulas=closed_forms(graph), capture_s=took)
+
+
+_MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
+
+
+def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:
+    """Bytes the BLAS handles keep allocated once the step has run: cuBLAS's workspace after
+    any matmul, plus cuBLASLt's after an addmm (a Linear with a bias takes the Lt path)."""
+    names = {n.name for n in graph.nodes}
+    blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
+    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
+        gpu.blaslt_workspace
+    return (blas if names & _MATMULS else 0) + (lt if "addmm" in names else 0)
 
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class GpuSpec:
         launch_overhead: seconds of host time per eager kernel launch (dispatch + launch).
         kernel_latency: seconds of device time a kernel costs however small it is.
         blas_workspace: bytes the cuBLAS handle keeps allocated (counts in max_memory_allocated).
+        blaslt_workspace: bytes cuBLASLt keeps allocated once an addmm with a bias ran.
         matmul_efficiency / bandwidth_efficiency: achievable fraction of peak when no
             calibration exists (large, well-shaped problems).
         aliases: other names users type.
@@ -50,6 +51,7 @@ class GpuSpec:
     launch_overhead: float = 10e-6
     kernel_latency: float = 2.5e-6
     blas_workspace: int = 8 * 1024**2 + 128 * 1024
+    blaslt_workspace: int = 1024**2
     matmul_efficiency: float = 0.80
     bandwidth_efficiency: float = 0.88
     aliases: tuple[str, ...] = ()
@@ -83,13 +85,13 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
     _spec("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.15, 2039, 19.5, 156, 312, None, 108,
           aliases=("a100", "a100-80")),
     _spec("h100-sxm", "NVIDIA H100 80GB HBM3", 79.65, 3350, 66.9, 494.7, 989.4, 1978.9, 132,
-          blas_workspace=_HOPPER_WS, aliases=("h100", "h100-80gb")),
+          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS, aliases=("h100", "h100-80gb")),
     _spec("h100-pcie", "NVIDIA H100 PCIe", 79.65, 2000, 51.2, 378, 756.5, 1513, 114,
-          blas_workspace=_HOPPER_WS),
+          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS),
     _spec("h200", "NVIDIA H200", 140.4, 4800, 66.9, 494.7, 989.4, 1978.9, 132,
-          blas_workspace=_HOPPER_WS, aliases=("h200-sxm",)),
+          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS, aliases=("h200-sxm",)),
     _spec("b200", "NVIDIA B200", 178.4, 8000, 75, 1100, 2250, 4500, 148,
-          blas_workspace=_HOPPER_WS),
+          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS),
     _spec("l4", "NVIDIA L4", 22.5, 300, 30.3, 60, 121, 242, 58),
     _spec("l40s", "NVIDIA L40S", 44.5, 864, 91.6, 183, 362, 733, 142),
     _spec("rtx4090", "NVIDIA GeForce RTX 4090", 23.6, 1008, 82.6, 82.6, 165.2, 330.3, 128,
@@ -185,6 +187,8 @@ class Calibration:
     launch_overhead: float
     kernel_latency: float
     blas_workspace: int | None = None
+    blaslt_workspace: int | None = None
+    matmul_misaligned: dict[str, float] = field(default_factory=dict)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION

@@ -13,6 +13,7 @@ those of a CUDA run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -122,9 +123,17 @@ def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.
 
 
 def _to_fake(workload: Workload, mode: FakeTensorMode) -> Workload:
-    """A workload built from real tensors, moved into fake ones (same structure, no memory)."""
-    _convert_tensors(workload.model, mode.from_tensor)
-    return dataclasses.replace(workload, batch=map_tensors(workload.batch, mode.from_tensor))
+    """A fake copy of a workload built from real tensors (same structure, no memory); the
+    user's model is left untouched."""
+    memo: dict[int, Any] = {}
+    for t in [*workload.model.parameters(), *workload.model.buffers()]:
+        if id(t) not in memo:
+            f = mode.from_tensor(t.detach())
+            memo[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else f
+    model = copy.deepcopy(workload.model, memo)
+    return dataclasses.replace(workload, model=model,
+                               batch=map_tensors(workload.batch, mode.from_tensor))
 
 
 def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:

@@ -22,6 +22,9 @@ MATMUL_MATH = ("bf16", "fp16", "fp8", "tf32", "fp32")
 # Fraction of the dense matmul rate fused attention kernels reach without a calibration
 # (FlashAttention-2 on an H100: ~35-55% of peak for fwd+bwd).
 ATTENTION_EFFICIENCY = 0.45
+# Achieved fraction of the aligned tensor-core rate with a misaligned leading dimension, when
+# no calibration measured it (cuBLAS falls back to 1-element-aligned kernels).
+MISALIGNED_FRACTION = 0.2
 VIEW_HOST_FRACTION = 0.3  # a metadata-only op costs this share of a launch in host time
 
 
@@ -115,6 +118,13 @@ class Rates:
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
         return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
 
+    def misaligned_fraction(self, math_mode: str) -> float:
+        """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
+        aligned (tensor-core modes only; CUDA-core fp32 kernels do not care)."""
+        if self.cal and math_mode in self.cal.matmul_misaligned:
+            return self.cal.matmul_misaligned[math_mode]
+        return MISALIGNED_FRACTION
+
     def attention(self, math_mode: str) -> float:
         if self.cal and "attention" in self.cal.matmul_flops and math_mode in ("bf16", "fp16"):
             return self.cal.matmul_flops["attention"]
@@ -155,6 +165,24 @@ def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
     return tiles / (waves * sms) if waves else 1.0
 
 
+def misaligned(node: OpNode) -> bool:
+    """True when a matmul operand or result has a leading dimension (or start) that is not a
+    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels (e.g. GPT-2's
+    vocabulary of 50257 runs the head matmuls ~5x slower in bf16 than a padded 50304)."""
+    if node.name not in ("mm", "addmm", "bmm", "baddbmm", "addbmm"):
+        return False
+    for t in (*node.inputs, *node.outputs):
+        if len(t.shape) < 2:
+            continue  # a bias vector
+        inner = min(t.stride[-1], t.stride[-2])
+        ld = max(t.stride[-1], t.stride[-2])
+        if inner != 1 and t.shape[-1] != 1 and t.shape[-2] != 1:
+            return True
+        if (ld * t.itemsize) % 16 or (t.offset * t.itemsize) % 16:
+            return True
+    return False
+
+
 def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
     """Roofline time of one op."""
     if cost.launches == 0:
@@ -167,6 +195,8 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
         rate = rates.matmul(cost.math, cost.flops)
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
+        if cost.math != "fp32" and misaligned(node):
+            rate *= rates.misaligned_fraction(cost.math)
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0

@@ -146,3 +146,16 @@ def test_fake_tensor_trace(recorder):
     assert ops["gobrrr::rms_norm_bwd"] == [(4, 6, 32), (32,)]
     assert ops["gobrrr::layer_norm_fwd"] == [(4, 6, 32), (4, 6), (4, 6)]
     assert ops["gobrrr::layer_norm_bwd"] == [(4, 6, 32), (32,), (32,)]
+
+
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+def test_wide_rows(close, norm):
+    # rows of >= 8192 take the kernel path that re-reads the weight inside the backward loop
+    torch.manual_seed(5)
+    x, w, b = torch.randn(3, 9000), 1 + 0.1 * torch.randn(9000), torch.randn(9000)
+    if norm == "rms":
+        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
+                 torch.float32)
+    else:
+        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
+                 [x, w, b], torch.float32)

@@ -66,12 +66,14 @@ def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx,
     tiles_per_prog,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    W_IN_LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if not W_IN_LOOP:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(0, tiles_per_prog):
@@ -89,6 +91,8 @@ def _norm_bwd_kernel(
         else:
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if W_IN_LOOP:  # wide rows: re-read w (from cache) rather than hold it in registers
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         g = dy * w[None, :]  # dL/dxhat
         c1 = tl.sum(g * xhat, axis=1) / N
         if IS_RMS:
@@ -116,7 +120,7 @@ def _block_m(n_cols: int, elems: int) -> int:
 def _warps(block_elems: int, override: int) -> int:
     if override:
         return override
-    return max(4, min(16, block_elems // 512))
+    return max(4, min(32, block_elems // 512))
 
 
 def _fwd(x, weight, bias, eps, is_rms):
@@ -154,7 +158,7 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
         db_part if has_bias else dw_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
         cdiv(tiles, n_progs),
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
+        W_IN_LOOP=block_n >= 8192, num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
     )
     dw = dw_part.sum(0).to(weight.dtype)
     db = db_part.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)

@@ -131,5 +131,5 @@ def test_a_real_workload_is_traced_without_touching_its_tensors():
     g = capture(w, precision="fp32")
     assert sum(s.nbytes for s in g.storages if s.kind == "parameter") == (8 * 8 + 8 + 8 + 1) * 4
     assert g.meta["params"] == 8 * 8 + 8 + 8 + 1
-    for p, b in zip(model.parameters(), before):
+    for p, b in zip(model.parameters(), before, strict=True):
         assert not isinstance(p, torch._subclasses.FakeTensor) or torch.equal(p, b)

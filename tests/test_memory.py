@@ -6,7 +6,7 @@ from torch import nn
 
 import gobrrr
 from gobrrr.capture import capture
-from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph import OpNode, StepGraph, StorageInfo
 from gobrrr.memory import module_rollup, round_alloc, simulate
 
 MiB = 1024**2

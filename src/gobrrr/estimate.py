@@ -110,6 +110,9 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     calibration: True = use a saved calibration for this GPU if one exists; False/None = the
     datasheet with default efficiencies; or a Calibration to use.
     """
+    for what, v in (("batch", batch), ("seq", seq)):
+        if v is not None and v <= 0:
+            raise GobrrrError(f"--{what} must be a positive number, got {v}")
     spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
     cal = find_calibration(spec) if calibration is True else (calibration or None)
     t0 = time.perf_counter()

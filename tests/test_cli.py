@@ -1,0 +1,88 @@
+"""The command line: thin over the API; bad input is one line and exit code 2."""
+
+import json
+import textwrap
+
+import pytest
+
+from gobrrr.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_on_a_small_builtin(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", "1", "--seq", "64",
+                         "--gpu", "a100", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["gpu"]["name"] == "a100-80gb"
+    assert data["workload"]["tokens"] == 64
+    assert data["workload"]["params"] == 124_439_808
+    assert data["memory"]["fits"] is True and data["memory"]["peak_bytes"] > 0
+    assert 0 < data["time"]["mfu"] < 1
+    assert data["formulas"]["params_textbook_12d2L_2dV"] == 12 * 768**2 * 12 + 2 * 768 * 50257
+
+
+def test_estimate_tables_and_saved_graph(capsys, tmp_path):
+    path = tmp_path / "g.json"
+    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "8",
+                         "--save-graph", str(path))
+    assert code == 0, err
+    assert "peak memory" in out and "top" in out
+    from gobrrr.graph import StepGraph
+
+    assert len(StepGraph.load(path).nodes) > 10
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "--model", "gpt5"], "unknown model 'gpt5'"),
+    (["estimate", "--model", "gpt2", "--gpu", "tpu"], "unknown GPU 'tpu'"),
+    (["estimate", "--model", "gpt2", "--batch", "0"], "batch"),
+    (["estimate", "--model", "gpt2", "--seq", "4096"], "1024"),
+    (["estimate", "--model", "gpt2", "--precision", "fp8"], "unknown precision"),
+    (["estimate", "--model", "gpt2", "--checkpoint", "some"], "checkpoint"),
+    (["estimate", "nowhere.py:workload"], "nowhere.py"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("gobrrr: error:")
+    assert needle in err
+
+
+def test_user_script_that_raises(capsys, tmp_path):
+    f = tmp_path / "train.py"
+    f.write_text(textwrap.dedent("""
+        def workload(batch_size=2):
+            raise RuntimeError("dataset not found")
+    """))
+    code, out, err = run(capsys, "estimate", f"{f}:workload")
+    assert code == 2 and "dataset not found" in err and err.count("\n") == 1
+
+
+def test_user_gpu_file(capsys, tmp_path):
+    f = tmp_path / "mygpu.toml"
+    f.write_text('name = "mygpu"\nmemory_gb = 16\nbandwidth_gbs = 500\nbf16_tflops = 100\n')
+    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "4", "--gpu", str(f),
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["gpu"]["name"] == "mygpu"
+
+
+def test_gpus_lists_every_builtin(capsys):
+    code, out, err = run(capsys, "gpus", "--json")
+    names = {g["name"] for g in json.loads(out)}
+    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l4", "l40s",
+            "rtx4090"} <= names
+
+
+def test_debug_shows_the_traceback(capsys, monkeypatch):
+    from gobrrr.errors import GobrrrError
+
+    monkeypatch.setenv("GOBRRR_DEBUG", "1")
+    with pytest.raises(GobrrrError):
+        main(["estimate", "--model", "gpt5"])

@@ -1,0 +1,116 @@
+"""Roofline: per-op time and regime, misalignment, the host/device queues, model FLOPs."""
+
+import math
+
+import pytest
+
+from gobrrr.cost.flops import OpCost
+from gobrrr.cost.roofline import (
+    MISALIGNED_FRACTION,
+    Rates,
+    misaligned,
+    model_flops,
+    predict,
+    time_op,
+    wave_efficiency,
+)
+from gobrrr.graph import OpNode, StepGraph, TensorInfo
+from gobrrr.hardware import get_gpu
+
+H100 = get_gpu("h100")
+
+
+def t(shape, dtype="bfloat16", sid=0):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.insert(0, acc)
+        acc *= s
+    return TensorInfo(tuple(shape), tuple(stride), dtype, sid)
+
+
+def mm(m, k, n, dtype="bfloat16"):
+    return OpNode(index=0, op="aten.mm.default", phase="forward", module="lin",
+                  inputs=(t((m, k), dtype, 0), t((k, n), dtype, 1)),
+                  outputs=(t((m, n), dtype, 2),), args=({"t": 0}, {"t": 1}))
+
+
+def test_large_matmul_is_compute_bound_at_the_efficient_peak():
+    node = mm(8192, 8192, 8192)
+    flops = 2 * 8192**3
+    nbytes = 3 * 8192 * 8192 * 2
+    o = time_op(node, OpCost(flops, nbytes, "bf16", "matmul", 1), Rates(H100, None))
+    rate = H100.peak("bf16") * H100.matmul_efficiency * wave_efficiency(node, H100.sms)
+    assert o.regime == "compute"
+    assert o.device_s == pytest.approx(flops / rate + H100.kernel_latency)
+    assert o.intensity == pytest.approx(flops / nbytes)
+
+
+def test_wave_quantization_hand_count():
+    # 1024x1024 output in 128x128 tiles = 64 tiles on 132 SMs: one wave, 64/132 busy
+    assert wave_efficiency(mm(1024, 64, 1024), 132) == pytest.approx(64 / 132)
+    # 133 tiles need two waves
+    assert wave_efficiency(mm(128 * 133, 64, 128), 132) == pytest.approx(133 / 264)
+
+
+def test_pointwise_is_memory_bound_and_tiny_ops_overhead_bound():
+    r = Rates(H100, None)
+    n = 1 << 28
+    add = OpNode(0, "aten.add.Tensor", "forward", "", (t((n,), "float32"),), (t((n,), "float32"),))
+    o = time_op(add, OpCost(n, 8 * n, "vector", "pointwise", 1), r)
+    assert o.regime == "memory"
+    assert o.device_s == pytest.approx(8 * n / (H100.bandwidth * H100.bandwidth_efficiency)
+                                       + H100.kernel_latency)
+    tiny = time_op(add, OpCost(16, 128, "vector", "pointwise", 1), r)
+    assert tiny.regime == "overhead" and tiny.host_s == H100.launch_overhead
+
+
+def test_views_cost_no_device_time():
+    view = OpNode(0, "aten.view.default", "forward", "", (t((4, 4)),), (t((16,)),))
+    o = time_op(view, OpCost(0, 0, "vector", "view", 0), Rates(H100, None))
+    assert o.device_s == 0 and o.regime == "none" and o.host_s > 0
+
+
+def test_misaligned_leading_dimension():
+    assert misaligned(mm(16384, 768, 50257))  # GPT-2's vocabulary: 50257 * 2 B % 16 != 0
+    assert not misaligned(mm(16384, 768, 50304))
+    aligned = time_op(mm(16384, 768, 50304), OpCost(2 * 16384 * 768 * 50304, 1e9, "bf16",
+                                                    "matmul", 1), Rates(H100, None))
+    odd = time_op(mm(16384, 768, 50257), OpCost(2 * 16384 * 768 * 50304, 1e9, "bf16",
+                                                "matmul", 1), Rates(H100, None))
+    assert odd.compute_s / aligned.compute_s == pytest.approx(1 / MISALIGNED_FRACTION, rel=0.02)
+
+
+def _graph(nodes, **meta):
+    return StepGraph(nodes=tuple(nodes), storages=(), meta={"tokens": 1, "precision": "fp32",
+                                                            **meta})
+
+
+def test_overhead_bound_step_is_the_host_time():
+    # 100 tiny kernels: the host needs 100 launches, the device 100 latencies
+    nodes = [OpNode(i, "aten.add.Tensor", "forward", "", (t((4,), "float32"),),
+                    (t((4,), "float32"),)) for i in range(100)]
+    p = predict(_graph(nodes), H100)
+    assert p.step_s == pytest.approx(100 * H100.launch_overhead + p.ops[-1].device_s)
+    assert p.regime_share()["overhead"] > 0.9
+
+
+def test_device_bound_step_is_the_device_time():
+    nodes = [OpNode(i, "aten.mm.default", "forward", "", mm(4096, 4096, 4096).inputs,
+                    mm(4096, 4096, 4096).outputs, ({"t": 0}, {"t": 1})) for i in range(3)]
+    p = predict(_graph(nodes, precision="bf16-mixed"), H100)
+    assert p.step_s == pytest.approx(H100.launch_overhead + sum(o.device_s for o in p.ops))
+    assert p.regime_share()["compute"] > 0.9
+
+
+def test_model_flops_6n_plus_attention():
+    from gobrrr.capture import capture
+    from gobrrr.models.registry import get_workload
+
+    L, d, S, B, V = 2, 768, 64, 2, 96
+    g = capture(lambda: get_workload("gpt2", B, S, n_layer=L, vocab_size=V), precision="fp32")
+    n = g.meta["trainable_params"] - g.meta["embedding_params"]
+    # 6·N·tokens with the position table excluded and the tied head counted, plus
+    # 12·L·d·S per token for attention (not halved for causal)
+    assert g.meta["embedding_params"] == 1024 * d  # wpe only: wte is tied to lm_head
+    assert model_flops(g) == pytest.approx(6 * n * B * S + 12 * L * d * S * B * S)
+    assert math.isclose(predict(g, H100).backward_forward_ratio(), 2.0, rel_tol=0.1)

@@ -176,7 +176,10 @@ CALIBRATION_VERSION = 1
 class Calibration:
     """What one GPU was measured to achieve. FLOP/s and bytes/s are achieved rates on large
     problems; `matmul_curve` maps a matmul's FLOPs to its achieved fraction of the large-shape
-    rate (small matmuls do not fill the chip), as sorted [flops, fraction] pairs."""
+    rate (small matmuls do not fill the chip), as sorted [flops, fraction] pairs.
+    `matmul_misaligned`: fraction of the aligned rate with an odd leading dimension, per math
+    mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype.
+    `op_overhead`: host seconds per ATen op inside an eager training step, per phase."""
 
     gpu: str
     device_name: str
@@ -189,6 +192,8 @@ class Calibration:
     blas_workspace: int | None = None
     blaslt_workspace: int | None = None
     matmul_misaligned: dict[str, float] = field(default_factory=dict)
+    attention_flops: dict[str, float] = field(default_factory=dict)
+    op_overhead: dict[str, float] = field(default_factory=dict)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION

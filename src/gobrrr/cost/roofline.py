@@ -126,9 +126,23 @@ class Rates:
         return MISALIGNED_FRACTION
 
     def attention(self, math_mode: str) -> float:
-        if self.cal and "attention" in self.cal.matmul_flops and math_mode in ("bf16", "fp16"):
-            return self.cal.matmul_flops["attention"]
+        """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count)."""
+        if self.cal and self.cal.attention_flops:
+            key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
+            if key in self.cal.attention_flops:
+                return self.cal.attention_flops[key]
         return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
+
+    def host(self, phase: str, launches: int) -> float:
+        """Host seconds to issue one op: the measured per-op cost of an eager training step in
+        this phase (calibrated), plus a launch for each kernel past the first."""
+        per_op = self.cal.op_overhead if self.cal else {}
+        key = "forward" if phase == "recompute" else phase
+        if key in per_op:
+            return per_op[key] + self.launch * max(launches - 1, 0)
+        if launches == 0:
+            return self.launch * VIEW_HOST_FRACTION
+        return self.launch * launches
 
     def bandwidth(self, kind: str) -> float:
         if kind in ("reduction", "norm", "softmax", "loss"):
@@ -185,8 +199,8 @@ def misaligned(node: OpNode) -> bool:
 
 def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
     """Roofline time of one op."""
+    host = rates.host(node.phase, cost.launches)
     if cost.launches == 0:
-        host = rates.launch * VIEW_HOST_FRACTION
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
     if cost.kind == "attention":
@@ -203,7 +217,6 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
     memory = cost.bytes / rates.bandwidth(cost.kind)
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
-    host = rates.launch * cost.launches
     if host >= device:
         regime = "overhead"
     else:

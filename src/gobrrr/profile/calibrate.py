@@ -57,16 +57,30 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
     nbytes = stream_bytes or (2**30 if cuda else 64 * 2**20)
     copy_bw, pw_bw, red_bw = bandwidths(dev, nbytes)
     host, latency = launch_overhead(dev)
+    extra = _step_measurements(dev, cuda)
     cal = Calibration(
         gpu=key, device_name=name, matmul_flops=rates, copy_bandwidth=copy_bw,
         pointwise_bandwidth=pw_bw, reduction_bandwidth=red_bw, launch_overhead=host,
         kernel_latency=latency, blas_workspace=workspace, matmul_curve=curves,
-        meta=_meta(dev, sizes, nbytes, time.perf_counter() - t0))
+        meta=_meta(dev, sizes, nbytes, time.perf_counter() - t0), **extra)
     if save:
         path = Path(save) if not isinstance(save, bool) else default_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         cal.save(path)
     return cal
+
+
+def _step_measurements(dev: torch.device, cuda: bool) -> dict:
+    """Per-op host cost inside a training step, and on a GPU: misaligned matmuls, attention,
+    the cuBLASLt workspace (see calibrate_step)."""
+    from gobrrr.profile import calibrate_step as cs
+
+    out: dict = {"op_overhead": cs.step_overhead(dev, reps=20 if cuda else 5)}
+    if cuda:
+        out.update(matmul_misaligned=cs.misaligned_fractions(dev),
+                   attention_flops=cs.attention_rate(dev),
+                   blaslt_workspace=cs.blaslt_workspace(dev))
+    return out
 
 
 def default_path(key: str) -> Path:

@@ -144,13 +144,13 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
     return est.total_runtime * 1e-3
 
 
-def ours(name, batch, seq, precision, checkpoint, cal: Calibration | None) -> dict:
+def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | None) -> dict:
     est = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
-                   checkpoint=checkpoint, calibration=False)
+                   checkpoint=checkpoint, calibration=False, compile=compile_)
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:
         cest = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
-                        checkpoint=checkpoint, calibration=cal)
+                        checkpoint=checkpoint, calibration=cal, compile=compile_)
         out.update(peak_calibrated=cest.memory.peak, step_s_calibrated=cest.time.step_s)
     return out
 
@@ -167,7 +167,7 @@ def run_case(i: int, cal: Calibration | None) -> dict:
         row["measured"] = {"oom": True}
         _free()
     for key, fn in (("runtime_estimator_s", lambda: runtime_estimator(*case[:5])),
-                    ("gobrrr", lambda: ours(*case[:5], cal))):
+                    ("gobrrr", lambda: ours(*case, cal))):
         if compile_ and key == "runtime_estimator_s":
             continue
         try:

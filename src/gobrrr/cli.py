@@ -33,6 +33,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16-mixed",
                    help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)")
     p.add_argument("--checkpoint", default="none", help="none | full (checkpoint every block)")
+    p.add_argument("--compile", action="store_true", help="the model runs under torch.compile")
 
 
 def workload_spec(args: argparse.Namespace, default: str = "gpt2") -> str:
@@ -46,7 +47,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     est = estimate(workload_spec(args), args.gpu, batch=args.batch, seq=args.seq,
                    precision=args.precision, checkpoint=args.checkpoint,
-                   calibration=not args.no_calibration)
+                   calibration=not args.no_calibration, compile=args.compile)
     if args.save_graph:
         est.graph.save(args.save_graph)
     if args.json:

@@ -4,4 +4,5 @@ from __future__ import annotations
 
 
 class GobrrrError(Exception):
-    """Bad input or an environment gobrrr cannot work in. The message names the value and the fix."""
+    """Bad input or an environment gobrrr cannot work in; the message names the value and
+    the fix."""

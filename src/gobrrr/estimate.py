@@ -31,6 +31,7 @@ class Estimate:
     calibration: str | None  # device name of the calibration used, None = datasheet + defaults
     formulas: dict[str, Any]
     capture_s: float
+    compiled: bool = False
 
     @property
     def fits(self) -> bool:
@@ -42,7 +43,8 @@ class Estimate:
         ops = sorted(t.ops, key=lambda o: -o.device_s)[:top]
         return {
             "version": ESTIMATE_VERSION,
-            "workload": {k: v for k, v in self.graph.meta.items() if k != "info"},
+            "workload": {**{k: v for k, v in self.graph.meta.items() if k != "info"},
+                         "compiled": self.compiled},
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
             "memory": {"peak_bytes": m.peak, "fits": self.fits, "peak_op": m.peak_op,
@@ -104,8 +106,12 @@ def _accepted(fn: Callable, **kw: Any) -> dict[str, Any]:
 def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpec = "h100",
              *, batch: int | None = None, seq: int | None = None,
              precision: str = "bf16-mixed", checkpoint: str = "none",
-             calibration: Calibration | None | bool = True) -> Estimate:
+             calibration: Calibration | None | bool = True, compile: bool = False) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
+
+    compile: the model runs under torch.compile: ops between matmuls fuse into one kernel
+    each and misaligned matmuls are padded (the optimizer stays eager). Memory is the eager
+    step's, an upper bound: compiled graphs save fewer activations.
 
     calibration: True = use a saved calibration for this GPU if one exists; False/None = the
     datasheet with default efficiencies; or a Calibration to use.
@@ -121,9 +127,9 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     took = time.perf_counter() - t0
     workspace = blas_workspace(graph, spec, cal)
     return Estimate(graph=graph, gpu=spec, memory=simulate(graph, workspace=workspace),
-                    time=predict(graph, spec, cal),
+                    time=predict(graph, spec, cal, compiled=compile),
                     calibration=cal.device_name if cal else None,
-                    formulas=closed_forms(graph), capture_s=took)
+                    formulas=closed_forms(graph), capture_s=took, compiled=compile)
 
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.graph import OpNode, StepGraph
@@ -197,8 +197,9 @@ def misaligned(node: OpNode) -> bool:
     return False
 
 
-def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
-    """Roofline time of one op."""
+def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> OpTime:
+    """Roofline time of one op. `padded`: misaligned matmul dimensions were padded to
+    alignment first (Inductor's pad_mm does this under torch.compile)."""
     host = rates.host(node.phase, cost.launches)
     if cost.launches == 0:
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
@@ -209,7 +210,7 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
         rate = rates.matmul(cost.math, cost.flops)
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
-        if cost.math != "fp32" and misaligned(node):
+        if cost.math != "fp32" and not padded and misaligned(node):
             rate *= rates.misaligned_fraction(cost.math)
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
@@ -226,11 +227,16 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates) -> OpTime:
                   cost.flops, cost.bytes, intensity, compute, memory, device, host, regime)
 
 
-def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None) -> Prediction:
-    """Predict the step's time on `gpu`."""
+def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,
+            compiled: bool = False) -> Prediction:
+    """Predict the step's time on `gpu`. `compiled`: the model runs under torch.compile
+    (forward and backward fused by Inductor; the optimizer stays eager)."""
     tf32 = graph.meta.get("precision") == "tf32"
     rates = Rates(gpu, calibration)
-    ops = tuple(time_op(n, op_cost(n, tf32), rates) for n in graph.nodes)
+    costs = [op_cost(n, tf32) for n in graph.nodes]
+    ops = tuple(time_op(n, c, rates) for n, c in zip(graph.nodes, costs, strict=True))
+    if compiled:
+        ops = _compiled(graph, costs, ops, rates)
     host_t = device_t = 0.0
     for o in ops:  # two queues: the host issues, the device runs when issued and free
         host_t += o.host_s
@@ -251,6 +257,29 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
         tokens=int(graph.meta.get("tokens") or 0), peak_flops=gpu.peak(_peak_mode(graph)),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
     )
+
+
+def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
+              rates: Rates) -> tuple[OpTime, ...]:
+    """Replace each fused group by one kernel; compiled code launches kernels from a
+    generated wrapper, so no per-op eager dispatch cost remains."""
+    from gobrrr.cost.fusion import ANCHORS, fuse
+
+    out = list(ops)
+    compiled_phases = ("forward", "backward", "recompute")
+    for o in ops:
+        if o.phase in compiled_phases and o.kind in ANCHORS:
+            t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)
+            out[o.index] = replace(t, host_s=rates.launch * max(costs[o.index].launches, 1))
+    for g in fuse(graph, costs):
+        first = graph.nodes[g.nodes[0]]
+        t = time_op(first, g.cost, rates)
+        out[first.index] = replace(t, op=f"fused[{len(g.nodes)} ops]", kind="fused",
+                                   host_s=rates.launch * g.cost.launches)
+        for i in g.nodes[1:]:
+            out[i] = replace(ops[i], flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0,
+                             device_s=0.0, host_s=0.0, regime="none")
+    return tuple(out)
 
 
 def _peak_mode(graph: StepGraph) -> str:

@@ -38,10 +38,13 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
     meta, m, t = est.graph.meta, est.memory, est.time
     cal = (f"calibrated ({est.calibration})" if est.calibration
            else "datasheet peaks, no calibration")
-    c.print(f"[bold]{meta.get('name')}[/] · {meta.get('precision')} · checkpoint "
+    mode = " · torch.compile" if est.compiled else ""
+    c.print(f"[bold]{meta.get('name')}[/] · {meta.get('precision')}{mode} · checkpoint "
             f"{meta.get('checkpoint')} · {meta.get('tokens'):,} tokens/step · "
             f"{human_count(meta.get('params', 0))} params · on [bold]{est.gpu.name}[/] ({cal})")
     verdict = "[green]fits[/]" if est.fits else "[red]does NOT fit[/]"
+    if est.compiled:
+        verdict += " (eager step's memory: compiled graphs save less, so this is an upper bound)"
     c.print(f"peak memory {gib(m.peak)} of {gib(est.gpu.memory_bytes)} → {verdict} "
             f"(peak at op #{m.peak_index} {m.peak_op} in '{m.peak_module or '<top>'}', "
             f"{m.peak_phase})")

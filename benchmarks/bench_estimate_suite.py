@@ -145,13 +145,18 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
 
 
 def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | None) -> dict:
+    """gobrrr's prediction from the datasheet, and from the calibration when one is given."""
+    from gobrrr.cost.roofline import predict
+    from gobrrr.estimate import blas_workspace
+    from gobrrr.memory import simulate
+
     est = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
                    checkpoint=checkpoint, calibration=False, compile=compile_)
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:
-        cest = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
-                        checkpoint=checkpoint, calibration=cal, compile=compile_)
-        out.update(peak_calibrated=cest.memory.peak, step_s_calibrated=cest.time.step_s)
+        ws = blas_workspace(est.graph, est.gpu, cal)
+        out.update(peak_calibrated=simulate(est.graph, ws).peak,
+                   step_s_calibrated=predict(est.graph, est.gpu, cal, compile_).step_s)
     return out
 
 

@@ -125,11 +125,11 @@ def test_other_block_shapes():
         ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout)
         for bm, bn in ((16, 32), (32, 16), (16, 16)):
             out, lse = _attention_fwd.attention_forward(q, k, v, causal, scale, cfg(bm, bn, 4, 1))
-            delta = _attention_bwd.bwd_preprocess(out, dout)
+            dq, delta = _attention_bwd.bwd_dq(dout, q, k, v, out, lse, causal, scale,
+                                              config=cfg(bm, bn, 4, 1))
+            torch.testing.assert_close(delta, (dout * out).sum(-1), atol=1e-5, rtol=1e-5)
             dk, dv = _attention_bwd.bwd_dkdv(dout, q, k, v, lse, delta, causal, scale,
                                              config=cfg(bm, bn, 4, 1))
-            dq = _attention_bwd.bwd_dq(dout, q, k, v, lse, delta, causal, scale,
-                                       config=cfg(bm, bn, 4, 1))
             for got, want in zip((out, dq, dk, dv), (ref, *ref_grads), strict=True):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -195,3 +195,20 @@ def test_fake_tensor_trace_records_the_ops():
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
     dq, dk, dv = ops["gobrrr::attention_bwd"]
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """Dynamo traces the autograd.Function and both ops without a graph break."""
+    q, k, v = (t.requires_grad_() for t in make((1, 2, 17, 32), (1, 1, 17, 32), torch.float32))
+
+    def loss(q, k, v):
+        return (attention(q, k, v, causal=True) ** 2).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    try:
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    finally:
+        torch._dynamo.reset()
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

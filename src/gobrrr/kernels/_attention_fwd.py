@@ -54,8 +54,10 @@ def fwd_configs(bd: int) -> list[triton.Config]:
     """Candidate (BLOCK_M, BLOCK_N, warps, stages) for the GPU, by head-dim tile width; each
     compiles for sm_90 without register spills (ptxas -v)."""
     if bd <= 64:
-        return [cfg(128, 64, 4, 3), cfg(128, 128, 8, 3), cfg(128, 64, 8, 3), cfg(64, 64, 4, 3)]
-    return [cfg(128, 64, 8, 3), cfg(128, 64, 8, 2), cfg(128, 64, 8, 4), cfg(64, 64, 4, 3)]
+        return [cfg(128, 64, 4, 3), cfg(128, 64, 4, 4), cfg(128, 128, 8, 3), cfg(128, 64, 8, 3),
+                cfg(128, 32, 4, 3), cfg(64, 64, 4, 3)]
+    return [cfg(128, 64, 8, 3), cfg(128, 64, 8, 2), cfg(128, 64, 8, 4), cfg(128, 32, 8, 3),
+            cfg(64, 64, 4, 3)]
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -194,15 +196,28 @@ def _attn_fwd_kernel(
     store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-_TUNED: dict = {}
+_TUNERS: dict = {}  # tag -> triton Autotuner
+BEST: dict = {}  # (tag, key) -> the config the autotuner chose
 
 
-def tuned(kernel, configs: list[triton.Config], tag: str, **kwargs):
-    """One autotuner per (kernel, config list); key: head dim, causal, sequence bucket, dtypes."""
-    if tag not in _TUNED:
-        _TUNED[tag] = triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "S_BUCKET"],
-                                      **kwargs)(kernel)
-    return _TUNED[tag]
+def launch(kernel, grid, args: tuple, consts: dict, *, tag: str, key: tuple,
+           configs: list[triton.Config], config: triton.Config | None = None,
+           interpret_config: triton.Config | None = None, **tune_kwargs) -> None:
+    """Run `kernel` at `config`; else at the autotuned config for `key` (head dim, causal,
+    sequence bucket, dtype), tuning on the first call. Later calls skip the autotuner and
+    launch the chosen config directly (less host time per call)."""
+    if config is None and INTERPRET:
+        config = interpret_config
+    if config is None:
+        config = BEST.get((tag, key))
+    if config is None:
+        if tag not in _TUNERS:
+            _TUNERS[tag] = triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "S_BUCKET"],
+                                           **tune_kwargs)(kernel)
+        _TUNERS[tag][grid](*args, **consts)
+        BEST[(tag, key)] = _TUNERS[tag].best_config
+        return
+    kernel[grid](*args, **consts, **config_kwargs(config))
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, config: triton.Config | None = None):
@@ -212,20 +227,14 @@ def attention_forward(q, k, v, causal: bool, scale: float, config: triton.Config
     s_k, hkv = k.shape[2], k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty((b, h, s_q), device=q.device, dtype=torch.float32)
-    bd = block_d(d)
-    if config is None and INTERPRET:
-        config = INTERPRET_FWD
-    if config is None:
-        kernel, launch = tuned(_attn_fwd_kernel, fwd_configs(bd), f"fwd{bd}"), {}
-    else:
-        kernel, launch = _attn_fwd_kernel, config_kwargs(config)
+    bd, bucket = block_d(d), seq_bucket(max(s_q, s_k))
 
     def grid(meta):
         return (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)
 
-    kernel[grid](
-        q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out),
-        h, h // hkv, s_q, s_k, seq_bucket(max(s_q, s_k)), scale * LOG2E,
-        HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, **launch,
-    )
+    args = (q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out),
+            h, h // hkv, s_q, s_k, bucket, scale * LOG2E)
+    launch(_attn_fwd_kernel, grid, args, dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
+           tag="fwd", key=(d, causal, bucket, q.dtype), configs=fwd_configs(bd), config=config,
+           interpret_config=INTERPRET_FWD)
     return out, lse

@@ -276,6 +276,25 @@ def experiment_shape(d: int, causal: bool, s: int) -> dict:
     return row
 
 
+def host_overhead_us(n: int = 300) -> dict:
+    """Wall time per forward+backward call at a tiny shape (1x1x128x64): host-bound, so this is
+    the host (Python, dispatch, launch) time per step, in microseconds."""
+    q, k, v = (_rand((1, 1, 128, 64), DTYPE, i).requires_grad_() for i in range(3))
+    do = _rand((1, 1, 128, 64), DTYPE, 3)
+    out = {}
+    for name, f in (("ours", lambda q, k, v: attention(q, k, v, causal=True)),
+                    ("sdpa_flash", sdpa("FLASH_ATTENTION", True))):
+        for _ in range(20):
+            torch.autograd.grad(f(q, k, v), (q, k, v), do)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.autograd.grad(f(q, k, v), (q, k, v), do)
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t) / n * 1e6
+    return out
+
+
 def _tflops(r: dict, name: str, phase: str = "fwd_bwd") -> float:
     return r.get(name, {}).get(phase, {}).get("tflops", math.nan)
 
@@ -326,6 +345,8 @@ def main() -> None:
                     result["shapes"].append(dict(D=d, causal=causal, S=s, error=repr(e)[:500]))
                 log(f"shape D={d} causal={causal} S={s}: {json.dumps(result['shapes'][-1])}")
                 save()
+    result["host_us_per_fwd_bwd"] = host_overhead_us()
+    log(f"host time per fwd+bwd call (us): {result['host_us_per_fwd_bwd']}")
     if args.experiments:
         result["experiments"] = []
         for shape in ((128, False, 8192), (128, True, 8192), (64, False, 2048), (128, True, 1024)):

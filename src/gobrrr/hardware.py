@@ -179,7 +179,8 @@ class Calibration:
     rate (small matmuls do not fill the chip), as sorted [flops, fraction] pairs.
     `matmul_misaligned`: fraction of the aligned rate with an odd leading dimension, per math
     mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype.
-    `op_overhead`: host seconds per ATen op inside an eager training step, per phase."""
+    `op_overhead`: host seconds per ATen op inside an eager training step, per phase.
+    `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name."""
 
     gpu: str
     device_name: str
@@ -194,6 +195,7 @@ class Calibration:
     matmul_misaligned: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
     op_overhead: dict[str, float] = field(default_factory=dict)
+    op_bandwidth: dict[str, float] = field(default_factory=dict)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION

@@ -144,7 +144,9 @@ class Rates:
             return self.launch * VIEW_HOST_FRACTION
         return self.launch * launches
 
-    def bandwidth(self, kind: str) -> float:
+    def bandwidth(self, kind: str, name: str = "") -> float:
+        if self.cal and name in self.cal.op_bandwidth:
+            return self.cal.op_bandwidth[name]
         if kind in ("reduction", "norm", "softmax", "loss"):
             return self.reduction_bw
         if kind in ("copy",):
@@ -197,6 +199,18 @@ def misaligned(node: OpNode) -> bool:
     return False
 
 
+def layout_bytes(node: OpNode, cost: OpCost) -> float:
+    """Bytes cuDNN moves converting channels-first (NCHW) tensors to the channels-last layout
+    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once."""
+    if cost.kind != "conv" or cost.math not in ("bf16", "fp16"):
+        return 0.0
+    acts = [t for t in (*node.inputs, *node.outputs) if len(t.shape) == 4]
+    if not any(t.stride[1] != 1 and t.shape[1] > 1 for t in acts):
+        return 0.0  # already channels-last
+    weight = min(acts, key=lambda t: t.numel) if len(acts) > 1 else None
+    return 2.0 * sum(t.nbytes for t in acts if t is not weight)
+
+
 def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> OpTime:
     """Roofline time of one op. `padded`: misaligned matmul dimensions were padded to
     alignment first (Inductor's pad_mm does this under torch.compile)."""
@@ -215,9 +229,12 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
-    memory = cost.bytes / rates.bandwidth(cost.kind)
+    memory = cost.bytes / rates.bandwidth(cost.kind, node.name)
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
+    convert = layout_bytes(node, cost)
+    if convert:  # separate transpose kernels before and after the convolution
+        device += convert / rates.bandwidth("copy") + 2 * rates.latency
     if host >= device:
         regime = "overhead"
     else:

@@ -131,3 +131,61 @@ def blaslt_workspace(dev: torch.device) -> int | None:
     _sync(dev)
     gained = torch.cuda.memory_allocated(dev) - before - c.untyped_storage().nbytes()
     return int(gained) if gained >= 0 else None
+
+
+def _bn_inputs(dev, n=64, c=128, hw=56):
+    x = torch.randn(n, c, hw, hw, device=dev, dtype=torch.bfloat16)
+    w, b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
+    rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
+    return x, w, b, rm, rv
+
+
+def _op_cases(dev: torch.device):
+    """(op name, a zero-argument function running exactly that ATen op) on real inputs at
+    representative sizes, bf16 activations as under autocast."""
+    aten = torch.ops.aten
+    x, w, b, rm, rv = _bn_inputs(dev)
+    _, mean, invstd = aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
+    gy = torch.randn_like(x)
+    yield "native_batch_norm", lambda: aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
+    yield "native_batch_norm_backward", lambda: aten.native_batch_norm_backward(
+        gy, x, w, rm, rv, mean, invstd, True, 1e-5, [True, True, True])
+    h = torch.randn(16384, 1024, device=dev)  # layer norm runs in fp32 under autocast
+    lw, lb = torch.ones(1024, device=dev), torch.zeros(1024, device=dev)
+    _, lmean, lrstd = aten.native_layer_norm(h, [1024], lw, lb, 1e-5)
+    gh = torch.randn_like(h)
+    yield "native_layer_norm", lambda: aten.native_layer_norm(h, [1024], lw, lb, 1e-5)
+    yield "native_layer_norm_backward", lambda: aten.native_layer_norm_backward(
+        gh, h, [1024], lmean, lrstd, lw, lb, [True, True, True])
+    logits = torch.randn(8192, 32000, device=dev, dtype=torch.bfloat16)
+    lsm = aten._log_softmax(logits, 1, False)
+    yield "_log_softmax", lambda: aten._log_softmax(logits, 1, False)
+    yield "_log_softmax_backward_data", lambda: aten._log_softmax_backward_data(
+        lsm, lsm, 1, torch.bfloat16)
+    idx = torch.randint(0, 32000, (8192,), device=dev)
+    ge = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16)
+    yield "embedding_dense_backward", lambda: aten.embedding_dense_backward(
+        ge, idx, 32000, -1, False)
+    p = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.bfloat16)
+    out, ind = aten.max_pool2d_with_indices(p, [3, 3], [2, 2], [1, 1])
+    yield "max_pool2d_with_indices_backward", lambda: aten.max_pool2d_with_indices_backward(
+        torch.randn_like(out), p, [3, 3], [2, 2], [1, 1], [1, 1], False, ind)
+
+
+def op_bandwidths(dev: torch.device) -> dict[str, float]:
+    """Achieved bytes/s of memory-bound ops whose kernels fall far from a copy's bandwidth
+    (batch norm, layer norm, log-softmax, embedding backward, pooling), counting the bytes
+    exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
+    from gobrrr.capture.recorder import Recorder, StorageTable
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.profile.calibrate import time_op
+
+    out = {}
+    for name, fn in _op_cases(dev):
+        rec = Recorder(StorageTable(), lambda: "", lambda: "forward")
+        with rec:
+            fn()
+        node = next(n for n in rec.nodes if n.name == name)
+        nbytes = op_cost(node).bytes
+        out[name] = nbytes / time_op(fn, dev, 10)
+    return out

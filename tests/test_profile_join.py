@@ -127,3 +127,25 @@ def test_eager_cos_is_memory_bound_and_compiled_is_labelled():
     assert [o.op for o in fused] == ["compiled::triton_poi_fused_cos_0"]
     assert fused[0].phase == "forward" and "CompiledFxGraph" in fused[0].compiled
     assert not any(o.family == "cos" for o in comp.ops)
+
+
+def test_gpt2_small_batch_trace_is_joined_and_overhead_bound():
+    """GPT-2 124M, batch 1 x 256 tokens, bf16-mixed eager, one step on an H100."""
+    j = join_trace(load_trace(FIX / "gpt2_b1_s256_bf16.json.gz"))
+    assert j.kernels and j.unattributed == 0
+    a = analyze(j, H100, "bf16-mixed")
+    mm = [o for o in a.ops if o.family == "matmul"]
+    # 12 blocks x 4 Linears + lm_head = 49 forward, two matmuls each in backward
+    assert sum(o.phase == "forward" for o in mm) == 49
+    assert sum(o.phase == "backward" for o in mm) == 98
+    attn = [o for o in a.ops if o.kind == "attention"]
+    assert sorted(o.module for o in attn if o.phase == "forward") == sorted(
+        f"transformer.h.{i}.attn" for i in range(12))
+    assert {o.module for o in attn if o.phase == "backward"} == {o.module for o in attn}
+    # the GPU computes for a small part of the profiled step: kernels are tiny
+    (start, end) = j.steps[0]
+    assert a.busy_s < 0.25 * (end - start)
+    regimes = [o.regime for o in a.ops]
+    assert regimes.count("overhead") > 0.9 * len(regimes)
+    found = diagnose(a.ops, H100, step_s=end - start, idle_share=1 - a.busy_s / (end - start))
+    assert found[0].kind == "overhead"

@@ -84,6 +84,8 @@ def shape_cost(op: TraceOp, tf32: bool = False, causal: bool = True) -> tuple[fl
     (halved when causal; backward 2.5×), bytes = q, k, v, out once (backward ×2).
     Everything else: 1 FLOP per output element; bytes = all tensor inputs + one output the
     size of the largest input (an in-place op writes its first input). Views move nothing.
+    The profiler records no shapes inside TensorLists, so foreach optimizer ops cost (0, 0)
+    here (regime "unknown"): give profile() the StepGraph to cost them.
     """
     fam = op.family
     kind = op_kind(fam)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gobrrr.estimate import estimate  # noqa: E402
 from gobrrr.hardware import Calibration, match_device_name  # noqa: E402
 from gobrrr.models.registry import get_workload  # noqa: E402
-from gobrrr.profile.runner import matmul_precision, prepare, run_step  # noqa: E402
+from gobrrr.profile.runner import matmul_precision, prepare, run_step, time_steps  # noqa: E402
 
 # (model, batch, seq, precision, checkpoint, compile)
 CASES = [
@@ -101,14 +101,7 @@ def measure_case(name, batch, seq, precision, checkpoint, compile_, steps=10, wa
         step()
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
-        times = []
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
+        times = time_steps(step, steps, "cuda")
     out = {"peak_allocated": stats["allocated_bytes.all.peak"],
            "requested_peak": stats.get("requested_bytes.all.peak"),
            "reserved_peak": stats["reserved_bytes.all.peak"], "allocated_before_step": before,

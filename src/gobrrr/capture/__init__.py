@@ -195,6 +195,10 @@ class _Step:
             p.grad = torch.zeros_like(p)
         if self.scaler:
             self.scaler.scale(torch.zeros((), dtype=torch.float32))  # creates its scale tensor
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
             self.scaler.unscale_(self.opt)
             self.opt.step()
             self.scaler.update()
@@ -212,13 +216,7 @@ class _Step:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         del loss
         self._phase("optimizer")
-        if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
-            self.scaler.unscale_(self.opt)
-            self.opt.step()
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self._optimizer_step()
 
 
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:

@@ -181,7 +181,8 @@ def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3):
 
 def configs(attn_ok: bool):
     k_all = ALL if attn_ok else replace(ALL, attention=False)
-    out = [("torch eager", Kernels(), False), ("gobrrr all", k_all, False)]
+    out = [("torch eager", Kernels(), False), ("gobrrr all", k_all, False),
+           ("gobrrr all but attention", replace(ALL, attention=False), False)]
     for field in ("attention", "norms", "loss", "gelu"):
         if field != "attention" or attn_ok:
             out.append((f"+{field} only", replace(Kernels(), **{field: True}), False))

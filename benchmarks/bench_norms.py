@@ -1,7 +1,8 @@
 """RMSNorm / LayerNorm fwd, bwd and fwd+bwd bandwidth vs eager and torch.compile (bf16).
 
 GB/s of the minimal bytes: fwd reads x, w (, b) and writes y; bwd reads x, dy, w, rstd (, mean)
-and writes dx, dw (, db). Shapes 16384x4096 and 4096x16384.
+and writes dx, dw (, db). Shapes 16384x4096 and 4096x16384. GPU time from CUDA-graph replays
+(inputs are 2.5x the L2, so no flush); host-inclusive times (launch_*) are recorded beside.
 
     PYTHONPATH=src python benchmarks/bench_norms.py OUT.json [--sweep]
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gobrrr.kernels import layer_norm, norms, rms_norm
-from gobrrr.kernels.bench import rel_err, table, time_ms, write_json
+from gobrrr.kernels.bench import rel_err, table, time_graph_ms, time_ms, write_json
 
 DEVICE = "cuda"  # the benchmarks need a GPU; a CPU dry run may override this
 
@@ -63,12 +64,17 @@ def make(m, n):
     return x, w, b, dy
 
 
-def measure(fn, norm, x, w, b, dy):
+def measure(fn, norm, x, w, b, dy, launch=True):
+    """Times in ms. GPU time from CUDA-graph replays (fwd, and fwd+bwd in one graph; bwd is the
+    difference); with launch=True also the host-inclusive times without a graph (L2 flushed)."""
     params = [x, w] if norm == "rms_norm" else [x, w, b]
-    y = fn(x, w, b)
-    fwd = time_ms(lambda: fn(x, w, b))
-    bwd = time_ms(lambda: torch.autograd.grad(y, params, dy, retain_graph=True))
-    return fwd, bwd
+    out = {"fwd": time_graph_ms(lambda: fn(x, w, b)),
+           "fwdbwd": time_graph_ms(lambda: torch.autograd.grad(fn(x, w, b), params, dy))}
+    if launch:
+        y = fn(x, w, b)
+        out["fwd_launch"] = time_ms(lambda: fn(x, w, b))
+        out["bwd_launch"] = time_ms(lambda: torch.autograd.grad(y, params, dy, retain_graph=True))
+    return out
 
 
 def check(norm, x, w, b, dy):
@@ -81,31 +87,39 @@ def check(norm, x, w, b, dy):
     return {k: rel_err(a, e) for k, a, e in zip(["y", "dx", "dw", "db"], *outs, strict=False)}
 
 
-def row(norm, impl, shape, fwd, bwd):
+def row(norm, impl, shape, t):
     fb, bb = minimal_bytes(norm, *shape)
-    f, b_ = fwd["median_ms"], bwd["median_ms"]
-    return {"norm": norm, "impl": impl, "shape": f"{shape[0]}x{shape[1]}", "fwd_ms": f,
-            "bwd_ms": b_, "fwd_GBps": fb / f / 1e6, "bwd_GBps": bb / b_ / 1e6,
-            "fwdbwd_GBps": (fb + bb) / (f + b_) / 1e6, "fwd_timing": fwd, "bwd_timing": bwd}
+    r = {"norm": norm, "impl": impl, "shape": f"{shape[0]}x{shape[1]}", "timings": t}
+    if "median_ms" in t["fwd"] and "median_ms" in t["fwdbwd"]:
+        f, fwb = t["fwd"]["median_ms"], max(t["fwdbwd"]["median_ms"], t["fwd"]["median_ms"] + 1e-6)
+        r.update(fwd_ms=f, bwd_ms=fwb - f, fwdbwd_ms=fwb, fwd_GBps=fb / f / 1e6,
+                 bwd_GBps=bb / (fwb - f) / 1e6, fwdbwd_GBps=(fb + bb) / fwb / 1e6)
+    if "fwd_launch" in t:
+        f, b_ = t["fwd_launch"]["median_ms"], t["bwd_launch"]["median_ms"]
+        r.update(launch_fwd_GBps=fb / f / 1e6, launch_bwd_GBps=bb / b_ / 1e6)
+    return r
 
 
 def sweep_rows(norm, shape, x, w, b, dy):
-    """Our kernel under several launch configurations (rows per program, warps, programs/SM)."""
+    """Our backward under several launch configurations (rows per program, warps, programs
+    per SM, pipeline stages of the row loop), GPU time from CUDA graphs."""
     saved, out = dict(norms.TUNING), []
     n = shape[1]
     if n >= 16384:
-        configs = [(n, wp, p) for wp in (8, 16, 32) for p in (1, 2, 4)]
+        configs = [(1, wp, p, st) for wp in (8, 16, 32) for p in (1, 2, 4) for st in (1, 2)]
     else:
-        configs = [(e, wp, p) for e in (n, 2 * n) for wp in (4, 8, 16) for p in (1, 2, 4)]
-    for elems, warps, per_sm in configs:
-        norms.TUNING.update(fwd_elems=elems, fwd_warps=warps, bwd_elems=elems, bwd_warps=warps,
-                            bwd_per_sm=per_sm)
+        configs = [(r, wp, p, st) for r in (1, 2) for wp in (4, 8) for p in (2, 4, 8)
+                   for st in (1, 3)] + [(2, 8, 1, 1), (2, 8, 1, 3)]
+    for rows, warps, per_sm, stages in configs:
+        norms.TUNING.update(bwd_elems=rows * n, bwd_warps=warps, bwd_per_sm=per_sm,
+                            bwd_stages=stages)
+        cfg = {"rows_per_prog": rows, "warps": warps, "per_sm": per_sm, "stages": stages}
         try:
-            r = row(norm, "gobrrr", shape, *measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy))
-            r.update(rows_per_prog=elems // n, warps=warps, per_sm=per_sm)
-            out.append({k: v for k, v in r.items() if not k.endswith("timing")})
+            r = row(norm, "gobrrr", shape, measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy,
+                                                   launch=False))
+            out.append({**cfg, **{k: v for k, v in r.items() if k != "timings"}})
         except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
-            out.append({"norm": norm, "config": [elems, warps, per_sm], "error": repr(e)[:200]})
+            out.append({"norm": norm, **cfg, "error": repr(e)[:200]})
     norms.TUNING.clear()
     norms.TUNING.update(saved)
     return out
@@ -121,7 +135,7 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
                 try:
                     fn = impls[impl] if impl != "torch.compile" else torch.compile(
                         impls["compile_fn"], dynamic=False)
-                    rows.append(row(norm, impl, shape, *measure(fn, norm, x, w, b, dy)))
+                    rows.append(row(norm, impl, shape, measure(fn, norm, x, w, b, dy)))
                 except Exception as e:  # noqa: BLE001 - keep the other rows
                     rows.append({"norm": norm, "impl": impl, "error": repr(e)[:300]})
             if sweep and norm == "rms_norm":
@@ -135,12 +149,12 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
         "sweep": sweeps,
     })
     if sweeps:
-        best = sorted((r for r in sweeps if "fwdbwd_GBps" in r), key=lambda r: -r["fwdbwd_GBps"])
-        print(table(best[:8], ["shape", "rows_per_prog", "warps", "per_sm", "fwd_GBps",
-                               "bwd_GBps", "fwdbwd_GBps"]))
+        best = sorted((r for r in sweeps if "bwd_GBps" in r), key=lambda r: -r["bwd_GBps"])
+        print(table(best[:10], ["shape", "rows_per_prog", "warps", "per_sm", "stages",
+                                "bwd_GBps", "fwdbwd_GBps"]))
     print("correctness vs fp32 eager (rel. Frobenius error):", checks)
     print(table(rows, ["norm", "impl", "shape", "fwd_ms", "bwd_ms", "fwd_GBps", "bwd_GBps",
-                       "fwdbwd_GBps"]))
+                       "fwdbwd_GBps", "launch_fwd_GBps", "launch_bwd_GBps"]))
     return path
 
 

@@ -1,6 +1,6 @@
 """Run every kernel benchmark into one folder in one GPU session, then print a summary table.
 
-    PYTHONPATH=src python benchmarks/run_kernel_benches.py OUT_DIR [--sweep] [--budget-s 400]
+    PYTHONPATH=src python benchmarks/run_kernel_benches.py OUT [--sweep lce norms] [--budget-s N]
 
 Sections run in order (lce, norms, pointwise, convergence, gpt2_kernels); each writes its own
 JSON as soon as it is done, so a section that fails or runs out of time loses only itself.
@@ -55,7 +55,8 @@ def _figures(r: dict) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--sweep", action="store_true", help="sweep launch configurations too")
+    p.add_argument("--sweep", nargs="*", default=[], choices=ORDER,
+                   help="sections that also sweep their launch configurations")
     p.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget, seconds")
     p.add_argument("--only", nargs="*", default=ORDER, choices=ORDER)
     args = p.parse_args(argv)
@@ -67,7 +68,10 @@ def main(argv=None):
             print(f"== {name}: skipped, {left:.0f} s left")
             continue
         print(f"== {name} ({left:.0f} s left)", flush=True)
-        kwargs = {"budget_s": left - 20} if name == "gpt2_kernels" else {"sweep": args.sweep}
+        if name == "gpt2_kernels":
+            kwargs = {"budget_s": left - 20}
+        else:
+            kwargs = {"sweep": name in args.sweep}
         try:
             written[name] = _load(name).run(out / f"{name}_{gpu_tag()}.json", **kwargs)
         except Exception:  # noqa: BLE001 - report and go on to the next section

@@ -154,6 +154,32 @@ def test_errors():
         linear_cross_entropy(h, w.bfloat16(), t)
 
 
+def test_out_of_range_target_poisons_row_in_kernel(monkeypatch):
+    # on a GPU the host-side check is skipped (it would sync); the kernel then returns NaN
+    import sys
+
+    lce = sys.modules["gobrrr.kernels.linear_cross_entropy"]
+    monkeypatch.setattr(lce, "_check_targets", lambda *a: None)
+    h, w = torch.randn(3, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.tensor([1, 10, -100]), reduction="sum")
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.isnan(h.grad[1]).all() and torch.isfinite(h.grad[0]).all()
+    assert (h.grad[2] == 0).all()
+
+
+def test_backward_allocates_no_zero_gradients(recorder):
+    # unused outputs (dhidden, dweight) must not get zero-filled gradients: for dweight that
+    # would double the peak memory of the loss (V x d zeros next to the V x d gradient)
+    h, w = torch.randn(6, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 50, (6,)))
+    with recorder() as rec:
+        loss.backward()
+    allocs = [name for name, shapes in rec.ops if (50, 16) in shapes and "mul_" not in name
+              and "detach" not in name]
+    assert allocs == [], allocs
+
+
 def test_fake_tensor_trace(recorder):
     with FakeTensorMode():
         h = torch.randn(2, 8, 48, requires_grad=True)

@@ -47,6 +47,10 @@ def _ce_kernel(
     ptr = LOGITS + row * stride_row
     target = tl.load(TARGETS + row).to(tl.int64)
     valid = target != ignore_index
+    # an out-of-range target poisons its row (NaN loss and gradient) instead of reading out of
+    # bounds; checking on the host would cost a device sync per call
+    poison = valid & ((target < 0) | (target >= V))
+    valid = valid & (target >= 0) & (target < V)
     # pass 1: running max m, running sum of exp(x - m), sum of x (for label smoothing)
     m = float("-inf")
     d = 0.0
@@ -61,11 +65,11 @@ def _ce_kernel(
     lse = m + tl.log(d)
     x_t = tl.load(ptr + target, mask=valid, other=0.0).to(tl.float32)
     loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - sum_x / V)
-    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    tl.store(LOSS + row, tl.where(poison, float("nan"), tl.where(valid, loss, 0.0)))
     scale = 1.0
     if IS_MEAN:
         scale = 1.0 / tl.maximum(tl.load(N_VALID), 1.0)  # rows are all ignored if 0
-    scale = tl.where(valid, scale, 0.0)
+    scale = tl.where(valid, scale, tl.where(poison, float("nan"), 0.0))
     # pass 2: dlogits = (softmax - (1 - eps) onehot - eps / V) * scale, in place
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -98,6 +102,10 @@ def _ce_launch(logits, targets, loss_rows, n_valid, ignore_index, smoothing, is_
 
 
 def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise on targets outside [0, vocab) that are not ignore_index. CPU only: on a GPU this
+    would sync the host every call, so there the kernel poisons such rows with NaN instead."""
+    if targets.device.type != "cpu":
+        return
     bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if bool(bad.any()):
         value = int(targets[bad][0])
@@ -161,12 +169,18 @@ def _(hidden, weight, targets, bias, ignore_index, reduction, label_smoothing, c
 def _setup(ctx, inputs, output):
     ctx.has_bias = inputs[3] is not None
     _, dh, dw, db = output
+    # Without these, autograd would hand backward a zero tensor per unused output: a (V, d)
+    # zeros for dweight, as large as the gradient itself.
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(dh, dw, db)
     ctx.save_for_backward(dh, dw, db)
 
 
 def _backward(ctx, g_loss, _g_dh, _g_dw, _g_db):
     # Scale in place: a fresh copy of dW would add V*d elements to the peak, and autograd can
     # adopt these tensors as .grad without a copy once the graph releases them.
+    if g_loss is None:
+        return (None,) * 8
     dh, dw, db = ctx.saved_tensors
     dh.mul_(g_loss)
     dw.mul_(g_loss)

@@ -29,7 +29,8 @@ from gobrrr.kernels._util import (
 
 # Launch heuristics. Benchmarks may overwrite entries to sweep them; the defaults were chosen
 # from such a sweep on an H100 (benchmarks/kernels.md).
-TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 4096, "bwd_warps": 0, "bwd_per_sm": 2}
+TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 0, "bwd_per_sm": 0,
+          "bwd_stages": 1}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -66,7 +67,7 @@ def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx,
     tiles_per_prog,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    W_IN_LOOP: tl.constexpr,
+    W_IN_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -76,7 +77,7 @@ def _norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(0, tiles_per_prog):
+    for i in tl.range(0, tiles_per_prog, num_stages=NUM_STAGES):
         rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -120,7 +121,7 @@ def _block_m(n_cols: int, elems: int) -> int:
 def _warps(block_elems: int, override: int) -> int:
     if override:
         return override
-    return max(4, min(32, block_elems // 512))
+    return 8 if block_elems <= 8192 else 16
 
 
 def _fwd(x, weight, bias, eps, is_rms):
@@ -148,7 +149,8 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     m = x2.shape[0]
     block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
     tiles = cdiv(m, block_m)
-    n_progs = max(1, min(tiles, num_sms(x.device) * TUNING["bwd_per_sm"]))
+    per_sm = TUNING["bwd_per_sm"] or (1 if block_n <= 8192 else 4)
+    n_progs = max(1, min(tiles, num_sms(x.device) * per_sm))
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dw_part = torch.empty((n_progs, n), dtype=torch.float32, device=x.device)
     db_part = torch.empty((n_progs, n), dtype=torch.float32, device=x.device) if has_bias else None
@@ -158,7 +160,8 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
         db_part if has_bias else dw_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
         cdiv(tiles, n_progs),
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
-        W_IN_LOOP=block_n >= 8192, num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
+        W_IN_LOOP=block_n >= 8192, NUM_STAGES=TUNING["bwd_stages"],
+        num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
     )
     dw = dw_part.sum(0).to(weight.dtype)
     db = db_part.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)
@@ -198,10 +201,14 @@ def _(dy, x, weight, rstd):
 
 def _rms_setup(ctx, inputs, output):
     x, weight, _ = inputs
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused rstd output
+    ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_backward(ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(dy, x, weight, rstd)
     return dx, dw, None
@@ -245,10 +252,14 @@ def _(dy, x, weight, mean, rstd, has_bias):
 def _ln_setup(ctx, inputs, output):
     x, weight, bias, _ = inputs
     ctx.has_bias = bias is not None
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the unused mean, rstd
+    ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(x, weight, output[1], output[2])
 
 
 def _ln_backward(ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = layer_norm_bwd(dy, x, weight, mean, rstd, ctx.has_bias)
     return dx, dw, (db if ctx.has_bias else None), None

@@ -276,23 +276,68 @@ def experiment_shape(d: int, causal: bool, s: int) -> dict:
     return row
 
 
-def host_overhead_us(n: int = 300) -> dict:
-    """Wall time per forward+backward call at a tiny shape (1x1x128x64): host-bound, so this is
-    the host (Python, dispatch, launch) time per step, in microseconds."""
+class _NoDispatch(torch.autograd.Function):
+    """Our kernels under autograd without the custom-op dispatch (host-time diagnosis only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = kf.attention_forward(q, k, v, True, q.shape[-1] ** -0.5)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        return kb.attention_backward(do, q, k, v, out, lse, True, q.shape[-1] ** -0.5)
+
+
+def _host_us(fn, n: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def host_diagnostics(n: int = 300) -> dict:
+    """Wall time per call at a tiny causal shape (1x1x128x64), where the GPU waits on the host:
+    the host (Python, dispatch, launch) time of each layer of our path, in microseconds."""
+    import cProfile
+    import gc
+    import io
+    import pstats
+
     q, k, v = (_rand((1, 1, 128, 64), DTYPE, i).requires_grad_() for i in range(3))
     do = _rand((1, 1, 128, 64), DTYPE, 3)
-    out = {}
-    for name, f in (("ours", lambda q, k, v: attention(q, k, v, causal=True)),
-                    ("sdpa_flash", sdpa("FLASH_ATTENTION", True))):
-        for _ in range(20):
-            torch.autograd.grad(f(q, k, v), (q, k, v), do)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            torch.autograd.grad(f(q, k, v), (q, k, v), do)
-        torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t) / n * 1e6
-    return out
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    flash = sdpa("FLASH_ATTENTION", True)
+    out, lse = kf.attention_forward(qd, kd, vd, True, 0.125)
+    runs = dict(
+        public_fwd_bwd=lambda: torch.autograd.grad(attention(q, k, v, causal=True), (q, k, v), do),
+        no_op_dispatch_fwd_bwd=lambda: torch.autograd.grad(_NoDispatch.apply(q, k, v), (q, k, v),
+                                                           do),
+        launchers_fwd_bwd=lambda: kb.attention_backward(
+            do, qd, kd, vd, *kf.attention_forward(qd, kd, vd, True, 0.125), True, 0.125),
+        launcher_fwd=lambda: kf.attention_forward(qd, kd, vd, True, 0.125),
+        launcher_dq=lambda: kb.bwd_dq(do, qd, kd, vd, out, lse, True, 0.125),
+        sdpa_flash_fwd_bwd=lambda: torch.autograd.grad(flash(q, k, v), (q, k, v), do))
+    res = {name: _host_us(fn, n) for name, fn in runs.items()}
+    gc.disable()
+    res["public_fwd_bwd_gc_off"] = _host_us(runs["public_fwd_bwd"], n)
+    gc.enable()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        runs["public_fwd_bwd"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    res["profile_public_fwd_bwd_200_calls"] = text.getvalue()[-6000:]
+    return res
 
 
 def _tflops(r: dict, name: str, phase: str = "fwd_bwd") -> float:
@@ -345,8 +390,10 @@ def main() -> None:
                     result["shapes"].append(dict(D=d, causal=causal, S=s, error=repr(e)[:500]))
                 log(f"shape D={d} causal={causal} S={s}: {json.dumps(result['shapes'][-1])}")
                 save()
-    result["host_us_per_fwd_bwd"] = host_overhead_us()
-    log(f"host time per fwd+bwd call (us): {result['host_us_per_fwd_bwd']}")
+    result["host_us"] = host_diagnostics()
+    log("host time per call (us): " + json.dumps(
+        {k: round(v, 1) for k, v in result["host_us"].items() if isinstance(v, float)}))
+    print(result["host_us"]["profile_public_fwd_bwd_200_calls"][:3000], flush=True)
     if args.experiments:
         result["experiments"] = []
         for shape in ((128, False, 8192), (128, True, 8192), (64, False, 2048), (128, True, 1024)):

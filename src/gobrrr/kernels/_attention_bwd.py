@@ -43,12 +43,13 @@ DQ_MODE = "separate"  # "separate": dQ kernel, no atomics; "atomic": fp32 atomic
 
 def dkdv_configs(bd: int) -> list[triton.Config]:
     """dK/dV candidates: the dK and dV accumulators (2 x BLOCK_N x D fp32) fill the registers,
-    so D=128 takes BLOCK_M=32 query steps; (64, 128, 8, 2) and (32, 128, 8, 4) spill a little
-    at D=128 and still win at some shapes."""
+    so D=128 takes BLOCK_M=32 query steps. At D=128 all but (32, 128, 8, 3) spill a little
+    (ptxas, Triton 3.9) and some still win on the H100 (benchmarks/attention.md)."""
     if bd <= 64:
         return [cfg(32, 64, 4, 3), cfg(32, 64, 4, 4), cfg(16, 64, 4, 3), cfg(64, 128, 8, 3),
                 cfg(32, 128, 8, 3)]
-    return [cfg(32, 128, 8, 3), cfg(64, 128, 8, 2), cfg(32, 128, 8, 4)]
+    return [cfg(32, 128, 8, 3), cfg(32, 128, 8, 4), cfg(64, 128, 8, 2), cfg(64, 128, 8, 3),
+            cfg(32, 64, 4, 3), cfg(32, 64, 4, 4)]
 
 
 def dq_configs(bd: int) -> list[triton.Config]:

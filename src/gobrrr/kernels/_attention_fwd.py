@@ -196,7 +196,7 @@ def _attn_fwd_kernel(
     store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-_TUNERS: dict = {}  # tag -> triton Autotuner
+_TUNERS: dict = {}  # (tag, BLOCK_D) -> triton Autotuner
 BEST: dict = {}  # (tag, key) -> the config the autotuner chose
 
 
@@ -211,11 +211,12 @@ def launch(kernel, grid, args: tuple, consts: dict, *, tag: str, key: tuple,
     if config is None:
         config = BEST.get((tag, key))
     if config is None:
-        if tag not in _TUNERS:
-            _TUNERS[tag] = triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "S_BUCKET"],
-                                           **tune_kwargs)(kernel)
-        _TUNERS[tag][grid](*args, **consts)
-        BEST[(tag, key)] = _TUNERS[tag].best_config
+        tuner_id = (tag, consts["BLOCK_D"])  # the candidate list depends on the head-dim tile
+        if tuner_id not in _TUNERS:
+            _TUNERS[tuner_id] = triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "S_BUCKET"],
+                                                **tune_kwargs)(kernel)
+        _TUNERS[tuner_id][grid](*args, **consts)
+        BEST[(tag, key)] = _TUNERS[tuner_id].best_config
         return
     kernel[grid](*args, **consts, **config_kwargs(config))
 

@@ -357,13 +357,42 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def markdown(path: str) -> str:
+    """Markdown tables (TFLOP/s and ms) from a results file, for benchmarks/attention.md."""
+    r = json.load(open(path))
+    env = r["env"]
+    lines = [f"{env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+             f"triton {env['triton']}, {env['date'][:10]}; bf16, B*S = {TOKENS}, "
+             f"hidden {HIDDEN}; TFLOP/s (FlashAttention FLOP convention), median of do_bench.",
+             "",
+             "| D | causal | S | ours fwd | ours bwd | ours f+b | SDPA flash f+b | cuDNN f+b "
+             "| efficient f+b | ours/flash | ours/cuDNN | ours kernels f+b ms | flash f+b ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["shapes"]:
+        if "error" in x:
+            continue
+        o, fl, cu = (_tflops(x, n) for n in ("ours", "sdpa_flash", "sdpa_cudnn"))
+        kernels = sum(x["phases_ms"].values())
+        lines.append(
+            f"| {x['D']} | {'yes' if x['causal'] else 'no'} | {x['S']} "
+            f"| {_tflops(x, 'ours', 'fwd'):.0f} | {_tflops(x, 'ours', 'bwd'):.0f} | {o:.0f} "
+            f"| {fl:.0f} | {cu:.0f} | {_tflops(x, 'sdpa_efficient'):.0f} | {o / fl:.2f} "
+            f"| {o / cu:.2f} | {kernels:.3f} | {x['sdpa_flash']['fwd_bwd']['ms']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", help="path of the JSON file to write")
     ap.add_argument("--quick", action="store_true", help="D=128, S in {2048, 8192} only")
     ap.add_argument("--experiments", action="store_true", help="per-config and atomic-dQ timings")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--markdown", action="store_true",
+                    help="print markdown tables from the results file OUT and exit")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(args.out))
+        return
     heads = (64, 128)
     seqs = (2048, 8192) if args.quick else SEQS
     result = dict(version=1, env=environment(), protocol=dict(

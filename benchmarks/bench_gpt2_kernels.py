@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gobrrr.kernels import LayerNorm, gelu, linear_cross_entropy
-from gobrrr.kernels.bench import GiB, table, write_json
+from gobrrr.kernels.bench import GiB, generator, table, write_json
 
 DEVICE = "cuda"  # the benchmarks need a GPU; a CPU dry run may override this
 
@@ -124,8 +124,9 @@ def attention_works() -> str | None:
     try:
         from gobrrr.kernels import attention
 
-        q, k, v = (torch.randn(2, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-                   for _ in range(3))  # (B, H, S, D) views, as the model makes them
+        g = generator(2, DEVICE)
+        q, k, v = (torch.randn(2, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16, generator=g)
+                   .transpose(1, 2) for _ in range(3))  # (B, H, S, D) views, as the model has
         err = (attention(q, k, v, causal=True).float()
                - F.scaled_dot_product_attention(q, k, v, is_causal=True).float()).abs().max()
         return None if err < 3e-2 else f"max error {err.item():.3g} vs SDPA"

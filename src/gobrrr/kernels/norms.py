@@ -27,10 +27,11 @@ from gobrrr.kernels._util import (
     tl,
 )
 
-# Launch heuristics. Benchmarks may overwrite entries to sweep them; the defaults were chosen
-# from such a sweep on an H100 (benchmarks/kernels.md).
-TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 0, "bwd_per_sm": 0,
-          "bwd_stages": 1}
+# Launch heuristics; 0 means "by row width" (_bwd_launch). Benchmarks overwrite entries to sweep
+# them; the defaults come from such a sweep on an H100 (benchmarks/kernels.md): the backward runs
+# one program per SM, 8 warps, and pipelines its row loop 3 deep for rows up to 8192 wide.
+TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
+          "bwd_stages": 0}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -149,7 +150,7 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     m = x2.shape[0]
     block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
     tiles = cdiv(m, block_m)
-    per_sm = TUNING["bwd_per_sm"] or (1 if block_n <= 8192 else 4)
+    per_sm = TUNING["bwd_per_sm"] or 1
     n_progs = max(1, min(tiles, num_sms(x.device) * per_sm))
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dw_part = torch.empty((n_progs, n), dtype=torch.float32, device=x.device)
@@ -160,7 +161,7 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
         db_part if has_bias else dw_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
         cdiv(tiles, n_progs),
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
-        W_IN_LOOP=block_n >= 8192, NUM_STAGES=TUNING["bwd_stages"],
+        W_IN_LOOP=block_n >= 8192, NUM_STAGES=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 1),
         num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
     )
     dw = dw_part.sum(0).to(weight.dtype)

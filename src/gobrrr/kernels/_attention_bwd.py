@@ -9,9 +9,10 @@
     dQ = scale · dS K                            dQ kernel: one program per query block, looping
                                                  over key blocks (recomputes P and dP); it runs
                                                  first and also computes delta, so no separate
-                                                 preprocess pass. Alternative (dq_mode="atomic",
-                                                 measured 1.8x slower on an H100): fp32 atomics
-                                                 from the dK/dV kernel after a preprocess pass
+                                                 preprocess pass. Alternative, measured slower
+                                                 on an H100 (benchmarks/attention.md):
+                                                 dq_mode="atomic", fp32 atomics from the dK/dV
+                                                 kernel after a preprocess pass
 """
 
 from __future__ import annotations

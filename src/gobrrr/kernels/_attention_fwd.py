@@ -5,7 +5,7 @@ key/value blocks of that head's KV head (grouped-query attention reads K/V in pl
 running row max m, row sum l and the fp32 accumulator in registers, and writes O and the
 log-sum-exp. The key range splits into blocks that need no mask (off-diagonal / interior) and
 blocks that do (the causal diagonal and the ragged tail), so the common loop carries no masking.
-Shared helpers for the backward live here too.
+Pieces the backward shares live here too.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def fwd_configs(bd: int) -> list[triton.Config]:
             cfg(64, 64, 4, 3)]
 
 
-# ----------------------------------------------------------------------------- shared helpers
+# ----------------------------------------------------------------------------- shared pieces
 # The interpreter multiplies bf16 tiles as raw uint16 bits; there, dots run on fp32 copies.
 UPCAST_DOTS = tl.constexpr(INTERPRET)
 

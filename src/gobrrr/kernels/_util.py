@@ -1,4 +1,4 @@
-"""Shared helpers for the Triton kernels: input checks, launch targets, block sizes."""
+"""Shared utilities for the Triton kernels: input checks, launch targets, block sizes."""
 
 from __future__ import annotations
 

@@ -136,13 +136,17 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:
-    """Bytes the BLAS handles keep allocated once the step has run: cuBLAS's workspace after
-    any matmul, plus cuBLASLt's after an addmm (a Linear with a bias takes the Lt path)."""
-    names = {n.name for n in graph.nodes}
+    """Bytes the BLAS handles keep allocated once the step has run. cuBLAS keeps one workspace
+    per handle, and handles are per thread: the main thread's (forward, optimizer) and the
+    autograd engine's (backward, recompute) each get one once they run a matmul. cuBLASLt
+    adds its own after an addmm (a Linear with a bias takes the Lt path)."""
     blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
     lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
         gpu.blaslt_workspace
-    return (blas if names & _MATMULS else 0) + (lt if "addmm" in names else 0)
+    main = {n.name for n in graph.nodes if n.phase in ("forward", "optimizer")}
+    engine = {n.name for n in graph.nodes if n.phase in ("backward", "recompute")}
+    total = (blas if main & _MATMULS else 0) + (blas if engine & _MATMULS else 0)
+    return total + (lt if "addmm" in main | engine else 0)
 
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:

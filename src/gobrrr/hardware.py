@@ -178,7 +178,10 @@ class Calibration:
     problems; `matmul_curve` maps a matmul's FLOPs to its achieved fraction of the large-shape
     rate (small matmuls do not fill the chip), as sorted [flops, fraction] pairs.
     `matmul_misaligned`: fraction of the aligned rate with an odd leading dimension, per math
-    mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype.
+    mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype;
+    `attention_curve`: the same over sequence lengths, [[S, FLOP/s], ...] per dtype.
+    `matmul_grid`: achieved FLOP/s over output size and depth, [[m·n, k, FLOP/s], ...] per
+    math mode (replaces `matmul_curve` where present).
     `op_overhead`: host seconds per ATen op inside an eager training step, per phase.
     `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name."""
 
@@ -194,6 +197,8 @@ class Calibration:
     blaslt_workspace: int | None = None
     matmul_misaligned: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
+    attention_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    matmul_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     op_overhead: dict[str, float] = field(default_factory=dict)
     op_bandwidth: dict[str, float] = field(default_factory=dict)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)

@@ -111,8 +111,12 @@ class Rates:
         self.launch = cal.launch_overhead if cal else gpu.launch_overhead
         self.latency = cal.kernel_latency if cal else gpu.kernel_latency
 
-    def matmul(self, math_mode: str, flops: float) -> float:
-        """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`."""
+    def matmul(self, math_mode: str, flops: float, dims: tuple[float, float] | None = None
+               ) -> float:
+        """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`; `dims` =
+        (output elements, depth k) when known, looked up in the calibration's grid."""
+        if self.cal and dims and self.cal.matmul_grid.get(math_mode):
+            return _grid(self.cal.matmul_grid[math_mode], *dims)
         if self.cal and math_mode in self.cal.matmul_flops:
             rate = self.cal.matmul_flops[math_mode]
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
@@ -125,8 +129,12 @@ class Rates:
             return self.cal.matmul_misaligned[math_mode]
         return MISALIGNED_FRACTION
 
-    def attention(self, math_mode: str) -> float:
+    def attention(self, math_mode: str, seq: int | None = None) -> float:
         """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count)."""
+        key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
+        if self.cal and seq and self.cal.attention_curve.get(key):
+            pts = self.cal.attention_curve[key]
+            return _interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
         if self.cal and self.cal.attention_flops:
             key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
             if key in self.cal.attention_flops:
@@ -167,6 +175,54 @@ def _curve(points: list[list[float]] | None, flops: float) -> float:
         return points[-1][1]
     t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
     return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear in x, clamped at the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+def _grid(points: list[list[float]], mn: float, k: float) -> float:
+    """Achieved FLOP/s at (output elements, depth) from a measured [[mn, k, rate]] grid:
+    linear in log k, then in log mn; below the grid the rate falls in proportion (fewer tiles
+    to spread over the SMs, or less depth to amortise each tile over)."""
+    mns = sorted({p[0] for p in points})
+    ks = sorted({p[1] for p in points})
+    table = {(p[0], p[1]): p[2] for p in points}
+    lk = math.log(max(k, 1.0))
+    at_mn = [_interp([math.log(x) for x in ks], [table[(m, x)] for x in ks], lk) for m in mns]
+    rate = _interp([math.log(m) for m in mns], at_mn, math.log(max(mn, 1.0)))
+    return rate * min(1.0, mn / mns[0]) * min(1.0, k / ks[0])
+
+
+def gemm_dims(node: OpNode) -> tuple[float, float] | None:
+    """(output elements, reduction depth) of a matmul or convolution (as an implicit GEMM:
+    N·Ho·Wo·Cout outputs, Cin/groups·kh·kw depth), or None."""
+    name = node.name
+    if name in ("mm", "addmm", "bmm", "baddbmm") and node.outputs:
+        out = node.outputs[0]
+        a = node.inputs[1] if name in ("addmm", "baddbmm") and len(node.inputs) > 2 else \
+            node.inputs[0]
+        return float(out.numel), float(a.shape[-1])
+    if name.startswith("convolution") or name.startswith("cudnn_convolution"):
+        acts = [t for t in node.inputs if len(t.shape) >= 3]
+        if len(acts) < 2:
+            return None
+        weight = min(acts, key=lambda t: t.numel)
+        big = [t for t in acts if t is not weight]
+        spatial = 1
+        for d in weight.shape[2:]:
+            spatial *= d
+        out_elems = max(t.numel for t in big) if name.endswith("backward") else \
+            (node.outputs[0].numel if node.outputs else max(t.numel for t in big))
+        return float(out_elems), float(weight.shape[1] * spatial)
+    return None
 
 
 def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
@@ -219,9 +275,11 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
     if cost.kind == "attention":
-        rate = rates.attention(cost.math)
+        q = node.inputs[0] if node.inputs else None
+        rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
+                               else None)
     elif cost.math in MATMUL_MATH:
-        rate = rates.matmul(cost.math, cost.flops)
+        rate = rates.matmul(cost.math, cost.flops, gemm_dims(node))
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):

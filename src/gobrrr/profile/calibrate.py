@@ -78,7 +78,8 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     out: dict = {"op_overhead": cs.step_overhead(dev, reps=20 if cuda else 5)}
     if cuda:
         out.update(matmul_misaligned=cs.misaligned_fractions(dev),
-                   attention_flops=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
+                   attention_curve=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
+                   matmul_grid=cs.matmul_grid(dev),
                    blaslt_workspace=cs.blaslt_workspace(dev))
     return out
 

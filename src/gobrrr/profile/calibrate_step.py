@@ -94,24 +94,53 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
     return out
 
 
-def attention_rate(dev: torch.device, b: int = 8, h: int = 16, s: int = 2048,
-                   d: int = 64) -> dict[str, float]:
+def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
+                   seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of F.scaled_dot_product_attention fwd+bwd (causal), default backend,
+    at B·S = `tokens`, 16 heads of `d`, over sequence lengths: {dtype: [[S, FLOP/s], ...]}.
     FlashAttention's count: fwd 4·B·H·S²·D / 2, bwd 2.5 x fwd."""
     from gobrrr.profile.calibrate import time_op
 
-    out = {}
+    out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
+        out[name] = []
+        for s in seqs:
+            b, h = max(tokens // s, 1), 16
+            q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
 
-        def fwd_bwd(q=q, k=k, v=v, g=g):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            torch.autograd.grad(o, (q, k, v), g)
+            def fwd_bwd(q=q, k=k, v=v, g=g):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(o, (q, k, v), g)
 
-        flops = 3.5 * 4 * b * h * s * s * d / 2
-        out[name] = flops / time_op(fwd_bwd, dev, 10)
+            flops = 3.5 * 4 * b * h * s * s * d / 2
+            out[name].append([float(s), flops / time_op(fwd_bwd, dev, 10)])
+    return out
+
+
+def matmul_grid(dev: torch.device, mns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192),
+                ks: tuple[int, ...] = (64, 256, 1024, 4096)) -> dict[str, list[list[float]]]:
+    """Achieved FLOP/s of (m x k) @ (k x m) over output sizes m² and depths k, per math mode:
+    {mode: [[m*m, k, FLOP/s], ...]}. Small outputs leave SMs idle; a short k leaves each
+    tile's fixed cost (prologue, epilogue) unamortised."""
+    from gobrrr.profile.calibrate import time_op
+
+    out: dict[str, list[list[float]]] = {}
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32),
+                            ("fp32", torch.float32)):
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            out[name] = []
+            for m in mns:
+                for k in ks:
+                    a = torch.randn(m, k, device=dev, dtype=dtype)
+                    b = torch.randn(k, m, device=dev, dtype=dtype)
+                    t = time_op(lambda a=a, b=b: a @ b, dev, 5 if m * m * k > 2**33 else 15)
+                    out[name].append([float(m * m), float(k), 2.0 * m * m * k / t])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
     return out
 
 

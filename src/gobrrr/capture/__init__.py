@@ -182,6 +182,8 @@ class _Step:
         self.scaler = None
         if precision == "fp16-mixed":
             self.scaler = torch.amp.GradScaler("cpu")
+        self.syncs: list[int] = []  # where the real step makes the host wait for the GPU
+        self.recorder: Recorder | None = None
 
     def _phase(self, name: str) -> None:
         if self.driver is not None:
@@ -200,6 +202,8 @@ class _Step:
     def _optimizer_step(self) -> None:
         if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
             self.scaler.unscale_(self.opt)
+            if self.recorder is not None:  # ... but remember that the host waits there
+                self.syncs.append(len(self.recorder.nodes) - 1)
             self.opt.step()
             self.scaler.update()
         else:
@@ -283,7 +287,7 @@ def _trace(w: Workload, precision: str) -> StepGraph:
         _register_state(table, w, step.opt)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
-            rec = Recorder(table, driver.module, driver.current_phase)
+            rec = step.recorder = Recorder(table, driver.module, driver.current_phase)
 
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
@@ -297,7 +301,8 @@ def _trace(w: Workload, precision: str) -> StepGraph:
         table.clock = len(rec.nodes) - 1
         table.close()
     _classify(table, rec.nodes)
-    return _assemble(rec, table, w, precision)
+    graph = _assemble(rec, table, w, precision)
+    return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

@@ -117,6 +117,10 @@ class Rates:
         (output elements, depth k) when known, looked up in the calibration's grid."""
         if self.cal and dims and self.cal.matmul_grid.get(math_mode):
             return _grid(self.cal.matmul_grid[math_mode], *dims)
+        if self.cal and dims and math_mode == "fp16" and self.cal.matmul_grid.get("bf16"):
+            # the same tensor cores: bf16's shape dependence, at fp16's measured rate
+            scale = self.cal.matmul_flops.get("fp16", 1.0) / self.cal.matmul_flops.get("bf16", 1.0)
+            return _grid(self.cal.matmul_grid["bf16"], *dims) * scale
         if self.cal and math_mode in self.cal.matmul_flops:
             rate = self.cal.matmul_flops[math_mode]
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
@@ -313,10 +317,13 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
     host_t = device_t = 0.0
+    syncs = set(graph.meta.get("syncs") or ())
     for o in ops:  # two queues: the host issues, the device runs when issued and free
         host_t += o.host_s
         if o.device_s > 0:
             device_t = max(device_t, host_t) + o.device_s
+        if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
+            host_t = max(host_t, device_t)
     step = max(host_t, device_t)
     device_busy = sum(o.device_s for o in ops)
     phase_s: dict[str, float] = defaultdict(float)

@@ -101,12 +101,17 @@ class Recorder(TorchDispatchMode):
         self.nodes: list[OpNode] = []
         self._module_of = module_of
         self._phase_of = phase_of
+        self._names: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = str(func)
-        if name.rsplit(".", 1)[0] not in _SKIP:
+        name = self._names.get(func)
+        if name is None:  # str(func) once per op: tensor.device alone dispatches thousands
+            name = self._names[func] = str(func)
+            if name.rsplit(".", 1)[0] in _SKIP:
+                self._names[func] = name = ""
+        if name:
             self._record(name, args, kwargs, out)
         return out
 

@@ -426,7 +426,7 @@ def _md_host(r: dict) -> list[str]:
 
 
 def markdown(path: str) -> str:
-    """Markdown tables from a results file, for benchmarks/attention.md."""
+    """Markdown tables from a results file, for benchmarks/README.md."""
     r = json.load(open(path))
     checks = r["gpu_checks"]
     worst = max(max(c["rel_err"].values()) for c in checks if "rel_err" in c)

@@ -28,7 +28,7 @@ from gobrrr.kernels._util import (
 )
 
 # Launch heuristics; 0 means "by row width" (_bwd_launch). Benchmarks overwrite entries to sweep
-# them; the defaults come from such a sweep on an H100 (benchmarks/kernels.md): the backward runs
+# them; the defaults come from such a sweep on an H100 (benchmarks/README.md): the backward runs
 # one program per SM, 8 warps, and pipelines its row loop 3 deep for rows up to 8192 wide.
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
           "bwd_stages": 0}

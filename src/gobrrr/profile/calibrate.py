@@ -23,6 +23,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, calibration_dirs, match_device_name
+from gobrrr.profile.runner import time_steps
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -104,22 +105,8 @@ def time_op(fn, dev: torch.device, reps: int, flush: torch.Tensor | None = None)
     for _ in range(2):
         fn()
     _sync(dev)
-    out = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) * 1e-3)
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    before = flush.zero_ if flush is not None else None
+    return statistics.median(time_steps(fn, reps, dev.type, before=before))
 
 
 def matmul_rate(dev: torch.device, dtype: str, sizes) -> tuple[float, list[list[float]]]:

@@ -156,10 +156,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step, n: int, device: str) -> list[float]:
-    """Seconds per call of `step()`, n calls: CUDA events on a GPU, perf_counter on the CPU."""
+def time_steps(step, n: int, device: str, before=None) -> list[float]:
+    """Seconds per call of `step()`, n calls: CUDA events on a GPU, perf_counter on the CPU.
+    `before()` runs ahead of each call, outside the timed region (e.g. an L2 flush)."""
     out = []
     for _ in range(n):
+        if before is not None:
+            before()
         if device.startswith("cuda"):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -188,13 +191,9 @@ class Measured:
 def measure(workload: Workload, device: str, precision: str, steps: int, warmup: int,
             checkpoint: str, compile: bool, trace_path: str | Path | None) -> Measured:
     """Warm up, time `steps` steps, profile one more; see `profile` for the faults raised."""
-    wl, opt, scaler = prepare(workload, device, precision, checkpoint, compile)
-    dev_type = device.split(":")[0]
-    step = lambda: run_step(wl, opt, precision, scaler, dev_type)
+    wl, step, dev_type = _stepper(workload, device, precision, checkpoint, compile)
     with matmul_precision(precision):
-        for _ in range(max(warmup, 1)):
-            step()
-        _sync(device)
+        _warm_up(step, warmup, device)
         if dev_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = time_steps(step, steps, device)
@@ -364,11 +363,20 @@ def time_workload(workload: Workload, device: str, precision: str, steps: int, w
                   checkpoint: str = "none", compile: bool = False) -> tuple[float, ...]:
     """Seconds per step of `steps` timed steps after `warmup` (no profiler): the step times
     that `profile` reports, for scaling tests."""
+    _, step, _ = _stepper(workload, device, precision, checkpoint, compile)
+    with matmul_precision(precision):
+        _warm_up(step, warmup, device)
+        return tuple(time_steps(step, steps, device))
+
+
+def _stepper(workload: Workload, device: str, precision: str, checkpoint: str, compile: bool):
+    """(the prepared workload, a zero-argument training step, the device type)."""
     wl, opt, scaler = prepare(workload, device, precision, checkpoint, compile)
     dev_type = device.split(":")[0]
-    step = lambda: run_step(wl, opt, precision, scaler, dev_type)
-    with matmul_precision(precision):
-        for _ in range(max(warmup, 1)):
-            step()
-        _sync(device)
-        return tuple(time_steps(step, steps, device))
+    return wl, (lambda: run_step(wl, opt, precision, scaler, dev_type)), dev_type
+
+
+def _warm_up(step, warmup: int, device: str) -> None:
+    for _ in range(max(warmup, 1)):
+        step()
+    _sync(device)

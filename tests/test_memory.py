@@ -92,3 +92,38 @@ def test_checkpointing_saves_only_block_inputs():
 def test_module_rollup_sums_by_prefix():
     assert module_rollup({"h.0.attn": 3, "h.0.mlp": 4, "h.1.attn": 5, "lm_head": 1}) == {
         "h.0": 7, "h.1": 5, "lm_head": 1}
+
+
+def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
+    """Bytes saved for backward by one GPT-2 block under bf16 autocast, tensor by tensor,
+    against Megatron's 16-bit 34·s·b·h per layer (flash attention, so no s² term)."""
+    from gobrrr.formulas import megatron_activation_bytes
+    from gobrrr.models.registry import get_workload
+
+    b, s, d, a = 4, 1024, 768, 12
+    g = capture(lambda: get_workload("gpt2", b, s), precision="bf16-mixed")
+    traced = sum(x.nbytes for x in g.storages
+                 if x.kind == "activation" and x.module.startswith("transformer.h.3"))
+    sbh, bs = s * b * d, b * s
+    hand = (
+        2 * (2 * bs * 4)            # ln_1, ln_2: fp32 mean and rstd per token
+        + 2 * sbh + 6 * sbh         # c_attn: bf16 cast of its input; q, k, v (bf16)
+        + 2 * 3 * d * d             # c_attn: bf16 copy of the weight (autocast's cache)
+        + 2 * sbh + 4 * b * a * s   # attention output (bf16) and its fp32 log-sum-exp
+        + 2 * d * d                 # attn.c_proj weight copy
+        + 4 * sbh + 4 * sbh         # the two residual sums, fp32 (the stream stays fp32)
+        + 2 * sbh + 8 * sbh         # c_fc: input cast; output 4d wide (gelu's input)
+        + 2 * 4 * d * d             # c_fc weight copy
+        + 8 * sbh                   # gelu output (mlp.c_proj's input)
+        + 2 * 4 * d * d             # mlp.c_proj weight copy
+    )
+    assert traced == hand
+    # Megatron assumes a 16-bit residual stream and dropout masks, and no weight copies: the
+    # traced block is larger by the fp32 stream (+4·sbh) and the copies, smaller by the masks
+    megatron = megatron_activation_bytes(s, b, d, a, recompute="flash")
+    assert megatron == 34 * sbh
+    fp32_stream = 2 * (4 - 2) * sbh  # two residual sums kept in fp32, not 16-bit
+    weight_copies = 2 * 12 * d * d  # bf16 copies of the block's 12·d² weights
+    fp32_stats = 2 * (2 * bs * 4) + 4 * b * a * s  # norm statistics, attention log-sum-exp
+    dropout_masks = 2 * sbh  # Megatron's two 1-byte masks (attention output, MLP output)
+    assert traced - megatron == fp32_stream + weight_copies + fp32_stats - dropout_masks

@@ -59,7 +59,8 @@ class Estimate:
                      "modules_s": dict(list(t.by_module().items())[:top])},
             "top_ops": [{"index": o.index, "op": o.op, "module": o.module, "phase": o.phase,
                          "kind": o.kind, "device_s": o.device_s, "flops": o.flops,
-                         "bytes": o.bytes, "intensity": o.intensity, "regime": o.regime}
+                         "bytes": o.bytes, "regime": o.regime,
+                         "intensity": o.intensity if o.intensity != float("inf") else None}
                         for o in ops],
             "formulas": self.formulas,
             "ops": len(self.graph.nodes),

@@ -86,3 +86,14 @@ def test_debug_shows_the_traceback(capsys, monkeypatch):
     monkeypatch.setenv("GOBRRR_DEBUG", "1")
     with pytest.raises(GobrrrError):
         main(["estimate", "--model", "gpt5"])
+
+
+def test_hints_name_the_misaligned_head_and_what_does_not_fit(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", "2", "--seq", "128",
+                         "--json")
+    hints = json.loads(out)["hints"]
+    assert any("50257" in h and "lm_head" in h for h in hints)
+    code, out, err = run(capsys, "estimate", "--model", "llama3-8b", "--seq", "128", "--json")
+    data = json.loads(out)
+    assert data["memory"]["fits"] is False  # 8B params: weights+grads+AdamW > 80 GB
+    assert any("optimizer states alone" in h for h in data["hints"])

@@ -63,9 +63,43 @@ class Estimate:
                          "intensity": o.intensity if o.intensity != float("inf") else None}
                         for o in ops],
             "formulas": self.formulas,
+            "hints": hints(self),
             "ops": len(self.graph.nodes),
             "capture_s": self.capture_s,
         }
+
+
+def hints(est: Estimate) -> list[str]:
+    """What the prediction says to change, with the time it would save."""
+    from gobrrr.cost.roofline import Rates, misaligned
+
+    out = []
+    slow = [o for o in est.time.ops if o.kind == "matmul" and o.device_s > 0
+            and o.math not in ("fp32",) and misaligned(est.graph.nodes[o.index])]
+    if slow:
+        frac = Rates(est.gpu, find_calibration(est.gpu) if est.calibration else None)\
+            .misaligned_fraction(slow[0].math)
+        spent = sum(o.device_s for o in slow)
+        mods = sorted({o.module or "<top>" for o in slow})
+        shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
+                         for n in t.shape if (n * t.itemsize) % 16})
+        out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is not a "
+                   f"multiple of 16 bytes ({', '.join(map(str, shapes[:3]))}): they run at "
+                   f"{frac:.0%} of the aligned rate; padding it (e.g. a vocabulary to a multiple of "
+                   f"64) would save ≈{spent * (1 - frac) * 1e3:.1f} ms per step")
+    if not est.fits:
+        cap, gib = est.gpu.memory_bytes, 2**30
+        state = sum(est.memory.at_peak.get(k, 0) for k in ("parameter", "gradient",
+                                                           "optimizer_state"))
+        if state > cap:
+            gpus = -(-state // cap)
+            out.append(f"parameters, gradients and optimizer states alone need {state / gib:.1f}"
+                       f" GiB of {cap / gib:.1f} GiB: shard them over ≥{gpus} GPUs (FSDP), keep"
+                       " them in bf16 (--precision bf16) or offload the optimizer states to CPU")
+        else:
+            out.append(f"the step needs {est.memory.peak / gib:.1f} GiB of {cap / gib:.1f} GiB,"
+                       " mostly activations: try --checkpoint full or a smaller --batch")
+    return out
 
 
 def saved_activations(graph: StepGraph) -> int:

@@ -54,10 +54,18 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
             f"{share.get('memory', 0):.0%} / overhead {share.get('overhead', 0):.0%} · "
             f"bwd/fwd FLOPs {t.backward_forward_ratio():.2f}")
     c.print(_memory_table(est))
+    top_mods = list(module_rollup(m.by_module).items())[:5]
+    if top_mods:
+        c.print("activations + temporaries at the peak, by module: " + ", ".join(
+            f"{k} {gib(v)}" for k, v in top_mods))
     c.print(_ops_table(est, top))
     c.print(_modules_table(est, top))
     if est.formulas:
         c.print(_formulas_table(est))
+    from gobrrr.estimate import hints
+
+    for h in hints(est):
+        c.print(f"[yellow]hint:[/] {h}")
 
 
 def _memory_table(est: Estimate) -> Table:
@@ -71,10 +79,6 @@ def _memory_table(est: Estimate) -> Table:
         if b:
             tab.add_row(kind.replace("_", " "), gib(b), f"{b / m.peak:.1%}")
     tab.add_row("[bold]peak[/]", f"[bold]{gib(m.peak)}[/]", "")
-    top_mods = list(module_rollup(m.by_module).items())[:5]
-    if top_mods:
-        tab.caption = "activations+temporaries by module: " + ", ".join(
-            f"{k} {gib(v)}" for k, v in top_mods)
     return tab
 
 
@@ -84,7 +88,8 @@ def _ops_table(est: Estimate, top: int) -> Table:
         tab.add_column(col, justify="right" if col in ("#", "time", "TFLOP", "GB", "FLOP/B")
                        else "left")
     for o in sorted(est.time.ops, key=lambda o: -o.device_s)[:top]:
-        tab.add_row(str(o.index), o.op.removeprefix("aten."), o.module or "<top>", o.phase,
+        tab.add_row(str(o.index), o.op.removeprefix("aten.").removesuffix(".default"),
+                    o.module or "<top>", o.phase,
                     human_time(o.device_s), f"{o.flops / 1e12:.3f}", f"{o.bytes / 1e9:.3f}",
                     f"{o.intensity:.0f}" if o.intensity != float("inf") else "∞", o.regime)
     return tab

@@ -83,8 +83,8 @@ def hints(est: Estimate) -> list[str]:
         mods = sorted({o.module or "<top>" for o in slow})
         shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
                          for n in t.shape if (n * t.itemsize) % 16})
-        out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is not a "
-                   f"multiple of 16 bytes ({', '.join(map(str, shapes[:3]))}): they run at "
+        out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is "
+                   f"not a multiple of 16 bytes ({', '.join(map(str, shapes[:3]))}): they run at "
                    f"{frac:.0%} of the aligned rate; padding it (e.g. a vocabulary to a multiple of "
                    f"64) would save ≈{spent * (1 - frac) * 1e3:.1f} ms per step")
     if not est.fits:

@@ -83,10 +83,11 @@ def hints(est: Estimate) -> list[str]:
         mods = sorted({o.module or "<top>" for o in slow})
         shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
                          for n in t.shape if (n * t.itemsize) % 16})
+        dims = ", ".join(map(str, shapes[:3]))
         out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is "
-                   f"not a multiple of 16 bytes ({', '.join(map(str, shapes[:3]))}): they run at "
-                   f"{frac:.0%} of the aligned rate; padding it (e.g. a vocabulary to a multiple of "
-                   f"64) would save ≈{spent * (1 - frac) * 1e3:.1f} ms per step")
+                   f"not a multiple of 16 bytes ({dims}): they run at {frac:.0%} of the aligned "
+                   "rate; padding it (e.g. a vocabulary to a multiple of 64) would save "
+                   f"≈{spent * (1 - frac) * 1e3:.1f} ms per step")
     if not est.fits:
         cap, gib = est.gpu.memory_bytes, 2**30
         state = sum(est.memory.at_peak.get(k, 0) for k in ("parameter", "gradient",

@@ -96,6 +96,25 @@ def extract_loss(out: Any) -> torch.Tensor:
     return loss
 
 
+def embedding_only_params(model: nn.Module) -> int:
+    """Parameters used only as embedding lookups (no matmul per token: they are left out of
+    the 6·N of model FLOPs). An embedding tied to an output head takes part in a matmul and is
+    not counted here."""
+    users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                users[id(p)] = users.get(id(p), 0) + 1
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Embedding) and id(w) not in seen and users.get(id(w)) == 1:
+            seen.add(id(w))
+            total += w.numel()
+    return total
+
+
 def iter_tensors(x: Any):
     if isinstance(x, torch.Tensor):
         yield x

@@ -25,22 +25,13 @@ from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
+from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.transforms import apply_checkpointing
-from gobrrr.workload import Workload, iter_tensors, map_tensors
+from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
-PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
 CHECKPOINTS = ("none", "full")
 
 WorkloadSource = Workload | Callable[[], Workload]
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise GobrrrError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-
-
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
 
 
 class _Driver:
@@ -101,10 +92,9 @@ def _module_hooks(driver: _Driver) -> Iterator[None]:
         h2.remove()
 
 
-def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Replace every parameter and buffer by fn(it), keeping tied parameters tied. (Module.to
-    and _apply cannot swap fake tensors.)"""
-    memo: dict[int, torch.Tensor] = {}
+def _converter(fn: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any]):
+    """t -> fn(t), a Parameter again if t was one, once per tensor (`memo` by id), so tied
+    parameters stay tied."""
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in memo:
@@ -113,6 +103,13 @@ def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.
                 t, torch.nn.Parameter) else new
         return memo[id(t)]
 
+    return convert
+
+
+def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter and buffer by fn(it), keeping tied parameters tied. (Module.to
+    and _apply cannot swap fake tensors.)"""
+    convert = _converter(fn, {})
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
@@ -126,12 +123,10 @@ def _to_fake(workload: Workload, mode: FakeTensorMode) -> Workload:
     """A fake copy of a workload built from real tensors (same structure, no memory); the
     user's model is left untouched."""
     memo: dict[int, Any] = {}
+    convert = _converter(mode.from_tensor, memo)
     for t in [*workload.model.parameters(), *workload.model.buffers()]:
-        if id(t) not in memo:
-            f = mode.from_tensor(t.detach())
-            memo[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else f
-    model = copy.deepcopy(workload.model, memo)
+        convert(t)
+    model = copy.deepcopy(workload.model, memo)  # the memo hands deepcopy the fake tensors
     return dataclasses.replace(workload, model=model,
                                batch=map_tensors(workload.batch, mode.from_tensor))
 
@@ -316,28 +311,10 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -
     meta: dict[str, Any] = {
         "name": w.name, "precision": precision, "tokens": w.token_count(), "seq_len": w.seq_len,
         "params": n_params, "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-        "embedding_params": _embedding_params(w.model), "info": dict(w.info),
+        "embedding_params": embedding_only_params(w.model), "info": dict(w.info),
         "traced_on": "cpu-fake", "torch": torch.__version__,
     }
     return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
-
-
-def _embedding_params(model: torch.nn.Module) -> int:
-    """Parameters used only as embedding lookups (excluded from 6N in model FLOPs). An
-    embedding tied to an output head takes part in a matmul and is not counted here."""
-    users: dict[int, int] = {}
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                users[id(p)] = users.get(id(p), 0) + 1
-    seen: set[int] = set()
-    total = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, torch.nn.Embedding) and id(w) not in seen and users.get(id(w)) == 1:
-            seen.add(id(w))
-            total += w.numel()
-    return total
 
 
 def _guarded(fn: Callable[[], None], what: str, rec: Recorder | None = None) -> None:

@@ -9,7 +9,6 @@ idles and the step is overhead-bound.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.precision import peak_mode
 
 MATMUL_MATH = ("bf16", "fp16", "fp8", "tf32", "fp32")
 # Fraction of the dense matmul rate fused attention kernels reach without a calibration
@@ -170,15 +170,10 @@ def _curve(points: list[list[float]] | None, flops: float) -> float:
     """Achieved fraction of the large-matmul rate at this size (log-linear interpolation)."""
     if not points:
         return 1.0
-    xs = [math.log(p[0]) for p in points]
-    x = math.log(max(flops, 1.0))
-    i = bisect.bisect_left(xs, x)
-    if i == 0:
-        return points[0][1] * max(flops, 1.0) / points[0][0]  # below the range: latency-bound
-    if i == len(xs):
-        return points[-1][1]
-    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-    return points[i - 1][1] + t * (points[i][1] - points[i - 1][1])
+    flops = max(flops, 1.0)
+    if flops <= points[0][0]:
+        return points[0][1] * flops / points[0][0]  # below the range: latency-bound
+    return _interp([math.log(p[0]) for p in points], [p[1] for p in points], math.log(flops))
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -336,7 +331,8 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
         gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
         device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
         flops=sum(o.flops for o in ops), model_flops=model_flops(graph),
-        tokens=int(graph.meta.get("tokens") or 0), peak_flops=gpu.peak(_peak_mode(graph)),
+        tokens=int(graph.meta.get("tokens") or 0),
+        peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
     )
 
@@ -362,11 +358,6 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
             out[i] = replace(ops[i], flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0,
                              device_s=0.0, host_s=0.0, regime="none")
     return tuple(out)
-
-
-def _peak_mode(graph: StepGraph) -> str:
-    return {"fp32": "fp32", "tf32": "tf32", "fp16-mixed": "fp16"}.get(
-        graph.meta.get("precision", "bf16"), "bf16")
 
 
 def model_flops(graph: StepGraph) -> float:

@@ -12,17 +12,16 @@ import torch
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.precision import check_precision, peak_mode
 from gobrrr.profile.analyze import analyze
 from gobrrr.profile.diagnose import diagnose
 from gobrrr.profile.join import join_trace
 from gobrrr.profile.result import ProfileResult
 from gobrrr.profile.runner import (
-    _PEAK_MODE,
     CPU_LABEL,
     Measured,
     calibration_for,
     check_device,
-    check_precision,
     gpu_for,
     load_graph_arg,
     measure,
@@ -100,7 +99,7 @@ def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
     if model_flops is None:
         model_flops = model_flops_per_step(workload, graph) if workload is not None else 0.0
     executed = sum(o.flops for o in an.ops)
-    peak = spec.peak(_PEAK_MODE[info.precision]) if spec is not None else 0.0
+    peak = spec.peak(peak_mode(info.precision)) if spec is not None else 0.0
     # Idle time of a timed step: its median time less the kernel time of the profiled step
     # (kernel durations are what the profiler measures well; its host overhead would inflate
     # the gaps inside the profiled step itself).

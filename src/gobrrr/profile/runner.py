@@ -23,35 +23,24 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from gobrrr.capture import CHECKPOINTS
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
+from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
-from gobrrr.workload import Workload, iter_tensors, map_tensors
+from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
-PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
-CHECKPOINTS = ("none", "full")
 CPU_LABEL = "cpu: measured on the CPU, not a GPU"
-_PEAK_MODE = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16",
-              "bf16": "bf16"}
 
 
 # -- one real step --------------------------------------------------------------------------
 
 
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise GobrrrError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}: "
-                          "pick one, e.g. --precision bf16-mixed")
-
-
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """torch.autocast for the mixed precisions, a no-op otherwise."""
-    if precision == "bf16-mixed":
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    if precision == "fp16-mixed":
-        return torch.autocast(device_type, dtype=torch.float16)
-    return contextlib.nullcontext()
+    dtype = autocast_dtype(precision)
+    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -306,7 +295,8 @@ def model_flops_per_step(workload: Workload, graph: StepGraph | None) -> float:
         return float(model_flops(graph))
     from gobrrr.formulas import model_flops_per_token
 
-    n = _nonembed_params(workload.model)
+    n = sum(p.numel() for p in workload.model.parameters()) - embedding_only_params(
+        workload.model)
     info = workload.info or {}
     layers, hidden, seq = info.get("layers"), info.get("hidden"), workload.seq_len
     if layers and hidden and seq:
@@ -314,23 +304,6 @@ def model_flops_per_step(workload: Workload, graph: StepGraph | None) -> float:
     else:
         per_token = 6.0 * n
     return per_token * workload.token_count()
-
-
-def _nonembed_params(model: nn.Module) -> int:
-    """Parameters that take part in a matmul per token: all but embedding tables that are
-    not also used as a Linear weight (a tied output head counts)."""
-    linear_w = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    embed = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    seen: set[int] = set()
-    n = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if id(p) in embed and id(p) not in linear_w:
-            continue
-        n += p.numel()
-    return n
 
 
 def batch_on(workload: Workload) -> str:

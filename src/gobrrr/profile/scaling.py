@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gobrrr.errors import GobrrrError
-from gobrrr.profile.runner import check_device, check_precision, median, time_workload
+from gobrrr.precision import check_precision
+from gobrrr.profile.runner import check_device, median, time_workload
 from gobrrr.workload import Workload
 
 OVERHEAD_RATIO = 1.3

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gobrrr.cost.roofline import predict
-from gobrrr.estimate import blas_workspace, estimate
+from gobrrr.estimate import estimate
 from gobrrr.hardware import Calibration
-from gobrrr.memory import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "benchmarks" / "results" / "estimate_suite_h100.json").read_text())
@@ -43,9 +41,8 @@ TIME_MISSES = {
 def prediction(key: str) -> tuple[int, float]:
     c = CASES[key]
     est = estimate(c["model"], "h100", batch=c["batch"], seq=c["seq"], precision=c["precision"],
-                   checkpoint=c["checkpoint"], calibration=False, compile=c["compile"])
-    peak = simulate(est.graph, blas_workspace(est.graph, est.gpu, CAL)).peak
-    return peak, predict(est.graph, est.gpu, CAL, compiled=c["compile"]).step_s
+                   checkpoint=c["checkpoint"], calibration=CAL, compile=c["compile"])
+    return est.memory.peak, est.time.step_s
 
 
 def memory_error(key: str) -> float:

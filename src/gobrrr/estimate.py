@@ -28,10 +28,15 @@ class Estimate:
     gpu: GpuSpec
     memory: MemoryResult
     time: Prediction
-    calibration: str | None  # device name of the calibration used, None = datasheet + defaults
+    cal: Calibration | None  # the calibration used; None = datasheet peaks + default efficiencies
     formulas: dict[str, Any]
     capture_s: float
     compiled: bool = False
+
+    @property
+    def calibration(self) -> str | None:
+        """The device name of the calibration used, if any."""
+        return self.cal.device_name if self.cal else None
 
     @property
     def fits(self) -> bool:
@@ -77,8 +82,7 @@ def hints(est: Estimate) -> list[str]:
     slow = [o for o in est.time.ops if o.kind == "matmul" and o.device_s > 0
             and o.math not in ("fp32",) and misaligned(est.graph.nodes[o.index])]
     if slow:
-        frac = Rates(est.gpu, find_calibration(est.gpu) if est.calibration else None)\
-            .misaligned_fraction(slow[0].math)
+        frac = Rates(est.gpu, est.cal).misaligned_fraction(slow[0].math)
         spent = sum(o.device_s for o in slow)
         mods = sorted({o.module or "<top>" for o in slow})
         shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
@@ -164,7 +168,7 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     workspace = blas_workspace(graph, spec, cal)
     return Estimate(graph=graph, gpu=spec, memory=simulate(graph, workspace=workspace),
                     time=predict(graph, spec, cal, compiled=compile),
-                    calibration=cal.device_name if cal else None,
+                    cal=cal,
                     formulas=closed_forms(graph), capture_s=took, compiled=compile)
 
 

@@ -175,7 +175,7 @@ class StepGraph:
                 index=n["index"], op=n["op"], phase=n["phase"], module=n["module"],
                 inputs=tuple(tinfo(t) for t in n["inputs"]),
                 outputs=tuple(tinfo(t) for t in n["outputs"]),
-                args=tuple(_untuple(a) for a in n["args"]), kwargs=n["kwargs"],
+                args=tuple(n["args"]), kwargs=n["kwargs"],
                 allocs=tuple(n["allocs"]), frees=tuple(n["frees"]),
             )
             for n in data["nodes"]
@@ -190,7 +190,3 @@ class StepGraph:
         except OSError as e:
             raise GobrrrError(f"cannot read step graph {path}: {e.strerror}") from None
         return StepGraph.from_json(text)
-
-
-def _untuple(x: Any) -> Any:
-    return x

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +234,3 @@ def find_calibration(gpu: GpuSpec) -> Calibration | None:
         if p.exists():
             return Calibration.load(p)
     return None
-
-
-def with_overrides(gpu: GpuSpec, **kw: Any) -> GpuSpec:
-    return replace(gpu, **kw)

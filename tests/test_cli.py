@@ -97,3 +97,11 @@ def test_hints_name_the_misaligned_head_and_what_does_not_fit(capsys):
     data = json.loads(out)
     assert data["memory"]["fits"] is False  # 8B params: weights+grads+AdamW > 80 GB
     assert any("optimizer states alone" in h for h in data["hints"])
+
+
+def test_unwritable_graph_path_is_one_line(capsys, tmp_path):
+    target = tmp_path / "missing-dir" / "g.json"
+    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "4",
+                         "--save-graph", str(target))
+    assert code == 2 and err.startswith("gobrrr: error: cannot write step graph")
+    assert not target.parent.exists()

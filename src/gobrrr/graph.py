@@ -153,8 +153,12 @@ class StepGraph:
         """Write atomically: a half-written graph never exists on disk."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        try:
+            tmp.write_text(self.to_json())
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise GobrrrError(f"cannot write step graph {path}: {e.strerror}") from None
 
     @staticmethod
     def from_json(text: str) -> StepGraph:

@@ -140,15 +140,13 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
 def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | None) -> dict:
     """gobrrr's prediction from the datasheet, and from the calibration when one is given."""
     from gobrrr.cost.roofline import predict
-    from gobrrr.estimate import blas_workspace
-    from gobrrr.memory import simulate
+    from gobrrr.estimate import predict_memory
 
     est = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
                    checkpoint=checkpoint, calibration=False, compile=compile_)
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:
-        ws = blas_workspace(est.graph, est.gpu, cal)
-        out.update(peak_calibrated=simulate(est.graph, ws).peak,
+        out.update(peak_calibrated=predict_memory(est.graph, est.gpu, cal).peak,
                    step_s_calibrated=predict(est.graph, est.gpu, cal, compile_).step_s)
     return out
 

@@ -15,9 +15,8 @@ import statistics
 from pathlib import Path
 
 from gobrrr.cost.roofline import predict
-from gobrrr.estimate import blas_workspace, estimate
+from gobrrr.estimate import estimate, predict_memory
 from gobrrr.hardware import Calibration
-from gobrrr.memory import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -39,7 +38,7 @@ def rows() -> list[dict]:
             + f" {c['precision']}" + (" ckpt" if c["checkpoint"] == "full" else "")
             + (" compile" if c["compile"] else ""),
             "compile": c["compile"], "peak": m["peak_allocated"], "step": m["step_s"],
-            "pred_peak": simulate(est.graph, blas_workspace(est.graph, est.gpu, cal)).peak,
+            "pred_peak": predict_memory(est.graph, est.gpu, cal).peak,
             "pred_step_sheet": est.time.step_s,
             "pred_step_cal": predict(est.graph, est.gpu, cal, compiled=c["compile"]).step_s,
             "re_step": c.get("runtime_estimator_s"),

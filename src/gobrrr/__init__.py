@@ -1,8 +1,16 @@
-"""gobrrr: where the time and memory of a PyTorch training step go, on any GPU."""
+"""gobrrr: where the time and memory of a PyTorch training step go, on any GPU.
+
+    import gobrrr
+    est = gobrrr.estimate("gpt2", gpu="h100", batch=16, seq=1024)   # no GPU needed
+    print(est.memory.peak, est.time.step_s)
+
+Measuring on a GPU: `gobrrr.profile.profile`, `gobrrr.profile.calibrate`.
+"""
 
 from gobrrr.errors import GobrrrError
+from gobrrr.estimate import Estimate, estimate
 from gobrrr.workload import Workload
 
 __version__ = "0.1.0"
 
-__all__ = ["GobrrrError", "Workload", "__version__"]
+__all__ = ["Estimate", "GobrrrError", "Workload", "__version__", "estimate"]

@@ -10,6 +10,7 @@ from typing import Any
 
 from gobrrr import formulas
 from gobrrr.capture import capture
+from gobrrr.cost import conv
 from gobrrr.cost.roofline import Prediction, predict
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
@@ -165,14 +166,20 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     graph = capture(workload_factory(source, batch, seq), precision=precision,
                     checkpoint=checkpoint)
     took = time.perf_counter() - t0
-    workspace = blas_workspace(graph, spec, cal)
-    return Estimate(graph=graph, gpu=spec, memory=simulate(graph, workspace=workspace),
+    return Estimate(graph=graph, gpu=spec, memory=predict_memory(graph, spec, cal),
                     time=predict(graph, spec, cal, compiled=compile),
                     cal=cal,
                     formulas=closed_forms(graph), capture_s=took, compiled=compile)
 
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
+
+
+def predict_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
+    """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
+    convolutions allocate inside themselves."""
+    return simulate(graph, workspace=blas_workspace(graph, gpu, cal),
+                    scratch=conv.scratch(graph, cal))
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:

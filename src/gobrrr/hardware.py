@@ -183,7 +183,16 @@ class Calibration:
     `matmul_grid`: achieved FLOP/s over output size and depth, [[m·n, k, FLOP/s], ...] per
     math mode (replaces `matmul_curve` where present).
     `op_overhead`: host seconds per ATen op inside an eager training step, per phase.
-    `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name."""
+    `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name.
+    `conv_grid`: achieved FLOP/s of cuDNN convolutions (channels-first), per math mode and
+    direction ("forward", "backward"), over implicit-GEMM output size and depth, as
+    [[outputs, depth, FLOP/s], ...]. `conv_workspace`: the bytes cuDNN allocates inside a
+    convolution beyond its 16-bit layout copies, as a fraction of the op's input + output
+    bytes, per math mode and direction (the median over the same grid).
+    `batch_norm_bandwidth`: achieved bytes/s of training-mode batch norm over the channel
+    count, {"forward:bf16" | "backward:fp32" | ...: [[channels, bytes/s], ...]}.
+    `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
+    convolutions and batch norm)."""
 
     gpu: str
     device_name: str
@@ -202,6 +211,10 @@ class Calibration:
     op_overhead: dict[str, float] = field(default_factory=dict)
     op_bandwidth: dict[str, float] = field(default_factory=dict)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    conv_grid: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    conv_workspace: dict[str, dict[str, float]] = field(default_factory=dict)
+    batch_norm_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    op_host: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -49,21 +49,26 @@ class MemoryResult:
         return self.peak <= capacity
 
 
-def simulate(graph: StepGraph, workspace: int = 0) -> MemoryResult:
+def simulate(graph: StepGraph, workspace: int = 0,
+             scratch: dict[int, int] | None = None) -> MemoryResult:
     """Replay allocations in op order. `workspace`: bytes the BLAS library keeps allocated
-    (the GPU spec or calibration says how much)."""
+    (the GPU spec or calibration says how much). `scratch`: {op index: bytes the op allocates
+    and frees inside itself}, which the trace cannot see (cuDNN's layout copies and
+    workspaces: `gobrrr.cost.conv.scratch`); they count while the op runs, with its outputs."""
     sizes = [round_alloc(s.nbytes) for s in graph.storages]
+    scratch = scratch or {}
     live = workspace + sum(sizes[s.id] for s in graph.storages if s.created < 0
                            and (s.freed is None or s.freed >= 0))
     peak, peak_index, timeline = live, -1, []
     for node in graph.nodes:
         live += sum(sizes[sid] for sid in node.allocs)
-        timeline.append(live)
-        if live > peak:
-            peak, peak_index = live, node.index
+        during = live + round_alloc(scratch.get(node.index, 0))
+        timeline.append(during)
+        if during > peak:
+            peak, peak_index = during, node.index
         live -= sum(sizes[sid] for sid in node.frees)
     at_peak, by_module = _alive_at(graph, sizes, peak_index)
-    at_peak["workspace"] = workspace
+    at_peak["workspace"] = workspace + round_alloc(scratch.get(peak_index, 0))
     persistent: dict[str, int] = defaultdict(int)
     for s in graph.storages:
         if s.freed is None:

@@ -13,6 +13,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from gobrrr.cost._ops_common import targ
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
@@ -126,6 +127,31 @@ class Rates:
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
         return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
 
+    def conv(self, math_mode: str, direction: str, dims: tuple[float, float] | None
+             ) -> float | None:
+        """Measured FLOP/s of a cuDNN convolution (channels-first, transposes included) at
+        these implicit-GEMM dims, forward or backward; None without a convolution grid."""
+        grid = self.cal.conv_grid if self.cal and dims else {}
+        if math_mode == "fp16" and "fp16" not in grid and "bf16" in grid:
+            math_mode = "bf16"  # the same tensor cores and kernels
+        if math_mode not in grid or not grid[math_mode].get(direction):
+            return None
+        return _grid(grid[math_mode][direction], *dims)
+
+    def batch_norm(self, node: OpNode) -> float | None:
+        """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
+        calibration's curve), or None."""
+        direction = BATCH_NORMS.get(node.name)
+        if not direction or not self.cal or not node.inputs:
+            return None
+        x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
+        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
+        points = self.cal.batch_norm_bandwidth.get(key)
+        if not points or len(x.shape) < 2:
+            return None
+        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                       math.log(max(x.shape[1], 1)))
+
     def misaligned_fraction(self, math_mode: str) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
         aligned (tensor-core modes only; CUDA-core fp32 kernels do not care)."""
@@ -145,18 +171,23 @@ class Rates:
                 return self.cal.attention_flops[key]
         return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
 
-    def host(self, phase: str, launches: int) -> float:
+    def host(self, phase: str, launches: int, op: str = "", math_mode: str = "") -> float:
         """Host seconds to issue one op: the measured per-op cost of an eager training step in
-        this phase (calibrated), plus a launch for each kernel past the first."""
+        this phase (calibrated), plus a launch for each kernel past the first, plus what this
+        op costs the host beyond an ordinary one where that was measured (cuDNN's
+        convolutions and batch norm: `op_host`, keyed "name:dtype")."""
         per_op = self.cal.op_overhead if self.cal else {}
         key = "forward" if phase == "recompute" else phase
         if key in per_op:
-            return per_op[key] + self.launch * max(launches - 1, 0)
+            extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
+            return per_op[key] + self.launch * max(launches - 1, 0) + extra
         if launches == 0:
             return self.launch * VIEW_HOST_FRACTION
         return self.launch * launches
 
     def bandwidth(self, kind: str, name: str = "") -> float:
+        """Achieved bytes/s for an op of this kind: the op's own measured bandwidth where the
+        calibration has it, else the kind's."""
         if self.cal and name in self.cal.op_bandwidth:
             return self.cal.op_bandwidth[name]
         if kind in ("reduction", "norm", "softmax", "loss"):
@@ -164,6 +195,32 @@ class Rates:
         if kind in ("copy",):
             return self.copy_bw
         return self.pointwise_bw
+
+
+BATCH_NORMS = {
+    "native_batch_norm": "forward", "_native_batch_norm_legit": "forward",
+    "_native_batch_norm_legit_functional": "forward", "cudnn_batch_norm": "forward",
+    "_batch_norm_with_update": "forward", "native_batch_norm_backward": "backward",
+    "cudnn_batch_norm_backward": "backward", "batch_norm_backward": "backward",
+}
+
+_HOST_ALIASES = {
+    "cudnn_convolution": "convolution", "_convolution": "convolution",
+    "convolution_overrideable": "convolution", "cudnn_batch_norm": "native_batch_norm",
+    "_native_batch_norm_legit": "native_batch_norm",
+    "_native_batch_norm_legit_functional": "native_batch_norm",
+    "_batch_norm_with_update": "native_batch_norm",
+}
+
+
+def _host_op(name: str) -> str:
+    """The `op_host` name of a traced op (the CPU trace and CUDA pick different overloads)."""
+    return _HOST_ALIASES.get(name, name)
+
+
+def _host_dtype(math_mode: str) -> str:
+    """The dtype key of `op_host`: 16-bit math as measured in bf16, everything else fp32."""
+    return "bf16" if math_mode in ("bf16", "fp16") else "fp32"
 
 
 def _curve(points: list[list[float]] | None, flops: float) -> float:
@@ -187,17 +244,24 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return ys[-1]
 
 
-def _grid(points: list[list[float]], mn: float, k: float) -> float:
-    """Achieved FLOP/s at (output elements, depth) from a measured [[mn, k, rate]] grid:
-    linear in log k, then in log mn; below the grid the rate falls in proportion (fewer tiles
-    to spread over the SMs, or less depth to amortise each tile over)."""
+def grid_value(points: list[list[float]], mn: float, k: float) -> float:
+    """A value measured on a [[mn, k, value]] grid of (output elements, depth), at (mn, k):
+    linear in log k, then in log mn, clamped at the grid's edges."""
     mns = sorted({p[0] for p in points})
     ks = sorted({p[1] for p in points})
     table = {(p[0], p[1]): p[2] for p in points}
     lk = math.log(max(k, 1.0))
     at_mn = [_interp([math.log(x) for x in ks], [table[(m, x)] for x in ks], lk) for m in mns]
-    rate = _interp([math.log(m) for m in mns], at_mn, math.log(max(mn, 1.0)))
-    return rate * min(1.0, mn / mns[0]) * min(1.0, k / ks[0])
+    return _interp([math.log(m) for m in mns], at_mn, math.log(max(mn, 1.0)))
+
+
+def _grid(points: list[list[float]], mn: float, k: float) -> float:
+    """Achieved FLOP/s at (output elements, depth) from a measured [[mn, k, rate]] grid;
+    below the grid the rate falls in proportion (fewer tiles to spread over the SMs, or less
+    depth to amortise each tile over)."""
+    mns = min(p[0] for p in points)
+    ks = min(p[1] for p in points)
+    return grid_value(points, mn, k) * min(1.0, mn / mns) * min(1.0, k / ks)
 
 
 def gemm_dims(node: OpNode) -> tuple[float, float] | None:
@@ -210,17 +274,18 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
             node.inputs[0]
         return float(out.numel), float(a.shape[-1])
     if name.startswith("convolution") or name.startswith("cudnn_convolution"):
-        acts = [t for t in node.inputs if len(t.shape) >= 3]
-        if len(acts) < 2:
+        # by argument position: a late-stage weight can be larger than the activations
+        backward = name.endswith("backward")
+        acts = [targ(node, 0, "grad_output"), targ(node, 1, "input")] if backward else \
+            (node.outputs[:1] or [targ(node, 0, "input")])
+        w = targ(node, 2 if backward else 1, "weight")
+        acts = [t for t in acts if t is not None]
+        if w is None or len(w.shape) < 3 or not acts:
             return None
-        weight = min(acts, key=lambda t: t.numel)
-        big = [t for t in acts if t is not weight]
         spatial = 1
-        for d in weight.shape[2:]:
+        for d in w.shape[2:]:
             spatial *= d
-        out_elems = max(t.numel for t in big) if name.endswith("backward") else \
-            (node.outputs[0].numel if node.outputs else max(t.numel for t in big))
-        return float(out_elems), float(weight.shape[1] * spatial)
+        return float(max(t.numel for t in acts)), float(w.shape[1] * spatial)
     return None
 
 
@@ -269,14 +334,19 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
 def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> OpTime:
     """Roofline time of one op. `padded`: misaligned matmul dimensions were padded to
     alignment first (Inductor's pad_mm does this under torch.compile)."""
-    host = rates.host(node.phase, cost.launches)
+    host = rates.host(node.phase, cost.launches, _host_op(node.name), cost.math)
     if cost.launches == 0:
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
+    conv_rate = None
     if cost.kind == "attention":
         q = node.inputs[0] if node.inputs else None
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
                                else None)
+    elif cost.kind == "conv" and (conv_rate := rates.conv(
+            cost.math, "backward" if node.name.endswith("backward") else "forward",
+            gemm_dims(node))) is not None:
+        rate = conv_rate
     elif cost.math in MATMUL_MATH:
         rate = rates.matmul(cost.math, cost.flops, gemm_dims(node))
         if rates.cal is None:
@@ -286,10 +356,11 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
-    memory = cost.bytes / rates.bandwidth(cost.kind, node.name)
+    bn = rates.batch_norm(node)
+    memory = cost.bytes / (bn or rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
-    convert = layout_bytes(node, cost)
+    convert = 0.0 if conv_rate is not None else layout_bytes(node, cost)  # measured in it
     if convert:  # separate transpose kernels before and after the convolution
         device += convert / rates.bandwidth("copy") + 2 * rates.latency
     if host >= device:

@@ -162,23 +162,10 @@ def blaslt_workspace(dev: torch.device) -> int | None:
     return int(gained) if gained >= 0 else None
 
 
-def _bn_inputs(dev, n=64, c=128, hw=56):
-    x = torch.randn(n, c, hw, hw, device=dev, dtype=torch.bfloat16)
-    w, b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
-    rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
-    return x, w, b, rm, rv
-
-
 def _op_cases(dev: torch.device):
     """(op name, a zero-argument function running exactly that ATen op) on real inputs at
     representative sizes, bf16 activations as under autocast."""
     aten = torch.ops.aten
-    x, w, b, rm, rv = _bn_inputs(dev)
-    _, mean, invstd = aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
-    gy = torch.randn_like(x)
-    yield "native_batch_norm", lambda: aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
-    yield "native_batch_norm_backward", lambda: aten.native_batch_norm_backward(
-        gy, x, w, rm, rv, mean, invstd, True, 1e-5, [True, True, True])
     h = torch.randn(16384, 1024, device=dev)  # layer norm runs in fp32 under autocast
     lw, lb = torch.ones(1024, device=dev), torch.zeros(1024, device=dev)
     _, lmean, lrstd = aten.native_layer_norm(h, [1024], lw, lb, 1e-5)
@@ -201,10 +188,73 @@ def _op_cases(dev: torch.device):
         torch.randn_like(out), p, [3, 3], [2, 2], [1, 1], [1, 1], False, ind)
 
 
+def _bn_bytes(shape, dtype) -> tuple[float, float]:
+    """Bytes the cost model counts for batch norm forward and backward at this shape, from the
+    ops a CPU trace records (meta tensors: nothing is computed)."""
+    from gobrrr.capture.recorder import Recorder, StorageTable
+    from gobrrr.cost.flops import op_cost
+
+    c = shape[1]
+    x = torch.empty(shape, device="meta", dtype=dtype, requires_grad=True)
+    w = torch.empty(c, device="meta", requires_grad=True)
+    b = torch.empty(c, device="meta", requires_grad=True)
+    rm, rv = torch.empty(c, device="meta"), torch.empty(c, device="meta")
+    rec = Recorder(StorageTable(), lambda: "", lambda: "forward")
+    with rec:
+        y = F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
+        torch.autograd.grad(y, (x, w, b), torch.empty_like(y))
+    by = {n.name: op_cost(n).bytes for n in rec.nodes}
+    fwd = next(v for k, v in by.items() if "batch_norm" in k and "backward" not in k)
+    bwd = next(v for k, v in by.items() if "batch_norm_backward" in k)
+    return fwd, bwd
+
+
+BN_CHANNELS = (32, 64, 128, 256, 512, 1024)
+
+
+def batch_norm_bandwidths(dev: torch.device, elements: int = 2**24, plane: int = 28,
+                          channels: tuple[int, ...] = BN_CHANNELS) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of training-mode batch norm over the channel count, forward and
+    backward, per dtype: {"forward:bf16" | "backward:bf16" | ...: [[channels, B/s], ...]}.
+    Through F.batch_norm so the kernels are the ones a model gets (CUDA picks cuDNN's in fp32
+    and its own NCHW kernels in bf16, at very different speeds). Channels-first kernels
+    reduce each channel over batch x plane, so the channel count sets their parallelism (at
+    64 channels the bf16 kernels reach ~6% of HBM bandwidth, more with more channels)."""
+    from gobrrr.profile.calibrate import time_op
+
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        fwd_rows, bwd_rows = [], []
+        for c in channels:
+            shape = (max(elements // (c * plane * plane), 1), c, plane, plane)
+            x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
+            w = torch.ones(c, device=dev, requires_grad=True)
+            b = torch.zeros(c, device=dev, requires_grad=True)
+            rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
+            gy = torch.randn_like(x)
+
+            def fwd(x=x, w=w, b=b, rm=rm, rv=rv):
+                return F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
+
+            def fwd_bwd(x=x, w=w, b=b, rm=rm, rv=rv, gy=gy):
+                torch.autograd.grad(F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5),
+                                    (x, w, b), gy)
+
+            t_fwd = time_op(fwd, dev, 10)
+            t_bwd = max(time_op(fwd_bwd, dev, 10) - t_fwd, 1e-9)
+            nf, nb = _bn_bytes(shape, dtype)
+            fwd_rows.append([float(c), nf / t_fwd])
+            bwd_rows.append([float(c), nb / t_bwd])
+            del x, gy
+        out[f"forward:{key}"], out[f"backward:{key}"] = fwd_rows, bwd_rows
+    return out
+
+
 def op_bandwidths(dev: torch.device) -> dict[str, float]:
     """Achieved bytes/s of memory-bound ops whose kernels fall far from a copy's bandwidth
-    (batch norm, layer norm, log-softmax, embedding backward, pooling), counting the bytes
-    exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
+    (layer norm, log-softmax, embedding backward, pooling; batch norm has its own curve,
+    `batch_norm_bandwidths`), counting the bytes exactly as the cost model does
+    (gobrrr.cost.flops on the recorded op)."""
     from gobrrr.capture.recorder import Recorder, StorageTable
     from gobrrr.cost.flops import op_cost
     from gobrrr.profile.calibrate import time_op
@@ -218,3 +268,151 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
         nbytes = op_cost(node).bytes
         out[name] = nbytes / time_op(fn, dev, 10)
     return out
+
+
+# Stride-1 convolutions over a rectangular grid of (output elements, depth): 1x1 and 3x3
+# kernels and the channel count set the depth (C·k·k), the spatial size shrinks as channels
+# grow (as through a CNN's stages) and the batch makes up the output size. Powers of two keep
+# every grid point exactly on its row.
+CONV_KERNELS = ((1, (64, 128, 256)), (3, (32, 64, 128, 256, 512)))
+CONV_OUTPUTS = (2**19, 2**21, 2**23, 2**25)
+
+
+def _conv_shapes():
+    """(channels, kernel, height = width, batch) of each grid point."""
+    for k, channels in CONV_KERNELS:
+        for c in channels:
+            hw = min(max(2048 // c, 8), 64)
+            for out in CONV_OUTPUTS:
+                n = out // (c * hw * hw)
+                if n >= 1:
+                    yield c, k, hw, n
+
+
+def _record(fn, name: str):
+    """The OpNode of ATen op `name` as fn() runs it (shapes, strides, dtypes as the capture
+    records them), so calibration counts FLOPs and bytes exactly as the cost model does."""
+    from gobrrr.capture.recorder import Recorder, StorageTable
+
+    rec = Recorder(StorageTable(), lambda: "", lambda: "forward")
+    with rec:
+        fn()
+    return next(n for n in rec.nodes if n.name == name)
+
+
+def conv_grid(dev: torch.device) -> tuple[dict, dict]:
+    """(rates, workspaces) of cuDNN convolutions on channels-first (NCHW, PyTorch's default)
+    tensors, forward and backward (grad input and grad weight in one convolution_backward),
+    per math mode, in the implicit-GEMM terms of `gobrrr.cost.roofline.gemm_dims`:
+    rates {mode: {"forward" | "backward": [[output elements, depth, FLOP/s], ...]}};
+    workspaces {mode: {direction: fraction}}: the bytes cuDNN allocated and freed inside the
+    call beyond the 16-bit layout copies `gobrrr.cost.conv.layout_scratch` models, as a
+    fraction of the op's input + output bytes, the median over the grid. What a convolution
+    achieves falls well under a matmul of the same GEMM shape (im2col tiling; in 16-bit, the
+    transposes to channels-last around the kernel), so its rate is measured per shape. Its
+    workspace depends on the algorithm cuDNN's heuristics pick, which jumps between
+    neighbouring shapes (in fp32 forward: none for most, 5-25x the tensors for a few), so
+    only the typical fraction is kept."""
+    from gobrrr.cost import conv
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.cost.roofline import gemm_dims
+    from gobrrr.profile.calibrate import time_op
+
+    aten = torch.ops.aten
+    rates: dict[str, dict[str, list[list[float]]]] = {}
+    spaces: dict[str, dict[str, float]] = {}
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        for mode, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32),
+                            ("fp32", torch.float32)):
+            torch.backends.cudnn.allow_tf32 = mode == "tf32"
+            rows: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+            ws: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+            for c, k, hw, n in _conv_shapes():
+                x = torch.randn(n, c, hw, hw, device=dev, dtype=dtype)
+                w = torch.randn(c, c, k, k, device=dev, dtype=dtype) * 0.05
+                pad = [k // 2, k // 2]
+                y = aten.convolution(x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1)
+                gy = torch.randn_like(y)
+                cases = {
+                    "forward": ("convolution", lambda x=x, w=w, pad=pad: aten.convolution(
+                        x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1)),
+                    "backward": ("convolution_backward", lambda x=x, w=w, gy=gy, pad=pad:
+                                 aten.convolution_backward(gy, x, w, None, [1, 1], pad,
+                                                           [1, 1], False, [0, 0], 1,
+                                                           [True, True, False])),
+                }
+                for direction, (name, fn) in cases.items():
+                    node = _record(fn, name)
+                    flops = op_cost(node, tf32=mode == "tf32").flops
+                    mn, k = gemm_dims(node)
+                    rows[direction].append([mn, k, flops / time_op(fn, dev, 10)])
+                    inside = _allocated_inside(fn, dev) - conv.layout_scratch(node)
+                    ws[direction].append([mn, k, max(inside, 0) / conv.io_bytes(node)])
+                del x, w, y, gy
+            rates[mode] = rows
+            spaces[mode] = {d: statistics.median(p[2] for p in pts) for d, pts in ws.items()}
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+    return rates, spaces
+
+
+def _allocated_inside(fn, dev: torch.device) -> int:
+    """Bytes fn() allocated and freed again within the call (its peak above both what was
+    allocated before and what is left after)."""
+    _sync(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = fn()
+    _sync(dev)
+    inside = torch.cuda.max_memory_allocated(dev) - max(before, torch.cuda.memory_allocated(dev))
+    del out
+    return max(int(inside), 0)
+
+
+def _host_cases(dev: torch.device):
+    """(op name, fn) on tiny inputs: the GPU work is negligible, so a loop of calls measures
+    what the host spends per call (dispatch, cuDNN's plan lookup, the launches)."""
+    aten = torch.ops.aten
+    x = torch.randn(2, 8, 8, 8, device=dev)
+    w = torch.randn(8, 8, 3, 3, device=dev)
+    y = aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    gy = torch.randn_like(y)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd, gd = x.to(dtype), w.to(dtype), gy.to(dtype)
+        key = "bf16" if dtype == torch.bfloat16 else "fp32"
+        yield f"convolution:{key}", lambda xd=xd, wd=wd: aten.convolution(
+            xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        yield f"convolution_backward:{key}", lambda xd=xd, wd=wd, gd=gd: \
+            aten.convolution_backward(gd, xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0],
+                                      1, [True, True, False])
+        xb = torch.randn(2, 8, 8, 8, device=dev, dtype=dtype)
+        bw, bb = torch.ones(8, device=dev), torch.zeros(8, device=dev)
+        rm, rv = torch.zeros(8, device=dev), torch.ones(8, device=dev)
+        yield f"native_batch_norm:{key}", lambda xb=xb, bw=bw, bb=bb, rm=rm, rv=rv: \
+            F.batch_norm(xb, rm, rv, bw, bb, True, 0.1, 1e-5)
+    a = torch.randn(8, device=dev)
+    yield "add", lambda: aten.add(a, a)
+
+
+def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
+    """Host seconds per call that ops heavier on the host than a plain kernel launch add over
+    an elementwise add (keys "op:dtype"): cuDNN convolutions (forward, backward) and batch
+    norm. The step's per-op overhead (`op_overhead`) already covers an ordinary op; this is
+    the extra. Timed as back-to-back calls on tiny tensors, so the host, not the GPU, is what
+    the loop waits on."""
+    per_call: dict[str, float] = {}
+    for name, fn in _host_cases(dev):
+        for _ in range(20):
+            fn()
+        _sync(dev)
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls)
+            _sync(dev)
+        per_call[name] = min(samples)
+    base = per_call.pop("add")
+    return {k: max(v - base, 0.0) for k, v in per_call.items()}

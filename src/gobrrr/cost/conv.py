@@ -1,0 +1,88 @@
+"""What cuDNN convolutions allocate inside the call, beyond their outputs.
+
+The traced graph sees a convolution's inputs and outputs, not the buffers cuDNN allocates and
+frees within the op (through PyTorch's caching allocator, so they count in
+`max_memory_allocated`):
+
+- In 16-bit, cuDNN's tensor-core kernels want channels-last (NHWC) tensors. For channels-first
+  (NCHW, PyTorch's default) tensors PyTorch makes NHWC copies around the kernel: forward, of
+  the input (channels padded up to a multiple of 8, e.g. an RGB stem's 3 to 8) and of the
+  output; backward, of grad_output, the input and the weight. Measured on an H100 in
+  `benchmarks/results/cnn_diagnostics_h100.json` (within a few % of the sum).
+- The kernel's own workspace, which depends on the algorithm cuDNN's heuristics pick and
+  jumps between neighbouring shapes (in fp32 forward: none for most, 5-25x the tensors for a
+  few). It is not derivable from the shapes; a calibration measures it over a grid of
+  convolutions and keeps the typical (median) fraction of the op's input + output bytes, per
+  math mode and direction (`conv_workspace`).
+"""
+
+from __future__ import annotations
+
+from gobrrr.cost._ops_common import targ
+from gobrrr.graph import OpNode, StepGraph
+from gobrrr.hardware import Calibration
+
+FORWARD = ("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable")
+BACKWARD = ("convolution_backward",)
+HALF = ("bfloat16", "float16")
+
+
+def _nhwc_bytes(t, pad_channels: bool = False) -> int:
+    """Bytes of a channels-last copy of 4-D tensor t (channels padded to a multiple of 8)."""
+    if t is None or len(t.shape) != 4:
+        return 0
+    n, c, h, w = t.shape
+    if pad_channels:
+        c = -(-c // 8) * 8
+    return n * c * h * w * t.itemsize
+
+
+def channels_first(t) -> bool:
+    """True for a 4-D tensor in the channels-first layout (channel stride not 1)."""
+    return t is not None and len(t.shape) == 4 and t.shape[1] > 1 and t.stride[1] != 1
+
+
+def layout_scratch(node: OpNode) -> int:
+    """Bytes of the NHWC copies around a 16-bit convolution on channels-first tensors."""
+    if node.name in FORWARD:
+        x, w = targ(node, 0, "input"), targ(node, 1, "weight")
+        out = node.outputs[0] if node.outputs else None
+        if x is None or x.dtype not in HALF or not channels_first(x):
+            return 0
+        return _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(out)
+    if node.name in BACKWARD:
+        go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
+        if go is None or go.dtype not in HALF or not channels_first(go):
+            return 0
+        return _nhwc_bytes(go) + _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w)
+    return 0
+
+
+def io_bytes(node: OpNode) -> int:
+    return sum(t.nbytes for t in (*node.inputs, *node.outputs))
+
+
+def workspace(node: OpNode, cal: Calibration | None, math_mode: str) -> int:
+    """cuDNN's own workspace for this convolution: the calibration's typical fraction of the
+    op's input + output bytes (0 without a calibration)."""
+    if cal is None:
+        return 0
+    mode = "bf16" if math_mode == "fp16" and "fp16" not in cal.conv_workspace else math_mode
+    direction = "backward" if node.name in BACKWARD else "forward"
+    return int(cal.conv_workspace.get(mode, {}).get(direction, 0.0) * io_bytes(node))
+
+
+def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
+    """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
+    from gobrrr.cost.flops import op_cost
+
+    tf32 = graph.meta.get("precision") == "tf32"
+    out = {}
+    for node in graph.nodes:
+        if node.name not in FORWARD and node.name not in BACKWARD:
+            continue
+        math_mode = op_cost(node, tf32).math
+        extra = layout_scratch(node) + workspace(node, cal, math_mode)
+        if extra:
+            out[node.index] = extra
+    return out

@@ -1,6 +1,7 @@
 """Measure the built-in workloads on a real GPU: peak memory and step time, per case.
 
     python benchmarks/bench_estimate_suite.py OUT.json [--cases 0-9] [--calibration CAL.json]
+    python benchmarks/bench_estimate_suite.py OUT.json --merge PART.json PART.json ...
 
 For each case: build the workload on the GPU, 3 warm-up steps, reset the peak-memory stats,
 one step for the peak, then 10 timed steps (CUDA events, median). Recorded per case: the
@@ -218,7 +219,12 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="a range like 0-9")
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="join runs of parts of the suite (--cases) into OUT.json")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.out, args.merge)
+        return
     cal = Calibration.load(args.calibration) if args.calibration else None
     if args.one is not None:  # child: one case in a fresh process, JSON on the last line
         row = run_case(args.one, cal) if args.one >= 0 else workspace_probe()
@@ -250,6 +256,23 @@ def main() -> None:
                                        Path(args.calibration).read_text()),
                                    "cases": results}, indent=1))
         tmp.replace(args.out)
+
+
+def merge(out: str, parts: list[str]) -> None:
+    """One file from runs of parts of the suite: the cases of every part in order; the first
+    part's environment, workspace probe and calibration at the top, and every part's
+    environment and calibration under "parts" (each part's own cases were predicted with its
+    own calibration)."""
+    data = [json.loads(Path(p).read_text()) for p in parts]
+    merged = {k: data[0][k] for k in ("version", "environment", "workspace", "calibration")}
+    merged["parts"] = [{"file": Path(p).name, "environment": d["environment"],
+                        "calibration": d["calibration"],
+                        "cases": [f"{c['model']} b{c['batch']} {c['precision']}"
+                                  for c in d["cases"]]} for p, d in zip(parts, data, strict=True)]
+    merged["cases"] = [c for d in data for c in d["cases"]]
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

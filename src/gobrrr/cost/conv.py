@@ -6,9 +6,10 @@ frees within the op (through PyTorch's caching allocator, so they count in
 
 - In 16-bit, cuDNN's tensor-core kernels want channels-last (NHWC) tensors. For channels-first
   (NCHW, PyTorch's default) tensors PyTorch makes NHWC copies around the kernel: forward, of
-  the input (channels padded up to a multiple of 8, e.g. an RGB stem's 3 to 8) and of the
-  output; backward, of grad_output, the input and the weight. Measured on an H100 in
-  `benchmarks/results/cnn_diagnostics_h100.json` (within a few % of the sum).
+  the input and the weight (input channels padded up to a multiple of 8, e.g. an RGB stem's
+  3 to 8) and of the output; backward, of grad_output, the input and the weight (a 1x1
+  weight is channels-last already). Measured on an H100 in
+  `benchmarks/results/cnn_diagnostics_h100.json`: forward exactly, backward within 25%.
 - The kernel's own workspace, which depends on the algorithm cuDNN's heuristics pick and
   jumps between neighbouring shapes (in fp32 forward: none for most, 5-25x the tensors for a
   few). It is not derivable from the shapes; a calibration measures it over a grid of
@@ -28,8 +29,9 @@ HALF = ("bfloat16", "float16")
 
 
 def _nhwc_bytes(t, pad_channels: bool = False) -> int:
-    """Bytes of a channels-last copy of 4-D tensor t (channels padded to a multiple of 8)."""
-    if t is None or len(t.shape) != 4:
+    """Bytes of a channels-last copy of 4-D tensor t (channels padded to a multiple of 8);
+    0 when t is channels-last already (a contiguous 1x1 weight is)."""
+    if not channels_first(t):
         return 0
     n, c, h, w = t.shape
     if pad_channels:
@@ -49,12 +51,14 @@ def layout_scratch(node: OpNode) -> int:
         out = node.outputs[0] if node.outputs else None
         if x is None or x.dtype not in HALF or not channels_first(x):
             return 0
-        return _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(out)
+        return _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w, pad_channels=True) + \
+            _nhwc_bytes(out)
     if node.name in BACKWARD:
         go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
         if go is None or go.dtype not in HALF or not channels_first(go):
             return 0
-        return _nhwc_bytes(go) + _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w)
+        return _nhwc_bytes(go) + _nhwc_bytes(x, pad_channels=True) + \
+            _nhwc_bytes(w, pad_channels=True)
     return 0
 
 

@@ -1,0 +1,193 @@
+"""Convolutions and batch norm: what cuDNN allocates inside a convolution (hand-derived and
+against the transients recorded on an H100), the calibrated rates and host costs the roofline
+reads, and the memory simulation's op-internal scratch."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gobrrr
+from gobrrr.capture import capture
+from gobrrr.cost import conv
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.roofline import Rates, gemm_dims, time_op
+from gobrrr.graph import OpNode, StepGraph, StorageInfo
+from gobrrr.hardware import Calibration, get_gpu
+from gobrrr.memory import simulate
+from gobrrr.models.registry import get_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = get_gpu("h100")
+MiB = 2**20
+
+
+def _cal(**kw):
+    base = dict(gpu="h100-sxm", device_name="H100", matmul_flops={"bf16": 800e12},
+                copy_bandwidth=3e12, pointwise_bandwidth=3e12, reduction_bandwidth=3e12,
+                launch_overhead=8e-6, kernel_latency=1e-6)
+    base.update(kw)
+    return Calibration(**base)
+
+
+def _convnet_graph(precision="bf16-mixed", batch=4, channels_last=False):
+    def make():
+        model = nn.Sequential(nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False),
+                              nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(16 * 16 * 16, 10))
+        x = torch.randn(batch, 3, 32, 32)
+        if channels_last:  # an NHWC input makes cuDNN run channels-last
+            x = x.to(memory_format=torch.channels_last)
+        labels = torch.randint(0, 10, (batch,))
+        return gobrrr.Workload(model=model, batch=(x,),
+                               loss=lambda y, b: nn.functional.cross_entropy(y, labels))
+    return capture(make, precision=precision)
+
+
+def _convs(g, name):
+    return [n for n in g.nodes if n.name == name]
+
+
+def test_16bit_layout_copies_pad_the_rgb_stem_to_8_channels():
+    g = _convnet_graph()
+    fwd, = _convs(g, "convolution")
+    # NHWC copies: input (4, 3 -> 8, 32, 32), weight (16, 3 -> 8, 7, 7), output (4, 16, 16, 16)
+    assert conv.layout_scratch(fwd) == 4 * 8 * 32 * 32 * 2 + 16 * 8 * 7 * 7 * 2 + \
+        4 * 16 * 16 * 16 * 2
+    bwd, = _convs(g, "convolution_backward")
+    # grad_output, input and weight (both padded)
+    assert conv.layout_scratch(bwd) == 4 * 16 * 16 * 16 * 2 + 4 * 8 * 32 * 32 * 2 + \
+        16 * 8 * 7 * 7 * 2
+
+
+def test_no_layout_copies_in_fp32_or_channels_last():
+    for g in (_convnet_graph("fp32"), _convnet_graph(channels_last=True)):
+        for n in _convs(g, "convolution") + _convs(g, "convolution_backward"):
+            assert conv.layout_scratch(n) == 0
+
+
+def test_layout_copies_match_the_transients_recorded_on_an_h100():
+    """cnn_diagnostics_h100.json: every op's allocator peak inside the call, bf16 convnet b64.
+    The 3x3 forward convolutions allocate exactly their NHWC copies; backward ones up to a
+    quarter more (cuDNN's own workspace)."""
+    data = json.loads((ROOT / "benchmarks/results/cnn_diagnostics_h100.json").read_text())
+    case = next(m for m in data["memory"] if m["precision"] == "bf16-mixed")
+    measured = [r[2] - max(r[1], r[3]) for r in case["ops"]
+                if r[0] in ("convolution", "convolution_backward")]
+    g = capture(lambda: get_workload("convnet", batch_size=case["batch"]),
+                precision="bf16-mixed")
+    ours = [n for n in g.nodes if n.name in ("convolution", "convolution_backward")]
+    assert len(ours) == len(measured) == 40
+    fwd3 = [(conv.layout_scratch(n), m) for n, m in zip(ours, measured, strict=True)
+            if n.name == "convolution" and n.inputs[1].shape[-1] == 3]
+    assert len(fwd3) == 16
+    for pred, meas in fwd3:
+        assert pred == pytest.approx(meas, rel=0.01)
+    bwd = [(conv.layout_scratch(n), m) for n, m in zip(ours, measured, strict=True)
+           if n.name == "convolution_backward"]
+    for pred, meas in bwd:
+        assert 0.75 * meas <= pred <= meas * 1.01
+
+
+def test_memory_counts_scratch_while_the_op_runs():
+    storages = [StorageInfo(0, 1024, "parameter", -1, None),
+                StorageInfo(1, 4096, "activation", 0, None),
+                StorageInfo(2, 2048, "temporary", 1, 2)]
+    nodes = [OpNode(index=i, op="aten.add.Tensor", phase="forward", module="m", inputs=(),
+                    outputs=(), allocs=a, frees=f)
+             for i, (a, f) in enumerate([((1,), ()), ((2,), ()), ((), (2,))])]
+    g = StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta={})
+    m = simulate(g, scratch={0: 10_000})
+    # op 0: 1024 + 4096 + 10240 (rounded scratch) > op 1: 1024 + 4096 + 2048
+    assert m.peak == 1024 + 4096 + 10240 and m.peak_index == 0
+    assert m.at_peak["workspace"] == 10240
+    assert m.timeline == (1024 + 4096 + 10240, 1024 + 4096 + 2048, 1024 + 4096 + 2048)
+
+
+def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch():
+    g = _convnet_graph("fp32")
+    cal = _cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 1.5}})
+    sc = conv.scratch(g, cal)
+    bwd, = _convs(g, "convolution_backward")
+    assert sc == {bwd.index: int(1.5 * conv.io_bytes(bwd))}
+    assert conv.scratch(g, None) == {}
+
+
+def test_conv_time_uses_the_measured_grid_for_its_direction():
+    g = _convnet_graph()
+    fwd, = _convs(g, "convolution")
+    bwd, = _convs(g, "convolution_backward")
+    grid = {"forward": [[1e3, 10, 1e12], [1e3, 1e3, 2e12], [1e9, 10, 3e12], [1e9, 1e3, 4e12]],
+            "backward": [[1e3, 10, 5e11], [1e3, 1e3, 5e11], [1e9, 10, 5e11], [1e9, 1e3, 5e11]]}
+    rates = Rates(H100, _cal(conv_grid={"bf16": grid}))
+    mn, k = gemm_dims(fwd)
+    assert (mn, k) == (4 * 16 * 16 * 16, 3 * 7 * 7)
+    # linear in log k then log mn between the four corners
+    fk = (math.log(k) - math.log(10)) / (math.log(1e3) - math.log(10))
+    fm = (math.log(mn) - math.log(1e3)) / (math.log(1e9) - math.log(1e3))
+    lo, hi = 1e12 + fk * 1e12, 3e12 + fk * 1e12
+    rate = lo + fm * (hi - lo)
+    c = op_cost(fwd)
+    t = time_op(fwd, c, rates)
+    assert t.device_s == pytest.approx(max(c.flops / rate, c.bytes / 3e12) + 1e-6)
+    cb = op_cost(bwd)
+    assert time_op(bwd, cb, rates).device_s == pytest.approx(
+        max(cb.flops / 5e11, cb.bytes / 3e12) + cb.launches * 1e-6)
+
+
+def test_conv_gemm_dims_take_the_weight_by_position_not_size():
+    """A late-stage 3x3 weight (512 x 512 x 9) is larger than a small batch's activations."""
+    def make():
+        m = nn.Conv2d(512, 512, 3, padding=1, bias=False)
+        x = torch.randn(1, 512, 7, 7)
+        return gobrrr.Workload(model=m, batch=(x,), loss=lambda y, b: y.sum())
+    g = capture(make, precision="fp32")
+    fwd, = _convs(g, "convolution")
+    bwd, = _convs(g, "convolution_backward")
+    assert gemm_dims(fwd) == (512 * 49, 512 * 9)
+    assert gemm_dims(bwd) == (512 * 49, 512 * 9)
+
+
+def test_batch_norm_bandwidth_follows_channels_and_dtype():
+    g = _convnet_graph()
+    bn = next(n for n in g.nodes if n.name == "native_batch_norm")
+    bnb = next(n for n in g.nodes if n.name == "native_batch_norm_backward")
+    curve = {"forward:bf16": [[8, 1e11], [32, 3e11]], "backward:bf16": [[8, 2e11], [32, 2e11]],
+             "forward:fp32": [[8, 9e11], [32, 9e11]]}
+    rates = Rates(H100, _cal(batch_norm_bandwidth=curve))
+    # 16 channels: halfway between 8 and 32 in log
+    assert rates.batch_norm(bn) == pytest.approx(2e11)
+    assert rates.batch_norm(bnb) == pytest.approx(2e11)
+    c = op_cost(bn)
+    assert time_op(bn, c, rates).device_s == pytest.approx(c.bytes / 2e11 + c.launches * 1e-6)
+    fp32_bn = next(n for n in _convnet_graph("fp32").nodes if n.name == "native_batch_norm")
+    assert rates.batch_norm(fp32_bn) == pytest.approx(9e11)
+
+
+def test_cudnn_ops_add_their_measured_host_cost():
+    g = _convnet_graph()
+    fwd, = _convs(g, "convolution")
+    cal = _cal(op_overhead={"forward": 10e-6, "backward": 10e-6, "optimizer": 10e-6},
+               op_host={"convolution:bf16": 7e-6, "convolution:fp32": 3e-6})
+    rates = Rates(H100, cal)
+    assert time_op(fwd, op_cost(fwd), rates).host_s == pytest.approx(17e-6)
+    relu = next(n for n in g.nodes if n.name == "relu")
+    assert time_op(relu, op_cost(relu), rates).host_s == pytest.approx(10e-6)
+
+
+def test_estimate_is_the_package_level_api():
+    def workload(batch_size: int = 2, seq_len: int = 8) -> gobrrr.Workload:
+        model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64))
+        toks = torch.randint(0, 64, (batch_size, seq_len))
+        return gobrrr.Workload(model=model, batch=(toks,),
+                               loss=lambda y, b: nn.functional.cross_entropy(
+                                   y.flatten(0, 1), b[0].flatten()),
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    est = gobrrr.estimate(workload, gpu="a100-80gb", batch=4, seq=16, precision="fp32")
+    assert isinstance(est, gobrrr.Estimate)
+    emb, lin = 64 * 16 * 4, (16 * 64 + 64) * 4
+    assert est.memory.persistent["parameter"] >= emb + lin
+    assert est.time.tokens == 4 * 16

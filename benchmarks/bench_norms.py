@@ -5,7 +5,7 @@ and writes dx, dw (, db). Shapes 16384x4096 and 4096x16384. GPU time from CUDA-g
 (inputs are 2.5x the L2, so no flush); host-inclusive times (launch_*) are recorded beside.
 Inputs come from a private generator; every timing failure is recorded, not raised.
 
-    PYTHONPATH=src python benchmarks/bench_norms.py OUT.json [--sweep]
+    PYTHONPATH=src python benchmarks/bench_norms.py OUT.json [--sweep] [--impls gobrrr eager]
 """
 
 from __future__ import annotations
@@ -105,45 +105,60 @@ def row(norm, impl, shape, t):
     return r
 
 
-def sweep_rows(norm, shape, x, w, b, dy):
-    """Our backward under several launch configurations (rows per program, warps, programs
-    per SM, pipeline stages of the row loop), GPU time from CUDA graphs."""
-    saved, out = dict(norms.TUNING), []
-    n = shape[1]
+def sweep_configs(n: int) -> list[dict]:
+    """norms.TUNING overrides to try at row width n: backward rows per program, warps, programs
+    per SM, pipeline stages, and for wide rows the two-read path (bwd_reload) and its chunk;
+    a few forward block shapes."""
     if n >= 16384:
-        configs = [(1, wp, p, st) for wp in (8, 16, 32) for p in (1, 2, 4) for st in (1, 2)]
+        bwd = [{"bwd_reload": 0, "bwd_warps": w} for w in (8, 16)]
+        bwd += [{"bwd_reload": 1, "bwd_warps": w, "bwd_chunk": c} for w in (8, 16)
+                for c in (1024, 4096)]
+        fwd = [{"fwd_warps": w} for w in (4, 8, 32)]
     else:
-        configs = [(r, wp, p, st) for r in (1, 2) for wp in (4, 8) for p in (2, 4, 8)
-                   for st in (1, 3)] + [(2, 8, 1, 1), (2, 8, 1, 3)]
-    for rows, warps, per_sm, stages in configs:
-        norms.TUNING.update(bwd_elems=rows * n, bwd_warps=warps, bwd_per_sm=per_sm,
-                            bwd_stages=stages)
-        cfg = {"rows_per_prog": rows, "warps": warps, "per_sm": per_sm, "stages": stages}
+        bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)
+               for w in (4, 8) for st in (1, 3)]
+        bwd += [{"bwd_elems": n, "bwd_warps": 4, "bwd_per_sm": 2, "bwd_stages": 3}]
+        fwd = [{"fwd_elems": e, "fwd_warps": w} for e in (4096, 8192) for w in (4, 16)]
+    return bwd + fwd
+
+
+def sweep_rows(norm, shape, x, w, b, dy):
+    """Our kernels under several launch configurations (sweep_configs), GPU time from CUDA
+    graphs; each row names the TUNING entries it changed."""
+    saved, out = dict(norms.TUNING), []
+    for cfg in sweep_configs(shape[1]):
+        norms.TUNING.clear()
+        norms.TUNING.update(saved, **cfg)
         try:
             r = row(norm, "gobrrr", shape, measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy,
                                                    launch=False))
-            out.append({**cfg, **{k: v for k, v in r.items() if k != "timings"}})
+            t = norms.TUNING  # the effective values too, under the names older reports read
+            out.append({"tuning": cfg, "rows_per_prog": max(1, t["bwd_elems"] // shape[1]),
+                        "warps": t["bwd_warps"], "per_sm": t["bwd_per_sm"],
+                        "stages": t["bwd_stages"],
+                        **{k: v for k, v in r.items() if k != "timings"}})
         except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
-            out.append({"norm": norm, **cfg, "error": repr(e)[:200]})
+            out.append({"norm": norm, "tuning": cfg, "error": repr(e)[:200]})
     norms.TUNING.clear()
     norms.TUNING.update(saved)
     return out
 
 
-def run(out_path: str | Path, sweep: bool = False) -> Path:
+def run(out_path: str | Path, sweep: bool = False,
+        impls: tuple[str, ...] = ("gobrrr", "eager", "torch.compile")) -> Path:
     rows, checks, sweeps = [], {}, []
     for shape in SHAPES:
         x, w, b, dy = make(*shape)
-        for norm, impls in IMPLS.items():
+        for norm, fns in IMPLS.items():
             checks[f"{norm} {shape[0]}x{shape[1]}"] = check(norm, x, w, b, dy)
-            for impl in ("gobrrr", "eager", "torch.compile"):
+            for impl in impls:
                 try:
-                    fn = impls[impl] if impl != "torch.compile" else torch.compile(
-                        impls["compile_fn"], dynamic=False)
+                    fn = fns[impl] if impl != "torch.compile" else torch.compile(
+                        fns["compile_fn"], dynamic=False)
                     rows.append(row(norm, impl, shape, measure(fn, norm, x, w, b, dy)))
                 except Exception as e:  # noqa: BLE001 - keep the other rows
                     rows.append({"norm": norm, "impl": impl, "error": repr(e)[:300]})
-            if sweep and norm == "rms_norm":
+            if sweep:
                 sweeps += sweep_rows(norm, shape, x, w, b, dy)
         del x, w, b, dy
         torch.cuda.empty_cache()
@@ -155,8 +170,9 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
     })
     if sweeps:
         best = sorted((r for r in sweeps if "bwd_GBps" in r), key=lambda r: -r["bwd_GBps"])
-        print(table(best[:10], ["shape", "rows_per_prog", "warps", "per_sm", "stages",
-                                "bwd_GBps", "fwdbwd_GBps"]))
+        for r in best:
+            r["tuning"] = " ".join(f"{k}={v}" for k, v in r["tuning"].items())
+        print(table(best, ["norm", "shape", "tuning", "fwd_GBps", "bwd_GBps", "fwdbwd_GBps"]))
     print("correctness vs fp32 eager (rel. Frobenius error):", checks)
     print(table(rows, ["norm", "impl", "shape", "fwd_ms", "bwd_ms", "fwd_GBps", "bwd_GBps",
                        "fwdbwd_GBps", "launch_fwd_GBps", "launch_fwdbwd_GBps"]))
@@ -167,8 +183,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="output JSON path")
     p.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    p.add_argument("--impls", nargs="+", default=["gobrrr", "eager", "torch.compile"],
+                   choices=["gobrrr", "eager", "torch.compile"], help="implementations to time")
     args = p.parse_args(argv)
-    run(args.out, sweep=args.sweep)
+    run(args.out, sweep=args.sweep, impls=tuple(args.impls))
 
 
 if __name__ == "__main__":

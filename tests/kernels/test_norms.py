@@ -159,3 +159,33 @@ def test_wide_rows(close, norm):
     else:
         run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
                  [x, w, b], torch.float32)
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+@pytest.mark.parametrize("shape", [(128, 64), (3, 9000), (2, 16384), (70, 96)])
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+def test_backward_paths(close, monkeypatch, reload, shape, norm):
+    # both backward paths (tile held in registers / read twice, in column halves) on shapes with
+    # and without ragged rows and columns
+    from gobrrr.kernels import norms
+
+    monkeypatch.setitem(norms.TUNING, "bwd_reload", reload)
+    monkeypatch.setitem(norms.TUNING, "bwd_chunk", 512)
+    torch.manual_seed(6)
+    x, w, b = 1 + torch.randn(shape), 1 + 0.1 * torch.randn(shape[-1]), torch.randn(shape[-1])
+    if norm == "rms":
+        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
+                 torch.float32)
+    else:
+        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
+                 [x, w, b], torch.float32)
+
+
+def test_backward_launch_plan(monkeypatch):
+    # 4096 one-row tiles on 132 SMs: 128 programs of 32 tiles, not 132 of which 4 take a 32nd
+    from gobrrr.kernels import norms
+
+    monkeypatch.setattr(norms, "num_sms", lambda device: 132)
+    plan = norms._bwd_launch(4096, 16384, torch.device("cpu"))
+    assert (plan["tiles"], plan["n_progs"]) == (4096, 128)
+    assert plan["reload"] and not plan["mask_m"] and not plan["mask_n"]

@@ -2,8 +2,10 @@
 
 Forward: one pass over x; it saves x itself plus the per-row rstd (and mean for LayerNorm), in
 fp32. Backward: a persistent grid; each program walks a strided set of row tiles, writes dx and
-keeps fp32 partial sums of dw (and db) in registers, then one small torch reduction over the
-programs' partials gives dw. All arithmetic is fp32; outputs take the input's dtype.
+keeps fp32 partial sums of dw (and db) in registers, then one small kernel sums the programs'
+partials into dw (db) in the weight's dtype. Rows too wide for a tile and the accumulators to
+share the registers (16384 at 8 warps) are read twice: row sums in narrow chunks, then dx from
+a second read that hits L1/L2. All arithmetic is fp32; outputs take the input's dtype.
 
 Ops (what the cost model counts): gobrrr::rms_norm_fwd, gobrrr::rms_norm_bwd,
 gobrrr::layer_norm_fwd, gobrrr::layer_norm_bwd.
@@ -27,11 +29,12 @@ from gobrrr.kernels._util import (
     tl,
 )
 
-# Launch heuristics; 0 means "by row width" (_bwd_launch). Benchmarks overwrite entries to sweep
-# them; the defaults come from such a sweep on an H100 (benchmarks/README.md): the backward runs
-# one program per SM, 8 warps, and pipelines its row loop 3 deep for rows up to 8192 wide.
+# Launch heuristics; 0 (-1 for bwd_reload) means "by row width" (_bwd_launch). Benchmarks
+# overwrite entries to sweep them; the defaults come from such a sweep on an H100
+# (benchmarks/README.md): the backward runs one program per SM, 8 warps, and pipelines its row
+# loop 3 deep for rows up to 8192 wide; bwd_chunk is the column chunk of the two-read path.
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
-          "bwd_stages": 0}
+          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 2048}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -64,52 +67,159 @@ def _norm_fwd_kernel(
 
 
 @jit
+def _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
+              IS_RMS: tl.constexpr, EVICT: tl.constexpr):
+    """dy and xhat = (x - mean) * rstd of one tile, fp32 (BLOCK_M, BLOCK_N); rstd (BLOCK_M,).
+    Masked-off elements have dy = 0, so they add nothing to any sum."""
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICT).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = (x - tl.load(MEAN + rows, mask=rows < M, other=0.0)[:, None]) * rstd[:, None]
+    return dy, xhat, rstd
+
+
+@jit
+def _tile_mask(rows, cols, M, N, MASK_M: tl.constexpr, MASK_N: tl.constexpr):
+    """Bounds mask of a (rows, cols) tile; only the dimensions that can overhang are tested."""
+    if MASK_M and MASK_N:
+        return (rows < M)[:, None] & (cols < N)[None, :]
+    elif MASK_M:
+        return (rows < M)[:, None] & (cols >= 0)[None, :]
+    elif MASK_N:
+        return (rows >= 0)[:, None] & (cols < N)[None, :]
+    else:
+        return (rows >= 0)[:, None] & (cols >= 0)[None, :]
+
+
+@jit
+def _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
+                      IS_RMS: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """c1 = mean(g * xhat), c2 = mean(g) per row (g = dy * w), reading CHUNK columns at a time
+    and keeping them in L1 for the backward's second read. Returns two (BLOCK_M,) fp32."""
+    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = _tile_mask(rows, cols, M, N, MASK_M, True)
+        dy, xhat, _ = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
+                                IS_RMS, "evict_last")
+        g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        s1 += tl.sum(g * xhat, axis=1)
+        s2 += tl.sum(g, axis=1)
+    return s1 / N, s2 / N
+
+
+@jit
+def _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, cols, M, N, stride_x, stride_dy, stride_dx, c1, c2,
+             dw_acc, db_acc, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+             MASK_M: tl.constexpr, MASK_N: tl.constexpr):
+    """Writes dx of one tile given its rows' sums c1, c2; returns the accumulators (dw, db) plus
+    the tile's dy * xhat (and dy)."""
+    mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
+    dy, xhat, rstd = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
+                               IS_RMS, "evict_first")
+    w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    g = dy * w.to(tl.float32)[None, :]  # dL/dxhat
+    if IS_RMS:
+        dx = (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
+    tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    dw_acc += dy * xhat
+    if HAS_BIAS:
+        db_acc += dy
+    return dw_acc, db_acc
+
+
+@jit
 def _norm_bwd_kernel(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx,
-    tiles_per_prog,
+    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, tiles,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    W_IN_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, RELOAD: tl.constexpr, CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
+    # Persistent: program p takes row tiles p, p + P, p + 2P, ... and keeps fp32 sums of dw
+    # (and db) over them in registers; it writes them once, as its row of DW_PART (DB_PART).
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    if not W_IN_LOOP:
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in tl.range(0, tiles_per_prog, num_stages=NUM_STAGES):
-        rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if W_IN_LOOP:  # wide rows: re-read w (from cache) rather than hold it in registers
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-        g = dy * w[None, :]  # dL/dxhat
-        c1 = tl.sum(g * xhat, axis=1) / N
-        if IS_RMS:
-            dx = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(g, axis=1) / N
-            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
-                 mask=mask)
-        dw_acc += dy * xhat
+    base = pid.to(tl.int64) * N
+    n_tiles = tl.cdiv(tiles - pid, n_progs)
+    if RELOAD:
+        # Wide rows: a whole tile plus full-width accumulators do not fit in registers (ptxas
+        # spills). The row sums take a first pass in narrow column chunks; then the tile is
+        # read again (from L1/L2: HBM sees each byte once) in two column halves, each with
+        # its own accumulators, which keeps the live ranges short.
+        HALF: tl.constexpr = BLOCK_N // 2
+        c_lo = tl.arange(0, HALF)
+        c_hi = HALF + c_lo
+        dw_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        db_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        dw_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        db_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+            rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            c1, c2 = _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
+                                       IS_RMS, MASK_M, MASK_N, BLOCK_M, CHUNK)
+            dw_lo, db_lo = _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, c_lo, M, N, stride_x,
+                                    stride_dy, stride_dx, c1, c2, dw_lo, db_lo, IS_RMS, HAS_BIAS,
+                                    MASK_M, MASK_N)
+            dw_hi, db_hi = _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, c_hi, M, N, stride_x,
+                                    stride_dy, stride_dx, c1, c2, dw_hi, db_hi, IS_RMS, HAS_BIAS,
+                                    MASK_M, MASK_N)
+        tl.store(DW_PART + base + c_lo, tl.sum(dw_lo, axis=0), mask=c_lo < N)
+        tl.store(DW_PART + base + c_hi, tl.sum(dw_hi, axis=0), mask=c_hi < N)
         if HAS_BIAS:
-            db_acc += dy
-    tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
-    if HAS_BIAS:
-        tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+            tl.store(DB_PART + base + c_lo, tl.sum(db_lo, axis=0), mask=c_lo < N)
+            tl.store(DB_PART + base + c_hi, tl.sum(db_hi, axis=0), mask=c_hi < N)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)  # held: rows are narrow
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+            rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
+            dy, xhat, rstd = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x,
+                                       stride_dy, IS_RMS, "evict_first")
+            g = dy * w[None, :]  # dL/dxhat
+            c1 = tl.sum(g * xhat, axis=1) / N
+            if IS_RMS:
+                dx = (g - xhat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(g, axis=1) / N
+                dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
+            dw_acc += dy * xhat
+            if HAS_BIAS:
+                db_acc += dy
+        tl.store(DW_PART + base + cols, tl.sum(dw_acc, axis=0), mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PART + base + cols, tl.sum(db_acc, axis=0), mask=cols < N)
+
+
+@jit
+def _sum_parts_kernel(
+    PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """OUT[n] = sum over p of PART[p, n], in fp32, stored in OUT's dtype. PART: (P, N)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < P)[:, None] & col_ok[None, :]
+        acc += tl.load(PART + parts[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
 
 
 def _block_m(n_cols: int, elems: int) -> int:
@@ -144,28 +254,55 @@ def _fwd(x, weight, bias, eps, is_rms):
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
 
+def _bwd_launch(m: int, n: int, device: torch.device) -> dict:
+    """Tile shape, program count and kernel flags of the backward for (m, n) rows."""
+    block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
+    tiles = cdiv(m, block_m)
+    # as many programs as SMs, but no more than the tiles need: 4096 tiles on 132 SMs run as 128
+    # programs of 32 tiles, not 132 of which 4 take a 32nd tile while the rest wait
+    per_prog = cdiv(tiles, num_sms(device) * (TUNING["bwd_per_sm"] or 1))
+    warps = _warps(block_m * block_n, TUNING["bwd_warps"])
+    # past 32 elements a thread, a tile plus its accumulators outgrow the registers (ptxas spills
+    # at 16384 wide, 8 warps): read the tile twice instead (RELOAD)
+    reload = TUNING["bwd_reload"]
+    if reload < 0:
+        reload = block_m * block_n > 32 * 32 * warps
+    return dict(
+        block_m=block_m, block_n=block_n, tiles=tiles, n_progs=cdiv(tiles, per_prog), warps=warps,
+        reload=bool(reload), mask_m=m % block_m != 0, mask_n=n != block_n,
+        stages=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 1),
+        chunk=min(TUNING["bwd_chunk"], block_n),
+    )
+
+
+def _sum_parts(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of the (programs, N) fp32 partials, in `dtype`: one small launch."""
+    p, n = part.shape
+    out = torch.empty(n, dtype=dtype, device=part.device)
+    block_n = 64 if part.device.type == "cuda" else next_pow2(n)
+    kern = kernel_for(_sum_parts_kernel, part.device)
+    kern[(cdiv(n, block_n),)](part, out, p, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     n = x.shape[-1]
     x2, dy2 = rows_2d(x), rows_2d(dy)
     m = x2.shape[0]
-    block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
-    tiles = cdiv(m, block_m)
-    per_sm = TUNING["bwd_per_sm"] or 1
-    n_progs = max(1, min(tiles, num_sms(x.device) * per_sm))
+    c = _bwd_launch(m, n, x.device)
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    dw_part = torch.empty((n_progs, n), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((n_progs, n), dtype=torch.float32, device=x.device) if has_bias else None
+    dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
+    db_part = torch.empty_like(dw_part) if has_bias else dw_part
     kern = kernel_for(_norm_bwd_kernel, x.device)
-    kern[(n_progs,)](
-        dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part,
-        db_part if has_bias else dw_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0),
-        cdiv(tiles, n_progs),
-        IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n,
-        W_IN_LOOP=block_n >= 8192, NUM_STAGES=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 1),
-        num_warps=_warps(block_m * block_n, TUNING["bwd_warps"]),
+    kern[(c["n_progs"],)](
+        dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part, db_part, m, n,
+        dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
+        IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+        MASK_M=c["mask_m"], MASK_N=c["mask_n"], RELOAD=c["reload"], CHUNK=c["chunk"],
+        NUM_STAGES=c["stages"], num_warps=c["warps"],
     )
-    dw = dw_part.sum(0).to(weight.dtype)
-    db = db_part.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)
+    dw = _sum_parts(dw_part, weight.dtype)
+    db = _sum_parts(db_part, weight.dtype) if has_bias else weight.new_empty(0)
     return dx.view(x.shape), dw, db
 
 

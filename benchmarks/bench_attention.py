@@ -325,6 +325,13 @@ def host_diagnostics(n: int = 300) -> dict:
         launcher_dq=lambda: kb.bwd_dq(do, qd, kd, vd, out, lse, True, 0.125),
         sdpa_flash_fwd_bwd=lambda: torch.autograd.grad(flash(q, k, v), (q, k, v), do))
     res = {name: _host_us(fn, n) for name, fn in runs.items()}
+    attn_mod = sys.modules["gobrrr.kernels.attention"]  # the module; the package exports the fn
+    direct = attn_mod._direct
+    attn_mod._direct = lambda t: False  # every call through the ops, as under a tracer
+    try:
+        res["public_fwd_bwd_via_ops"] = _host_us(runs["public_fwd_bwd"], n)
+    finally:
+        attn_mod._direct = direct
     gc.disable()
     res["public_fwd_bwd_gc_off"] = _host_us(runs["public_fwd_bwd"], n)
     gc.enable()
@@ -446,6 +453,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="D=128, S in {2048, 8192} only")
     ap.add_argument("--experiments", action="store_true", help="per-config and atomic-dQ timings")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--host", action="store_true",
+                    help="only the host time per call (configs pinned: no autotuning)")
     ap.add_argument("--markdown", action="store_true",
                     help="print markdown tables from the results file OUT and exit")
     args = ap.parse_args()
@@ -463,6 +472,18 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.host:
+        for name in ("fwd_configs", "dkdv_configs", "dq_configs"):
+            mod = kf if name == "fwd_configs" else kb
+            full = getattr(mod, name)
+            setattr(mod, name, lambda bd, f=full: f(bd)[:1])
+        result["host_us"] = host_diagnostics()
+        result["total_s"] = time.time() - T0
+        save()
+        print(json.dumps({k: round(v, 1) for k, v in result["host_us"].items()
+                          if isinstance(v, float)}, indent=1))
+        print(result["host_us"]["profile_public_fwd_bwd_200_calls"][:3000], flush=True)
+        return
     result["gpu_checks"] = warm_and_check(heads, args.experiments, args.workers)
     result["warm_s"] = time.time() - T0
     for c in result["gpu_checks"]:

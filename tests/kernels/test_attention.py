@@ -7,6 +7,7 @@ gradients by autograd. Tolerances (atol = rtol, on outputs and every gradient): 
 
 import math
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -212,3 +213,22 @@ def test_torch_compile_fullgraph_matches_eager():
     want = torch.autograd.grad(loss(q, k, v), (q, k, v))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_calls_skip_the_dispatcher_but_traces_keep_the_ops(monkeypatch):
+    """Plain eager calls launch the kernels directly (less host time); under a dispatch mode the
+    same call goes through gobrrr::attention_fwd/bwd, with the same gradients."""
+    mod = sys.modules["gobrrr.kernels.attention"]  # the module (the package exports the function)
+    q, k, v = (t.requires_grad_() for t in make((1, 2, 9, 16), (1, 1, 9, 16), torch.float32))
+    with _OpRecorder() as rec:
+        traced = torch.autograd.grad(attention(q, k, v, causal=True).sum(), (q, k, v))
+    assert {"gobrrr::attention_fwd", "gobrrr::attention_bwd"} <= {n for n, _ in rec.calls}
+
+    def no_dispatch(*args):
+        raise AssertionError("the op dispatcher ran for a plain eager call")
+
+    monkeypatch.setattr(mod, "_FWD", no_dispatch)
+    monkeypatch.setattr(mod, "_BWD", no_dispatch)
+    eager = torch.autograd.grad(attention(q, k, v, causal=True).sum(), (q, k, v))
+    for a, b in zip(eager, traced, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -310,11 +310,11 @@ def bwd_dkdv(dout, q, k, v, lse, delta, causal, scale, dq_acc=None, config=None)
     key = (d, causal, bucket, q.dtype)
     if atomic:
         launch(_attn_bwd_dkdv_kernel, grid, args, consts, tag="dkdv_atomic", key=key,
-               configs=dkdv_atomic_configs(bd), config=config, interpret_config=INTERPRET_DKDV,
+               configs=dkdv_atomic_configs, config=config, interpret_config=INTERPRET_DKDV,
                reset_to_zero=["DQ"])
     else:
         launch(_attn_bwd_dkdv_kernel, grid, args, consts, tag="dkdv", key=key,
-               configs=dkdv_configs(bd), config=config, interpret_config=INTERPRET_DKDV)
+               configs=dkdv_configs, config=config, interpret_config=INTERPRET_DKDV)
     return dk, dv
 
 
@@ -334,7 +334,7 @@ def bwd_dq(dout, q, k, v, out, lse, causal, scale, config=None):
             *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
             h, h // hkv, s_q, s_k, bucket, scale * LOG2E, scale)
     launch(_attn_bwd_dq_kernel, grid, args, dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
-           tag="dq", key=(d, causal, bucket, q.dtype), configs=dq_configs(bd), config=config,
+           tag="dq", key=(d, causal, bucket, q.dtype), configs=dq_configs, config=config,
            interpret_config=INTERPRET_DQ)
     return dq, delta
 

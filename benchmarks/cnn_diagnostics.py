@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -85,36 +84,19 @@ def memory_case(precision: str, batch: int) -> dict:
 
 
 def bn_bandwidth(elements: int = 2**25) -> list[dict]:
-    """Achieved bytes/s of batch norm forward and backward, bytes = what the cost model counts
-    for them (read x, write y; read x and dy, write dx), over channel-plane sizes."""
-    from gobrrr.profile.calibrate import time_op
+    """Achieved bytes/s of batch norm forward and backward over channel-plane sizes, bytes as
+    read x + write y (forward) and read x, dy + write dx (backward)."""
+    from gobrrr.profile.calibrate_step import batch_norm_times
 
-    dev = torch.device("cuda")
     out = []
     for dtype in (torch.bfloat16, torch.float32):
         for hw in (7, 14, 28, 56, 112):
-            c = 64
-            n = max(elements // (c * hw * hw), 1)
-            x = torch.randn(n, c, hw, hw, device=dev, dtype=dtype, requires_grad=True)
-            w = torch.ones(c, device=dev, requires_grad=True)
-            b = torch.zeros(c, device=dev, requires_grad=True)
-            rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
-            gy = torch.randn_like(x)
-
-            def fwd(x=x, w=w, b=b, rm=rm, rv=rv):
-                return F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
-
-            def fwd_bwd(x=x, w=w, b=b, rm=rm, rv=rv, gy=gy):
-                y = F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
-                torch.autograd.grad(y, (x, w, b), gy)
-
-            t_f = time_op(fwd, dev, 10)
-            t_fb = time_op(fwd_bwd, dev, 10)
-            nb = x.numel() * x.element_size()
-            out.append({"dtype": str(dtype).split(".")[-1], "shape": [n, c, hw, hw],
-                        "forward_s": t_f, "backward_s": t_fb - t_f,
-                        "forward_gbs": 2 * nb / t_f / 1e9,
-                        "backward_gbs": 3 * nb / max(t_fb - t_f, 1e-9) / 1e9})
+            shape = (max(elements // (64 * hw * hw), 1), 64, hw, hw)
+            t_f, t_b = batch_norm_times(torch.device("cuda"), shape, dtype)
+            nb = shape[0] * 64 * hw * hw * dtype.itemsize
+            out.append({"dtype": str(dtype).split(".")[-1], "shape": list(shape),
+                        "forward_s": t_f, "backward_s": t_b,
+                        "forward_gbs": 2 * nb / t_f / 1e9, "backward_gbs": 3 * nb / t_b / 1e9})
     return out
 
 

@@ -16,7 +16,7 @@ from gobrrr.cost import conv
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.roofline import Rates, gemm_dims, time_op
 from gobrrr.graph import OpNode, StepGraph, StorageInfo
-from gobrrr.hardware import Calibration, get_gpu
+from gobrrr.hardware import get_gpu
 from gobrrr.memory import simulate
 from gobrrr.models.registry import get_workload
 
@@ -24,13 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 H100 = get_gpu("h100")
 MiB = 2**20
 
-
-def _cal(**kw):
-    base = dict(gpu="h100-sxm", device_name="H100", matmul_flops={"bf16": 800e12},
-                copy_bandwidth=3e12, pointwise_bandwidth=3e12, reduction_bandwidth=3e12,
-                launch_overhead=8e-6, kernel_latency=1e-6)
-    base.update(kw)
-    return Calibration(**base)
 
 
 def _convnet_graph(precision="bf16-mixed", batch=4, channels_last=False):
@@ -107,22 +100,22 @@ def test_memory_counts_scratch_while_the_op_runs():
     assert m.timeline == (1024 + 4096 + 10240, 1024 + 4096 + 2048, 1024 + 4096 + 2048)
 
 
-def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch():
+def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch(make_cal):
     g = _convnet_graph("fp32")
-    cal = _cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 1.5}})
+    cal = make_cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 1.5}})
     sc = conv.scratch(g, cal)
     bwd, = _convs(g, "convolution_backward")
     assert sc == {bwd.index: int(1.5 * conv.io_bytes(bwd))}
     assert conv.scratch(g, None) == {}
 
 
-def test_conv_time_uses_the_measured_grid_for_its_direction():
+def test_conv_time_uses_the_measured_grid_for_its_direction(make_cal):
     g = _convnet_graph()
     fwd, = _convs(g, "convolution")
     bwd, = _convs(g, "convolution_backward")
     grid = {"forward": [[1e3, 10, 1e12], [1e3, 1e3, 2e12], [1e9, 10, 3e12], [1e9, 1e3, 4e12]],
             "backward": [[1e3, 10, 5e11], [1e3, 1e3, 5e11], [1e9, 10, 5e11], [1e9, 1e3, 5e11]]}
-    rates = Rates(H100, _cal(conv_grid={"bf16": grid}))
+    rates = Rates(H100, make_cal(conv_grid={"bf16": grid}))
     mn, k = gemm_dims(fwd)
     assert (mn, k) == (4 * 16 * 16 * 16, 3 * 7 * 7)
     # linear in log k then log mn between the four corners
@@ -151,13 +144,13 @@ def test_conv_gemm_dims_take_the_weight_by_position_not_size():
     assert gemm_dims(bwd) == (512 * 49, 512 * 9)
 
 
-def test_batch_norm_bandwidth_follows_channels_and_dtype():
+def test_batch_norm_bandwidth_follows_channels_and_dtype(make_cal):
     g = _convnet_graph()
     bn = next(n for n in g.nodes if n.name == "native_batch_norm")
     bnb = next(n for n in g.nodes if n.name == "native_batch_norm_backward")
     curve = {"forward:bf16": [[8, 1e11], [32, 3e11]], "backward:bf16": [[8, 2e11], [32, 2e11]],
              "forward:fp32": [[8, 9e11], [32, 9e11]]}
-    rates = Rates(H100, _cal(batch_norm_bandwidth=curve))
+    rates = Rates(H100, make_cal(batch_norm_bandwidth=curve))
     # 16 channels: halfway between 8 and 32 in log
     assert rates.batch_norm(bn) == pytest.approx(2e11)
     assert rates.batch_norm(bnb) == pytest.approx(2e11)
@@ -167,10 +160,10 @@ def test_batch_norm_bandwidth_follows_channels_and_dtype():
     assert rates.batch_norm(fp32_bn) == pytest.approx(9e11)
 
 
-def test_cudnn_ops_add_their_measured_host_cost():
+def test_cudnn_ops_add_their_measured_host_cost(make_cal):
     g = _convnet_graph()
     fwd, = _convs(g, "convolution")
-    cal = _cal(op_overhead={"forward": 10e-6, "backward": 10e-6, "optimizer": 10e-6},
+    cal = make_cal(op_overhead={"forward": 10e-6, "backward": 10e-6, "optimizer": 10e-6},
                op_host={"convolution:bf16": 7e-6, "convolution:fp32": 3e-6})
     rates = Rates(H100, cal)
     assert time_op(fwd, op_cost(fwd), rates).host_s == pytest.approx(17e-6)

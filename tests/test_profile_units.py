@@ -95,7 +95,7 @@ def _m(i, family, kind, t, nbytes, regime="memory", phase="forward", module="m",
                       bytes=nbytes, regime=regime, **kw)
 
 
-def test_fusion_of_cos_cos_saves_half():
+def test_fusion_of_cos_cos_saves_half(make_cal):
     gib = 2**30
     t = 2 * gib / 3e12  # each cos reads + writes 1 GiB at 3 TB/s
     ops = [_m(0, "cos", "pointwise", t, 2 * gib), _m(1, "cos", "pointwise", t, 2 * gib),
@@ -105,15 +105,15 @@ def test_fusion_of_cos_cos_saves_half():
     # fused: read x once, write y once = 2 GiB of the 4 GiB: half the time
     assert chain_saving(runs[0], 3e12) == pytest.approx(t)
     f = diagnose(ops, H100, step_s=3 * t, idle_share=0.0,
-                 calibration=_cal(pointwise_bandwidth=3e12))
+                 calibration=make_cal(pointwise_bandwidth=3e12))
     assert [x.kind for x in f] == ["fusion"] and "2x" in f[0].title
 
 
-def test_diagnosis_is_ranked_by_saving():
+def test_diagnosis_is_ranked_by_saving(make_cal):
     ops = [_m(0, "mm", "matmul", 10e-3, 1e6, regime="compute", math="fp32", flops=50e12 * 10e-3),
            _m(1, "cos", "pointwise", 1e-3, 3e9), _m(2, "sin", "pointwise", 1e-3, 3e9)]
     f = diagnose(ops, H100, step_s=20e-3, idle_share=0.3,
-                 calibration=_cal(pointwise_bandwidth=3e12))
+                 calibration=make_cal(pointwise_bandwidth=3e12))
     assert [x.kind for x in f] == ["tensor_cores", "overhead", "fusion"]
     # fp32 matmul: 0.5 TFLOP at the calibrated bf16 800 TFLOP/s takes 0.625 ms of the 10
     assert f[0].saving_s == pytest.approx(10e-3 - 0.5e12 / 800e12)
@@ -129,13 +129,6 @@ def test_unfused_attention_pattern():
     f = {x.kind: x for x in diagnose(ops, H100, 1.0, 0.0)}
     assert f["attention"].saving_s == pytest.approx(5e-4)
 
-
-def _cal(**kw):
-    base = dict(gpu="h100-sxm", device_name="H100", matmul_flops={"bf16": 800e12},
-                copy_bandwidth=3e12, pointwise_bandwidth=3e12, reduction_bandwidth=3e12,
-                launch_overhead=8e-6, kernel_latency=1e-6)
-    base.update(kw)
-    return Calibration(**base)
 
 
 def test_scaling_verdicts():

@@ -220,34 +220,40 @@ def batch_norm_bandwidths(dev: torch.device, elements: int = 2**24, plane: int =
     and its own NCHW kernels in bf16, at very different speeds). Channels-first kernels
     reduce each channel over batch x plane, so the channel count sets their parallelism (at
     64 channels the bf16 kernels reach ~6% of HBM bandwidth, more with more channels)."""
-    from gobrrr.profile.calibrate import time_op
-
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         fwd_rows, bwd_rows = [], []
         for c in channels:
             shape = (max(elements // (c * plane * plane), 1), c, plane, plane)
-            x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
-            w = torch.ones(c, device=dev, requires_grad=True)
-            b = torch.zeros(c, device=dev, requires_grad=True)
-            rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
-            gy = torch.randn_like(x)
-
-            def fwd(x=x, w=w, b=b, rm=rm, rv=rv):
-                return F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
-
-            def fwd_bwd(x=x, w=w, b=b, rm=rm, rv=rv, gy=gy):
-                torch.autograd.grad(F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5),
-                                    (x, w, b), gy)
-
-            t_fwd = time_op(fwd, dev, 10)
-            t_bwd = max(time_op(fwd_bwd, dev, 10) - t_fwd, 1e-9)
+            t_fwd, t_bwd = batch_norm_times(dev, shape, dtype)
             nf, nb = _bn_bytes(shape, dtype)
             fwd_rows.append([float(c), nf / t_fwd])
             bwd_rows.append([float(c), nb / t_bwd])
-            del x, gy
         out[f"forward:{key}"], out[f"backward:{key}"] = fwd_rows, bwd_rows
     return out
+
+
+def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype
+                     ) -> tuple[float, float]:
+    """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor; backward
+    is fwd+bwd less forward (grads of input, weight and bias)."""
+    from gobrrr.profile.calibrate import time_op
+
+    c = shape[1]
+    x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.ones(c, device=dev, requires_grad=True)
+    b = torch.zeros(c, device=dev, requires_grad=True)
+    rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
+    gy = torch.randn_like(x)
+
+    def fwd():
+        return F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), (x, w, b), gy)
+
+    t_fwd = time_op(fwd, dev, 10)
+    return t_fwd, max(time_op(fwd_bwd, dev, 10) - t_fwd, 1e-9)
 
 
 def op_bandwidths(dev: torch.device) -> dict[str, float]:

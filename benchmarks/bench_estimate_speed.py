@@ -3,7 +3,9 @@
     python benchmarks/bench_estimate_speed.py OUT.json
 
 Targets: `--model llama3-70b --seq 4096` under 20 s and `--model gpt2` under 3 s on a 2-core
-CPU. Each command runs 3 times; the median wall time is reported.
+CPU. Each command runs 3 times; the median wall time is reported. Beside them, the floor no
+estimate can go under: starting Python and importing torch, and that plus creating a
+FakeTensorMode (which imports torch._dynamo).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from pathlib import Path
 
 import torch
 
+FLOORS = [
+    ("python + import torch", "import torch"),
+    ("... + FakeTensorMode()", "import torch\n"
+     "from torch._subclasses.fake_tensor import FakeTensorMode\nFakeTensorMode()"),
+]
 COMMANDS = [
     ("gpt2", ["--model", "gpt2"], 3.0),
     ("llama3-8b seq 4096", ["--model", "llama3-8b", "--seq", "4096"], None),
@@ -46,11 +53,20 @@ def main() -> None:
                      "met": target is None or statistics.median(times) < target})
         print(f"{name:22s} {statistics.median(times):6.2f} s  ({ops} ops)"
               + (f"  target < {target} s" if target else ""))
+    floors = []
+    for name, code in FLOORS:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            times.append(time.perf_counter() - t0)
+        floors.append({"case": name, "median_s": statistics.median(times), "times_s": times})
+        print(f"{name:22s} {statistics.median(times):6.2f} s")
     result = {"version": 1, "cpu": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "python": platform.python_version(),
               "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "cases": rows}
+              "cases": rows, "floors": floors}
     out_path.write_text(json.dumps(result, indent=1))
 
 

@@ -110,10 +110,9 @@ def sweep_configs(n: int) -> list[dict]:
     per SM, pipeline stages, and for wide rows the two-read path (bwd_reload) and its chunk;
     a few forward block shapes."""
     if n >= 16384:
-        bwd = [{"bwd_reload": 0, "bwd_warps": w} for w in (8, 16)]
-        bwd += [{"bwd_reload": 1, "bwd_warps": w, "bwd_chunk": c} for w in (8, 16)
-                for c in (1024, 4096)]
-        fwd = [{"fwd_warps": w} for w in (4, 8, 32)]
+        bwd = [{"bwd_reload": 0}, {"bwd_reload": 1}, {"bwd_reload": 1, "bwd_warps": 16},
+               {"bwd_reload": 1, "bwd_chunk": 8192}, {"bwd_reload": 1, "bwd_chunk": 4096}]
+        fwd = []
     else:
         bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)
                for w in (4, 8) for st in (1, 3)]
@@ -145,7 +144,8 @@ def sweep_rows(norm, shape, x, w, b, dy):
 
 
 def run(out_path: str | Path, sweep: bool = False,
-        impls: tuple[str, ...] = ("gobrrr", "eager", "torch.compile")) -> Path:
+        impls: tuple[str, ...] = ("gobrrr", "eager", "torch.compile"),
+        sweep_shapes: tuple[str, ...] = ()) -> Path:
     rows, checks, sweeps = [], {}, []
     for shape in SHAPES:
         x, w, b, dy = make(*shape)
@@ -158,7 +158,7 @@ def run(out_path: str | Path, sweep: bool = False,
                     rows.append(row(norm, impl, shape, measure(fn, norm, x, w, b, dy)))
                 except Exception as e:  # noqa: BLE001 - keep the other rows
                     rows.append({"norm": norm, "impl": impl, "error": repr(e)[:300]})
-            if sweep:
+            if sweep and (not sweep_shapes or f"{shape[0]}x{shape[1]}" in sweep_shapes):
                 sweeps += sweep_rows(norm, shape, x, w, b, dy)
         del x, w, b, dy
         torch.cuda.empty_cache()
@@ -185,8 +185,11 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     p.add_argument("--impls", nargs="+", default=["gobrrr", "eager", "torch.compile"],
                    choices=["gobrrr", "eager", "torch.compile"], help="implementations to time")
+    p.add_argument("--sweep-shapes", nargs="*", default=[],
+                   help="sweep only these shapes, e.g. 4096x16384")
     args = p.parse_args(argv)
-    run(args.out, sweep=args.sweep, impls=tuple(args.impls))
+    run(args.out, sweep=args.sweep, impls=tuple(args.impls),
+        sweep_shapes=tuple(args.sweep_shapes))
 
 
 if __name__ == "__main__":

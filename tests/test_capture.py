@@ -133,3 +133,25 @@ def test_a_real_workload_is_traced_without_touching_its_tensors():
     assert g.meta["params"] == 8 * 8 + 8 + 8 + 1
     for p, b in zip(model.parameters(), before, strict=True):
         assert not isinstance(p, torch._subclasses.FakeTensor) or torch.equal(p, b)
+
+
+def test_a_workload_function_may_convert_its_model():
+    """Module.to(dtype), .half(), .to(memory_format=...) inside the workload function: under
+    fake tensors PyTorch's in-place swap of parameters fails; gobrrr replaces them instead and
+    leaves Module._apply as it was."""
+    apply_before = nn.Module._apply
+
+    def workload():
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.Flatten(), nn.Linear(8 * 36, 8),
+                              nn.Linear(8, 8))
+        model = model.to(memory_format=torch.channels_last).to(torch.bfloat16)
+        x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.float().sum())
+
+    g = capture(workload, precision="bf16")
+    assert nn.Module._apply is apply_before
+    conv = next(n for n in g.nodes if n.name == "convolution")
+    assert conv.inputs[1].dtype == "bfloat16"
+    assert conv.inputs[1].stride == (27, 1, 9, 3)  # channels-last weight (8, 3, 3, 3)
+    params = [s for s in g.storages if s.kind == "parameter"]
+    assert sum(s.nbytes for s in params) == 2 * (8 * 27 + 8 * 8 * 36 + 8 + 8 * 8 + 8)

@@ -106,11 +106,12 @@ def _converter(fn: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any])
     return convert
 
 
-def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                     recurse: bool = True) -> None:
     """Replace every parameter and buffer by fn(it), keeping tied parameters tied. (Module.to
     and _apply cannot swap fake tensors.)"""
     convert = _converter(fn, {})
-    for mod in model.modules():
+    for mod in model.modules() if recurse else [model]:
         for name, p in list(mod._parameters.items()):
             if p is not None:
                 mod._parameters[name] = convert(p)
@@ -131,6 +132,26 @@ def _to_fake(workload: Workload, mode: FakeTensorMode) -> Workload:
                                batch=map_tensors(workload.batch, mode.from_tensor))
 
 
+@contextlib.contextmanager
+def _replacing_apply() -> Iterator[None]:
+    """While the user's workload is built: Module.to(dtype / memory_format), .half(),
+    .bfloat16() and the like replace parameters and buffers by their converted copies.
+    PyTorch's Module._apply swaps each fake parameter with its copy in place
+    (torch.utils.swap_tensors), which fake tensors refuse (they carry weakrefs), so a model
+    converted inside a workload function could not be traced otherwise."""
+    original = torch.nn.Module._apply
+
+    def _apply(self, fn, recurse=True):
+        _convert_tensors(self, fn, recurse)
+        return self
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
+
+
 def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:
     if isinstance(source, Workload):
         w = source
@@ -138,7 +159,8 @@ def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:
             w = _to_fake(w, mode)
         return w
     try:
-        w = source()
+        with _replacing_apply():
+            w = source()
     except GobrrrError:
         raise
     except Exception as e:

@@ -186,6 +186,6 @@ def test_backward_launch_plan(monkeypatch):
     from gobrrr.kernels import norms
 
     monkeypatch.setattr(norms, "num_sms", lambda device: 132)
-    plan = norms._bwd_launch(4096, 16384, torch.device("cpu"))
+    plan = norms._bwd_launch(4096, 16384, True, torch.device("cpu"))
     assert (plan["tiles"], plan["n_progs"]) == (4096, 128)
     assert plan["reload"] and not plan["mask_m"] and not plan["mask_n"]

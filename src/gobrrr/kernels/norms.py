@@ -4,8 +4,8 @@ Forward: one pass over x; it saves x itself plus the per-row rstd (and mean for 
 fp32. Backward: a persistent grid; each program walks a strided set of row tiles, writes dx and
 keeps fp32 partial sums of dw (and db) in registers, then one small kernel sums the programs'
 partials into dw (db) in the weight's dtype. Rows too wide for a tile and the accumulators to
-share the registers (16384 at 8 warps) are read twice: row sums in narrow chunks, then dx from
-a second read that hits L1/L2. All arithmetic is fp32; outputs take the input's dtype.
+share the registers (LayerNorm 16384 wide at 8 warps) are read twice: row sums first, then dx
+from a second read that hits L1/L2. All arithmetic is fp32; outputs take the input's dtype.
 
 Ops (what the cost model counts): gobrrr::rms_norm_fwd, gobrrr::rms_norm_bwd,
 gobrrr::layer_norm_fwd, gobrrr::layer_norm_bwd.
@@ -32,9 +32,10 @@ from gobrrr.kernels._util import (
 # Launch heuristics; 0 (-1 for bwd_reload) means "by row width" (_bwd_launch). Benchmarks
 # overwrite entries to sweep them; the defaults come from such a sweep on an H100
 # (benchmarks/README.md): the backward runs one program per SM, 8 warps, and pipelines its row
-# loop 3 deep for rows up to 8192 wide; bwd_chunk is the column chunk of the two-read path.
+# loop 3 deep for rows up to 8192 wide; bwd_chunk is the column chunk of the first read of the
+# two-read path (0: the whole row, which keeps the most bytes in flight).
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
-          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 2048}
+          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -143,8 +144,8 @@ def _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, cols, M, N, stride_x, stride_dy, st
 def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, tiles,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_M: tl.constexpr, MASK_N: tl.constexpr, RELOAD: tl.constexpr, CHUNK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, W_IN_LOOP: tl.constexpr, RELOAD: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # Persistent: program p takes row tiles p, p + P, p + 2P, ... and keeps fp32 sums of dw
     # (and db) over them in registers; it writes them once, as its row of DW_PART (DB_PART).
@@ -181,7 +182,8 @@ def _norm_bwd_kernel(
             tl.store(DB_PART + base + c_hi, tl.sum(db_hi, axis=0), mask=c_hi < N)
     else:
         cols = tl.arange(0, BLOCK_N)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)  # held: rows are narrow
+        if not W_IN_LOOP:
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
@@ -189,6 +191,8 @@ def _norm_bwd_kernel(
             mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
             dy, xhat, rstd = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x,
                                        stride_dy, IS_RMS, "evict_first")
+            if W_IN_LOOP:  # wide rows: re-read w (from L1) rather than hold it in registers
+                w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             g = dy * w[None, :]  # dL/dxhat
             c1 = tl.sum(g * xhat, axis=1) / N
             if IS_RMS:
@@ -254,7 +258,7 @@ def _fwd(x, weight, bias, eps, is_rms):
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
 
-def _bwd_launch(m: int, n: int, device: torch.device) -> dict:
+def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device) -> dict:
     """Tile shape, program count and kernel flags of the backward for (m, n) rows."""
     block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
     tiles = cdiv(m, block_m)
@@ -262,16 +266,18 @@ def _bwd_launch(m: int, n: int, device: torch.device) -> dict:
     # programs of 32 tiles, not 132 of which 4 take a 32nd tile while the rest wait
     per_prog = cdiv(tiles, num_sms(device) * (TUNING["bwd_per_sm"] or 1))
     warps = _warps(block_m * block_n, TUNING["bwd_warps"])
-    # past 32 elements a thread, a tile plus its accumulators outgrow the registers (ptxas spills
-    # at 16384 wide, 8 warps): read the tile twice instead (RELOAD)
-    reload = TUNING["bwd_reload"]
-    if reload < 0:
-        reload = block_m * block_n > 32 * 32 * warps
+    # fp32 values a thread holds: the x and dy tiles plus the dw (db) accumulators; from 192
+    # (16384 wide at 8 warps) ptxas spills: read the tile twice. On an H100 (4096x16384 bf16)
+    # that path ran RMSNorm fastest at 16 warps and LayerNorm at 8 (benchmarks/README.md).
+    per_thread = block_m * block_n // (32 * warps) * (4 if has_bias else 3)
+    reload = TUNING["bwd_reload"] if TUNING["bwd_reload"] >= 0 else per_thread >= 192
+    if reload and not has_bias and TUNING["bwd_reload_warps_rms"]:
+        warps = TUNING["bwd_reload_warps_rms"]
     return dict(
         block_m=block_m, block_n=block_n, tiles=tiles, n_progs=cdiv(tiles, per_prog), warps=warps,
         reload=bool(reload), mask_m=m % block_m != 0, mask_n=n != block_n,
         stages=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 1),
-        chunk=min(TUNING["bwd_chunk"], block_n),
+        chunk=min(TUNING["bwd_chunk"] or block_n, block_n),
     )
 
 
@@ -289,7 +295,7 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     n = x.shape[-1]
     x2, dy2 = rows_2d(x), rows_2d(dy)
     m = x2.shape[0]
-    c = _bwd_launch(m, n, x.device)
+    c = _bwd_launch(m, n, has_bias, x.device)
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
@@ -298,7 +304,8 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
         dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part, db_part, m, n,
         dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        MASK_M=c["mask_m"], MASK_N=c["mask_n"], RELOAD=c["reload"], CHUNK=c["chunk"],
+        MASK_M=c["mask_m"], MASK_N=c["mask_n"], W_IN_LOOP=c["block_n"] >= 8192,
+        RELOAD=c["reload"], CHUNK=c["chunk"],
         NUM_STAGES=c["stages"], num_warps=c["warps"],
     )
     dw = _sum_parts(dw_part, weight.dtype)

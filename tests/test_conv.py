@@ -184,3 +184,25 @@ def test_estimate_is_the_package_level_api():
     emb, lin = 64 * 16 * 4, (16 * 64 + 64) * 4
     assert est.memory.persistent["parameter"] >= emb + lin
     assert est.time.tokens == 4 * 16
+
+
+def test_depthwise_convolution_is_costed_from_its_measured_bandwidth(make_cal):
+    def make():
+        model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False),
+                              nn.Conv2d(16, 32, 1, bias=False))
+        return gobrrr.Workload(model=model, batch=(torch.randn(2, 16, 8, 8),),
+                               loss=lambda y, b: y.sum())
+    g = capture(make, precision="fp32")
+    dw, pw = _convs(g, "convolution")
+    dw_b = _convs(g, "convolution_backward")[-1]  # backward runs the depthwise one last
+    curve = {"forward:fp32": [[1e3, 1e11], [1e5, 1e12]],
+             "backward:fp32": [[1e3, 2e11], [1e5, 2e11]]}
+    rates = Rates(H100, make_cal(depthwise_bandwidth=curve))
+    c = op_cost(dw)
+    frac = (math.log(c.bytes) - math.log(1e3)) / (math.log(1e5) - math.log(1e3))
+    bw = 1e11 + frac * (1e12 - 1e11)
+    t = time_op(dw, c, rates)
+    assert t.device_s == pytest.approx(c.bytes / bw + 1e-6) and t.compute_s == 0.0
+    cb = op_cost(dw_b)
+    assert time_op(dw_b, cb, rates).device_s == pytest.approx(cb.bytes / 2e11 + cb.launches * 1e-6)
+    assert rates.depthwise(pw, op_cost(pw).bytes) is None  # a dense 1x1: the conv grid's

@@ -191,6 +191,8 @@ class Calibration:
     bytes, per math mode and direction (the median over the same grid).
     `batch_norm_bandwidth`: achieved bytes/s of training-mode batch norm over the channel
     count, {"forward:bf16" | "backward:fp32" | ...: [[channels, bytes/s], ...]}.
+    `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their size in
+    bytes, keyed the same way.
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
     convolutions and batch norm)."""
 
@@ -214,6 +216,7 @@ class Calibration:
     conv_grid: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     conv_workspace: dict[str, dict[str, float]] = field(default_factory=dict)
     batch_norm_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    depthwise_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     op_host: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION

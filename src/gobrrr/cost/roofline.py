@@ -138,6 +138,20 @@ class Rates:
             return None
         return _grid(grid[math_mode][direction], *dims)
 
+    def depthwise(self, node: OpNode, nbytes: float) -> float | None:
+        """Measured bytes/s of a depthwise convolution this size, or None (not depthwise, or
+        no measurement)."""
+        if not self.cal or not self.cal.depthwise_bandwidth or not depthwise(node):
+            return None
+        x = node.inputs[0]
+        direction = "backward" if node.name.endswith("backward") else "forward"
+        points = self.cal.depthwise_bandwidth.get(
+            f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}")
+        if not points:
+            return None
+        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                       math.log(max(nbytes, 1.0)))
+
     def batch_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
         calibration's curve), or None."""
@@ -289,6 +303,15 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
     return None
 
 
+def depthwise(node: OpNode) -> bool:
+    """A convolution with one input channel per group and more than one group."""
+    if not (node.name.startswith("convolution") or node.name.startswith("cudnn_convolution")):
+        return False
+    w = targ(node, 2 if node.name.endswith("backward") else 1, "weight")
+    groups = node.arg(9 if node.name.endswith("backward") else 8, "groups", 1)
+    return w is not None and len(w.shape) >= 3 and w.shape[1] == 1 and (groups or 1) > 1
+
+
 def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
     """Fraction of the chip a matmul keeps busy: output tiles over full waves of SMs."""
     if node.name not in ("mm", "addmm", "bmm", "baddbmm") or not node.outputs:
@@ -339,6 +362,13 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
     conv_rate = None
+    dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None
+    if dw_bw is not None:  # memory- and latency-bound CUDA-core kernels: measured as such
+        device = cost.bytes / dw_bw + rates.latency * cost.launches
+        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
+                      cost.flops, cost.bytes, cost.flops / cost.bytes if cost.bytes else math.inf,
+                      0.0, cost.bytes / dw_bw, device, host,
+                      "overhead" if host >= device else "memory")
     if cost.kind == "attention":
         q = node.inputs[0] if node.inputs else None
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2

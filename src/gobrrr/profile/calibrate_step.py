@@ -363,6 +363,43 @@ def conv_grid(dev: torch.device) -> tuple[dict, dict]:
     return rates, spaces
 
 
+DEPTHWISE_BATCHES = (1, 4, 16, 64)
+
+
+def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56
+                         ) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of depthwise (groups = channels) 3x3 convolutions, forward and
+    backward, per dtype, over their size: {"forward:bf16" | "backward:fp32" | ...:
+    [[bytes, B/s], ...]}, bytes as the cost model counts them. With one input channel per
+    output channel a depthwise convolution is no GEMM (cuDNN runs it on CUDA cores, bound by
+    memory and latency), so the dense grid says nothing about it."""
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.profile.calibrate import time_op
+
+    aten = torch.ops.aten
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        rows: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+        for n in DEPTHWISE_BATCHES:
+            x = torch.randn(n, channels, plane, plane, device=dev, dtype=dtype)
+            w = torch.randn(channels, 1, 3, 3, device=dev, dtype=dtype)
+            gy = torch.randn_like(x)
+            cases = {
+                "forward": ("convolution", lambda x=x, w=w: aten.convolution(
+                    x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], channels)),
+                "backward": ("convolution_backward", lambda x=x, w=w, gy=gy:
+                             aten.convolution_backward(gy, x, w, None, [1, 1], [1, 1], [1, 1],
+                                                       False, [0, 0], channels,
+                                                       [True, True, False])),
+            }
+            for direction, (name, fn) in cases.items():
+                nbytes = op_cost(_record(fn, name)).bytes
+                rows[direction].append([nbytes, nbytes / time_op(fn, dev, 10)])
+            del x, w, gy
+        out[f"forward:{key}"], out[f"backward:{key}"] = rows["forward"], rows["backward"]
+    return out
+
+
 def _allocated_inside(fn, dev: torch.device) -> int:
     """Bytes fn() allocated and freed again within the call (its peak above both what was
     allocated before and what is left after)."""

@@ -107,16 +107,21 @@ def row(norm, impl, shape, t):
 
 def sweep_configs(n: int) -> list[dict]:
     """norms.TUNING overrides to try at row width n: backward rows per program, warps, programs
-    per SM, pipeline stages, and for wide rows the two-read path (bwd_reload) and its chunk;
-    a few forward block shapes."""
+    per SM, pipeline stages, columns per program of the dw (db) sums; for wide rows the tile held
+    in 16 bits (bwd_keep16) at other warps and stages, and the fp32 paths it replaces (one read,
+    or two: bwd_reload); a few forward block shapes."""
     if n >= 16384:
-        bwd = [{"bwd_reload": 0}, {"bwd_reload": 1}, {"bwd_reload": 1, "bwd_warps": 16},
-               {"bwd_reload": 1, "bwd_chunk": 8192}, {"bwd_reload": 1, "bwd_chunk": 4096}]
+        bwd = [{"bwd_keep16": 0, "bwd_reload": 0}, {"bwd_keep16": 0, "bwd_reload": 1},
+               {"bwd_keep16": 0, "bwd_reload": 1, "bwd_warps": 16},
+               {"bwd_keep16_warps_rms": 16, "bwd_keep16_warps_ln": 8},
+               {"bwd_keep16_warps_rms": 32, "bwd_keep16_warps_ln": 32},
+               {"bwd_stages": 1}, {"sum_block_n": 64}]
         fwd = []
     else:
         bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)
                for w in (4, 8) for st in (1, 3)]
-        bwd += [{"bwd_elems": n, "bwd_warps": 4, "bwd_per_sm": 2, "bwd_stages": 3}]
+        bwd += [{"bwd_elems": n, "bwd_warps": 4, "bwd_per_sm": 2, "bwd_stages": 3},
+                {"sum_block_n": 64}, {"sum_block_n": 128}]
         fwd = [{"fwd_elems": e, "fwd_warps": w} for e in (4096, 8192) for w in (4, 16)]
     return bwd + fwd
 

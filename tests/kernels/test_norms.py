@@ -181,6 +181,27 @@ def test_backward_paths(close, monkeypatch, reload, shape, norm):
                  [x, w, b], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 9000), (2, 16384), (70, 96)])
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+def test_backward_held16(close, monkeypatch, dtype, shape, norm):
+    # the one-read path for 16-bit inputs (the tile held in its own dtype between the row sums
+    # and dx), forced on narrow rows too
+    from gobrrr.kernels import norms
+
+    monkeypatch.setitem(norms.TUNING, "bwd_reload", 1)
+    assert norms._bwd_launch(*shape, norm == "ln", torch.device("cpu"), dtype)["keep16"]
+    torch.manual_seed(7)
+    x = (1 + torch.randn(shape)).to(dtype)
+    w, b = (1 + 0.1 * torch.randn(shape[-1])).to(dtype), torch.randn(shape[-1]).to(dtype)
+    if norm == "rms":
+        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
+                 dtype)
+    else:
+        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
+                 [x, w, b], dtype)
+
+
 def test_backward_launch_plan(monkeypatch):
     # 4096 one-row tiles on 132 SMs: 128 programs of 32 tiles, not 132 of which 4 take a 32nd
     from gobrrr.kernels import norms
@@ -189,3 +210,6 @@ def test_backward_launch_plan(monkeypatch):
     plan = norms._bwd_launch(4096, 16384, True, torch.device("cpu"))
     assert (plan["tiles"], plan["n_progs"]) == (4096, 128)
     assert plan["reload"] and not plan["mask_m"] and not plan["mask_n"]
+    # bf16 rows that wide are read once and held in 16 bits instead
+    plan = norms._bwd_launch(4096, 16384, True, torch.device("cpu"), torch.bfloat16)
+    assert plan["keep16"] and not plan["reload"] and plan["warps"] == 16

@@ -3,8 +3,9 @@
 Forward: one pass over x; it saves x itself plus the per-row rstd (and mean for LayerNorm), in
 fp32. Backward: a persistent grid; each program walks a strided set of row tiles, writes dx and
 keeps fp32 partial sums of dw (and db) in registers, then one small kernel sums the programs'
-partials into dw (db) in the weight's dtype. Rows too wide for a tile and the accumulators to
-share the registers (LayerNorm 16384 wide at 8 warps) are read twice: row sums first, then dx
+partials into dw and db in the weight's dtype. Rows too wide for an fp32 tile and the
+accumulators to share the registers (16384 wide at 8 warps) keep the tile in its 16-bit input
+dtype between the row sums and dx; fp32 rows that wide are read twice: row sums first, then dx
 from a second read that hits L1/L2. All arithmetic is fp32; outputs take the input's dtype.
 
 Ops (what the cost model counts): gobrrr::rms_norm_fwd, gobrrr::rms_norm_bwd,
@@ -33,9 +34,13 @@ from gobrrr.kernels._util import (
 # overwrite entries to sweep them; the defaults come from such a sweep on an H100
 # (benchmarks/README.md): the backward runs one program per SM, 8 warps, and pipelines its row
 # loop 3 deep for rows up to 8192 wide; bwd_chunk is the column chunk of the first read of the
-# two-read path (0: the whole row, which keeps the most bytes in flight).
+# two-read path (0: the whole row, which keeps the most bytes in flight). Wide 16-bit rows
+# (bwd_keep16) are read once and held in 16 bits, at bwd_keep16_warps_{rms,ln} warps, 2 stages.
+# sum_block_n: columns per program of the dw (db) partial sums.
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
-          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16}
+          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16,
+          "bwd_keep16": 1, "bwd_keep16_warps_rms": 8, "bwd_keep16_warps_ln": 16,
+          "sum_block_n": 32}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -83,6 +88,17 @@ def _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
     else:
         xhat = (x - tl.load(MEAN + rows, mask=rows < M, other=0.0)[:, None]) * rstd[:, None]
     return dy, xhat, rstd
+
+
+@jit
+def _f32_again(v, BF16: tl.constexpr):
+    """v (the input dtype) as fp32 through other ops than v.to(fp32), so the compiler does not
+    merge the two conversions and keep the fp32 tile live between them: the 16-bit tile is
+    half the registers."""
+    if BF16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
 
 
 @jit
@@ -141,11 +157,68 @@ def _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, cols, M, N, stride_x, stride_dy, st
 
 
 @jit
+def _centre(x, mean, IS_RMS: tl.constexpr):
+    if IS_RMS:
+        return x
+    else:
+        return x - mean[:, None]
+
+
+@jit
+def _rows_keep16(
+    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, pid,
+    n_progs, n_tiles, base, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BF16: tl.constexpr,
+):
+    """One read of each row tile, held in the input dtype between the row sums and dx: half
+    the registers of an fp32 tile, which leaves room for the full-width dw (db) accumulators."""
+    cols = tl.arange(0, BLOCK_N)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
+        rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
+        rows64 = rows.to(tl.int64)
+        x16 = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                      eviction_policy="evict_first")
+        dy16 = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
+                       eviction_policy="evict_first")
+        rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+        # mean is RSTD's row for RMSNorm, unused: _centre ignores it
+        mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
+        # 1. row sums: c1 = mean(g * xhat), c2 = mean(g), g = dy * w
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        xhat = _centre(x16.to(tl.float32), mean, IS_RMS) * rstd[:, None]
+        g = dy16.to(tl.float32) * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        # 2. dx, and dw (db) partials, from the 16-bit tile converted again; w is re-read (L1)
+        # with another cache hint, so the two loads stay apart and no fp32 w stays live
+        w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+        dy = _f32_again(dy16, BF16)
+        xhat = _centre(_f32_again(x16, BF16), mean, IS_RMS) * rstd[:, None]
+        g = dy * w.to(tl.float32)[None, :]
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=mask, eviction_policy="evict_first")
+        dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+    tl.store(DW_PART + base + cols, tl.sum(dw_acc, axis=0), mask=cols < N)
+    if HAS_BIAS:
+        tl.store(DB_PART + base + cols, tl.sum(db_acc, axis=0), mask=cols < N)
+
+
+@jit
 def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, tiles,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, W_IN_LOOP: tl.constexpr, RELOAD: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, KEEP16: tl.constexpr, BF16: tl.constexpr,
 ):
     # Persistent: program p takes row tiles p, p + P, p + 2P, ... and keeps fp32 sums of dw
     # (and db) over them in registers; it writes them once, as its row of DW_PART (DB_PART).
@@ -180,6 +253,10 @@ def _norm_bwd_kernel(
         if HAS_BIAS:
             tl.store(DB_PART + base + c_lo, tl.sum(db_lo, axis=0), mask=c_lo < N)
             tl.store(DB_PART + base + c_hi, tl.sum(db_hi, axis=0), mask=c_hi < N)
+    elif KEEP16:
+        _rows_keep16(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x,
+                     stride_dx, pid, n_progs, n_tiles, base, IS_RMS, HAS_BIAS, BLOCK_M, BLOCK_N,
+                     MASK_M, MASK_N, NUM_STAGES, BF16)
     else:
         cols = tl.arange(0, BLOCK_N)
         if not W_IN_LOOP:
@@ -213,17 +290,20 @@ def _norm_bwd_kernel(
 
 @jit
 def _sum_parts_kernel(
-    PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DW_PART, DB_PART, DW, DB, P, N, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """OUT[n] = sum over p of PART[p, n], in fp32, stored in OUT's dtype. PART: (P, N)."""
+    """DW[n] = sum over p of DW_PART[p, n] (and DB from DB_PART) in one read of all P rows:
+    (BLOCK_P >= P, BLOCK_N) tiles, fp32 sums stored in the outputs' dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        mask = (parts < P)[:, None] & col_ok[None, :]
-        acc += tl.load(PART + parts[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
+    parts = tl.arange(0, BLOCK_P)
+    mask = (parts < P)[:, None] & (cols < N)[None, :]
+    offs = parts[:, None] * N + cols[None, :]
+    dw = tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cols < N)
+    if HAS_BIAS:
+        db = tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
+        tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cols < N)
 
 
 def _block_m(n_cols: int, elems: int) -> int:
@@ -258,7 +338,8 @@ def _fwd(x, weight, bias, eps, is_rms):
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
 
-def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device) -> dict:
+def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> dict:
     """Tile shape, program count and kernel flags of the backward for (m, n) rows."""
     block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
     tiles = cdiv(m, block_m)
@@ -267,35 +348,43 @@ def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device) -> dict:
     per_prog = cdiv(tiles, num_sms(device) * (TUNING["bwd_per_sm"] or 1))
     warps = _warps(block_m * block_n, TUNING["bwd_warps"])
     # fp32 values a thread holds: the x and dy tiles plus the dw (db) accumulators; from 192
-    # (16384 wide at 8 warps) ptxas spills: read the tile twice. On an H100 (4096x16384 bf16)
-    # that path ran RMSNorm fastest at 16 warps and LayerNorm at 8 (benchmarks/README.md).
+    # (16384 wide at 8 warps) ptxas spills. A 16-bit tile is then held in 16 bits (keep16); an
+    # fp32 one is read twice. On an H100 (4096x16384 bf16) keep16 beat reading twice, and the
+    # two-read path ran RMSNorm fastest at 16 warps (benchmarks/README.md).
     per_thread = block_m * block_n // (32 * warps) * (4 if has_bias else 3)
     reload = TUNING["bwd_reload"] if TUNING["bwd_reload"] >= 0 else per_thread >= 192
-    if reload and not has_bias and TUNING["bwd_reload_warps_rms"]:
+    keep16 = bool(reload and TUNING["bwd_keep16"] and dtype in (torch.bfloat16, torch.float16))
+    if keep16:
+        reload, warps = False, TUNING["bwd_keep16_warps_ln" if has_bias else "bwd_keep16_warps_rms"]
+    elif reload and not has_bias and TUNING["bwd_reload_warps_rms"]:
         warps = TUNING["bwd_reload_warps_rms"]
     return dict(
         block_m=block_m, block_n=block_n, tiles=tiles, n_progs=cdiv(tiles, per_prog), warps=warps,
-        reload=bool(reload), mask_m=m % block_m != 0, mask_n=n != block_n,
-        stages=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 1),
+        reload=bool(reload), keep16=keep16, mask_m=m % block_m != 0, mask_n=n != block_n,
+        stages=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 2 if keep16 else 1),
         chunk=min(TUNING["bwd_chunk"] or block_n, block_n),
     )
 
 
-def _sum_parts(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of the (programs, N) fp32 partials, in `dtype`: one small launch."""
-    p, n = part.shape
-    out = torch.empty(n, dtype=dtype, device=part.device)
-    block_n = 64 if part.device.type == "cuda" else next_pow2(n)
-    kern = kernel_for(_sum_parts_kernel, part.device)
-    kern[(cdiv(n, block_n),)](part, out, p, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4)
-    return out
+def _sum_parts(dw_part, db_part, has_bias, dtype):
+    """Column sums of the (programs, N) fp32 partials of dw (and db): one launch for both."""
+    p, n = dw_part.shape
+    dw = torch.empty(n, dtype=dtype, device=dw_part.device)
+    db = torch.empty(n if has_bias else 0, dtype=dtype, device=dw_part.device)
+    block_p = next_pow2(p)
+    block_n = TUNING["sum_block_n"] if dw_part.device.type == "cuda" else next_pow2(n)
+    kern = kernel_for(_sum_parts_kernel, dw_part.device)
+    kern[(cdiv(n, block_n),)](dw_part, db_part, dw, db if has_bias else dw, p, n,
+                              HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
+                              num_warps=8 if block_p * block_n >= 8192 else 4)
+    return dw, db
 
 
 def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     n = x.shape[-1]
     x2, dy2 = rows_2d(x), rows_2d(dy)
     m = x2.shape[0]
-    c = _bwd_launch(m, n, has_bias, x.device)
+    c = _bwd_launch(m, n, has_bias, x.device, x.dtype)
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
@@ -306,10 +395,10 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
         MASK_M=c["mask_m"], MASK_N=c["mask_n"], W_IN_LOOP=c["block_n"] >= 8192,
         RELOAD=c["reload"], CHUNK=c["chunk"],
-        NUM_STAGES=c["stages"], num_warps=c["warps"],
+        NUM_STAGES=c["stages"], KEEP16=c["keep16"], BF16=x.dtype == torch.bfloat16,
+        num_warps=c["warps"],
     )
-    dw = _sum_parts(dw_part, weight.dtype)
-    db = _sum_parts(db_part, weight.dtype) if has_bias else weight.new_empty(0)
+    dw, db = _sum_parts(dw_part, db_part, has_bias, weight.dtype)
     return dx.view(x.shape), dw, db
 
 

@@ -153,6 +153,12 @@ def test_wide_rows(close, norm):
     # rows of >= 8192 take the kernel path that re-reads the weight inside the backward loop
     torch.manual_seed(5)
     x, w, b = torch.randn(3, 9000), 1 + 0.1 * torch.randn(9000), torch.randn(9000)
+    _check_fp32(close, norm, x, w, b)
+
+
+def _check_fp32(close, norm, x, w, b):
+    """Outputs and gradients of rms_norm(x, w) or layer_norm(x, w, b) against the fp32
+    references."""
     if norm == "rms":
         run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
                  torch.float32)
@@ -173,12 +179,7 @@ def test_backward_paths(close, monkeypatch, reload, shape, norm):
     monkeypatch.setitem(norms.TUNING, "bwd_chunk", 512)
     torch.manual_seed(6)
     x, w, b = 1 + torch.randn(shape), 1 + 0.1 * torch.randn(shape[-1]), torch.randn(shape[-1])
-    if norm == "rms":
-        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
-                 torch.float32)
-    else:
-        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
-                 [x, w, b], torch.float32)
+    _check_fp32(close, norm, x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -144,16 +144,22 @@ def _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, cols, M, N, stride_x, stride_dy, st
                                IS_RMS, "evict_first")
     w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
     g = dy * w.to(tl.float32)[None, :]  # dL/dxhat
-    if IS_RMS:
-        dx = (g - xhat * c1[:, None]) * rstd[:, None]
-    else:
-        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    dx = _dx(g, xhat, rstd, c1, c2, IS_RMS)
     dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
     tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
     dw_acc += dy * xhat
     if HAS_BIAS:
         db_acc += dy
     return dw_acc, db_acc
+
+
+@jit
+def _dx(g, xhat, rstd, c1, c2, IS_RMS: tl.constexpr):
+    """dL/dx from g = dL/dxhat: (g - xhat·c1 - c2)·rstd per row, c1 = mean(g·xhat) and
+    c2 = mean(g) (no c2 term for RMSNorm)."""
+    if IS_RMS:
+        return (g - xhat * c1[:, None]) * rstd[:, None]
+    return (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
 
 
 @jit
@@ -198,16 +204,18 @@ def _rows_keep16(
         w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
         dy = _f32_again(dy16, BF16)
         xhat = _centre(_f32_again(x16, BF16), mean, IS_RMS) * rstd[:, None]
-        g = dy * w.to(tl.float32)[None, :]
-        if IS_RMS:
-            dx = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        dx = _dx(dy * w.to(tl.float32)[None, :], xhat, rstd, c1, c2, IS_RMS)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
                  mask=mask, eviction_policy="evict_first")
         dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
+    _store_parts(DW_PART, DB_PART, base, cols, N, dw_acc, db_acc, HAS_BIAS)
+
+
+@jit
+def _store_parts(DW_PART, DB_PART, base, cols, N, dw_acc, db_acc, HAS_BIAS: tl.constexpr):
+    """This program's dw (db) partial sums over its rows, as its row of DW_PART (DB_PART)."""
     tl.store(DW_PART + base + cols, tl.sum(dw_acc, axis=0), mask=cols < N)
     if HAS_BIAS:
         tl.store(DB_PART + base + cols, tl.sum(db_acc, axis=0), mask=cols < N)
@@ -272,20 +280,15 @@ def _norm_bwd_kernel(
                 w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             g = dy * w[None, :]  # dL/dxhat
             c1 = tl.sum(g * xhat, axis=1) / N
-            if IS_RMS:
-                dx = (g - xhat * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(g, axis=1) / N
-                dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            c2 = c1 if IS_RMS else tl.sum(g, axis=1) / N  # RMSNorm has no c2 term
+            dx = _dx(g, xhat, rstd, c1, c2, IS_RMS)
             dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
             tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask,
                      eviction_policy="evict_first")
             dw_acc += dy * xhat
             if HAS_BIAS:
                 db_acc += dy
-        tl.store(DW_PART + base + cols, tl.sum(dw_acc, axis=0), mask=cols < N)
-        if HAS_BIAS:
-            tl.store(DB_PART + base + cols, tl.sum(db_acc, axis=0), mask=cols < N)
+        _store_parts(DW_PART, DB_PART, base, cols, N, dw_acc, db_acc, HAS_BIAS)
 
 
 @jit

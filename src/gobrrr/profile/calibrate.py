@@ -76,7 +76,8 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     the cuBLASLt workspace (see calibrate_step)."""
     from gobrrr.profile import calibrate_step as cs
 
-    out: dict = {"op_overhead": cs.step_overhead(dev, reps=20 if cuda else 5)}
+    overhead = cs.step_overhead(dev) if cuda else cs.step_overhead(dev, 5, rounds=1, warmup=3)
+    out: dict = {"op_overhead": overhead}
     if cuda:
         out["conv_grid"], out["conv_workspace"] = cs.conv_grid(dev)
         out["batch_norm_bandwidth"] = cs.batch_norm_bandwidths(dev)

@@ -33,26 +33,34 @@ def _tiny_workloads():
                                n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128)
 
 
-def step_overhead(dev: torch.device, reps: int = 20) -> dict[str, float]:
-    """Host seconds per traced ATen op, per phase, in eager training steps of tiny models."""
+def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
+                  warmup: int = 10) -> dict[str, float]:
+    """Host seconds per traced ATen op, per phase, in eager training steps of tiny models:
+    `rounds` alternating rounds of `reps` steps per model after `warmup` steps each, the
+    median of all of them.
+
+    On a shared machine the host's speed drifts over seconds to minutes, and a real step sees
+    the same drift. `benchmarks/host_overhead_spread.py` (six back-to-back measurements in one
+    process) found five rounds steadier than one in one trial and no better in another:
+    spreads of 20% and 32% per forward op against 49% and 30%."""
     from gobrrr.capture import capture
     from gobrrr.profile.runner import prepare
 
-    totals = {p: [0.0, 0] for p in PHASES}
+    models = []
     for make in _tiny_workloads():
         graph = capture(make, precision="fp32")
         counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in PHASES}
         wl, opt, _ = prepare(make(), dev.type, "fp32")
-        times = {p: [] for p in PHASES}
-        for i in range(reps + 3):
-            t = _phase_times(wl, opt, dev)
-            if i >= 3:
-                for p in PHASES:
-                    times[p].append(t[p])
-        for p in PHASES:
-            totals[p][0] += statistics.median(times[p])
-            totals[p][1] += counts[p]
-    return {p: s / n for p, (s, n) in totals.items() if n}
+        for _ in range(warmup):
+            _phase_times(wl, opt, dev)
+        models.append((wl, opt, counts, {p: [] for p in PHASES}))
+    for _ in range(rounds):
+        for wl, opt, _, times in models:
+            for _ in range(reps):
+                for p, t in _phase_times(wl, opt, dev).items():
+                    times[p].append(t)
+    return {p: sum(statistics.median(m[3][p]) for m in models) / n
+            for p in PHASES if (n := sum(m[2][p] for m in models))}
 
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:

@@ -33,7 +33,6 @@ from gobrrr.kernels._attention_fwd import (
     seq_bucket,
     store_tile,
     strides,
-    tile_ptrs,
 )
 
 # For the dK/dV kernel BLOCK_N is the key block a program owns, BLOCK_M the query step.
@@ -79,9 +78,10 @@ def _bwd_preprocess_kernel(
     off_h = (off_bh % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_oh, stride_os, stride_od)
-    do_ptrs = tile_ptrs(DO, off_b, off_h, offs_m, offs_d,
-                        stride_dob, stride_doh, stride_dos, stride_dod)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh
+    o_ptrs += offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh
+    do_ptrs += offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
     o = load_tile(o_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
     do = load_tile(do_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
     tl.store(DELTA + off_bh.to(tl.int64) * S_Q + offs_m, tl.sum(o * do, 1), mask=offs_m < S_Q)
@@ -153,8 +153,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_ptrs = tile_ptrs(K, off_b, off_hk, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd)
-    v_ptrs = tile_ptrs(V, off_b, off_hk, offs_n, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh
+    k_ptrs += offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh
+    v_ptrs += offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
     k = load_tile(k_ptrs, offs_n, S_K, offs_d, HEAD_DIM, BLOCK_D, True)  # (BLOCK_N, BLOCK_D)
     v = load_tile(v_ptrs, offs_n, S_K, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -169,12 +171,12 @@ def _attn_bwd_dkdv_kernel(
     full_hi = diag_hi + (S_Q - diag_hi) // BLOCK_M * BLOCK_M
     for g in range(GROUP):  # query heads sharing this KV head: their dK/dV add up
         off_h = off_hk * GROUP + g
-        q_ptrs = tile_ptrs(Q, off_b, off_h, offs_m, offs_d,
-                           stride_qb, stride_qh, stride_qs, stride_qd)
-        do_ptrs = tile_ptrs(DO, off_b, off_h, offs_m, offs_d,
-                            stride_dob, stride_doh, stride_dos, stride_dod)
-        dq_ptrs = tile_ptrs(DQ, off_b, off_h, offs_m, offs_d,
-                            stride_dqb, stride_dqh, stride_dqs, stride_dqd)
+        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh
+        q_ptrs += offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh
+        do_ptrs += offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+        dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh
+        dq_ptrs += offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
         row0 = (off_b * H + off_h) * S_Q
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE + row0,
@@ -189,10 +191,10 @@ def _attn_bwd_dkdv_kernel(
                              stride_qs, stride_dos, stride_dqs, offs_n, offs_d, full_hi, S_Q,
                              S_Q, qk_scale, scale, HEAD_DIM, BLOCK_D, CAUSAL, ATOMIC_DQ, BLOCK_M,
                              True)
-    dk_ptrs = tile_ptrs(DK, off_b, off_hk, offs_n, offs_d,
-                        stride_dkb, stride_dkh, stride_dks, stride_dkd)
-    dv_ptrs = tile_ptrs(DV, off_b, off_hk, offs_n, offs_d,
-                        stride_dvb, stride_dvh, stride_dvs, stride_dvd)
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh
+    dk_ptrs += offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh
+    dv_ptrs += offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
     store_tile(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), offs_n, S_K, offs_d, HEAD_DIM,
                BLOCK_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, S_K, offs_d, HEAD_DIM, BLOCK_D)
@@ -248,20 +250,24 @@ def _attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = tile_ptrs(Q, off_b, off_h, offs_m, offs_d, stride_qb, stride_qh, stride_qs, stride_qd)
-    do_ptrs = tile_ptrs(DO, off_b, off_h, offs_m, offs_d,
-                        stride_dob, stride_doh, stride_dos, stride_dod)
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh
+    q_ptrs += offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh
+    do_ptrs += offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
     q = load_tile(q_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     do = load_tile(do_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True)
-    o_ptrs = tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_oh, stride_os, stride_od)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh
+    o_ptrs += offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     o = load_tile(o_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True)
     # delta = rowsum(dO * O), computed here and stored for the dK/dV kernel that runs next
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row_ok = offs_m < S_Q
     tl.store(DELTA + off_bh.to(tl.int64) * S_Q + offs_m, delta, mask=row_ok)
     lse2 = tl.load(LSE + off_bh.to(tl.int64) * S_Q + offs_m, mask=row_ok, other=0.0) * K_LOG2E
-    k_ptrs = tile_ptrs(K, off_b, off_hk, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd)
-    v_ptrs = tile_ptrs(V, off_b, off_hk, offs_n, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh
+    k_ptrs += offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh
+    v_ptrs += offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_hi, hi = kv_ranges(start_m, S_K, CAUSAL, BLOCK_M, BLOCK_N)
@@ -269,8 +275,8 @@ def _attn_bwd_dq_kernel(
                    offs_d, 0, full_hi, S_K, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, BLOCK_N, False)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n,
                    offs_d, full_hi, hi, S_K, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, BLOCK_N, True)
-    dq_ptrs = tile_ptrs(DQ, off_b, off_h, offs_m, offs_d,
-                        stride_dqb, stride_dqh, stride_dqs, stride_dqd)
+    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh
+    dq_ptrs += offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     store_tile(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM,
                BLOCK_D)
 

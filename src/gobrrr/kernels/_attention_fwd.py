@@ -75,13 +75,6 @@ def mma(a, b, acc):
 
 
 @triton.jit
-def tile_ptrs(X, off_b, off_h, rows, offs_d, stride_b, stride_h, stride_s, stride_d):
-    """Pointers to the (rows, offs_d) tile of batch off_b, head off_h of a (B, H, S, D) tensor."""
-    return X + off_b * stride_b + off_h * stride_h + rows[:, None] * stride_s + \
-        offs_d[None, :] * stride_d
-
-
-@triton.jit
 def load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               ROW_MASK: tl.constexpr):
     """Load a (rows, BLOCK_D) tile; zero rows >= n_rows (if ROW_MASK) and columns >= HEAD_DIM."""
@@ -171,16 +164,19 @@ def _attn_fwd_kernel(
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     off_hk = off_h // GROUP  # grouped-query attention: K/V head shared by GROUP query heads
+    Q += off_b * stride_qb + off_h * stride_qh
+    K += off_b * stride_kb + off_hk * stride_kh
+    V += off_b * stride_vb + off_hk * stride_vh
+    O += off_b * stride_ob + off_h * stride_oh
+
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = tile_ptrs(Q, off_b, off_h, offs_m, offs_d, stride_qb, stride_qh, stride_qs, stride_qd)
+    q_ptrs = Q + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
     q = load_tile(q_ptrs, offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
-    k_ptrs = tile_ptrs(K, off_b, off_hk, offs_n, offs_d, stride_kb, stride_kh, stride_ks,
-                       stride_kd)
-    v_ptrs = tile_ptrs(V, off_b, off_hk, offs_n, offs_d, stride_vb, stride_vh, stride_vs,
-                       stride_vd)
+    k_ptrs = K + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
@@ -196,7 +192,7 @@ def _attn_fwd_kernel(
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * K_LN2  # natural log
     tl.store(LSE + off_bh.to(tl.int64) * S_Q + offs_m, lse, mask=offs_m < S_Q)
-    o_ptrs = tile_ptrs(O, off_b, off_h, offs_m, offs_d, stride_ob, stride_oh, stride_os, stride_od)
+    o_ptrs = O + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fake_tensors import contiguous as _t
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -337,14 +338,6 @@ def test_efficient_forward_custom_mask_type_bottom_right():
     (fwd,) = only(nodes, "aten._efficient_attention_forward")
     kept = sum(i + 1 + sk - sq for i in range(sq))  # query i sees keys j <= i + 48
     assert op_cost(fwd).flops == 4 * B * H * D * kept
-
-
-def _t(shape, dtype="bfloat16", sid=0):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.insert(0, acc)
-        acc *= s
-    return TensorInfo(tuple(shape), tuple(stride), dtype, sid)
 
 
 def test_gobrrr_attention_ops():

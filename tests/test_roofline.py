@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from fake_tensors import contiguous as t
 
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.roofline import (
@@ -14,18 +15,10 @@ from gobrrr.cost.roofline import (
     time_op,
     wave_efficiency,
 )
-from gobrrr.graph import OpNode, StepGraph, TensorInfo
+from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import get_gpu
 
 H100 = get_gpu("h100")
-
-
-def t(shape, dtype="bfloat16", sid=0):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.insert(0, acc)
-        acc *= s
-    return TensorInfo(tuple(shape), tuple(stride), dtype, sid)
 
 
 def mm(m, k, n, dtype="bfloat16"):

@@ -363,13 +363,9 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
     conv_rate = None
     dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None
-    if dw_bw is not None:  # memory- and latency-bound CUDA-core kernels: measured as such
-        device = cost.bytes / dw_bw + rates.latency * cost.launches
-        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
-                      cost.flops, cost.bytes, cost.flops / cost.bytes if cost.bytes else math.inf,
-                      0.0, cost.bytes / dw_bw, device, host,
-                      "overhead" if host >= device else "memory")
-    if cost.kind == "attention":
+    if dw_bw is not None:  # CUDA-core kernels bound by memory and latency: its bandwidth
+        rate = math.inf
+    elif cost.kind == "attention":
         q = node.inputs[0] if node.inputs else None
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
                                else None)
@@ -386,11 +382,12 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
-    bn = rates.batch_norm(node)
-    memory = cost.bytes / (bn or rates.bandwidth(cost.kind, node.name))
+    memory = cost.bytes / (dw_bw or rates.batch_norm(node) or
+                           rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
-    convert = 0.0 if conv_rate is not None else layout_bytes(node, cost)  # measured in it
+    measured = conv_rate is not None or dw_bw is not None  # transposes included
+    convert = 0.0 if measured else layout_bytes(node, cost)
     if convert:  # separate transpose kernels before and after the convolution
         device += convert / rates.bandwidth("copy") + 2 * rates.latency
     if host >= device:

@@ -13,6 +13,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from gobrrr.cost import conv
 from gobrrr.cost._ops_common import targ
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.graph import OpNode, StepGraph
@@ -218,17 +219,13 @@ BATCH_NORMS = {
     "cudnn_batch_norm_backward": "backward", "batch_norm_backward": "backward",
 }
 
-_HOST_ALIASES = {
-    "cudnn_convolution": "convolution", "_convolution": "convolution",
-    "convolution_overrideable": "convolution", "cudnn_batch_norm": "native_batch_norm",
-    "_native_batch_norm_legit": "native_batch_norm",
-    "_native_batch_norm_legit_functional": "native_batch_norm",
-    "_batch_norm_with_update": "native_batch_norm",
-}
+# the `op_host` names: the CPU trace and CUDA pick different overloads of one op
+_HOST_ALIASES = {**{n: "convolution" for n in conv.FORWARD},
+                 **{n: "native_batch_norm" for n, d in BATCH_NORMS.items() if d == "forward"}}
 
 
 def _host_op(name: str) -> str:
-    """The `op_host` name of a traced op (the CPU trace and CUDA pick different overloads)."""
+    """The `op_host` name of a traced op."""
     return _HOST_ALIASES.get(name, name)
 
 

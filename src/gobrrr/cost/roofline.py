@@ -142,16 +142,10 @@ class Rates:
     def depthwise(self, node: OpNode, nbytes: float) -> float | None:
         """Measured bytes/s of a depthwise convolution this size, or None (not depthwise, or
         no measurement)."""
-        if not self.cal or not self.cal.depthwise_bandwidth or not depthwise(node):
+        if not self.cal or not depthwise(node):
             return None
-        x = node.inputs[0]
         direction = "backward" if node.name.endswith("backward") else "forward"
-        points = self.cal.depthwise_bandwidth.get(
-            f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}")
-        if not points:
-            return None
-        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                       math.log(max(nbytes, 1.0)))
+        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes)
 
     def batch_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
@@ -160,12 +154,9 @@ class Rates:
         if not direction or not self.cal or not node.inputs:
             return None
         x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
-        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
-        points = self.cal.batch_norm_bandwidth.get(key)
-        if not points or len(x.shape) < 2:
+        if len(x.shape) < 2:
             return None
-        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                       math.log(max(x.shape[1], 1)))
+        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1])
 
     def misaligned_fraction(self, math_mode: str) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
@@ -227,6 +218,17 @@ _HOST_ALIASES = {**{n: "convolution" for n in conv.FORWARD},
 def _host_op(name: str) -> str:
     """The `op_host` name of a traced op."""
     return _HOST_ALIASES.get(name, name)
+
+
+def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
+              x: float) -> float | None:
+    """A calibration curve {"direction:bf16" | "direction:fp32": [[x, value], ...]} at x
+    (linear in log x, clamped), for a tensor of `dtype`; None when not measured."""
+    points = curves.get(f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}")
+    if not points:
+        return None
+    return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                   math.log(max(x, 1.0)))
 
 
 def _host_dtype(math_mode: str) -> str:

@@ -269,19 +269,11 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
     (layer norm, log-softmax, embedding backward, pooling; batch norm has its own curve,
     `batch_norm_bandwidths`), counting the bytes exactly as the cost model does
     (gobrrr.cost.flops on the recorded op)."""
-    from gobrrr.capture.recorder import Recorder, StorageTable
     from gobrrr.cost.flops import op_cost
     from gobrrr.profile.calibrate import time_op
 
-    out = {}
-    for name, fn in _op_cases(dev):
-        rec = Recorder(StorageTable(), lambda: "", lambda: "forward")
-        with rec:
-            fn()
-        node = next(n for n in rec.nodes if n.name == name)
-        nbytes = op_cost(node).bytes
-        out[name] = nbytes / time_op(fn, dev, 10)
-    return out
+    return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
+            for name, fn in _op_cases(dev)}
 
 
 # Stride-1 convolutions over a rectangular grid of (output elements, depth): 1x1 and 3x3

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from gobrrr.errors import GobrrrError
+from gobrrr.kernels._norm_split import split_bwd
 from gobrrr.kernels._util import (
     cdiv,
     check_float,
@@ -40,7 +41,8 @@ from gobrrr.kernels._util import (
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
           "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16,
           "bwd_keep16": 1, "bwd_keep16_warps_rms": 8, "bwd_keep16_warps_ln": 16,
-          "sum_block_n": 32}
+          "sum_block_n": 32, "split_min_n": 16384, "split_cols": 4096, "split_warps": 8,
+          "split_per_sm": 2, "split_rows": 1}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -387,8 +389,13 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     n = x.shape[-1]
     x2, dy2 = rows_2d(x), rows_2d(dy)
     m = x2.shape[0]
-    c = _bwd_launch(m, n, has_bias, x.device, x.dtype)
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if TUNING["split_cols"] and n >= TUNING["split_min_n"]:
+        dw_part, db_part = split_bwd(dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx,
+                                     has_bias, is_rms, TUNING)
+        dw, db = _sum_parts(dw_part, db_part, has_bias, weight.dtype)
+        return dx.view(x.shape), dw, db
+    c = _bwd_launch(m, n, has_bias, x.device, x.dtype)
     dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
     kern = kernel_for(_norm_bwd_kernel, x.device)

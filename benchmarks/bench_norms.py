@@ -112,13 +112,10 @@ def sweep_configs(n: int) -> list[dict]:
     or two: bwd_reload); a few forward block shapes."""
     if n >= 16384:  # rows split across programs (split_*), and the one-program-a-row path
         bwd = [{"split_cols": 0}, {}]
-        bwd += [{"split_cols": 4096, "split_warps": w, "split_per_sm": k}
-                for w in (4, 8) for k in (1, 2, 3, 4)]
-        bwd += [{"split_cols": 2048, "split_warps": w, "split_per_sm": k}
-                for w in (4, 8) for k in (2, 4)]
-        bwd += [{"split_cols": 8192, "split_warps": w, "split_per_sm": k}
-                for w in (8, 16) for k in (1, 2)]
-        bwd += [{"split_rows": 2, "split_per_sm": k} for k in (1, 2)]
+        bwd += [{"split_cols": c, "split_warps": w, "split_per_sm": k}
+                for c in (2048, 4096) for w in (8, 16) for k in (1, 2)]
+        bwd += [{"split_cols": 8192, "split_warps": 16, "split_per_sm": 1},
+                {"split_cols": 1024, "split_warps": 8, "split_per_sm": 2}]
         fwd = []
     else:
         bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)

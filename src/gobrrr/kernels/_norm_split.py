@@ -28,96 +28,101 @@ READY = 1 << 32  # high word of a published slot
 
 
 @jit
-def _publish(SLOT, offs, value, mask):
-    """Store fp32 `value` at SLOT[offs] as (1 << 32) | bits, releasing this program's writes."""
+def _publish(SLOT, off, value):
+    """Store fp32 scalar `value` at SLOT[off] as (1 << 32) | bits, releasing this program's
+    writes."""
     bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    tl.atomic_xchg(SLOT + offs, bits | 4294967296, mask=mask, sem="release")
+    tl.atomic_xchg(SLOT + off, bits | 4294967296, sem="release")
 
 
 @jit
 def _gather(SLOT, offs, mask):
-    """Sum over axis 1 of the fp32 values published at SLOT[offs] (BLOCK_M, SPLIT), waiting
-    until every slot under `mask` is published; masked-off slots count as published zeros."""
+    """The fp32 values published at SLOT[offs] (1-D), waiting until every slot under `mask` is
+    published; masked-off slots read as zeros."""
     v = tl.atomic_add(SLOT + offs, 0, mask=mask, sem="acquire")
     missing = tl.sum(tl.where(mask & (v < 4294967296), 1, 0))
     while missing > 0:
         v = tl.atomic_add(SLOT + offs, 0, mask=mask, sem="acquire")
         missing = tl.sum(tl.where(mask & (v < 4294967296), 1, 0))
     vals = (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(mask, vals, 0.0), axis=1)
+    return tl.where(mask, vals, 0.0)
 
 
 @jit
 def _norm_bwd_split_kernel(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, SLOT1, SLOT2, M, N, stride_dy, stride_x,
-    stride_dx, n_groups, slice_w,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_S: tl.constexpr, PHASE: tl.constexpr,
+    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, SLOT, M, N, stride_dy, stride_x, stride_dx,
+    n_groups, slice_w,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
-    # program = (group, part): the group takes row tiles group, group + n_groups, ...; the part
-    # takes columns [part * slice_w, (part + 1) * slice_w) of each of their rows
+    # program = (group, part): the group takes rows group, group + n_groups, ...; the part takes
+    # columns [part * slice_w, (part + 1) * slice_w) of each of its rows. A row's slots are
+    # SLOT[row * SPLIT * NSUM:][part * NSUM + k]: k = 0 the sum of g * xhat, k = 1 of g.
+    # Everything is 1-D (one row at a time): 2-D tiles here made Triton 3.6 pick layouts that
+    # convert through shared memory and spill.
+    NSUM: tl.constexpr = 1 if IS_RMS else 2
     pid = tl.program_id(0)
     group = pid // SPLIT
     part = pid % SPLIT
     offs = tl.arange(0, BLOCK_S)
     cols = part * slice_w + offs  # (BLOCK_S,)
     col_ok = (offs < slice_w) & (cols < N)
-    parts = tl.arange(0, SPLIT)
+    j = tl.arange(0, SPLIT * NSUM)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # a slice: held throughout
-    dw_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
-    n_tiles = tl.cdiv(tl.cdiv(M, BLOCK_M) - group, n_groups)
-    for i in range(0, n_tiles):
-        rows = (group + i * n_groups) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            xhat = (x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]) * rstd[:, None]
-        g = dy * w[None, :]  # dL/dxhat, (BLOCK_M, BLOCK_S)
-        own = rows64 * SPLIT + part
+    dw_acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+    n_rows = tl.cdiv(M - group, n_groups)
+    # software pipeline: the next row's loads are in flight while this row's sums travel
+    row = group.to(tl.int64)
+    x_next, dy_next = _load_row(X, DY, row, cols, col_ok, M, stride_x, stride_dy)
+    for _ in range(0, n_rows):
+        x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)  # (BLOCK_S,)
+        x_next, dy_next = _load_row(X, DY, row + n_groups, cols, col_ok, M, stride_x, stride_dy)
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd if IS_RMS else (x - tl.load(MEAN + row)) * rstd
+        g = dy * w  # dL/dxhat
+        base = row * SPLIT * NSUM
         if PHASE != 2:  # 1. publish this slice's partial row sums
-            _publish(SLOT1, own, tl.sum(g * xhat, axis=1), row_ok)
+            _publish(SLOT, base + part * NSUM, tl.sum(g * xhat, axis=0))
             if not IS_RMS:
-                _publish(SLOT2, own, tl.sum(g, axis=1), row_ok)
-        if PHASE != 1:  # 2. the whole rows' sums, then dx of this slice
-            peers = rows64[:, None] * SPLIT + parts[None, :]  # (BLOCK_M, SPLIT)
-            peer_ok = row_ok[:, None] & (parts < SPLIT)[None, :]
-            c1 = _gather(SLOT1, peers, peer_ok) / N
+                _publish(SLOT, base + part * NSUM + 1, tl.sum(g, axis=0))
+        if PHASE != 1:  # 2. the whole row's sums from every part, then dx of this slice
+            got = _gather(SLOT, base + j, j < SPLIT * NSUM)
+            c1 = tl.sum(tl.where(j % NSUM == 0, got, 0.0), axis=0) / N
             if IS_RMS:
-                dx = (g - xhat * c1[:, None]) * rstd[:, None]
+                dx = (g - xhat * c1) * rstd
             else:
-                c2 = _gather(SLOT2, peers, peer_ok) / N
-                dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
-                     mask=mask, eviction_policy="evict_first")
+                c2 = tl.sum(tl.where(j % NSUM == 1, got, 0.0), axis=0) / N
+                dx = (g - xhat * c1 - c2) * rstd
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok,
+                     eviction_policy="evict_first")
             dw_acc += dy * xhat
             if HAS_BIAS:
                 db_acc += dy
+        row += n_groups
     if PHASE != 1:  # this group's dw (db) partials over its rows, for its columns
-        base = group.to(tl.int64) * N
-        tl.store(DW_PART + base + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+        out = group.to(tl.int64) * N + cols
+        tl.store(DW_PART + out, dw_acc, mask=col_ok)
         if HAS_BIAS:
-            tl.store(DB_PART + base + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+            tl.store(DB_PART + out, db_acc, mask=col_ok)
 
 
-def split_plan(m: int, n: int, device: torch.device, slice_cols: int, per_sm: int,
-               block_m: int = 1) -> dict:
-    """Slices per row, slice width, groups: slices of about `slice_cols` columns (a power of
-    two count, at most 16), `per_sm` programs per SM, no more groups than row tiles."""
+@jit
+def _load_row(X, DY, row, cols, col_ok, M, stride_x, stride_dy):
+    """x and dy of one row's columns `cols` in their own dtype; a row past M reads as zeros."""
+    mask = col_ok & (cols * 0 + row < M)  # (a vector: the interpreter wants one)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    return x, dy
+
+
+def split_plan(m: int, n: int, device: torch.device, slice_cols: int, per_sm: int) -> dict:
+    """Slices per row (a power of two, at most 16) of about `slice_cols` columns each, and
+    groups: `per_sm` programs per SM, no more groups than rows."""
     split = min(16, next_pow2(cdiv(n, slice_cols)))
     slice_w = cdiv(cdiv(n, split), 16) * 16  # 16-element aligned slices: full-width loads
-    tiles = cdiv(m, block_m)
-    n_groups = max(1, min(tiles, num_sms(device) * per_sm // split))
-    return dict(split=split, slice_w=slice_w, block_s=next_pow2(slice_w), block_m=block_m,
-                n_groups=n_groups, tiles=tiles)
+    n_groups = max(1, min(m, num_sms(device) * per_sm // split))
+    return dict(split=split, slice_w=slice_w, block_s=next_pow2(slice_w), n_groups=n_groups)
 
 
 _FITS: dict[tuple, dict] = {}  # per kernel variant: programs per SM, registers, spills
@@ -146,18 +151,17 @@ def split_bwd(dy2, x2, weight, mean, rstd, dx, has_bias, is_rms, tuning):
     across programs (module docstring). Returns (dw_part, db_part)."""
     m, n = x2.shape
     warps = tuning["split_warps"]
-    plan = split_plan(m, n, x2.device, tuning["split_cols"], tuning["split_per_sm"],
-                      tuning["split_rows"])
+    plan = split_plan(m, n, x2.device, tuning["split_cols"], tuning["split_per_sm"])
     kern = kernel_for(_norm_bwd_split_kernel, x2.device)
-    slots = torch.zeros((1 if is_rms else 2, m * plan["split"]), dtype=torch.int64,
+    slots = torch.zeros(m * plan["split"] * (1 if is_rms else 2), dtype=torch.int64,
                         device=x2.device)
-    meta = dict(IS_RMS=is_rms, HAS_BIAS=has_bias, SPLIT=plan["split"], BLOCK_M=plan["block_m"],
-                BLOCK_S=plan["block_s"], num_warps=warps)
+    meta = dict(IS_RMS=is_rms, HAS_BIAS=has_bias, SPLIT=plan["split"], BLOCK_S=plan["block_s"],
+                num_warps=warps)
 
     def launch(n_groups, phase, warmup=False):
         dw_part = torch.empty((n_groups, n), dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part) if has_bias else dw_part
-        args = (dy2, x2, weight, mean, rstd, dx, dw_part, db_part, slots[0], slots[-1], m, n,
+        args = (dy2, x2, weight, mean, rstd, dx, dw_part, db_part, slots, m, n,
                 dy2.stride(0), x2.stride(0), dx.stride(0), n_groups, plan["slice_w"])
         grid = (n_groups * plan["split"],)
         if warmup:

@@ -42,7 +42,7 @@ TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, 
           "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16,
           "bwd_keep16": 1, "bwd_keep16_warps_rms": 8, "bwd_keep16_warps_ln": 16,
           "sum_block_n": 32, "split_min_n": 16384, "split_cols": 4096, "split_warps": 8,
-          "split_per_sm": 2, "split_rows": 1}
+          "split_per_sm": 2}
 MAX_N = 65536  # widest row held in registers at once
 
 

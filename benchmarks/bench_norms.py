@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gobrrr.kernels import _norm_split, layer_norm, norms, rms_norm
+from gobrrr.kernels import layer_norm, norms, rms_norm
 from gobrrr.kernels.bench import generator, rel_err, table, time_graph_ms, time_ms, write_json
 
 DEVICE = "cuda"  # the benchmarks need a GPU; a CPU dry run may override this
@@ -110,12 +110,11 @@ def sweep_configs(n: int) -> list[dict]:
     per SM, pipeline stages, columns per program of the dw (db) sums; for wide rows the tile held
     in 16 bits (bwd_keep16) at other warps and stages, and the fp32 paths it replaces (one read,
     or two: bwd_reload); a few forward block shapes."""
-    if n >= 16384:  # rows split across programs (split_*), and the one-program-a-row path
-        bwd = [{"split_cols": 0}, {}]
+    if n >= 16384:  # row columns shared out among programs (split_*), or one program a row
+        bwd = [{"split_cols": 0}]
         bwd += [{"split_cols": c, "split_warps": w, "split_per_sm": k}
-                for c in (2048, 4096) for w in (8, 16) for k in (1, 2)]
-        bwd += [{"split_cols": 8192, "split_warps": 16, "split_per_sm": 1},
-                {"split_cols": 1024, "split_warps": 8, "split_per_sm": 2}]
+                for c in (4096, 8192) for w in (8, 16) for k in (1, 2)]
+        bwd += [{"split_cols": 2048, "split_warps": 8, "split_per_sm": k} for k in (1, 2)]
         fwd = []
     else:
         bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)
@@ -142,7 +141,6 @@ def sweep_rows(norm, shape, x, w, b, dy):
         norms.TUNING.clear()
         norms.TUNING.update(saved, **cfg)
         try:
-            _norm_split.LAST.clear()
             errs = check(norm, x, w, b, dy)  # a race would show as an error or as a mismatch
             same = _repeatable(norm, x, w, b, dy)
             r = row(norm, "gobrrr", shape, measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy,
@@ -150,14 +148,14 @@ def sweep_rows(norm, shape, x, w, b, dy):
             t = norms.TUNING  # the effective values too, under the names older reports read
             out.append({"tuning": cfg, "rows_per_prog": max(1, t["bwd_elems"] // shape[1]),
                         "warps": t["bwd_warps"], "per_sm": t["bwd_per_sm"],
-                        "stages": t["bwd_stages"], "split": dict(_norm_split.LAST),
+                        "stages": t["bwd_stages"],
                         "check_vs_fp32_rel_err": errs, "bitwise_repeatable": same,
                         **{k: v for k, v in r.items() if k != "timings"}})
         except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
             out.append({"norm": norm, "tuning": cfg, "error": repr(e)[:200]})
         print(norm, shape, cfg, {k: out[-1].get(k) for k in ("bwd_GBps", "fwdbwd_GBps",
                                                             "bitwise_repeatable", "error")},
-              out[-1].get("split"), flush=True)
+              flush=True)
     norms.TUNING.clear()
     norms.TUNING.update(saved)
     return out

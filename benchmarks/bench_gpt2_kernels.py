@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gobrrr.kernels import LayerNorm, gelu, linear_cross_entropy
+from gobrrr.kernels import LayerNorm, _util, gelu, linear_cross_entropy
 from gobrrr.kernels.bench import GiB, generator, table, write_json
 
 DEVICE = "cuda"  # the benchmarks need a GPU; a CPU dry run may override this
@@ -150,7 +150,18 @@ def make_step(model, compile_model: bool):
     return step
 
 
-def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3):
+def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3, fast_host=True):
+    """One configuration's step. fast_host=False runs gobrrr's kernels the slower way they ran
+    before: through the gobrrr:: ops and Triton's own launcher (gobrrr.kernels._util)."""
+    _util.DIRECT = _util.FAST_LAUNCH = fast_host
+    try:
+        return {**_measure(name, cfg, kernels, compile_model, batch, steps, warmup),
+                "fast_host": fast_host}
+    finally:
+        _util.DIRECT = _util.FAST_LAUNCH = True
+
+
+def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):
     torch.manual_seed(0)
     model = GPT(cfg, kernels).to(DEVICE)
     step = make_step(model, compile_model)
@@ -183,6 +194,7 @@ def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3):
 def configs(attn_ok: bool):
     k_all = ALL if attn_ok else replace(ALL, attention=False)
     out = [("torch eager", Kernels(), False), ("gobrrr all", k_all, False),
+           ("gobrrr all, through the ops", k_all, False, False),
            ("gobrrr all but attention", replace(ALL, attention=False), False)]
     for field in ("attention", "norms", "loss", "gelu"):
         if field != "attention" or attn_ok:
@@ -198,12 +210,12 @@ def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch:
     idx = torch.randint(0, min(50257, cfg.vocab), (batch, cfg.seq), device=DEVICE, generator=g)
     tgt = torch.randint(0, min(50257, cfg.vocab), (batch, cfg.seq), device=DEVICE, generator=g)
     rows = []
-    for name, k, comp in configs(why_not is None):
+    for name, k, comp, *fast in configs(why_not is None):
         if comp and deadline - time.perf_counter() < 120:
             rows.append({"config": name, "skipped": "time budget"})
             continue
         try:
-            rows.append(measure(name, cfg, k, comp, (idx, tgt)))
+            rows.append(measure(name, cfg, k, comp, (idx, tgt), fast_host=all(fast)))
         except Exception as e:  # noqa: BLE001 - keep the other configurations
             rows.append({"config": name, "error": repr(e)[:300]})
             torch.cuda.empty_cache()

@@ -1,7 +1,11 @@
-"""One norm backward per configuration, for Nsight Compute: `ncu --kernel-name regex:bwd ...
-python benchmarks/norm_bwd_profile.py` profiles each backward kernel launched here.
+"""Two RMSNorm and two LayerNorm steps (forward and backward, bf16) for Nsight Compute to profile
+kernel by kernel (the first step of each compiles; both are profiled):
 
-    PYTHONPATH=src python benchmarks/norm_bwd_profile.py [--shape 4096 16384]
+    PYTHONPATH=src ncu --clock-control none --kernel-name regex:"_norm_|_sum_parts" \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,... \
+        --csv python benchmarks/norm_bwd_profile.py [--shape 4096 16384] > OUT.csv
+
+`results/norm_bwd_ncu_h100.csv` is such a profile (of the code of runs 9-10, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -10,9 +14,7 @@ import argparse
 
 import torch
 
-from gobrrr.kernels import layer_norm, norms, rms_norm
-
-CONFIGS = {"one_program_a_row": {"split_cols": 0}, "split": {}}
+from gobrrr.kernels import layer_norm, rms_norm
 
 
 def main(argv=None):
@@ -25,15 +27,11 @@ def main(argv=None):
     w = torch.ones(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.zeros(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    saved = dict(norms.TUNING)
-    for name, cfg in CONFIGS.items():
-        norms.TUNING.update(saved, **cfg)
-        for norm, fn in (("rms", lambda: rms_norm(x, w)), ("ln", lambda: layer_norm(x, w, b))):
-            for _ in range(2):  # the first compiles
-                fn().backward(dy)
-            torch.cuda.synchronize()
-            print(name, norm, "done", flush=True)
-    norms.TUNING.update(saved)
+    for norm, fn in (("rms", lambda: rms_norm(x, w)), ("ln", lambda: layer_norm(x, w, b))):
+        for _ in range(2):
+            fn().backward(dy)
+        torch.cuda.synchronize()
+        print(norm, "done", flush=True)
 
 
 if __name__ == "__main__":

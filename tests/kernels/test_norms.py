@@ -214,3 +214,34 @@ def test_backward_launch_plan(monkeypatch):
     # bf16 rows that wide are read once and held in 16 bits instead
     plan = norms._bwd_launch(4096, 16384, True, torch.device("cpu"), torch.bfloat16)
     assert plan["keep16"] and not plan["reload"] and plan["warps"] == 16
+
+
+@pytest.mark.parametrize("norm", ["rms", "ln"])
+def test_op_path_matches_direct(recorder, norm):
+    # under a dispatch mode the public functions run the gobrrr:: ops (so traces see them);
+    # otherwise they launch the kernels directly: the same kernels, so the same bits
+    torch.manual_seed(8)
+    x, w, b = torch.randn(6, 40), 1 + 0.1 * torch.randn(40), torch.randn(40)
+    dy = torch.randn(6, 40)
+    fn = (lambda a, c, d: rms_norm(a, c)) if norm == "rms" else layer_norm
+    direct_out = grads(fn, [x, w, b], dy)
+    with recorder() as rec:
+        op_out = grads(fn, [x, w, b], dy)
+    names = [name for name, _ in rec.ops]
+    kind = "rms_norm" if norm == "rms" else "layer_norm"
+    assert f"gobrrr::{kind}_fwd" in names and f"gobrrr::{kind}_bwd" in names
+    for a, e in zip([direct_out[0], *direct_out[1]], [op_out[0], *op_out[1]], strict=True):
+        assert (a is None and e is None) or torch.equal(a, e)
+
+
+def test_launch_cache_key_is_at_least_triton_specialization():
+    # a cached compiled kernel is reused only for arguments Triton would specialize alike:
+    # dtype and 16-byte alignment of tensors; == 1, % 16 and the 32-bit range of ints
+    from gobrrr.kernels._util import _spec
+
+    t = torch.zeros(64, dtype=torch.float32)
+    assert _spec(t) != _spec(t[1:])  # 4-byte offset: not 16-byte aligned
+    assert _spec(t) != _spec(t.to(torch.bfloat16))
+    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4
+    assert _spec(32) == _spec(48) and _spec(3) == _spec(5)
+    assert _spec(True) != _spec(False) and _spec(0.5) == _spec(2.0)

@@ -22,6 +22,7 @@ import math
 import torch
 
 from gobrrr.errors import GobrrrError
+from gobrrr.kernels._util import direct
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError(
@@ -182,29 +183,13 @@ def _(dout, q, k, v, out, lse, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _direct(t: torch.Tensor) -> bool:
-    """True when nothing needs to see the ops: a plain tensor, outside torch.compile, with no
-    dispatch or function mode (FakeTensorMode, op recorders), functorch transform or profiler
-    active. Then `attention` launches the kernels without the op dispatcher, whose custom-op
-    layers cost more host time than the launches (benchmarks/README.md); in every other case
-    the ops run, so traces, fake tensors and profiles still show gobrrr::attention_fwd/bwd."""
-    return (
-        type(t) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch._C._autograd._profiler_enabled()
-    )
-
-
 class _Attention(torch.autograd.Function):
     """Autograd glue around the two ops (cheaper per call than torch.library.register_autograd,
     which matters at short sequences where a step is a few hundred microseconds)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        if _direct(q):  # inputs were checked by attention()
+        if direct(q):  # inputs were checked by attention()
             out, lse = _forward(q, k, v, causal, scale)
         else:
             out, lse = _FWD(q, k, v, causal, scale)
@@ -215,7 +200,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        if _direct(dout) and dout.shape == q.shape:
+        if direct(dout) and dout.shape == q.shape:
             dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
         else:
             dq, dk, dv = _BWD(dout, q, k, v, out, lse, ctx.causal, ctx.scale)

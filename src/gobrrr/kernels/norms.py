@@ -17,14 +17,15 @@ from __future__ import annotations
 import torch
 
 from gobrrr.errors import GobrrrError
-from gobrrr.kernels._norm_split import split_bwd
 from gobrrr.kernels._util import (
     cdiv,
     check_float,
     check_same_device,
+    direct,
     is_interpreter,
     jit,
     kernel_for,
+    launch,
     next_pow2,
     num_sms,
     rows_2d,
@@ -41,8 +42,7 @@ from gobrrr.kernels._util import (
 TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
           "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16,
           "bwd_keep16": 1, "bwd_keep16_warps_rms": 8, "bwd_keep16_warps_ln": 16,
-          "sum_block_n": 32, "split_min_n": 16384, "split_cols": 4096, "split_warps": 8,
-          "split_per_sm": 2}
+          "sum_block_n": 32}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -333,9 +333,9 @@ def _fwd(x, weight, bias, eps, is_rms):
     mean = rstd if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n = _block_m(n, TUNING["fwd_elems"]), next_pow2(n)
     kern = kernel_for(_norm_fwd_kernel, x.device)
-    kern[(cdiv(m, block_m),)](
-        x2, weight, bias if bias is not None else weight, y, mean, rstd, m, n,
-        x2.stride(0), y.stride(0), eps,
+    launch(
+        kern, (cdiv(m, block_m),), x2, weight, bias if bias is not None else weight, y, mean,
+        rstd, m, n, x2.stride(0), y.stride(0), eps,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_warps(block_m * block_n, TUNING["fwd_warps"]),
     )
@@ -379,9 +379,9 @@ def _sum_parts(dw_part, db_part, has_bias, dtype):
     block_p = next_pow2(p)
     block_n = TUNING["sum_block_n"] if dw_part.device.type == "cuda" else next_pow2(n)
     kern = kernel_for(_sum_parts_kernel, dw_part.device)
-    kern[(cdiv(n, block_n),)](dw_part, db_part, dw, db if has_bias else dw, p, n,
-                              HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
-                              num_warps=8 if block_p * block_n >= 8192 else 4)
+    launch(kern, (cdiv(n, block_n),), dw_part, db_part, dw, db if has_bias else dw, p, n,
+           HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
+           num_warps=8 if block_p * block_n >= 8192 else 4)
     return dw, db
 
 
@@ -389,19 +389,14 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     n = x.shape[-1]
     x2, dy2 = rows_2d(x), rows_2d(dy)
     m = x2.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if TUNING["split_cols"] and n >= TUNING["split_min_n"]:
-        dw_part, db_part = split_bwd(dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx,
-                                     has_bias, is_rms, TUNING)
-        dw, db = _sum_parts(dw_part, db_part, has_bias, weight.dtype)
-        return dx.view(x.shape), dw, db
     c = _bwd_launch(m, n, has_bias, x.device, x.dtype)
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
     kern = kernel_for(_norm_bwd_kernel, x.device)
-    kern[(c["n_progs"],)](
-        dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part, db_part, m, n,
-        dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
+    launch(
+        kern, (c["n_progs"],), dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part,
+        db_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
         MASK_M=c["mask_m"], MASK_N=c["mask_n"], W_IN_LOOP=c["block_n"] >= 8192,
         RELOAD=c["reload"], CHUNK=c["chunk"],
@@ -513,6 +508,50 @@ layer_norm_fwd.register_autograd(_ln_backward, setup_context=_ln_setup)
 
 
 # ---------------------------------------------------------------- functional API
+# The public functions differentiate through autograd.Functions that launch the kernels directly
+# when nothing needs to see the ops (`direct`), and call the ops otherwise.
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        if direct(x):
+            y, _, rstd = _fwd(x, weight, None, eps, is_rms=True)
+        else:
+            y, rstd = torch.ops.gobrrr.rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if direct(dy):
+            dx, dw, _ = _bwd(dy, x, weight, rstd, rstd, has_bias=False, is_rms=True)
+        else:
+            dx, dw = torch.ops.gobrrr.rms_norm_bwd(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        if direct(x):
+            y, mean, rstd = _fwd(x, weight, bias, eps, is_rms=False)
+        else:
+            y, mean, rstd = torch.ops.gobrrr.layer_norm_fwd(x, weight, bias, eps)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if direct(dy):
+            dx, dw, db = _bwd(dy, x, weight, mean, rstd, ctx.has_bias, is_rms=False)
+        else:
+            dx, dw, db = torch.ops.gobrrr.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.has_bias)
+        return dx, dw, (db if ctx.has_bias else None), None
+
 
 
 def _check(x, weight, bias):
@@ -537,7 +576,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     Computes in fp32; returns x's dtype. weight: (x.shape[-1],), any float dtype.
     """
     _check(x, weight, None)
-    return rms_norm_fwd(x, weight, float(eps))[0]
+    return _RMSNorm.apply(x, weight, float(eps))
 
 
 def layer_norm(
@@ -545,4 +584,4 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias (biased var)."""
     _check(x, weight, bias)
-    return layer_norm_fwd(x, weight, bias, float(eps))[0]
+    return _LayerNorm.apply(x, weight, bias, float(eps))

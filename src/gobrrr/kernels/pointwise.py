@@ -16,10 +16,12 @@ from gobrrr.kernels._util import (
     check_float,
     check_same_device,
     check_same_shape,
+    direct,
     flat,
     is_interpreter,
     jit,
     kernel_for,
+    launch,
     tl,
 )
 
@@ -79,11 +81,11 @@ def _swiglu(gate, up, dy):
     kern = kernel_for(_swiglu_kernel, g.device)
     if dy is None:
         y = torch.empty_like(g)
-        kern[(progs,)](g, u, g, y, y, y, n, BACKWARD=False, **meta)
+        launch(kern, (progs,), g, u, g, y, y, y, n, BACKWARD=False, **meta)
         return y.view(gate.shape)
     (d,) = flat(dy)
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    kern[(progs,)](g, u, d, dg, dg, du, n, BACKWARD=True, **meta)
+    launch(kern, (progs,), g, u, d, dg, dg, du, n, BACKWARD=True, **meta)
     return dg.view(gate.shape), du.view(up.shape)
 
 
@@ -94,7 +96,8 @@ def _gelu(x, dy, approximate):
     out = torch.empty_like(xf)
     d = xf if dy is None else flat(dy)[0]
     kern = kernel_for(_gelu_kernel, xf.device)
-    kern[(progs,)](xf, d, out, n, APPROX=_APPROX[approximate], BACKWARD=dy is not None, **meta)
+    launch(kern, (progs,), xf, d, out, n, APPROX=_APPROX[approximate],
+           BACKWARD=dy is not None, **meta)
     return out.view(x.shape)
 
 
@@ -169,6 +172,41 @@ def _gelu_backward(ctx, dy):
 gelu_fwd.register_autograd(_gelu_backward, setup_context=_gelu_setup)
 
 
+# The public functions differentiate through autograd.Functions that launch the kernels directly
+# when nothing needs to see the ops (`direct`), and call the ops otherwise.
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _swiglu(gate, up, None) if direct(gate) else torch.ops.gobrrr.swiglu_fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        if direct(dy):
+            return _swiglu(gate, up, dy)
+        return torch.ops.gobrrr.swiglu_bwd(dy, gate, up)
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate):
+        ctx.approximate = approximate
+        ctx.save_for_backward(x)
+        if direct(x):
+            return _gelu(x, None, approximate)
+        return torch.ops.gobrrr.gelu_fwd(x, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        if direct(dy):
+            return _gelu(x, dy, ctx.approximate), None
+        return torch.ops.gobrrr.gelu_bwd(dy, x, ctx.approximate), None
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate: silu(gate) * up. gate, up: same shape and dtype, any layout."""
     check_float("gate", gate)
@@ -177,7 +215,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_same_device(gate=gate, up=up)
     if gate.dtype != up.dtype:
         raise GobrrrError(f"gate is {gate.dtype} but up is {up.dtype}; cast them to one dtype")
-    return swiglu_fwd(gate, up)
+    return _SwiGLU.apply(gate, up)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -185,4 +223,4 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     check_float("x", x)
     if approximate not in _APPROX:
         raise GobrrrError(f"approximate={approximate!r}; use 'none' or 'tanh'")
-    return gelu_fwd(x, approximate)
+    return _GELU.apply(x, approximate)

@@ -152,13 +152,13 @@ def make_step(model, compile_model: bool):
 
 def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3, fast_host=True):
     """One configuration's step. fast_host=False runs gobrrr's kernels the slower way they ran
-    before: through the gobrrr:: ops and Triton's own launcher (gobrrr.kernels._util)."""
-    _util.DIRECT = _util.FAST_LAUNCH = fast_host
+    before: through the gobrrr:: ops (gobrrr.kernels._util.DIRECT)."""
+    _util.DIRECT = fast_host
     try:
         return {**_measure(name, cfg, kernels, compile_model, batch, steps, warmup),
                 "fast_host": fast_host}
     finally:
-        _util.DIRECT = _util.FAST_LAUNCH = True
+        _util.DIRECT = True
 
 
 def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):

@@ -1,11 +1,10 @@
-"""Host time per forward+backward call of each gobrrr kernel, three ways, beside PyTorch's op.
+"""Host time per forward+backward call of each gobrrr kernel, two ways, beside PyTorch's op.
 
 At tiny shapes the GPU finishes each kernel long before the host issues the next, so the wall
-time of N calls without a sync, divided by N, is the host's cost per call. Three launch paths of
-gobrrr's functions, in the same process:
-- `ops`: through the gobrrr:: custom ops (the op dispatcher) and Triton's own launcher;
-- `direct`: the kernels launched without the op dispatcher (`gobrrr.kernels._util.direct`);
-- `direct+cache`: also launching the compiled kernels from our cache (`_util.launch`).
+time of N calls without a sync, divided by N, is the host's cost per call. Two paths of gobrrr's
+functions, in the same process:
+- `ops`: through the gobrrr:: custom ops (the op dispatcher);
+- `direct`: the kernels launched without the op dispatcher (`gobrrr.kernels._util.direct`).
 
     PYTHONPATH=src python benchmarks/bench_host_overhead.py OUT.json
 """
@@ -31,7 +30,7 @@ from gobrrr.kernels import (
 )
 from gobrrr.kernels.bench import generator, table, write_json
 
-PATHS = {"ops": (False, False), "direct": (True, False), "direct+cache": (True, True)}
+PATHS = {"ops": False, "direct": True}
 
 
 def cases():
@@ -84,21 +83,21 @@ def run(out_path: str | Path) -> Path:
     rows = []
     for name, (ours, theirs, leaves) in cases().items():
         row = {"op": name, "torch_us": host_us(theirs, leaves)["median_us"]}
-        for path, (d, f) in PATHS.items():
-            _util.DIRECT, _util.FAST_LAUNCH = d, f
+        for path, on in PATHS.items():
+            _util.DIRECT = on
             try:
                 row[f"{path}_us"] = host_us(ours, leaves)["median_us"]
             except Exception as e:  # noqa: BLE001 - record and go on
                 row[f"{path}_error"] = repr(e)[:200]
             finally:
-                _util.DIRECT = _util.FAST_LAUNCH = True
+                _util.DIRECT = True
         rows.append(row)
     path = write_json(out_path, {
         "benchmark": "host time per fwd+bwd call (tiny shapes, no sync)",
-        "paths": {k: {"direct": d, "launch_cache": f} for k, (d, f) in PATHS.items()},
+        "paths": {k: {"direct": on} for k, on in PATHS.items()},
         "rows": rows,
     })
-    print(table(rows, ["op", "torch_us", "ops_us", "direct_us", "direct+cache_us"]))
+    print(table(rows, ["op", "torch_us", "ops_us", "direct_us"]))
     return path
 
 

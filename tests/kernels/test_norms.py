@@ -233,15 +233,3 @@ def test_op_path_matches_direct(recorder, norm):
     for a, e in zip([direct_out[0], *direct_out[1]], [op_out[0], *op_out[1]], strict=True):
         assert (a is None and e is None) or torch.equal(a, e)
 
-
-def test_launch_cache_key_is_at_least_triton_specialization():
-    # a cached compiled kernel is reused only for arguments Triton would specialize alike:
-    # dtype and 16-byte alignment of tensors; == 1, % 16 and the 32-bit range of ints
-    from gobrrr.kernels._util import _spec
-
-    t = torch.zeros(64, dtype=torch.float32)
-    assert _spec(t) != _spec(t[1:])  # 4-byte offset: not 16-byte aligned
-    assert _spec(t) != _spec(t.to(torch.bfloat16))
-    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4
-    assert _spec(32) == _spec(48) and _spec(3) == _spec(5)
-    assert _spec(True) != _spec(False) and _spec(0.5) == _spec(2.0)

@@ -34,7 +34,6 @@ from gobrrr.kernels._attention_fwd import (
     store_tile,
     strides,
 )
-from gobrrr.kernels._util import launch as fast_launch
 
 # For the dK/dV kernel BLOCK_N is the key block a program owns, BLOCK_M the query step.
 INTERPRET_DKDV = cfg(32, 64, 4, 1)
@@ -288,8 +287,8 @@ def bwd_preprocess(out, dout):
     b, h, s_q, d = out.shape
     delta = torch.empty((b, h, s_q), device=out.device, dtype=torch.float32)
     grid = (triton.cdiv(s_q, PRE_BLOCK_M), b * h)
-    fast_launch(_bwd_preprocess_kernel, grid, out, dout, delta, *strides(out), *strides(dout), h,
-                s_q, HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PRE_BLOCK_M, num_warps=4)
+    _bwd_preprocess_kernel[grid](out, dout, delta, *strides(out), *strides(dout), h, s_q,
+                                 HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PRE_BLOCK_M, num_warps=4)
     return delta
 
 

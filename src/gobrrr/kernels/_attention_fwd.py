@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gobrrr.kernels._util import launch as fast_launch
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 K_LOG2E = tl.constexpr(LOG2E)  # the same constants, readable inside @triton.jit functions
@@ -226,7 +224,7 @@ def launch(kernel, grid, args: tuple, consts: dict, *, tag: str, key: tuple,
     cached = _BEST_KWARGS.get((tag, key))
     if cached is None or cached[0] is not config:
         cached = _BEST_KWARGS[(tag, key)] = (config, config_kwargs(config))
-    fast_launch(kernel, grid(config.kwargs), *args, **consts, **cached[1])
+    kernel[grid(config.kwargs)](*args, **consts, **cached[1])
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, config: triton.Config | None = None):

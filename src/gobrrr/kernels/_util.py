@@ -115,47 +115,6 @@ def direct(t: torch.Tensor) -> bool:
     )
 
 
-FAST_LAUNCH = True  # launch compiled kernels from our own cache (benchmarks switch it off)
-_COMPILED: dict = {}
-
-
-def _spec(a) -> object:
-    """What Triton specializes a kernel argument on, or finer: a tensor's dtype and 16-byte
-    alignment; an int's size class, == 1 and divisibility by 16; a float's type; other values
-    (bools, strings, None) themselves."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool) or a is None or isinstance(a, str):
-        return a
-    if isinstance(a, int):
-        return "i", a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63
-    if isinstance(a, float):
-        return "f"
-    return type(a), a
-
-
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs) on a CUDA device, with less host time: the first launch
-    goes through Triton (which compiles and returns the compiled kernel); later launches whose
-    arguments specialize the same way (`_spec`) call that compiled kernel directly, skipping
-    Triton's argument binding and cache lookup. kwargs: the constexpr parameters by name and
-    launch options (num_warps, num_stages)."""
-    if not FAST_LAUNCH or is_interpreter():
-        kernel[grid](*args, **kwargs)
-        return
-    key = (kernel, torch.cuda.current_device(), tuple(_spec(a) for a in args),
-           tuple(sorted(kwargs.items())))
-    hit = _COMPILED.get(key)
-    if hit is None:
-        compiled = kernel[grid](*args, **kwargs)
-        names = kernel.arg_names[len(args):]  # the constexprs, after the runtime arguments
-        if compiled is not None and all(n in kwargs for n in names):
-            _COMPILED[key] = (compiled, tuple(kwargs[n] for n in names))
-        return
-    compiled, consts = hit
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *consts)
-
-
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << (max(int(n), 1) - 1).bit_length()

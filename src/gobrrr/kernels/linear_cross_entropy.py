@@ -30,7 +30,6 @@ from gobrrr.kernels._util import (
     is_interpreter,
     jit,
     kernel_for,
-    launch,
     next_pow2,
     tl,
 )
@@ -96,9 +95,8 @@ def _ce_launch(logits, targets, loss_rows, n_valid, ignore_index, smoothing, is_
     else:
         block_v, warps = min(TUNING["block_v"], next_pow2(v)), TUNING["warps"]
     kern = kernel_for(_ce_kernel, logits.device)
-    launch(
-        kern, (c,), logits, logits.stride(0), targets, loss_rows, n_valid, v, ignore_index,
-        smoothing,
+    kern[(c,)](
+        logits, logits.stride(0), targets, loss_rows, n_valid, v, ignore_index, smoothing,
         IS_MEAN=is_mean, BLOCK_V=block_v, num_warps=warps,
     )
 

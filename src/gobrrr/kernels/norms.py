@@ -25,7 +25,6 @@ from gobrrr.kernels._util import (
     is_interpreter,
     jit,
     kernel_for,
-    launch,
     next_pow2,
     num_sms,
     rows_2d,
@@ -333,9 +332,9 @@ def _fwd(x, weight, bias, eps, is_rms):
     mean = rstd if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n = _block_m(n, TUNING["fwd_elems"]), next_pow2(n)
     kern = kernel_for(_norm_fwd_kernel, x.device)
-    launch(
-        kern, (cdiv(m, block_m),), x2, weight, bias if bias is not None else weight, y, mean,
-        rstd, m, n, x2.stride(0), y.stride(0), eps,
+    kern[(cdiv(m, block_m),)](
+        x2, weight, bias if bias is not None else weight, y, mean, rstd, m, n,
+        x2.stride(0), y.stride(0), eps,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_warps(block_m * block_n, TUNING["fwd_warps"]),
     )
@@ -379,9 +378,9 @@ def _sum_parts(dw_part, db_part, has_bias, dtype):
     block_p = next_pow2(p)
     block_n = TUNING["sum_block_n"] if dw_part.device.type == "cuda" else next_pow2(n)
     kern = kernel_for(_sum_parts_kernel, dw_part.device)
-    launch(kern, (cdiv(n, block_n),), dw_part, db_part, dw, db if has_bias else dw, p, n,
-           HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
-           num_warps=8 if block_p * block_n >= 8192 else 4)
+    kern[(cdiv(n, block_n),)](dw_part, db_part, dw, db if has_bias else dw, p, n,
+                              HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
+                              num_warps=8 if block_p * block_n >= 8192 else 4)
     return dw, db
 
 
@@ -394,9 +393,9 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     dw_part = torch.empty((c["n_progs"], n), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
     kern = kernel_for(_norm_bwd_kernel, x.device)
-    launch(
-        kern, (c["n_progs"],), dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part,
-        db_part, m, n, dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
+    kern[(c["n_progs"],)](
+        dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part, db_part, m, n,
+        dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
         IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
         MASK_M=c["mask_m"], MASK_N=c["mask_n"], W_IN_LOOP=c["block_n"] >= 8192,
         RELOAD=c["reload"], CHUNK=c["chunk"],

@@ -21,7 +21,6 @@ from gobrrr.kernels._util import (
     is_interpreter,
     jit,
     kernel_for,
-    launch,
     tl,
 )
 
@@ -81,11 +80,11 @@ def _swiglu(gate, up, dy):
     kern = kernel_for(_swiglu_kernel, g.device)
     if dy is None:
         y = torch.empty_like(g)
-        launch(kern, (progs,), g, u, g, y, y, y, n, BACKWARD=False, **meta)
+        kern[(progs,)](g, u, g, y, y, y, n, BACKWARD=False, **meta)
         return y.view(gate.shape)
     (d,) = flat(dy)
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    launch(kern, (progs,), g, u, d, dg, dg, du, n, BACKWARD=True, **meta)
+    kern[(progs,)](g, u, d, dg, dg, du, n, BACKWARD=True, **meta)
     return dg.view(gate.shape), du.view(up.shape)
 
 
@@ -96,8 +95,7 @@ def _gelu(x, dy, approximate):
     out = torch.empty_like(xf)
     d = xf if dy is None else flat(dy)[0]
     kern = kernel_for(_gelu_kernel, xf.device)
-    launch(kern, (progs,), xf, d, out, n, APPROX=_APPROX[approximate],
-           BACKWARD=dy is not None, **meta)
+    kern[(progs,)](xf, d, out, n, APPROX=_APPROX[approximate], BACKWARD=dy is not None, **meta)
     return out.view(x.shape)
 
 

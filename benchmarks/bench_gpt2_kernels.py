@@ -191,6 +191,30 @@ def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):
     return row
 
 
+def predicted(cfg, kernels, batch: int) -> dict:
+    """gobrrr's prediction of this configuration's eager step on this GPU's calibration, with
+    and without the measured host cost of gobrrr's kernel ops (`Calibration.kernel_host`)."""
+    import gobrrr
+    from gobrrr.hardware import find_calibration, get_gpu
+
+    def workload():
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+        return gobrrr.Workload(model=GPT(cfg, kernels), batch=(idx, idx), loss=None,
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=6e-4, fused=True))
+
+    gpu = get_gpu("h100")
+    cal = find_calibration(gpu)
+    if cal is None:
+        return {}
+    out = {}
+    for key, c in (("predicted_ms", cal), ("predicted_ms_no_kernel_host",
+                                           replace(cal, kernel_host={}))):
+        est = gobrrr.estimate(workload, gpu, precision="bf16-mixed", calibration=c)
+        out[key] = est.time.step_s * 1e3
+        out["predicted_peak_gib"] = est.memory.peak / GiB
+    return out
+
+
 def configs(attn_ok: bool):
     k_all = ALL if attn_ok else replace(ALL, attention=False)
     out = [("torch eager", Kernels(), False), ("gobrrr all", k_all, False),
@@ -202,7 +226,8 @@ def configs(attn_ok: bool):
     return out + [("torch compile", Kernels(), True), ("gobrrr all + compile", k_all, True)]
 
 
-def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch: int = 16) -> Path:
+def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch: int = 16,
+        predict: bool = False) -> Path:
     deadline = time.perf_counter() + budget_s
     cfg = GPTConfig()
     why_not = attention_works()
@@ -216,6 +241,8 @@ def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch:
             continue
         try:
             rows.append(measure(name, cfg, k, comp, (idx, tgt), fast_host=all(fast)))
+            if predict and not comp and all(fast):
+                rows[-1].update(predicted(cfg, k, batch))
         except Exception as e:  # noqa: BLE001 - keep the other configurations
             rows.append({"config": name, "error": repr(e)[:300]})
             torch.cuda.empty_cache()
@@ -231,7 +258,8 @@ def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch:
     })
     print("gobrrr attention:", "used" if why_not is None else f"not used ({why_not})")
     print(table(rows, ["config", "compile", "step_ms", "tokens_per_s", "mfu", "peak_gib",
-                       "first_loss", "speedup_vs_eager"]))
+                       "first_loss", "speedup_vs_eager", "predicted_ms",
+                       "predicted_ms_no_kernel_host", "predicted_peak_gib"]))
     return path
 
 
@@ -239,8 +267,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="output JSON path")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip compiles past this time")
+    p.add_argument("--predict", action="store_true",
+                   help="also record gobrrr's prediction of each eager configuration")
     args = p.parse_args(argv)
-    run(args.out, budget_s=args.budget_s)
+    run(args.out, budget_s=args.budget_s, predict=args.predict)
 
 
 if __name__ == "__main__":

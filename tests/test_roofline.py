@@ -5,7 +5,7 @@ import math
 import pytest
 from fake_tensors import contiguous as t
 
-from gobrrr.cost.flops import OpCost
+from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
@@ -107,3 +107,19 @@ def test_model_flops_6n_plus_attention():
     assert g.meta["embedding_params"] == 1024 * d  # wpe only: wte is tied to lm_head
     assert model_flops(g) == pytest.approx(6 * n * B * S + 12 * L * d * S * B * S)
     assert math.isclose(predict(g, H100).backward_forward_ratio(), 2.0, rel_tol=0.1)
+
+
+def test_gobrrr_kernel_ops_cost_their_measured_host_time(make_cal):
+    # a gobrrr kernel op costs the host what the calibration measured for it (kernel_host), in
+    # place of an ordinary op's per-op cost and launches; other ops are unchanged
+    x, r = t((8, 256), "bfloat16"), t((8,), "float32")
+    norm = OpNode(0, "gobrrr.rms_norm_bwd.default", "backward", "ln", (x, x, t((256,), "bfloat16"),
+                  r), (x, t((256,), "bfloat16")))
+    add = OpNode(1, "aten.add.Tensor", "backward", "", (x, x), (x,))
+    cal = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6, "optimizer": 50e-6},
+                   kernel_host={"rms_norm_bwd": 310e-6})
+    rates = Rates(get_gpu("h100"), cal)
+    assert time_op(norm, op_cost(norm), rates).host_s == pytest.approx(310e-6)
+    assert time_op(add, op_cost(add), rates).host_s == pytest.approx(12e-6)
+    without = Rates(get_gpu("h100"), make_cal(op_overhead=cal.op_overhead))
+    assert time_op(norm, op_cost(norm), without).host_s < 100e-6

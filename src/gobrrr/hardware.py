@@ -194,7 +194,9 @@ class Calibration:
     `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their size in
     bytes, keyed the same way.
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
-    convolutions and batch norm)."""
+    convolutions and batch norm).
+    `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls
+    them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's."""
 
     gpu: str
     device_name: str
@@ -218,6 +220,7 @@ class Calibration:
     batch_norm_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     depthwise_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     op_host: dict[str, float] = field(default_factory=dict)
+    kernel_host: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -181,7 +181,10 @@ class Rates:
         """Host seconds to issue one op: the measured per-op cost of an eager training step in
         this phase (calibrated), plus a launch for each kernel past the first, plus what this
         op costs the host beyond an ordinary one where that was measured (cuDNN's
-        convolutions and batch norm: `op_host`, keyed "name:dtype")."""
+        convolutions and batch norm: `op_host`, keyed "name:dtype"). gobrrr's own kernel ops
+        cost what was measured for them (`kernel_host`) instead."""
+        if self.cal and op in self.cal.kernel_host:
+            return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
         key = "forward" if phase == "recompute" else phase
         if key in per_op:

@@ -75,6 +75,7 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     """Per-op host cost inside a training step, and on a GPU: misaligned matmuls, attention,
     the cuBLASLt workspace (see calibrate_step)."""
     from gobrrr.profile import calibrate_step as cs
+    from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
     overhead = cs.step_overhead(dev) if cuda else cs.step_overhead(dev, 5, rounds=1, warmup=3)
     out: dict = {"op_overhead": overhead}
@@ -85,7 +86,7 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
         out.update(matmul_misaligned=cs.misaligned_fractions(dev),
                    attention_curve=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
                    matmul_grid=cs.matmul_grid(dev), op_host=cs.op_host_costs(dev),
-                   blaslt_workspace=cs.blaslt_workspace(dev))
+                   kernel_host=kernel_host_costs(dev), blaslt_workspace=cs.blaslt_workspace(dev))
     return out
 
 

@@ -1,0 +1,19 @@
+"""The calibration's host cost of gobrrr's kernel ops is keyed by the op names a trace records."""
+
+import torch
+
+from gobrrr.profile.calibrate_kernels import _cases, kernel_host_costs
+
+
+def test_kernel_host_keys_are_the_traced_op_names(recorder):
+    cpu = torch.device("cpu")
+    costs = kernel_host_costs(cpu, calls=1, rounds=1)
+    traced = set()
+    for _, fn, inputs in _cases(cpu):
+        with recorder() as rec:
+            y = fn()
+            torch.autograd.grad(y, inputs, torch.ones_like(y))
+        traced |= {name.split("::")[1] for name, _ in rec.ops if name.startswith("gobrrr::")}
+    assert set(costs) == traced
+    assert len(traced) == 10  # five kernel families, forward and backward
+    assert all(v > 0 for v in costs.values())

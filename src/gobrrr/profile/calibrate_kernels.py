@@ -4,9 +4,10 @@ A call of one of gobrrr's Triton kernels costs the host far more than an ATen op
 launcher specialises every argument and the Python glue allocates the outputs (on the H100
 host, 500-800 µs per forward+backward of a norm against ~120 µs for PyTorch's own,
 benchmarks/README.md). Charged as ordinary ops, a model using these kernels would be predicted
-GPU-bound when it is host-bound. Measured as a training step calls them: the forward with
-inputs that require grad (autograd records it), the backward as the forward and backward
-together minus the forward, on tiny inputs so that the host is what the loop waits on.
+GPU-bound when it is host-bound. Measured as a training step calls them: a chain of CHAIN
+calls with inputs that require grad (autograd records it), then one backward through the chain
+(its engine entry shared by the chain, as in a step); per call, the forward is the chain's time
+over CHAIN and the backward the backward's. Tiny inputs: the host is what the loop waits on.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import torch
 
 from gobrrr.profile.calibrate import _sync
 
+CHAIN = 16  # calls per measured chain
+
 
 def _cases(dev: torch.device):
-    """(op name stem, fn, inputs) for each kernel family, bf16 on tiny inputs."""
+    """(op name stem, fn, inputs) for each kernel family, bf16 on tiny inputs; fn(y) returns an
+    output shaped like y (the chained input, inputs[0])."""
     from gobrrr import kernels as k
 
     def r(*shape):
@@ -27,11 +31,11 @@ def _cases(dev: torch.device):
 
     x, u, w, b = r(8, 256), r(8, 256), r(256), r(256)
     q, kk, v = r(1, 2, 64, 64), r(1, 2, 64, 64), r(1, 2, 64, 64)
-    yield "rms_norm", lambda: k.rms_norm(x, w), (x, w)
-    yield "layer_norm", lambda: k.layer_norm(x, w, b), (x, w, b)
-    yield "gelu", lambda: k.gelu(x, "tanh"), (x,)
-    yield "swiglu", lambda: k.swiglu(x, u), (x, u)
-    yield "attention", lambda: k.attention(q, kk, v, causal=True), (q, kk, v)
+    yield "rms_norm", lambda y: k.rms_norm(y, w), (x, w)
+    yield "layer_norm", lambda y: k.layer_norm(y, w, b), (x, w, b)
+    yield "gelu", lambda y: k.gelu(y, "tanh"), (x,)
+    yield "swiglu", lambda y: k.swiglu(y, u), (x, u)
+    yield "attention", lambda y: k.attention(y, kk, v, causal=True), (q, kk, v)
 
 
 def _per_call(fn, dev: torch.device, calls: int, rounds: int) -> float:
@@ -49,7 +53,7 @@ def _per_call(fn, dev: torch.device, calls: int, rounds: int) -> float:
     return best
 
 
-def kernel_host_costs(dev: torch.device, calls: int = 200, rounds: int = 5) -> dict[str, float]:
+def kernel_host_costs(dev: torch.device, calls: int = 20, rounds: int = 5) -> dict[str, float]:
     """Host seconds per call of each gobrrr kernel op, keyed by op name ("rms_norm_fwd",
     "rms_norm_bwd", ...): what the cost model charges for these ops instead of an ordinary
     op's host cost. {} when Triton is not installed."""
@@ -59,12 +63,19 @@ def kernel_host_costs(dev: torch.device, calls: int = 200, rounds: int = 5) -> d
         return {}
     out = {}
     for stem, fn, inputs in _cases(dev):
-        dy = fn().detach().clone()
 
-        def fwd_bwd(fn=fn, inputs=inputs, dy=dy):
-            torch.autograd.grad(fn(), inputs, dy)
+        def chain(fn=fn, inputs=inputs):
+            y = inputs[0]
+            for _ in range(CHAIN):
+                y = fn(y)
+            return y
 
-        fwd = _per_call(fn, dev, calls, rounds)
-        both = _per_call(fwd_bwd, dev, calls, rounds)
+        dy = chain().detach().clone()
+
+        def fwd_bwd(inputs=inputs, dy=dy, chain=chain):
+            torch.autograd.grad(chain(), inputs, dy)
+
+        fwd = _per_call(chain, dev, calls, rounds) / CHAIN
+        both = _per_call(fwd_bwd, dev, calls, rounds) / CHAIN
         out[f"{stem}_fwd"], out[f"{stem}_bwd"] = fwd, max(both - fwd, 0.0)
     return out

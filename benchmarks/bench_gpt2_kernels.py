@@ -191,16 +191,29 @@ def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):
     return row
 
 
+def workload(batch_size: int = 16, seq_len: int = 1024, kernels: Kernels = Kernels()):
+    """This model as a gobrrr Workload (for `gobrrr estimate` / `gobrrr profile`
+    benchmarks/bench_gpt2_kernels.py:workload; `workload_gobrrr` uses all of gobrrr's kernels)."""
+    import gobrrr
+
+    cfg = replace(GPTConfig(), seq=seq_len)
+    idx = torch.randint(0, cfg.vocab, (batch_size, cfg.seq))
+    return gobrrr.Workload(model=GPT(cfg, kernels), batch=(idx, idx), loss=None,
+                           optimizer=lambda p: torch.optim.AdamW(p, lr=6e-4, fused=True))
+
+
+def workload_gobrrr(batch_size: int = 16, seq_len: int = 1024):
+    return workload(batch_size, seq_len, ALL)
+
+
 def predicted(cfg, kernels, batch: int) -> dict:
     """gobrrr's prediction of this configuration's eager step on this GPU's calibration, with
     and without the measured host cost of gobrrr's kernel ops (`Calibration.kernel_host`)."""
     import gobrrr
     from gobrrr.hardware import find_calibration, get_gpu
 
-    def workload():
-        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-        return gobrrr.Workload(model=GPT(cfg, kernels), batch=(idx, idx), loss=None,
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=6e-4, fused=True))
+    def one():
+        return workload(batch, cfg.seq, kernels)
 
     gpu = get_gpu("h100")
     cal = find_calibration(gpu)
@@ -209,7 +222,7 @@ def predicted(cfg, kernels, batch: int) -> dict:
     out = {}
     for key, c in (("predicted_ms", cal), ("predicted_ms_no_kernel_host",
                                            replace(cal, kernel_host={}))):
-        est = gobrrr.estimate(workload, gpu, precision="bf16-mixed", calibration=c)
+        est = gobrrr.estimate(one, gpu, precision="bf16-mixed", calibration=c)
         out[key] = est.time.step_s * 1e3
         out["predicted_peak_gib"] = est.memory.peak / GiB
     return out

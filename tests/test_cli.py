@@ -64,6 +64,35 @@ def test_user_script_that_raises(capsys, tmp_path):
     assert code == 2 and "dataset not found" in err and err.count("\n") == 1
 
 
+def test_user_script_with_dataclasses_and_a_sibling_module(capsys, tmp_path):
+    # the file imports as `python train.py` would: a module beside it imports, and a
+    # @dataclass (which looks its module up in sys.modules) works
+    (tmp_path / "mlp_parts.py").write_text("WIDTH = 24\n")
+    f = tmp_path / "train.py"
+    f.write_text(textwrap.dedent("""
+        from dataclasses import dataclass
+
+        import torch
+        import gobrrr
+        from mlp_parts import WIDTH
+
+        @dataclass(frozen=True)
+        class Config:
+            width: int = WIDTH
+
+        def workload(batch_size=4):
+            c = Config()
+            model = torch.nn.Sequential(torch.nn.Linear(c.width, c.width), torch.nn.ReLU(),
+                                        torch.nn.Linear(c.width, 1))
+            x = torch.randn(batch_size, c.width)
+            return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.square().mean(),
+                                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    """))
+    code, out, err = run(capsys, "estimate", f"{f}:workload", "--json", "--gpu", "a100")
+    assert code == 0, err
+    assert json.loads(out)["workload"]["params"] == 24 * 24 + 24 + 24 + 1
+
+
 def test_user_gpu_file(capsys, tmp_path):
     f = tmp_path / "mygpu.toml"
     f.write_text('name = "mygpu"\nmemory_gb = 16\nbandwidth_gbs = 500\nbf16_tflops = 100\n')

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -240,9 +241,16 @@ def _import_function(spec: str, path: Path, fn_name: str):
     if module_spec is None or module_spec.loader is None:
         raise GobrrrError(f"workload {spec}: cannot import {path} (is it a .py file?)")
     module = importlib.util.module_from_spec(module_spec)
+    # as `python file.py` would: modules beside the file import, and the module is registered
+    # (dataclasses and pickling look their module up in sys.modules)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[module_spec.name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
+        sys.modules.pop(module_spec.name, None)
         raise GobrrrError(
             f"workload {spec}: importing {path} raised {type(e).__name__}: {e}"
         ) from e

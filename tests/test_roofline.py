@@ -9,6 +9,7 @@ from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
+    grid_value,
     misaligned,
     model_flops,
     predict,
@@ -123,3 +124,29 @@ def test_gobrrr_kernel_ops_cost_their_measured_host_time(make_cal):
     assert time_op(add, op_cost(add), rates).host_s == pytest.approx(12e-6)
     without = Rates(get_gpu("h100"), make_cal(op_overhead=cal.op_overhead))
     assert time_op(norm, op_cost(norm), without).host_s < 100e-6
+
+
+def test_ragged_grid_interpolates_each_row_over_its_own_depths():
+    # the calibration leaves out the largest matmuls, so big outputs lack the deepest k: each
+    # output size interpolates (linear in log k) over the depths measured for it, then clamps
+    pts = [[1e6, 1024, 100.0], [1e6, 4096, 200.0], [1e6, 16384, 400.0],
+           [1e8, 1024, 600.0], [1e8, 4096, 700.0]]
+    assert grid_value(pts, 1e6, 8192) == pytest.approx(300.0)  # halfway in log k
+    assert grid_value(pts, 1e8, 16384) == pytest.approx(700.0)  # clamped: row has no 16384
+    assert grid_value(pts, 1e7, 16384) == pytest.approx((400.0 + 700.0) / 2)  # halfway in log mn
+    assert grid_value(pts, 1e6, 65536) == pytest.approx(400.0)
+
+
+def test_attention_rate_by_direction_where_measured_apart(make_cal):
+    # forward and backward kernels run at different rates; a calibration that measured them
+    # apart is read per direction, an older one (fwd+bwd only) for both
+    both = {"bf16": [[256.0, 100e12], [4096.0, 300e12]]}
+    apart = {**both, "forward:bf16": [[256.0, 150e12], [4096.0, 450e12]],
+             "backward:bf16": [[256.0, 80e12], [4096.0, 240e12]]}
+    old = Rates(H100, make_cal(attention_curve=both))
+    new = Rates(H100, make_cal(attention_curve=apart))
+    assert old.attention("bf16", 1024, "forward") == pytest.approx(200e12)  # halfway in log S
+    assert old.attention("bf16", 1024, "backward") == pytest.approx(200e12)
+    assert new.attention("bf16", 1024, "forward") == pytest.approx(300e12)
+    assert new.attention("bf16", 1024, "backward") == pytest.approx(160e12)
+    assert new.attention("bf16", 1024) == pytest.approx(200e12)

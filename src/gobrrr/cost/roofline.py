@@ -165,9 +165,13 @@ class Rates:
             return self.cal.matmul_misaligned[math_mode]
         return MISALIGNED_FRACTION
 
-    def attention(self, math_mode: str, seq: int | None = None) -> float:
-        """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count)."""
+    def attention(self, math_mode: str, seq: int | None = None,
+                  direction: str | None = None) -> float:
+        """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count), in this
+        direction ("forward" / "backward") where the calibration measured it apart."""
         key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
+        if self.cal and seq and direction and self.cal.attention_curve.get(f"{direction}:{key}"):
+            key = f"{direction}:{key}"
         if self.cal and seq and self.cal.attention_curve.get(key):
             pts = self.cal.attention_curve[key]
             return _interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
@@ -262,12 +266,14 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 
 def grid_value(points: list[list[float]], mn: float, k: float) -> float:
     """A value measured on a [[mn, k, value]] grid of (output elements, depth), at (mn, k):
-    linear in log k, then in log mn, clamped at the grid's edges."""
-    mns = sorted({p[0] for p in points})
-    ks = sorted({p[1] for p in points})
-    table = {(p[0], p[1]): p[2] for p in points}
+    linear in log k along each measured mn (over the depths measured there: the grid may be
+    ragged), then in log mn, clamped at the grid's edges."""
+    rows: dict[float, list[tuple[float, float]]] = {}
+    for p in points:
+        rows.setdefault(p[0], []).append((math.log(p[1]), p[2]))
     lk = math.log(max(k, 1.0))
-    at_mn = [_interp([math.log(x) for x in ks], [table[(m, x)] for x in ks], lk) for m in mns]
+    mns = sorted(rows)
+    at_mn = [_interp(*zip(*sorted(rows[m]), strict=True), lk) for m in mns]
     return _interp([math.log(m) for m in mns], at_mn, math.log(max(mn, 1.0)))
 
 
@@ -369,8 +375,9 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
         rate = math.inf
     elif cost.kind == "attention":
         q = node.inputs[0] if node.inputs else None
+        backward = "backward" in node.name or node.name.endswith("_bwd")
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
-                               else None)
+                               else None, "backward" if backward else "forward")
     elif cost.kind == "conv" and (conv_rate := rates.conv(
             cost.math, "backward" if node.name.endswith("backward") else "forward",
             gemm_dims(node))) is not None:

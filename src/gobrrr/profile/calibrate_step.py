@@ -102,36 +102,57 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
     return out
 
 
+ATTENTION_REPS = 4  # fwd(+bwd) calls per timed run: the host queues ahead of the GPU
+
+
 def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
                    seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict[str, list[list[float]]]:
-    """Achieved FLOP/s of F.scaled_dot_product_attention fwd+bwd (causal), default backend,
-    at B·S = `tokens`, 16 heads of `d`, over sequence lengths: {dtype: [[S, FLOP/s], ...]}.
-    FlashAttention's count: fwd 4·B·H·S²·D / 2, bwd 2.5 x fwd."""
+    """Achieved FLOP/s of F.scaled_dot_product_attention (causal, default backend, inputs that
+    require grad) at B·S = `tokens`, 16 heads of `d`, over sequence lengths: fwd+bwd under
+    the dtype's key, and apart under "forward:<dtype>" and "backward:<dtype>" (backward =
+    fwd+bwd minus fwd): {key: [[S, FLOP/s], ...]}. Each timed run issues ATTENTION_REPS calls
+    back to back, so the GPU's rate is measured, not the host's. FlashAttention's count:
+    fwd 4·B·H·S²·D / 2, bwd 2.5 x fwd."""
     from gobrrr.profile.calibrate import time_op
 
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        out[name] = []
+        for key in (name, f"forward:{name}", f"backward:{name}"):
+            out[key] = []
         for s in seqs:
             b, h = max(tokens // s, 1), 16
             q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
 
-            def fwd_bwd(q=q, k=k, v=v, g=g):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                torch.autograd.grad(o, (q, k, v), g)
+            def fwd(q=q, k=k, v=v):
+                return [F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                        for _ in range(ATTENTION_REPS)]
 
-            flops = 3.5 * 4 * b * h * s * s * d / 2
-            out[name].append([float(s), flops / time_op(fwd_bwd, dev, 10)])
+            def fwd_bwd(q=q, k=k, v=v, g=g):
+                for o in fwd(q, k, v):
+                    torch.autograd.grad(o, (q, k, v), g)
+
+            flops = 4 * b * h * s * s * d / 2 * ATTENTION_REPS  # forward, per timed run
+            t_fwd, t_both = time_op(fwd, dev, 10), time_op(fwd_bwd, dev, 10)
+            out[name].append([float(s), 3.5 * flops / t_both])
+            out[f"forward:{name}"].append([float(s), flops / t_fwd])
+            out[f"backward:{name}"].append([float(s), 2.5 * flops / max(t_both - t_fwd, 1e-9)])
     return out
 
 
-def matmul_grid(dev: torch.device, mns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192),
-                ks: tuple[int, ...] = (64, 256, 1024, 4096)) -> dict[str, list[list[float]]]:
+GRID_MAX_FLOP = 2.0**41  # the largest matmul the grid times (~3 ms in bf16, ~45 ms in fp32)
+
+
+def matmul_grid(dev: torch.device, mns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384),
+                ks: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536)
+                ) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of (m x k) @ (k x m) over output sizes m² and depths k, per math mode:
     {mode: [[m*m, k, FLOP/s], ...]}. Small outputs leave SMs idle; a short k leaves each
-    tile's fixed cost (prologue, epilogue) unamortised."""
+    tile's fixed cost (prologue, epilogue) unamortised. Deep k with a small output is a weight
+    gradient (k = the tokens of a step), which cuBLAS splits over k. Points above
+    GRID_MAX_FLOP are left out (large outputs are at full rate by k = 4096 anyway): the grid is
+    ragged at its large corner."""
     from gobrrr.profile.calibrate import time_op
 
     out: dict[str, list[list[float]]] = {}
@@ -143,6 +164,8 @@ def matmul_grid(dev: torch.device, mns: tuple[int, ...] = (512, 1024, 2048, 4096
             out[name] = []
             for m in mns:
                 for k in ks:
+                    if 2.0 * m * m * k > GRID_MAX_FLOP:
+                        continue
                     a = torch.randn(m, k, device=dev, dtype=dtype)
                     b = torch.randn(k, m, device=dev, dtype=dtype)
                     t = time_op(lambda a=a, b=b: a @ b, dev, 5 if m * m * k > 2**33 else 15)

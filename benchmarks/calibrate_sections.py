@@ -1,0 +1,57 @@
+"""Measure some sections of a calibration on this GPU and merge them into a calibration file.
+
+A full `gobrrr calibrate` measures everything on one machine. This re-measures chosen sections
+(the GPU's own rates, or the host cost of gobrrr's kernel ops) and sets them in an existing
+calibration, recording where and when each was measured in its meta (under the section's
+name); the measurement is also written as results JSON.
+
+    PYTHONPATH=src python benchmarks/calibrate_sections.py OUT.json \\
+        --sections matmul_grid attention_curve kernel_host \\
+        [--into src/gobrrr/data/calibration/h100-sxm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from gobrrr.hardware import Calibration
+from gobrrr.kernels.bench import env_info, write_json
+from gobrrr.profile import calibrate_step as cs
+from gobrrr.profile.calibrate_kernels import kernel_host_costs
+
+SECTIONS = {"matmul_grid": cs.matmul_grid, "attention_curve": cs.attention_rate,
+            "kernel_host": kernel_host_costs}
+
+
+def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:
+    dev, measured, seconds = torch.device("cuda"), {}, {}
+    for name in sections:
+        t0 = time.perf_counter()
+        measured[name] = SECTIONS[name](dev)
+        seconds[name] = time.perf_counter() - t0
+        print(f"{name}: {seconds[name]:.1f} s", flush=True)
+    path = write_json(out_path, {"benchmark": "calibration sections", "seconds": seconds,
+                                 "sections": measured, "merged_into": str(into or "")})
+    if into:
+        cal = Calibration.load(into)
+        meta = {**cal.meta, **{name: env_info() for name in sections}}
+        replace(cal, **measured, meta=meta).save(into)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="output JSON path")
+    p.add_argument("--sections", nargs="+", required=True, choices=sorted(SECTIONS))
+    p.add_argument("--into", help="calibration JSON whose sections to set")
+    args = p.parse_args(argv)
+    run(args.out, args.sections, args.into)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
+    bandwidth_key,
     grid_value,
     misaligned,
     model_flops,
@@ -150,3 +151,21 @@ def test_attention_rate_by_direction_where_measured_apart(make_cal):
     assert new.attention("bf16", 1024, "forward") == pytest.approx(300e12)
     assert new.attention("bf16", 1024, "backward") == pytest.approx(160e12)
     assert new.attention("bf16", 1024) == pytest.approx(200e12)
+
+
+def test_a_sum_over_tokens_costs_the_measured_outer_reduction_bandwidth(make_cal):
+    # a bias gradient sums over leading dims (its kernel strides across rows); a sum over the
+    # last dim is an ordinary reduction
+    g2, g3 = t((16384, 768), "bfloat16"), t((16, 1024, 768), "bfloat16")
+
+    def sum_node(x, dims):
+        out = t((x.shape[-1],) if dims else (), "bfloat16")
+        return OpNode(0, "aten.sum.dim_IntList", "backward", "fc", (x,), (out,), args=(x, dims))
+
+    assert bandwidth_key(sum_node(g2, [0])) == "sum.outer"
+    assert bandwidth_key(sum_node(g3, [0, 1])) == "sum.outer"
+    assert bandwidth_key(sum_node(g2, [-1])) == "sum"
+    assert bandwidth_key(sum_node(g3, [0, 2])) == "sum"
+    node = sum_node(g2, [0])
+    rates = Rates(H100, make_cal(op_bandwidth={"sum.outer": 1e12}))
+    assert time_op(node, op_cost(node), rates).memory_s == pytest.approx(op_cost(node).bytes / 1e12)

@@ -286,6 +286,18 @@ def _grid(points: list[list[float]], mn: float, k: float) -> float:
     return grid_value(points, mn, k) * min(1.0, mn / mns) * min(1.0, k / ks)
 
 
+def bandwidth_key(node: OpNode) -> str:
+    """The op's name in `op_bandwidth`: its ATen name, except that a sum over leading
+    dimensions only ("sum.outer": a bias gradient, the sum over tokens) is told apart from one
+    over the last, contiguous dimension: its kernel strides across rows and runs slower."""
+    if node.name == "sum" and node.inputs and node.inputs[0].shape:
+        dims = node.arg(1, "dim")
+        ndim = len(node.inputs[0].shape)
+        if dims and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims):
+            return "sum.outer"
+    return node.name
+
+
 def gemm_dims(node: OpNode) -> tuple[float, float] | None:
     """(output elements, reduction depth) of a matmul or convolution (as an implicit GEMM:
     N·Ho·Wo·Cout outputs, Cin/groups·kh·kw depth), or None."""
@@ -392,7 +404,7 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
     memory = cost.bytes / (dw_bw or rates.batch_norm(node) or
-                           rates.bandwidth(cost.kind, node.name))
+                           rates.bandwidth(cost.kind, bandwidth_key(node)))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
     measured = conv_rate is not None or dw_bw is not None  # transposes included

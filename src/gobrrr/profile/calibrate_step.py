@@ -213,6 +213,8 @@ def _op_cases(dev: torch.device):
     ge = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16)
     yield "embedding_dense_backward", lambda: aten.embedding_dense_backward(
         ge, idx, 32000, -1, False)
+    gb = torch.randn(16384, 1024, device=dev, dtype=torch.bfloat16)  # a bias gradient
+    yield "sum", lambda: aten.sum.dim_IntList(gb, [0])
     p = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.bfloat16)
     out, ind = aten.max_pool2d_with_indices(p, [3, 3], [2, 2], [1, 1])
     yield "max_pool2d_with_indices_backward", lambda: aten.max_pool2d_with_indices_backward(
@@ -289,14 +291,19 @@ def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dty
 
 def op_bandwidths(dev: torch.device) -> dict[str, float]:
     """Achieved bytes/s of memory-bound ops whose kernels fall far from a copy's bandwidth
-    (layer norm, log-softmax, embedding backward, pooling; batch norm has its own curve,
-    `batch_norm_bandwidths`), counting the bytes exactly as the cost model does
-    (gobrrr.cost.flops on the recorded op)."""
+    (layer norm, log-softmax, embedding backward, a sum over tokens, pooling; batch norm has
+    its own curve, `batch_norm_bandwidths`), keyed as the cost model looks them up
+    (`bandwidth_key`), counting the bytes exactly as it does (gobrrr.cost.flops on the
+    recorded op)."""
     from gobrrr.cost.flops import op_cost
+    from gobrrr.cost.roofline import bandwidth_key
     from gobrrr.profile.calibrate import time_op
 
-    return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
-            for name, fn in _op_cases(dev)}
+    out = {}
+    for name, fn in _op_cases(dev):
+        node = _record(fn, name)
+        out[bandwidth_key(node)] = op_cost(node).bytes / time_op(fn, dev, 10)
+    return out
 
 
 # Stride-1 convolutions over a rectangular grid of (output elements, depth): 1x1 and 3x3

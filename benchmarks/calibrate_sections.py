@@ -25,7 +25,8 @@ from gobrrr.profile import calibrate_step as cs
 from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
 SECTIONS = {"matmul_grid": cs.matmul_grid, "attention_curve": cs.attention_rate,
-            "op_bandwidth": cs.op_bandwidths, "kernel_host": kernel_host_costs}
+            "op_bandwidth": cs.op_bandwidths, "outer_sum_bandwidth": cs.outer_sum_bandwidths,
+            "kernel_host": kernel_host_costs}
 
 
 def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:

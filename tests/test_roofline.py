@@ -9,10 +9,10 @@ from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
-    bandwidth_key,
     grid_value,
     misaligned,
     model_flops,
+    outer_sum_columns,
     predict,
     time_op,
     wave_efficiency,
@@ -154,18 +154,23 @@ def test_attention_rate_by_direction_where_measured_apart(make_cal):
 
 
 def test_a_sum_over_tokens_costs_the_measured_outer_reduction_bandwidth(make_cal):
-    # a bias gradient sums over leading dims (its kernel strides across rows); a sum over the
-    # last dim is an ordinary reduction
-    g2, g3 = t((16384, 768), "bfloat16"), t((16, 1024, 768), "bfloat16")
+    # a bias gradient sums over leading dims (its kernel strides across rows, and its output
+    # size sets its parallelism); a sum over the last dim is an ordinary reduction
+    g2, g3 = t((16384, 1024), "bfloat16"), t((16, 1024, 1024), "bfloat16")
 
     def sum_node(x, dims):
-        out = t((x.shape[-1],) if dims else (), "bfloat16")
-        return OpNode(0, "aten.sum.dim_IntList", "backward", "fc", (x,), (out,), args=(x, dims))
+        shape = tuple(s for i, s in enumerate(x.shape) if i not in {d % len(x.shape) for d in dims})
+        return OpNode(0, "aten.sum.dim_IntList", "backward", "fc", (x,), (t(shape, "bfloat16"),),
+                      args=(x, dims))
 
-    assert bandwidth_key(sum_node(g2, [0])) == "sum.outer"
-    assert bandwidth_key(sum_node(g3, [0, 1])) == "sum.outer"
-    assert bandwidth_key(sum_node(g2, [-1])) == "sum"
-    assert bandwidth_key(sum_node(g3, [0, 2])) == "sum"
+    assert outer_sum_columns(sum_node(g2, [0])) == 1024
+    assert outer_sum_columns(sum_node(g3, [0, 1])) == 1024
+    assert outer_sum_columns(sum_node(g2, [-1])) is None
+    assert outer_sum_columns(sum_node(g3, [0, 2])) is None
     node = sum_node(g2, [0])
-    rates = Rates(H100, make_cal(op_bandwidth={"sum.outer": 1e12}))
-    assert time_op(node, op_cost(node), rates).memory_s == pytest.approx(op_cost(node).bytes / 1e12)
+    curve = {"sum:bf16": [[256.0, 0.5e12], [4096.0, 2e12]]}
+    rates = Rates(H100, make_cal(outer_sum_bandwidth=curve))
+    assert rates.outer_sum(node) == pytest.approx(1.25e12)  # 1024: halfway in log columns
+    assert time_op(node, op_cost(node), rates).memory_s == pytest.approx(op_cost(node).bytes
+                                                                         / 1.25e12)
+    assert rates.outer_sum(sum_node(g2, [-1])) is None

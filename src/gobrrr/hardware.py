@@ -196,7 +196,9 @@ class Calibration:
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
     convolutions and batch norm).
     `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls
-    them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's."""
+    them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's.
+    `outer_sum_bandwidth`: achieved bytes/s of a sum over a tensor's leading dims (a bias
+    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}."""
 
     gpu: str
     device_name: str
@@ -221,6 +223,7 @@ class Calibration:
     depthwise_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     op_host: dict[str, float] = field(default_factory=dict)
     kernel_host: dict[str, float] = field(default_factory=dict)
+    outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -158,6 +158,14 @@ class Rates:
             return None
         return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1])
 
+    def outer_sum(self, node: OpNode) -> float | None:
+        """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
+        calibration's curve), or None."""
+        cols = outer_sum_columns(node)
+        if cols is None or not self.cal:
+            return None
+        return _measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
+
     def misaligned_fraction(self, math_mode: str) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
         aligned (tensor-core modes only; CUDA-core fp32 kernels do not care)."""
@@ -286,16 +294,16 @@ def _grid(points: list[list[float]], mn: float, k: float) -> float:
     return grid_value(points, mn, k) * min(1.0, mn / mns) * min(1.0, k / ks)
 
 
-def bandwidth_key(node: OpNode) -> str:
-    """The op's name in `op_bandwidth`: its ATen name, except that a sum over leading
-    dimensions only ("sum.outer": a bias gradient, the sum over tokens) is told apart from one
-    over the last, contiguous dimension: its kernel strides across rows and runs slower."""
-    if node.name == "sum" and node.inputs and node.inputs[0].shape:
-        dims = node.arg(1, "dim")
-        ndim = len(node.inputs[0].shape)
-        if dims and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims):
-            return "sum.outer"
-    return node.name
+def outer_sum_columns(node: OpNode) -> int | None:
+    """The output elements of a sum over leading dimensions only (a bias gradient: the sum
+    over tokens), whose kernel strides across rows, unlike a sum over the last, contiguous
+    dimension; None for any other op."""
+    if node.name != "sum" or not node.inputs or not node.inputs[0].shape or not node.outputs:
+        return None
+    dims, ndim = node.arg(1, "dim"), len(node.inputs[0].shape)
+    if dims and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims):
+        return node.outputs[0].numel
+    return None
 
 
 def gemm_dims(node: OpNode) -> tuple[float, float] | None:
@@ -403,8 +411,8 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> O
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
-    memory = cost.bytes / (dw_bw or rates.batch_norm(node) or
-                           rates.bandwidth(cost.kind, bandwidth_key(node)))
+    memory = cost.bytes / (dw_bw or rates.batch_norm(node) or rates.outer_sum(node) or
+                           rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
     measured = conv_rate is not None or dw_bw is not None  # transposes included

@@ -83,6 +83,7 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
         out["conv_grid"], out["conv_workspace"] = cs.conv_grid(dev)
         out["batch_norm_bandwidth"] = cs.batch_norm_bandwidths(dev)
         out["depthwise_bandwidth"] = cs.depthwise_bandwidths(dev)
+        out["outer_sum_bandwidth"] = cs.outer_sum_bandwidths(dev)
         out.update(matmul_misaligned=cs.misaligned_fractions(dev),
                    attention_curve=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
                    matmul_grid=cs.matmul_grid(dev), op_host=cs.op_host_costs(dev),

@@ -213,8 +213,6 @@ def _op_cases(dev: torch.device):
     ge = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16)
     yield "embedding_dense_backward", lambda: aten.embedding_dense_backward(
         ge, idx, 32000, -1, False)
-    gb = torch.randn(16384, 1024, device=dev, dtype=torch.bfloat16)  # a bias gradient
-    yield "sum", lambda: aten.sum.dim_IntList(gb, [0])
     p = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.bfloat16)
     out, ind = aten.max_pool2d_with_indices(p, [3, 3], [2, 2], [1, 1])
     yield "max_pool2d_with_indices_backward", lambda: aten.max_pool2d_with_indices_backward(
@@ -291,18 +289,35 @@ def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dty
 
 def op_bandwidths(dev: torch.device) -> dict[str, float]:
     """Achieved bytes/s of memory-bound ops whose kernels fall far from a copy's bandwidth
-    (layer norm, log-softmax, embedding backward, a sum over tokens, pooling; batch norm has
-    its own curve, `batch_norm_bandwidths`), keyed as the cost model looks them up
-    (`bandwidth_key`), counting the bytes exactly as it does (gobrrr.cost.flops on the
-    recorded op)."""
+    (layer norm, log-softmax, embedding backward, pooling; batch norm and sums over tokens have
+    their own curves, `batch_norm_bandwidths`, `outer_sum_bandwidths`), counting the bytes
+    exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.roofline import bandwidth_key
     from gobrrr.profile.calibrate import time_op
 
-    out = {}
-    for name, fn in _op_cases(dev):
-        node = _record(fn, name)
-        out[bandwidth_key(node)] = op_cost(node).bytes / time_op(fn, dev, 10)
+    return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
+            for name, fn in _op_cases(dev)}
+
+
+def outer_sum_bandwidths(dev: torch.device, rows: int = 16384,
+                         cols: tuple[int, ...] = (256, 768, 2048, 4096, 16384)
+                         ) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of a sum over the leading dim of a (rows, cols) tensor (a bias
+    gradient over a step's tokens) over the column count, per dtype: {"sum:bf16" | "sum:fp32":
+    [[cols, B/s], ...]}. The columns set the kernel's parallelism; bytes as the cost model
+    counts them."""
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.profile.calibrate import time_op
+
+    aten = torch.ops.aten
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out[f"sum:{key}"] = []
+        for c in cols:
+            g = torch.randn(rows, c, device=dev, dtype=dtype)
+            fn = lambda g=g: aten.sum.dim_IntList(g, [0])  # noqa: E731
+            out[f"sum:{key}"].append([float(c), op_cost(_record(fn, "sum")).bytes /
+                                      time_op(fn, dev, 20)])
     return out
 
 

@@ -24,16 +24,26 @@ from gobrrr.kernels.bench import env_info, write_json
 from gobrrr.profile import calibrate_step as cs
 from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
-SECTIONS = {"matmul_grid": cs.matmul_grid, "attention_curve": cs.attention_rate,
-            "op_bandwidth": cs.op_bandwidths, "outer_sum_bandwidth": cs.outer_sum_bandwidths,
-            "kernel_host": kernel_host_costs}
+# section -> the calibration fields it measures, {field: value}
+SECTIONS = {
+    "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
+    "matmul_misaligned": lambda d: {"matmul_misaligned": cs.misaligned_fractions(d)},
+    "attention_curve": lambda d: {"attention_curve": cs.attention_rate(d)},
+    "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
+    "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
+    "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cs.conv_grid(d),
+                                    strict=True)),
+    "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
+    "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
+    "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
+}
 
 
 def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:
     dev, measured, seconds = torch.device("cuda"), {}, {}
     for name in sections:
         t0 = time.perf_counter()
-        measured[name] = SECTIONS[name](dev)
+        measured.update(SECTIONS[name](dev))
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: {seconds[name]:.1f} s", flush=True)
     path = write_json(out_path, {"benchmark": "calibration sections", "seconds": seconds,

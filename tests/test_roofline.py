@@ -174,3 +174,14 @@ def test_a_sum_over_tokens_costs_the_measured_outer_reduction_bandwidth(make_cal
     assert time_op(node, op_cost(node), rates).memory_s == pytest.approx(op_cost(node).bytes
                                                                          / 1.25e12)
     assert rates.outer_sum(sum_node(g2, [-1])) is None
+
+
+def test_recomputed_ops_cost_their_own_host_time_where_calibrated(make_cal):
+    # a recomputed op carries the checkpoint machinery: its calibrated host cost where measured,
+    # the forward's otherwise
+    x = t((64, 64), "float32")
+    node = OpNode(0, "aten.add.Tensor", "recompute", "h.0", (x, x), (x,))
+    with_rc = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6, "recompute": 25e-6})
+    without = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6})
+    assert time_op(node, op_cost(node), Rates(H100, with_rc)).host_s == pytest.approx(25e-6)
+    assert time_op(node, op_cost(node), Rates(H100, without)).host_s == pytest.approx(10e-6)

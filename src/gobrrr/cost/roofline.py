@@ -198,7 +198,7 @@ class Rates:
         if self.cal and op in self.cal.kernel_host:
             return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
-        key = "forward" if phase == "recompute" else phase
+        key = "forward" if phase == "recompute" and phase not in per_op else phase
         if key in per_op:
             extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
             return per_op[key] + self.launch * max(launches - 1, 0) + extra

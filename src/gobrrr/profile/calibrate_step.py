@@ -42,25 +42,41 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     On a shared machine the host's speed drifts over seconds to minutes, and a real step sees
     the same drift. `benchmarks/host_overhead_spread.py` (six back-to-back measurements in one
     process) found five rounds steadier than one in one trial and no better in another:
-    spreads of 20% and 32% per forward op against 49% and 30%."""
-    from gobrrr.capture import capture
-    from gobrrr.profile.runner import prepare
+    spreads of 20% and 32% per forward op against 49% and 30%.
 
-    models = []
-    for make in _tiny_workloads():
-        graph = capture(make, precision="fp32")
-        counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in PHASES}
-        wl, opt, _ = prepare(make(), dev.type, "fp32")
-        for _ in range(warmup):
-            _phase_times(wl, opt, dev)
-        models.append((wl, opt, counts, {p: [] for p in PHASES}))
+    "recompute": the same models with every block checkpointed; their backward's time less
+    what its backward ops cost at the backward rate, over its recomputed ops. That carries
+    the checkpoint machinery (saved-tensor hooks, re-entering the block's Python) as a cost
+    per recomputed op."""
+    models = [_timed_model(make, ckpt, dev, warmup)
+              for make in _tiny_workloads() for ckpt in ("none", "full")]
     for _ in range(rounds):
-        for wl, opt, _, times in models:
+        for wl, opt, _, _, times in models:
             for _ in range(reps):
                 for p, t in _phase_times(wl, opt, dev).items():
                     times[p].append(t)
-    return {p: sum(statistics.median(m[3][p]) for m in models) / n
-            for p in PHASES if (n := sum(m[2][p] for m in models))}
+    plain = [m for m in models if m[2] == "none"]
+    out = {p: sum(statistics.median(m[4][p]) for m in plain) / n
+           for p in PHASES if (n := sum(m[3][p] for m in plain))}
+    ckpt = [m for m in models if m[2] == "full"]
+    if "backward" in out and (n := sum(m[3]["recompute"] for m in ckpt)):
+        extra = sum(statistics.median(m[4]["backward"]) - m[3]["backward"] * out["backward"]
+                    for m in ckpt)
+        out["recompute"] = max(extra / n, out.get("forward", 0.0))
+    return out
+
+
+def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
+    """(workload, optimizer, checkpoint, ops per phase, {phase: []}) of a tiny model, warmed."""
+    from gobrrr.capture import capture
+    from gobrrr.profile.runner import prepare
+
+    graph = capture(make, precision="fp32", checkpoint=checkpoint)
+    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
+    wl, opt, _ = prepare(make(), dev.type, "fp32", checkpoint=checkpoint)
+    for _ in range(warmup):
+        _phase_times(wl, opt, dev)
+    return wl, opt, checkpoint, counts, {p: [] for p in PHASES}
 
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:

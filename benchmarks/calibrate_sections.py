@@ -36,8 +36,8 @@ SECTIONS = {
     "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
     "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
     "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
-    # host seconds per op by phase on this host; merged as the recompute/forward ratio (below)
-    "recompute_overhead": lambda d: {"op_overhead": cs.step_overhead(d)},
+    # host seconds per op by phase on this host; merged as ratios to the forward's (below)
+    "checkpoint_overhead": lambda d: {"op_overhead": cs.step_overhead(d)},
 }
 
 
@@ -53,15 +53,15 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
     if into:
         cal = Calibration.load(into)
         meta = {**cal.meta, **{name: env_info() for name in sections}}
-        if "recompute_overhead" in sections:
+        if "checkpoint_overhead" in sections:
             # host speed differs between machines: keep the file's own per-op costs and add
-            # the recomputed op's at the ratio to the forward's measured here
+            # the checkpointed phases' at their ratios to the forward's measured here
             here = measured.pop("op_overhead")
-            ratio = here["recompute"] / here["forward"]
-            measured["op_overhead"] = {**cal.op_overhead,
-                                       "recompute": cal.op_overhead["forward"] * ratio}
-            meta["recompute_overhead"] = {**meta["recompute_overhead"], "measured": here,
-                                          "recompute_over_forward": ratio}
+            ratios = {k: here[k] / here["forward"] for k in ("recompute", "checkpointed")}
+            measured["op_overhead"] = {**cal.op_overhead, **{
+                k: cal.op_overhead["forward"] * r for k, r in ratios.items()}}
+            meta["checkpoint_overhead"] = {**meta["checkpoint_overhead"], "measured": here,
+                                           "over_forward": ratios}
         replace(cal, **measured, meta=meta).save(into)
     return path
 

@@ -185,3 +185,19 @@ def test_recomputed_ops_cost_their_own_host_time_where_calibrated(make_cal):
     without = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6})
     assert time_op(node, op_cost(node), Rates(H100, with_rc)).host_s == pytest.approx(25e-6)
     assert time_op(node, op_cost(node), Rates(H100, without)).host_s == pytest.approx(10e-6)
+
+
+def test_forward_ops_under_checkpointing_cost_the_checkpointed_host_time(make_cal):
+    # a forward op in a block that is recomputed in the backward ran under checkpointing (its
+    # saved-tensor hooks): it costs the "checkpointed" host time; one outside costs the forward's
+    x = t((64, 64), "float32")
+    nodes = [OpNode(0, "aten.add.Tensor", "forward", "h.0", (x, x), (x,)),
+             OpNode(1, "aten.add.Tensor", "forward", "head", (x, x), (x,)),
+             OpNode(2, "aten.add.Tensor", "recompute", "h.0", (x, x), (x,))]
+    graph = StepGraph(nodes=tuple(nodes), storages=(), meta={"tokens": 1, "precision": "fp32"})
+    cal = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6, "recompute": 20e-6,
+                                "checkpointed": 30e-6})
+    hosts = [o.host_s for o in predict(graph, H100, cal).ops]
+    assert hosts == pytest.approx([30e-6, 10e-6, 20e-6])
+    plain = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6})
+    assert [o.host_s for o in predict(graph, H100, plain).ops] == pytest.approx([10e-6] * 3)

@@ -198,7 +198,7 @@ class Rates:
         if self.cal and op in self.cal.kernel_host:
             return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
-        key = "forward" if phase == "recompute" and phase not in per_op else phase
+        key = "forward" if phase in CHECKPOINT_PHASES and phase not in per_op else phase
         if key in per_op:
             extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
             return per_op[key] + self.launch * max(launches - 1, 0) + extra
@@ -294,6 +294,15 @@ def _grid(points: list[list[float]], mn: float, k: float) -> float:
     return grid_value(points, mn, k) * min(1.0, mn / mns) * min(1.0, k / ks)
 
 
+CHECKPOINT_PHASES = ("recompute", "checkpointed")  # host-cost keys beyond the graph's phases
+
+
+def checkpointed_modules(graph: StepGraph) -> set[str]:
+    """Modules whose forward runs under activation checkpointing: those recomputed in the
+    backward. Their forward ops cost the host more (the checkpoint's saved-tensor hooks)."""
+    return {n.module for n in graph.nodes if n.phase == "recompute"}
+
+
 def outer_sum_columns(node: OpNode) -> int | None:
     """The output elements of a sum over leading dimensions only (a bias gradient: the sum
     over tokens), whose kernel strides across rows, unlike a sum over the last, contiguous
@@ -382,10 +391,13 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
     return 2.0 * sum(t.nbytes for t in acts if t is not weight)
 
 
-def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False) -> OpTime:
+def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
+            host_phase: str | None = None) -> OpTime:
     """Roofline time of one op. `padded`: misaligned matmul dimensions were padded to
-    alignment first (Inductor's pad_mm does this under torch.compile)."""
-    host = rates.host(node.phase, cost.launches, _host_op(node.name), cost.math)
+    alignment first (Inductor's pad_mm does this under torch.compile). `host_phase`: the
+    host-cost key in place of the op's phase ("checkpointed": a forward op under
+    checkpointing)."""
+    host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
     if cost.launches == 0:
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
@@ -435,7 +447,10 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     tf32 = graph.meta.get("precision") == "tf32"
     rates = Rates(gpu, calibration)
     costs = [op_cost(n, tf32) for n in graph.nodes]
-    ops = tuple(time_op(n, c, rates) for n, c in zip(graph.nodes, costs, strict=True))
+    under = checkpointed_modules(graph)
+    ops = tuple(time_op(n, c, rates, host_phase="checkpointed" if n.phase == "forward" and
+                        n.module in under else None)
+                for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
     host_t = device_t = 0.0

@@ -44,10 +44,12 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     process) found five rounds steadier than one in one trial and no better in another:
     spreads of 20% and 32% per forward op against 49% and 30%.
 
-    "recompute": the same models with every block checkpointed; their backward's time less
-    what its backward ops cost at the backward rate, over its recomputed ops. That carries
-    the checkpoint machinery (saved-tensor hooks, re-entering the block's Python) as a cost
-    per recomputed op."""
+    "recompute" and "checkpointed": the same models with every block checkpointed. A
+    recomputed op costs its backward's time less what its backward ops cost at the backward
+    rate, over its recomputed ops; a forward op inside a checkpointed block costs its
+    forward's time less what the other forward ops cost at the forward rate, over those ops.
+    That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
+    re-entering the block's Python) as a cost per op."""
     models = [_timed_model(make, ckpt, dev, warmup)
               for make in _tiny_workloads() for ckpt in ("none", "full")]
     for _ in range(rounds):
@@ -59,20 +61,26 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     out = {p: sum(statistics.median(m[4][p]) for m in plain) / n
            for p in PHASES if (n := sum(m[3][p] for m in plain))}
     ckpt = [m for m in models if m[2] == "full"]
-    if "backward" in out and (n := sum(m[3]["recompute"] for m in ckpt)):
-        extra = sum(statistics.median(m[4]["backward"]) - m[3]["backward"] * out["backward"]
-                    for m in ckpt)
-        out["recompute"] = max(extra / n, out.get("forward", 0.0))
+    for key, phase, others in (("recompute", "backward", "backward"),
+                               ("checkpointed", "forward", "outside")):
+        if phase in out and (n := sum(m[3][key] for m in ckpt)):
+            extra = sum(statistics.median(m[4][phase]) - m[3][others] * out[phase] for m in ckpt)
+            out[key] = max(extra / n, out.get("forward", 0.0))
     return out
 
 
 def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
     """(workload, optimizer, checkpoint, ops per phase, {phase: []}) of a tiny model, warmed."""
     from gobrrr.capture import capture
+    from gobrrr.cost.roofline import checkpointed_modules
     from gobrrr.profile.runner import prepare
 
     graph = capture(make, precision="fp32", checkpoint=checkpoint)
     counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
+    under = checkpointed_modules(graph)
+    counts["checkpointed"] = sum(1 for n in graph.nodes
+                                 if n.phase == "forward" and n.module in under)
+    counts["outside"] = counts["forward"] - counts["checkpointed"]
     wl, opt, _ = prepare(make(), dev.type, "fp32", checkpoint=checkpoint)
     for _ in range(warmup):
         _phase_times(wl, opt, dev)

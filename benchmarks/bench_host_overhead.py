@@ -11,7 +11,6 @@ functions, in the same process:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from gobrrr.kernels import (
     rms_norm,
     swiglu,
 )
-from gobrrr.kernels.bench import generator, table, write_json
+from gobrrr.kernels.bench import generator, out_only_main, table, write_json
 
 PATHS = {"ops": False, "direct": True}
 
@@ -102,9 +101,7 @@ def run(out_path: str | Path) -> Path:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", help="output JSON path")
-    run(p.parse_args(argv).out)
+    out_only_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ seed, same init, same batches for both runs; reports the largest gap of the smoo
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from dataclasses import asdict, replace
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gobrrr.kernels.bench import table, write_json
+from gobrrr.kernels.bench import out_only_main, table, write_json
 
 DEVICE = "cuda"  # the benchmarks need a GPU; a CPU dry run may override this
 
@@ -95,9 +94,7 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", help="output JSON path")
-    run(p.parse_args(argv).out)
+    out_only_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

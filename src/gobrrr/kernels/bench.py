@@ -141,6 +141,15 @@ def table(rows: Iterable[dict], cols: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def out_only_main(run: Callable[[str], object], doc: str, argv=None) -> None:
+    """The command line of a benchmark script whose one argument is its output JSON path."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("out", help="output JSON path")
+    run(p.parse_args(argv).out)
+
+
 def _benchmarks_dir() -> Path:
     here = Path(__file__).resolve()
     for parent in here.parents:

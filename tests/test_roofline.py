@@ -11,6 +11,7 @@ from gobrrr.cost.roofline import (
     Rates,
     grid_value,
     misaligned,
+    misaligned_nt,
     model_flops,
     outer_sum_columns,
     predict,
@@ -201,3 +202,23 @@ def test_forward_ops_under_checkpointing_cost_the_checkpointed_host_time(make_ca
     assert hosts == pytest.approx([30e-6, 10e-6, 20e-6])
     plain = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6})
     assert [o.host_s for o in predict(graph, H100, plain).ops] == pytest.approx([10e-6] * 3)
+
+
+def test_odd_output_of_a_transposed_weight_has_its_own_misaligned_rate(make_cal):
+    # x @ w.t() with an odd output width (a language model's head over GPT-2's vocabulary)
+    # runs slower than other misaligned matmuls; the calibration measures it apart
+    from gobrrr.graph import TensorInfo
+
+    x, w_t = t((16384, 768), "bfloat16", 0), TensorInfo((768, 50257), (1, 768), "bfloat16", 1)
+    fwd = OpNode(0, "aten.mm.default", "forward", "lm_head", (x, w_t),
+                 (t((16384, 50257), "bfloat16", 2),))
+    dx = OpNode(1, "aten.mm.default", "backward", "lm_head",
+                (t((16384, 50257), "bfloat16", 3), t((50257, 768), "bfloat16", 4)),
+                (t((16384, 768), "bfloat16", 5),))
+    assert misaligned(fwd) and misaligned_nt(fwd)
+    assert misaligned(dx) and not misaligned_nt(dx)  # the odd dimension is an input's
+    assert not misaligned_nt(mm(16384, 768, 50257))  # odd output, but a row-major operand
+    rates = Rates(H100, make_cal(matmul_misaligned={"bf16": 0.2, "nt:bf16": 0.1}))
+    cost = OpCost(2 * 16384 * 768 * 50257, 1e9, "bf16", "matmul", 1)
+    slow, plain = time_op(fwd, cost, rates), time_op(dx, cost, rates)
+    assert slow.compute_s / plain.compute_s == pytest.approx(2.0, rel=0.05)

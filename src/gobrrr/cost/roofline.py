@@ -166,9 +166,13 @@ class Rates:
             return None
         return _measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
 
-    def misaligned_fraction(self, math_mode: str) -> float:
+    def misaligned_fraction(self, math_mode: str, nt: bool = False) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
-        aligned (tensor-core modes only; CUDA-core fp32 kernels do not care)."""
+        aligned (tensor-core modes only; CUDA-core fp32 kernels do not care). `nt`: the odd
+        dimension is the output's and the second operand a transposed weight (a linear
+        layer's forward), measured apart where calibrated."""
+        if self.cal and nt and f"nt:{math_mode}" in self.cal.matmul_misaligned:
+            return self.cal.matmul_misaligned[f"nt:{math_mode}"]
         if self.cal and math_mode in self.cal.matmul_misaligned:
             return self.cal.matmul_misaligned[math_mode]
         return MISALIGNED_FRACTION
@@ -379,6 +383,16 @@ def misaligned(node: OpNode) -> bool:
     return False
 
 
+def misaligned_nt(node: OpNode) -> bool:
+    """True when a matmul's output has an odd leading dimension and its second operand is a
+    transposed (column-major) view: `x @ w.t()`, a linear layer with an odd output width."""
+    if not node.outputs or len(node.outputs[0].shape) < 2 or len(node.inputs) < 2:
+        return False
+    out, b = node.outputs[0], node.inputs[-1]
+    odd_out = (max(out.stride[-1], out.stride[-2]) * out.itemsize) % 16 != 0
+    return odd_out and len(b.shape) >= 2 and b.stride[-2] == 1 and b.stride[-1] != 1
+
+
 def layout_bytes(node: OpNode, cost: OpCost) -> float:
     """Bytes cuDNN moves converting channels-first (NCHW) tensors to the channels-last layout
     its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once."""
@@ -419,7 +433,7 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):
-            rate *= rates.misaligned_fraction(cost.math)
+            rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node))
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0

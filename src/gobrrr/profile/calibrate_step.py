@@ -106,7 +106,11 @@ def _phase_times(wl, opt, dev) -> dict[str, float]:
 
 
 def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
-    """Rate of an n x n x (n-1) matmul (odd leading dimension) over the n x n x n one."""
+    """Rate of an n x n x (n-1) matmul (odd leading dimension) over the n x n x n one, per math
+    mode; under "nt:<mode>" the same with the second operand a transposed weight, a @ w.t()
+    with w (n - 1, n): a linear layer whose output width is odd (a language model's head over
+    an odd vocabulary), which cuBLAS runs slower still (on an H100 in bf16, 95-102 TFLOP/s
+    against 144 for the plain odd matmul)."""
     from gobrrr.profile.calibrate import time_op
 
     out = {}
@@ -116,11 +120,14 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
                             ("tf32", torch.float32)):
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             a = torch.randn(n, n, device=dev, dtype=dtype)
-            rates = []
-            for m in (n, n - 1):
-                b = torch.randn(n, m, device=dev, dtype=dtype)
-                rates.append(2.0 * n * n * m / time_op(lambda a=a, b=b: a @ b, dev, 10))
-            out[name] = min(rates[1] / rates[0], 1.0)
+            for key, make in ((name, lambda m, t=dtype: torch.randn(n, m, device=dev, dtype=t)),
+                              (f"nt:{name}",
+                               lambda m, t=dtype: torch.randn(m, n, device=dev, dtype=t).t())):
+                rates = []
+                for m in (n, n - 1):
+                    b = make(m)
+                    rates.append(2.0 * n * n * m / time_op(lambda a=a, b=b: a @ b, dev, 10))
+                out[key] = min(rates[1] / rates[0], 1.0)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     return out

@@ -77,22 +77,26 @@ class Estimate:
 
 def hints(est: Estimate) -> list[str]:
     """What the prediction says to change, with the time it would save."""
-    from gobrrr.cost.roofline import Rates, misaligned
+    from gobrrr.cost.roofline import Rates, misaligned, misaligned_nt
 
     out = []
     slow = [o for o in est.time.ops if o.kind == "matmul" and o.device_s > 0
             and o.math not in ("fp32",) and misaligned(est.graph.nodes[o.index])]
     if slow:
-        frac = Rates(est.gpu, est.cal).misaligned_fraction(slow[0].math)
-        spent = sum(o.device_s for o in slow)
+        rates = Rates(est.gpu, est.cal)
+        fracs = [rates.misaligned_fraction(o.math, misaligned_nt(est.graph.nodes[o.index]))
+                 for o in slow]
+        lo, hi = min(fracs), max(fracs)
+        saved = sum(o.device_s * (1 - f) for o, f in zip(slow, fracs, strict=True))
         mods = sorted({o.module or "<top>" for o in slow})
         shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
                          for n in t.shape if (n * t.itemsize) % 16})
         dims = ", ".join(map(str, shapes[:3]))
         out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is "
-                   f"not a multiple of 16 bytes ({dims}): they run at {frac:.0%} of the aligned "
+                   f"not a multiple of 16 bytes ({dims}): they run at "
+                   f"{f'{lo:.0%}-{hi:.0%}' if hi - lo >= 0.005 else f'{lo:.0%}'} of the aligned "
                    "rate; padding it (e.g. a vocabulary to a multiple of 64) would save "
-                   f"≈{spent * (1 - frac) * 1e3:.1f} ms per step")
+                   f"≈{saved * 1e3:.1f} ms per step")
     if not est.fits:
         cap, gib = est.gpu.memory_bytes, 2**30
         state = sum(est.memory.at_peak.get(k, 0) for k in ("parameter", "gradient",

@@ -21,6 +21,7 @@ import torch
 
 from gobrrr.hardware import Calibration
 from gobrrr.kernels.bench import env_info, write_json
+from gobrrr.profile import calibrate_host as ch
 from gobrrr.profile import calibrate_step as cs
 from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
@@ -37,7 +38,7 @@ SECTIONS = {
     "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
     "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
     # host seconds per op by phase on this host; merged as ratios to the forward's (below)
-    "checkpoint_overhead": lambda d: {"op_overhead": cs.step_overhead(d)},
+    "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
 }
 
 

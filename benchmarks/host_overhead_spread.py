@@ -3,7 +3,7 @@
     python benchmarks/host_overhead_spread.py OUT.json
 
 Six back-to-back measurements in one process with each of two settings of
-`calibrate_step.step_overhead`: one round of 20 steps per tiny model after 3 warm-up steps,
+`calibrate_host.step_overhead`: one round of 20 steps per tiny model after 3 warm-up steps,
 and five alternating rounds of 20 after 10 warm-up steps (the default). Host time per op per
 phase, and each setting's spread (max / min - 1). In run 1 the second setting was labelled
 "default"; it was the same five rounds.
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gobrrr.profile.calibrate_step import PHASES, step_overhead  # noqa: E402
+from gobrrr.profile.calibrate_host import PHASES, step_overhead  # noqa: E402
 
 SETTINGS = {"one round of 20": dict(reps=20, rounds=1, warmup=3),
             "five rounds of 20": dict(reps=20, rounds=5, warmup=10)}

@@ -73,11 +73,12 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
 
 def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     """Per-op host cost inside a training step, and on a GPU: misaligned matmuls, attention,
-    the cuBLASLt workspace (see calibrate_step)."""
+    the cuBLASLt workspace (see calibrate_step, calibrate_host)."""
+    from gobrrr.profile import calibrate_host as ch
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
-    overhead = cs.step_overhead(dev) if cuda else cs.step_overhead(dev, 5, rounds=1, warmup=3)
+    overhead = ch.step_overhead(dev) if cuda else ch.step_overhead(dev, 5, rounds=1, warmup=3)
     out: dict = {"op_overhead": overhead}
     if cuda:
         out["conv_grid"], out["conv_workspace"] = cs.conv_grid(dev)
@@ -86,7 +87,7 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
         out["outer_sum_bandwidth"] = cs.outer_sum_bandwidths(dev)
         out.update(matmul_misaligned=cs.misaligned_fractions(dev),
                    attention_curve=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
-                   matmul_grid=cs.matmul_grid(dev), op_host=cs.op_host_costs(dev),
+                   matmul_grid=cs.matmul_grid(dev), op_host=ch.op_host_costs(dev),
                    kernel_host=kernel_host_costs(dev), blaslt_workspace=cs.blaslt_workspace(dev))
     return out
 

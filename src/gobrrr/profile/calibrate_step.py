@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,87 +21,6 @@ PHASES = ("forward", "backward", "optimizer")
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _tiny_workloads():
-    from gobrrr.models.registry import get_workload
-
-    yield lambda: get_workload("gpt2", batch_size=1, seq_len=16, n_layer=4, n_embd=64,
-                               n_head=4, vocab_size=128)
-    yield lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=4, dim=64,
-                               n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128)
-
-
-def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
-                  warmup: int = 10) -> dict[str, float]:
-    """Host seconds per traced ATen op, per phase, in eager training steps of tiny models:
-    `rounds` alternating rounds of `reps` steps per model after `warmup` steps each, the
-    median of all of them.
-
-    On a shared machine the host's speed drifts over seconds to minutes, and a real step sees
-    the same drift. `benchmarks/host_overhead_spread.py` (six back-to-back measurements in one
-    process) found five rounds steadier than one in one trial and no better in another:
-    spreads of 20% and 32% per forward op against 49% and 30%.
-
-    "recompute" and "checkpointed": the same models with every block checkpointed. A
-    recomputed op costs its backward's time less what its backward ops cost at the backward
-    rate, over its recomputed ops; a forward op inside a checkpointed block costs its
-    forward's time less what the other forward ops cost at the forward rate, over those ops.
-    That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
-    re-entering the block's Python) as a cost per op."""
-    models = [_timed_model(make, ckpt, dev, warmup)
-              for make in _tiny_workloads() for ckpt in ("none", "full")]
-    for _ in range(rounds):
-        for wl, opt, _, _, times in models:
-            for _ in range(reps):
-                for p, t in _phase_times(wl, opt, dev).items():
-                    times[p].append(t)
-    plain = [m for m in models if m[2] == "none"]
-    out = {p: sum(statistics.median(m[4][p]) for m in plain) / n
-           for p in PHASES if (n := sum(m[3][p] for m in plain))}
-    ckpt = [m for m in models if m[2] == "full"]
-    for key, phase, others in (("recompute", "backward", "backward"),
-                               ("checkpointed", "forward", "outside")):
-        if phase in out and (n := sum(m[3][key] for m in ckpt)):
-            extra = sum(statistics.median(m[4][phase]) - m[3][others] * out[phase] for m in ckpt)
-            out[key] = max(extra / n, out.get("forward", 0.0))
-    return out
-
-
-def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
-    """(workload, optimizer, checkpoint, ops per phase, {phase: []}) of a tiny model, warmed."""
-    from gobrrr.capture import capture
-    from gobrrr.cost.roofline import checkpointed_modules
-    from gobrrr.profile.runner import prepare
-
-    graph = capture(make, precision="fp32", checkpoint=checkpoint)
-    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
-    under = checkpointed_modules(graph)
-    counts["checkpointed"] = sum(1 for n in graph.nodes
-                                 if n.phase == "forward" and n.module in under)
-    counts["outside"] = counts["forward"] - counts["checkpointed"]
-    wl, opt, _ = prepare(make(), dev.type, "fp32", checkpoint=checkpoint)
-    for _ in range(warmup):
-        _phase_times(wl, opt, dev)
-    return wl, opt, checkpoint, counts, {p: [] for p in PHASES}
-
-
-def _phase_times(wl, opt, dev) -> dict[str, float]:
-    out = {}
-    _sync(dev)
-    t0 = time.perf_counter()
-    loss = wl.compute_loss(wl.batch)
-    _sync(dev)
-    t1 = time.perf_counter()
-    loss.backward()
-    _sync(dev)
-    t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    _sync(dev)
-    t3 = time.perf_counter()
-    out["forward"], out["backward"], out["optimizer"] = t1 - t0, t2 - t1, t3 - t2
-    return out
 
 
 def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
@@ -488,50 +406,3 @@ def _allocated_inside(fn, dev: torch.device) -> int:
     del out
     return max(int(inside), 0)
 
-
-def _host_cases(dev: torch.device):
-    """(op name, fn) on tiny inputs: the GPU work is negligible, so a loop of calls measures
-    what the host spends per call (dispatch, cuDNN's plan lookup, the launches)."""
-    aten = torch.ops.aten
-    x = torch.randn(2, 8, 8, 8, device=dev)
-    w = torch.randn(8, 8, 3, 3, device=dev)
-    y = aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-    gy = torch.randn_like(y)
-    for dtype in (torch.float32, torch.bfloat16):
-        xd, wd, gd = x.to(dtype), w.to(dtype), gy.to(dtype)
-        key = "bf16" if dtype == torch.bfloat16 else "fp32"
-        yield f"convolution:{key}", lambda xd=xd, wd=wd: aten.convolution(
-            xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-        yield f"convolution_backward:{key}", lambda xd=xd, wd=wd, gd=gd: \
-            aten.convolution_backward(gd, xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0],
-                                      1, [True, True, False])
-        xb = torch.randn(2, 8, 8, 8, device=dev, dtype=dtype)
-        bw, bb = torch.ones(8, device=dev), torch.zeros(8, device=dev)
-        rm, rv = torch.zeros(8, device=dev), torch.ones(8, device=dev)
-        yield f"native_batch_norm:{key}", lambda xb=xb, bw=bw, bb=bb, rm=rm, rv=rv: \
-            F.batch_norm(xb, rm, rv, bw, bb, True, 0.1, 1e-5)
-    a = torch.randn(8, device=dev)
-    yield "add", lambda: aten.add(a, a)
-
-
-def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
-    """Host seconds per call that ops heavier on the host than a plain kernel launch add over
-    an elementwise add (keys "op:dtype"): cuDNN convolutions (forward, backward) and batch
-    norm. The step's per-op overhead (`op_overhead`) already covers an ordinary op; this is
-    the extra. Timed as back-to-back calls on tiny tensors, so the host, not the GPU, is what
-    the loop waits on."""
-    per_call: dict[str, float] = {}
-    for name, fn in _host_cases(dev):
-        for _ in range(20):
-            fn()
-        _sync(dev)
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls)
-            _sync(dev)
-        per_call[name] = min(samples)
-    base = per_call.pop("add")
-    return {k: max(v - base, 0.0) for k, v in per_call.items()}

@@ -98,7 +98,9 @@ def _report_one(name: str, d: dict) -> list[str]:
     elif name.startswith("gpt2"):
         out += [f"gobrrr attention unavailable: {d.get('attention_unavailable')}", "",
                 _md(rows, ["config", "compile", "step_ms", "tokens_per_s", "mfu", "peak_gib",
-                           "first_loss", "speedup_vs_eager"])]
+                           "first_loss", "speedup_vs_eager"]
+                    + (["predicted_ms", "predicted_ms_no_kernel_host"]
+                       if any("predicted_ms" in r for r in rows) else []))]
     elif name.startswith("convergence"):
         s = d["summary"]
         out += [f"kernels {d['kernels']}; attention unavailable: {d.get('attention_unavailable')}",

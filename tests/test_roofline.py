@@ -10,14 +10,11 @@ from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
     grid_value,
-    misaligned,
-    misaligned_nt,
     model_flops,
-    outer_sum_columns,
     predict,
     time_op,
-    wave_efficiency,
 )
+from gobrrr.cost.shapes import misaligned, misaligned_nt, outer_sum_columns, wave_efficiency
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import get_gpu
 

@@ -77,7 +77,8 @@ class Estimate:
 
 def hints(est: Estimate) -> list[str]:
     """What the prediction says to change, with the time it would save."""
-    from gobrrr.cost.roofline import Rates, misaligned, misaligned_nt
+    from gobrrr.cost.roofline import Rates
+    from gobrrr.cost.shapes import misaligned, misaligned_nt
 
     out = []
     slow = [o for o in est.time.ops if o.kind == "matmul" and o.device_s > 0

@@ -64,7 +64,7 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
 def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
     """(workload, optimizer, checkpoint, ops per phase, {phase: []}) of a tiny model, warmed."""
     from gobrrr.capture import capture
-    from gobrrr.cost.roofline import checkpointed_modules
+    from gobrrr.cost.shapes import checkpointed_modules
     from gobrrr.profile.runner import prepare
 
     graph = capture(make, precision="fp32", checkpoint=checkpoint)

@@ -303,7 +303,7 @@ def _record(fn, name: str):
 def conv_grid(dev: torch.device) -> tuple[dict, dict]:
     """(rates, workspaces) of cuDNN convolutions on channels-first (NCHW, PyTorch's default)
     tensors, forward and backward (grad input and grad weight in one convolution_backward),
-    per math mode, in the implicit-GEMM terms of `gobrrr.cost.roofline.gemm_dims`:
+    per math mode, in the implicit-GEMM terms of `gobrrr.cost.shapes.gemm_dims`:
     rates {mode: {"forward" | "backward": [[output elements, depth, FLOP/s], ...]}};
     workspaces {mode: {direction: fraction}}: the bytes cuDNN allocated and freed inside the
     call beyond the 16-bit layout copies `gobrrr.cost.conv.layout_scratch` models, as a
@@ -315,7 +315,7 @@ def conv_grid(dev: torch.device) -> tuple[dict, dict]:
     only the typical fraction is kept."""
     from gobrrr.cost import conv
     from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.roofline import gemm_dims
+    from gobrrr.cost.shapes import gemm_dims
     from gobrrr.profile.calibrate import time_op
 
     aten = torch.ops.aten

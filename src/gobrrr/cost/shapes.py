@@ -1,0 +1,117 @@
+"""What the cost model reads off an op's tensors: GEMM dimensions, misaligned and transposed
+operands, depthwise convolutions, layout copies, sums over leading dimensions, and which
+modules run under activation checkpointing. Pure functions of the step graph."""
+
+from __future__ import annotations
+
+import math
+
+from gobrrr.cost._ops_common import targ
+from gobrrr.cost.flops import OpCost
+from gobrrr.graph import OpNode, StepGraph
+
+CHECKPOINT_PHASES = ("recompute", "checkpointed")  # host-cost keys beyond the graph's phases
+
+
+def checkpointed_modules(graph: StepGraph) -> set[str]:
+    """Modules whose forward runs under activation checkpointing: those recomputed in the
+    backward. Their forward ops cost the host more (the checkpoint's saved-tensor hooks)."""
+    return {n.module for n in graph.nodes if n.phase == "recompute"}
+
+
+def outer_sum_columns(node: OpNode) -> int | None:
+    """The output elements of a sum over leading dimensions only (a bias gradient: the sum
+    over tokens), whose kernel strides across rows, unlike a sum over the last, contiguous
+    dimension; None for any other op."""
+    if node.name != "sum" or not node.inputs or not node.inputs[0].shape or not node.outputs:
+        return None
+    dims, ndim = node.arg(1, "dim"), len(node.inputs[0].shape)
+    if dims and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims):
+        return node.outputs[0].numel
+    return None
+
+
+def gemm_dims(node: OpNode) -> tuple[float, float] | None:
+    """(output elements, reduction depth) of a matmul or convolution (as an implicit GEMM:
+    N·Ho·Wo·Cout outputs, Cin/groups·kh·kw depth), or None."""
+    name = node.name
+    if name in ("mm", "addmm", "bmm", "baddbmm") and node.outputs:
+        out = node.outputs[0]
+        a = node.inputs[1] if name in ("addmm", "baddbmm") and len(node.inputs) > 2 else \
+            node.inputs[0]
+        return float(out.numel), float(a.shape[-1])
+    if name.startswith("convolution") or name.startswith("cudnn_convolution"):
+        # by argument position: a late-stage weight can be larger than the activations
+        backward = name.endswith("backward")
+        acts = [targ(node, 0, "grad_output"), targ(node, 1, "input")] if backward else \
+            (node.outputs[:1] or [targ(node, 0, "input")])
+        w = targ(node, 2 if backward else 1, "weight")
+        acts = [t for t in acts if t is not None]
+        if w is None or len(w.shape) < 3 or not acts:
+            return None
+        spatial = 1
+        for d in w.shape[2:]:
+            spatial *= d
+        return float(max(t.numel for t in acts)), float(w.shape[1] * spatial)
+    return None
+
+
+def depthwise(node: OpNode) -> bool:
+    """A convolution with one input channel per group and more than one group."""
+    if not (node.name.startswith("convolution") or node.name.startswith("cudnn_convolution")):
+        return False
+    w = targ(node, 2 if node.name.endswith("backward") else 1, "weight")
+    groups = node.arg(9 if node.name.endswith("backward") else 8, "groups", 1)
+    return w is not None and len(w.shape) >= 3 and w.shape[1] == 1 and (groups or 1) > 1
+
+
+def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
+    """Fraction of the chip a matmul keeps busy: output tiles over full waves of SMs."""
+    if node.name not in ("mm", "addmm", "bmm", "baddbmm") or not node.outputs:
+        return 1.0
+    shape = node.outputs[0].shape
+    batch = shape[0] if len(shape) == 3 else 1
+    m, n = shape[-2], shape[-1]
+    tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
+    waves = math.ceil(tiles / sms)
+    return tiles / (waves * sms) if waves else 1.0
+
+
+def misaligned(node: OpNode) -> bool:
+    """True when a matmul operand or result has a leading dimension (or start) that is not a
+    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels (e.g. GPT-2's
+    vocabulary of 50257 runs the head matmuls ~5x slower in bf16 than a padded 50304)."""
+    if node.name not in ("mm", "addmm", "bmm", "baddbmm", "addbmm"):
+        return False
+    for t in (*node.inputs, *node.outputs):
+        if len(t.shape) < 2:
+            continue  # a bias vector
+        inner = min(t.stride[-1], t.stride[-2])
+        ld = max(t.stride[-1], t.stride[-2])
+        if inner != 1 and t.shape[-1] != 1 and t.shape[-2] != 1:
+            return True
+        if (ld * t.itemsize) % 16 or (t.offset * t.itemsize) % 16:
+            return True
+    return False
+
+
+def misaligned_nt(node: OpNode) -> bool:
+    """True when a matmul's output has an odd leading dimension and its second operand is a
+    transposed (column-major) view: `x @ w.t()`, a linear layer with an odd output width."""
+    if not node.outputs or len(node.outputs[0].shape) < 2 or len(node.inputs) < 2:
+        return False
+    out, b = node.outputs[0], node.inputs[-1]
+    odd_out = (max(out.stride[-1], out.stride[-2]) * out.itemsize) % 16 != 0
+    return odd_out and len(b.shape) >= 2 and b.stride[-2] == 1 and b.stride[-1] != 1
+
+
+def layout_bytes(node: OpNode, cost: OpCost) -> float:
+    """Bytes cuDNN moves converting channels-first (NCHW) tensors to the channels-last layout
+    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once."""
+    if cost.kind != "conv" or cost.math not in ("bf16", "fp16"):
+        return 0.0
+    acts = [t for t in (*node.inputs, *node.outputs) if len(t.shape) == 4]
+    if not any(t.stride[1] != 1 and t.shape[1] > 1 for t in acts):
+        return 0.0  # already channels-last
+    weight = min(acts, key=lambda t: t.numel) if len(acts) > 1 else None
+    return 2.0 * sum(t.nbytes for t in acts if t is not weight)

@@ -128,18 +128,22 @@ def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
     norm. The step's per-op overhead (`op_overhead`) already covers an ordinary op; this is
     the extra. Timed as back-to-back calls on tiny tensors, so the host, not the GPU, is what
     the loop waits on."""
-    per_call: dict[str, float] = {}
-    for name, fn in _host_cases(dev):
-        for _ in range(20):
+    costs = {name: per_call(fn, dev, calls, rounds=5, warmup=20) for name, fn in _host_cases(dev)}
+    base = costs.pop("add")
+    return {k: max(v - base, 0.0) for k, v in costs.items()}
+
+
+def per_call(fn, dev: torch.device, calls: int, rounds: int, warmup: int) -> float:
+    """Least over `rounds` of the mean wall seconds per call of `calls` back-to-back calls of
+    fn(), after `warmup` calls; the device is synchronised outside the timed loops."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
             fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
         _sync(dev)
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls)
-            _sync(dev)
-        per_call[name] = min(samples)
-    base = per_call.pop("add")
-    return {k: max(v - base, 0.0) for k, v in per_call.items()}
+    return best

@@ -12,11 +12,9 @@ over CHAIN and the backward the backward's. Tiny inputs: the host is what the lo
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from gobrrr.profile.calibrate import _sync
+from gobrrr.profile.calibrate_host import per_call
 
 CHAIN = 16  # calls per measured chain
 
@@ -36,21 +34,6 @@ def _cases(dev: torch.device):
     yield "gelu", lambda y: k.gelu(y, "tanh"), (x,)
     yield "swiglu", lambda y: k.swiglu(y, u), (x, u)
     yield "attention", lambda y: k.attention(y, kk, v, causal=True), (q, kk, v)
-
-
-def _per_call(fn, dev: torch.device, calls: int, rounds: int) -> float:
-    """Least over `rounds` of the mean wall seconds per call of `calls` back-to-back calls."""
-    for _ in range(min(calls, 10)):
-        fn()
-    _sync(dev)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-        _sync(dev)
-    return best
 
 
 def kernel_host_costs(dev: torch.device, calls: int = 20, rounds: int = 5) -> dict[str, float]:
@@ -75,7 +58,8 @@ def kernel_host_costs(dev: torch.device, calls: int = 20, rounds: int = 5) -> di
         def fwd_bwd(inputs=inputs, dy=dy, chain=chain):
             torch.autograd.grad(chain(), inputs, dy)
 
-        fwd = _per_call(chain, dev, calls, rounds) / CHAIN
-        both = _per_call(fwd_bwd, dev, calls, rounds) / CHAIN
+        warmup = min(calls, 10)
+        fwd = per_call(chain, dev, calls, rounds, warmup) / CHAIN
+        both = per_call(fwd_bwd, dev, calls, rounds, warmup) / CHAIN
         out[f"{stem}_fwd"], out[f"{stem}_bwd"] = fwd, max(both - fwd, 0.0)
     return out

@@ -183,7 +183,8 @@ class Calibration:
     `matmul_grid`: achieved FLOP/s over output size and depth, [[m·n, k, FLOP/s], ...] per
     math mode (replaces `matmul_curve` where present).
     `op_overhead`: host seconds per ATen op inside an eager training step, per phase
-    ("recompute": a recomputed op, carrying the checkpoint machinery; absent: the forward's).
+    ("recompute": a recomputed op; "checkpointed": a forward op inside a checkpointed block;
+    both carry the checkpoint machinery and fall back to the forward's when absent).
     `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name.
     `conv_grid`: achieved FLOP/s of cuDNN convolutions (channels-first), per math mode and
     direction ("forward", "backward"), over implicit-GEMM output size and depth, as

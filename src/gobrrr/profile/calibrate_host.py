@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,24 +46,36 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     models = [_timed_model(make, ckpt, dev, warmup)
               for make in _tiny_workloads() for ckpt in ("none", "full")]
     for _ in range(rounds):
-        for wl, opt, _, _, times in models:
+        for m in models:
             for _ in range(reps):
-                for p, t in _phase_times(wl, opt, dev).items():
-                    times[p].append(t)
-    plain = [m for m in models if m[2] == "none"]
-    out = {p: sum(statistics.median(m[4][p]) for m in plain) / n
-           for p in PHASES if (n := sum(m[3][p] for m in plain))}
-    ckpt = [m for m in models if m[2] == "full"]
+                for p, t in _phase_times(m.workload, m.optimizer, dev).items():
+                    m.times[p].append(t)
+    plain = [m for m in models if m.checkpoint == "none"]
+    out = {p: sum(statistics.median(m.times[p]) for m in plain) / n
+           for p in PHASES if (n := sum(m.counts[p] for m in plain))}
+    ckpt = [m for m in models if m.checkpoint == "full"]
     for key, phase, others in (("recompute", "backward", "backward"),
                                ("checkpointed", "forward", "outside")):
-        if phase in out and (n := sum(m[3][key] for m in ckpt)):
-            extra = sum(statistics.median(m[4][phase]) - m[3][others] * out[phase] for m in ckpt)
+        if phase in out and (n := sum(m.counts[key] for m in ckpt)):
+            extra = sum(statistics.median(m.times[phase]) - m.counts[others] * out[phase]
+                        for m in ckpt)
             out[key] = max(extra / n, out.get("forward", 0.0))
     return out
 
 
-def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
-    """(workload, optimizer, checkpoint, ops per phase, {phase: []}) of a tiny model, warmed."""
+class _Timed(NamedTuple):
+    """A tiny model ready to time: its ops per phase (and inside / outside checkpointed blocks)
+    and the seconds of each timed step, per phase."""
+
+    workload: object
+    optimizer: torch.optim.Optimizer
+    checkpoint: str
+    counts: dict[str, int]
+    times: dict[str, list[float]]
+
+
+def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Timed:
+    """A tiny model with `checkpoint`, on the device, warmed up."""
     from gobrrr.capture import capture
     from gobrrr.cost.shapes import checkpointed_modules
     from gobrrr.profile.runner import prepare
@@ -76,7 +89,7 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int):
     wl, opt, _ = prepare(make(), dev.type, "fp32", checkpoint=checkpoint)
     for _ in range(warmup):
         _phase_times(wl, opt, dev)
-    return wl, opt, checkpoint, counts, {p: [] for p in PHASES}
+    return _Timed(wl, opt, checkpoint, counts, {p: [] for p in PHASES})
 
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:

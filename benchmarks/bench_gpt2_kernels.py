@@ -210,22 +210,19 @@ def predicted(cfg, kernels, batch: int) -> dict:
     """gobrrr's prediction of this configuration's eager step on this GPU's calibration, with
     and without the measured host cost of gobrrr's kernel ops (`Calibration.kernel_host`)."""
     import gobrrr
+    from gobrrr.cost.roofline import predict
     from gobrrr.hardware import find_calibration, get_gpu
-
-    def one():
-        return workload(batch, cfg.seq, kernels)
 
     gpu = get_gpu("h100")
     cal = find_calibration(gpu)
     if cal is None:
         return {}
-    out = {}
-    for key, c in (("predicted_ms", cal), ("predicted_ms_no_kernel_host",
-                                           replace(cal, kernel_host={}))):
-        est = gobrrr.estimate(one, gpu, precision="bf16-mixed", calibration=c)
-        out[key] = est.time.step_s * 1e3
-        out["predicted_peak_gib"] = est.memory.peak / GiB
-    return out
+    est = gobrrr.estimate(lambda: workload(batch, cfg.seq, kernels), gpu,
+                          precision="bf16-mixed", calibration=cal)
+    without = predict(est.graph, gpu, replace(cal, kernel_host={}))  # the same trace
+    return {"predicted_ms": est.time.step_s * 1e3,
+            "predicted_ms_no_kernel_host": without.step_s * 1e3,
+            "predicted_peak_gib": est.memory.peak / GiB}
 
 
 def configs(attn_ok: bool):

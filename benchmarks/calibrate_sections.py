@@ -22,24 +22,12 @@ import torch
 from gobrrr.hardware import Calibration
 from gobrrr.kernels.bench import env_info, write_json
 from gobrrr.profile import calibrate_host as ch
-from gobrrr.profile import calibrate_step as cs
-from gobrrr.profile.calibrate_kernels import kernel_host_costs
+from gobrrr.profile.calibrate import gpu_sections
 
-# section -> the calibration fields it measures, {field: value}
-SECTIONS = {
-    "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
-    "matmul_misaligned": lambda d: {"matmul_misaligned": cs.misaligned_fractions(d)},
-    "attention_curve": lambda d: {"attention_curve": cs.attention_rate(d)},
-    "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
-    "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
-    "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cs.conv_grid(d),
-                                    strict=True)),
-    "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
-    "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
-    "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
-    # host seconds per op by phase on this host; merged as ratios to the forward's (below)
-    "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
-}
+# section -> the calibration fields it measures, {field: value}: the GPU sections of a full
+# calibration, and the host's per-op cost by phase, merged as ratios to the forward's (below)
+SECTIONS = {**gpu_sections(),
+            "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)}}
 
 
 def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:

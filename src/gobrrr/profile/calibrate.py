@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,24 +73,39 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
 
 
 def _step_measurements(dev: torch.device, cuda: bool) -> dict:
-    """Per-op host cost inside a training step, and on a GPU: misaligned matmuls, attention,
-    the cuBLASLt workspace (see calibrate_step, calibrate_host)."""
+    """Per-op host cost inside a training step, and on a GPU every section of `gpu_sections`
+    (see calibrate_step, calibrate_host)."""
     from gobrrr.profile import calibrate_host as ch
-    from gobrrr.profile import calibrate_step as cs
-    from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
     overhead = ch.step_overhead(dev) if cuda else ch.step_overhead(dev, 5, rounds=1, warmup=3)
     out: dict = {"op_overhead": overhead}
     if cuda:
-        out["conv_grid"], out["conv_workspace"] = cs.conv_grid(dev)
-        out["batch_norm_bandwidth"] = cs.batch_norm_bandwidths(dev)
-        out["depthwise_bandwidth"] = cs.depthwise_bandwidths(dev)
-        out["outer_sum_bandwidth"] = cs.outer_sum_bandwidths(dev)
-        out.update(matmul_misaligned=cs.misaligned_fractions(dev),
-                   attention_curve=cs.attention_rate(dev), op_bandwidth=cs.op_bandwidths(dev),
-                   matmul_grid=cs.matmul_grid(dev), op_host=ch.op_host_costs(dev),
-                   kernel_host=kernel_host_costs(dev), blaslt_workspace=cs.blaslt_workspace(dev))
+        for measure in gpu_sections().values():
+            out.update(measure(dev))
     return out
+
+
+def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
+    """The calibration sections measured on a GPU, in the order `calibrate` measures them:
+    name -> fn(device) -> {Calibration field: value}."""
+    from gobrrr.profile import calibrate_host as ch
+    from gobrrr.profile import calibrate_step as cs
+    from gobrrr.profile.calibrate_kernels import kernel_host_costs
+
+    return {
+        "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cs.conv_grid(d),
+                                        strict=True)),
+        "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
+        "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
+        "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
+        "matmul_misaligned": lambda d: {"matmul_misaligned": cs.misaligned_fractions(d)},
+        "attention_curve": lambda d: {"attention_curve": cs.attention_rate(d)},
+        "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
+        "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
+        "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
+        "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
+        "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
+    }
 
 
 def default_path(key: str) -> Path:

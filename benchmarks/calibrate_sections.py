@@ -61,6 +61,8 @@ def main(argv=None):
     p.add_argument("--sections", nargs="+", required=True, choices=sorted(SECTIONS))
     p.add_argument("--into", help="calibration JSON whose sections to set")
     args = p.parse_args(argv)
+    if args.into and not Path(args.into).is_file():
+        p.error(f"--into {args.into}: no such calibration file; give an existing one")
     run(args.out, args.sections, args.into)
 
 

@@ -19,10 +19,14 @@ class Workload:
     Fields:
         model: the nn.Module to train.
         batch: the inputs. A tuple/list is unpacked into model(*batch), a dict into
-            model(**batch), a single tensor passed as model(batch).
+            model(**batch), a single tensor passed as model(batch) (unless `step` is given).
         loss: None when model(...) returns the loss itself (a scalar tensor, or an object
             with a `.loss` attribute, or a tuple whose first element is the loss); otherwise
             a callable loss(output, batch) -> scalar tensor.
+        step: the forward and loss of one step written out, step(model, batch) -> scalar
+            loss, for batches the model does not take whole (e.g. images and labels:
+            `step=lambda m, b: F.cross_entropy(m(b[0]), b[1])`). When given, `loss` must be
+            None and the batch is passed to it as it is.
         optimizer: a callable params -> torch.optim.Optimizer (default AdamW, lr 3e-4).
         tokens: tokens (or samples) per step, for throughput; inferred from the batch's first
             integer tensor's numel, else its first dimension, when None.
@@ -38,6 +42,7 @@ class Workload:
     batch: Batch
     loss: Callable[[Any, Batch], torch.Tensor] | None = None
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+    step: Callable[[nn.Module, Batch], Any] | None = None
     tokens: int | None = None
     name: str = "workload"
     seq_len: int | None = None
@@ -58,6 +63,8 @@ class Workload:
         return self.model(batch)
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
+        if self.step is not None:
+            return extract_loss(self.step(self.model, batch))
         out = self.run_model(batch)
         if self.loss is not None:
             return self.loss(out, batch)

@@ -102,8 +102,9 @@ def test_memory_counts_scratch_while_the_op_runs():
 
 
 def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch(make_cal):
-    g = _convnet_graph("fp32")
-    cal = make_cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 1.5}})
+    g = _convnet_graph("fp32")  # fp32 convolutions run in TF32 by PyTorch's default
+    cal = make_cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 9.0},
+                                   "tf32": {"forward": 0.0, "backward": 1.5}})
     sc = conv.scratch(g, cal)
     bwd, = _convs(g, "convolution_backward")
     assert sc == {bwd.index: int(1.5 * conv.io_bytes(bwd))}
@@ -207,3 +208,23 @@ def test_depthwise_convolution_is_costed_from_its_measured_bandwidth(make_cal):
     cb = op_cost(dw_b)
     assert time_op(dw_b, cb, rates).device_s == pytest.approx(cb.bytes / 2e11 + cb.launches * 1e-6)
     assert rates.depthwise(pw, op_cost(pw).bytes) is None  # a dense 1x1: the conv grid's
+
+
+def test_fp32_convolutions_follow_cudnns_tf32_setting_at_trace_time():
+    """PyTorch runs fp32 cuDNN convolutions in TF32 by default (torch.backends.cudnn.allow_tf32)
+    while fp32 matmuls stay fp32: the trace records the setting and the cost model follows."""
+    from gobrrr.cost.flops import graph_costs
+
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        on = _convnet_graph("fp32")
+        torch.backends.cudnn.allow_tf32 = False
+        off = _convnet_graph("fp32")
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+    assert on.meta["tf32"] == {"matmul": False, "conv": True}
+    assert off.meta["tf32"] == {"matmul": False, "conv": False}
+    maths = lambda g: {(c.kind, c.math) for c in graph_costs(g) if c.kind in ("conv", "matmul")}
+    assert maths(on) == {("conv", "tf32"), ("matmul", "fp32")}
+    assert maths(off) == {("conv", "fp32"), ("matmul", "fp32")}

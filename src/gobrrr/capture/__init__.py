@@ -335,6 +335,9 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -
         "params": n_params, "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "embedding_params": embedding_only_params(w.model), "info": dict(w.info),
         "traced_on": "cpu-fake", "torch": torch.__version__,
+        # read after the user's workload ran: it may set them
+        "tf32": {"matmul": precision == "tf32" or torch.backends.cuda.matmul.allow_tf32,
+                 "conv": precision == "tf32" or torch.backends.cudnn.allow_tf32},
     }
     return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
 

@@ -29,20 +29,46 @@ class OpCost:
     launches: int
 
 
-CostFn = Callable[[OpNode, bool], OpCost]
+@dataclass(frozen=True)
+class Tf32:
+    """Which fp32 work runs on TF32 tensor cores. PyTorch's defaults: matmuls no
+    (`torch.backends.cuda.matmul.allow_tf32` False), cuDNN convolutions yes
+    (`torch.backends.cudnn.allow_tf32` True)."""
+
+    matmul: bool = False
+    conv: bool = True
+
+
+def tf32_of(meta: dict) -> Tf32:
+    """The TF32 settings a traced step ran under (its graph's meta), PyTorch's defaults for
+    graphs traced before they were recorded; precision "tf32" turns both on."""
+    if meta.get("precision") == "tf32":
+        return Tf32(True, True)
+    rec = meta.get("tf32") or {}
+    return Tf32(bool(rec.get("matmul", False)), bool(rec.get("conv", True)))
+
+
+CostFn = Callable[[OpNode, "Tf32 | bool"], OpCost]
 
 VIEW_COST = OpCost(0.0, 0.0, "vector", "view", 0)
 
 _TC_MATH = {"bfloat16": "bf16", "float16": "fp16", "int8": "fp8", "uint8": "fp8"}
 
 
-def matmul_math(dtype: str, tf32: bool) -> str:
+def matmul_math(dtype: str, tf32: Tf32 | bool) -> str:
     """Tensor-core peak for a matmul whose inputs have `dtype` (float64 counts as fp32)."""
+    if isinstance(tf32, Tf32):
+        tf32 = tf32.matmul
     if dtype.startswith("float8"):
         return "fp8"
     if dtype in _TC_MATH:
         return _TC_MATH[dtype]
     return "tf32" if tf32 and dtype == "float32" else "fp32"
+
+
+def conv_math(dtype: str, tf32: Tf32 | bool) -> str:
+    """Tensor-core peak for a cuDNN convolution on `dtype` (TF32 for fp32 by PyTorch's default)."""
+    return matmul_math(dtype, tf32.conv if isinstance(tf32, Tf32) else tf32)
 
 
 def read_bytes(t: TensorInfo | None) -> int:

@@ -3,7 +3,16 @@ covers the op (a fused bias add is not counted, as there)."""
 
 from __future__ import annotations
 
-from gobrrr.cost._ops_common import CostFn, OpCost, io_bytes, matmul_math, prod, sum_read, targ
+from gobrrr.cost._ops_common import (
+    CostFn,
+    OpCost,
+    conv_math,
+    io_bytes,
+    matmul_math,
+    prod,
+    sum_read,
+    targ,
+)
 from gobrrr.graph import OpNode, TensorInfo
 
 
@@ -52,7 +61,7 @@ def conv_flop_count(x: tuple, w: tuple, out: tuple, transposed: bool) -> int:
 
 def _conv_cost(node: OpNode, tf32: bool, flops: int, launches: int) -> OpCost:
     x = node.inputs[0]
-    return OpCost(float(flops), float(io_bytes(node)), matmul_math(x.dtype, tf32), "conv",
+    return OpCost(float(flops), float(io_bytes(node)), conv_math(x.dtype, tf32), "conv",
                   launches)
 
 
@@ -90,7 +99,7 @@ def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
     # grad_out is always read; input only for grad_weight, weight only for grad_input
     nbytes = sum_read([go, x if mask[1] else None, w if mask[0] else None])
     nbytes += sum_read(node.outputs)
-    return OpCost(float(flops), float(nbytes), matmul_math(go.dtype, tf32), "conv",
+    return OpCost(float(flops), float(nbytes), conv_math(go.dtype, tf32), "conv",
                   max(1, sum(bool(m) for m in mask)))
 
 

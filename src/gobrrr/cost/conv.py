@@ -19,7 +19,7 @@ frees within the op (through PyTorch's caching allocator, so they count in
 
 from __future__ import annotations
 
-from gobrrr.cost._ops_common import targ
+from gobrrr.cost._ops_common import targ, tf32_of
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import Calibration
 
@@ -80,7 +80,7 @@ def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
     """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
     from gobrrr.cost.flops import op_cost
 
-    tf32 = graph.meta.get("precision") == "tf32"
+    tf32 = tf32_of(graph.meta)
     out = {}
     for node in graph.nodes:
         if node.name not in FORWARD and node.name not in BACKWARD:

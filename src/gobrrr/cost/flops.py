@@ -23,7 +23,7 @@ from gobrrr.cost import (
     _ops_optim,
     _ops_pointwise,
 )
-from gobrrr.cost._ops_common import CostFn, OpCost, first_out, io_bytes, vector
+from gobrrr.cost._ops_common import CostFn, OpCost, Tf32, first_out, io_bytes, tf32_of, vector
 from gobrrr.graph import OpNode, StepGraph
 
 __all__ = ["OpCost", "UNKNOWN_OPS", "graph_costs", "op_cost", "register_cost"]
@@ -64,7 +64,10 @@ def default_cost(node: OpNode) -> OpCost:
     return vector(n, io_bytes(node), "other")
 
 
-def op_cost(node: OpNode, tf32: bool = False) -> OpCost:
+DEFAULT_TF32 = Tf32()
+
+
+def op_cost(node: OpNode, tf32: Tf32 | bool = DEFAULT_TF32) -> OpCost:
     """FLOPs, minimal bytes, peak, kind and kernel launches of one op. `tf32`: fp32 matmuls
     and convolutions run on TF32 tensor cores. Never raises on an op it does not know."""
     fn = _lookup(node)
@@ -78,6 +81,6 @@ def op_cost(node: OpNode, tf32: bool = False) -> OpCost:
 
 
 def graph_costs(graph: StepGraph) -> list[OpCost]:
-    """op_cost of every node, in order; TF32 when the graph was traced at precision "tf32"."""
-    tf32 = graph.meta.get("precision") == "tf32"
+    """op_cost of every node, in order, under the TF32 settings the graph was traced with."""
+    tf32 = tf32_of(graph.meta)
     return [op_cost(node, tf32) for node in graph.nodes]

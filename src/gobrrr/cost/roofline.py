@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from gobrrr.cost import conv
+from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
@@ -361,7 +362,7 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
             compiled: bool = False) -> Prediction:
     """Predict the step's time on `gpu`. `compiled`: the model runs under torch.compile
     (forward and backward fused by Inductor; the optimizer stays eager)."""
-    tf32 = graph.meta.get("precision") == "tf32"
+    tf32 = tf32_of(graph.meta)
     rates = Rates(gpu, calibration)
     costs = [op_cost(n, tf32) for n in graph.nodes]
     under = checkpointed_modules(graph)

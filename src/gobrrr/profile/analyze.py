@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from gobrrr.cost._ops_common import tf32_of
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.profile.join import JoinedTrace, TraceOp, align_graph
@@ -38,7 +39,7 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     keep = _step_filter(joined, step)
     nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))
     launch = calibration.launch_overhead if calibration is not None else None
-    tf32 = precision == "tf32"
+    tf32 = tf32_of(graph.meta if graph is not None else {"precision": precision})
     ops = []
     for o in joined.ops:
         if not keep(o):

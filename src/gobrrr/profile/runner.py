@@ -45,10 +45,13 @@ def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContext
 
 @contextlib.contextmanager
 def matmul_precision(precision: str) -> Iterator[None]:
-    """TF32 on for "tf32", off for everything else (so "fp32" is true fp32); restored after."""
+    """"tf32": TF32 on for matmuls and convolutions; otherwise matmuls in true fp32 and
+    cuDNN's setting left as it is (PyTorch's default: TF32 convolutions, which the trace
+    records and the cost model follows); restored after."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    if precision == "tf32":
+        torch.backends.cudnn.allow_tf32 = True
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from typing import Any
 
 from gobrrr import formulas
 from gobrrr.capture import capture
+from gobrrr.capture.sdpa import target_for
 from gobrrr.cost import conv
 from gobrrr.cost.roofline import Prediction, predict
 from gobrrr.errors import GobrrrError
@@ -169,7 +170,7 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     cal = find_calibration(spec) if calibration is True else (calibration or None)
     t0 = time.perf_counter()
     graph = capture(workload_factory(source, batch, seq), precision=precision,
-                    checkpoint=checkpoint)
+                    checkpoint=checkpoint, sdpa=target_for(spec.full_name))
     took = time.perf_counter() - t0
     return Estimate(graph=graph, gpu=spec, memory=predict_memory(graph, spec, cal),
                     time=predict(graph, spec, cal, compiled=compile),

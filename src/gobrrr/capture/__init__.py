@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.recorder import Recorder, StorageTable
+from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
@@ -275,31 +276,36 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
 
 
 def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
-            checkpoint: str = "none") -> StepGraph:
+            checkpoint: str = "none", sdpa: SdpaTarget | None = None) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
-    one, called under fake tensors) and return its StepGraph."""
+    one, called under fake tensors) and return its StepGraph. `sdpa`: the GPU whose attention
+    backends F.scaled_dot_product_attention takes in the trace (default: Hopper's)."""
     check_precision(precision)
     if checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
                           f"choose {', '.join(CHECKPOINTS)}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
-    with mode, rules:
+    with mode, rules, cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode), precision)
         blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
         if checkpoint == "full" and not blocks:
             raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
                               "modules of one class) to checkpoint in this model")
-        graph = _trace(w, precision)
-    meta = dict(graph.meta, checkpoint=checkpoint, checkpointed_blocks=len(blocks))
+        chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
+        graph = _trace(w, precision, on_step=chosen.chosen.clear)
+    meta = dict(graph.meta, checkpoint=checkpoint, checkpointed_blocks=len(blocks),
+                sdpa_backends=dict(chosen.chosen))
     return dataclasses.replace(graph, meta=meta)
 
 
-def _trace(w: Workload, precision: str) -> StepGraph:
+def _trace(w: Workload, precision: str, on_step: Callable[[], None] = lambda: None
+           ) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
         step = _Step(w, precision)
         _guarded(step.init_optimizer_state, "optimizer's first step")
+        on_step()
         table = StorageTable()
         _register_state(table, w, step.opt)
         with _module_hooks(driver := _Driver(w.model)):

@@ -1,0 +1,131 @@
+"""The CUDA SDPA backend choice reproduced in the CPU trace (gobrrr.capture.sdpa).
+
+The rules are PyTorch's CUDA dispatcher's (sdp_utils.cpp); the GPU records in
+benchmarks/results/sdpa_backends_h100.json, when present, say which backend an H100 ran."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gobrrr
+from gobrrr.capture import capture
+from gobrrr.capture.sdpa import SdpaTarget, _Call, choose, target_for
+
+H100 = target_for("NVIDIA H100 80GB HBM3")
+A100 = target_for("NVIDIA A100-SXM4-80GB")
+RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sdpa_backends_h100.json"
+
+
+def _call(b=2, hq=4, hk=4, s=128, sk=None, d=64, dtype=torch.bfloat16, mask=None, dropout=0.0,
+          causal=False, gqa=False):
+    sk = sk or s
+    q = torch.empty(b, s, hq, d, dtype=dtype, device="meta").transpose(1, 2)
+    k = torch.empty(b, sk, hk, d, dtype=dtype, device="meta").transpose(1, 2)
+    m = None if mask is None else torch.empty(b, 1, s, sk, dtype=mask, device="meta")
+    return _Call(q, k, k, m, dropout, causal, None, gqa)
+
+
+@pytest.mark.parametrize("kw, h100, a100", [
+    ({}, "cudnn", "flash"),
+    ({"causal": True}, "cudnn", "flash"),
+    ({"dropout": 0.1}, "flash", "flash"),  # cuDNN's dropout resolution is 1/16
+    ({"dropout": 0.125}, "cudnn", "flash"),
+    ({"mask": torch.bool}, "cudnn", "efficient"),  # flash takes no mask
+    ({"mask": torch.bool, "dropout": 0.1}, "efficient", "efficient"),
+    ({"dtype": torch.float32}, "efficient", "efficient"),  # fused 16-bit kernels only
+    ({"dtype": torch.float32, "d": 66}, "math", "math"),  # fp32 rows aligned to 4
+    ({"d": 72}, "cudnn", "flash"),
+    ({"d": 68}, "flash", "flash"),  # cuDNN wants multiples of 8; flash pads to 8
+    ({"d": 160}, "flash", "flash"),  # cuDNN backward on Hopper: <= 128, 192/128, 256/256
+    ({"hq": 8, "hk": 2, "gqa": True}, "cudnn", "flash"),
+    ({"hq": 8, "hk": 2}, "math", "math"),  # different heads without enable_gqa
+    ({"s": 64, "sk": 128, "causal": True}, "cudnn", "efficient"),  # flash: causal needs Sq == Sk
+])
+def test_backend_choice_follows_cudas_rules(kw, h100, a100):
+    with torch.enable_grad():
+        c = _call(**kw)
+        c = _Call(c.q.requires_grad_(), c.k, c.v, c.mask, c.dropout, c.causal, None, c.gqa)
+        assert choose(c, H100) == h100
+        assert choose(c, A100) == a100
+
+
+def test_backends_disabled_by_the_user_are_skipped():
+    c = _call()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        assert choose(c, H100) == "flash"
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert choose(c, H100) == "math"
+
+
+class _Attn(nn.Module):
+    def __init__(self, dropout: float, s: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 3 * 64)
+        self.p, self.s = dropout, s
+
+    def forward(self, x, mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.p)
+        return y.float().pow(2).mean()
+
+
+def _graph(dropout=0.1, mask=False, s=512, precision="bf16-mixed", checkpoint=False):
+    def make():
+        model = _Attn(dropout, s)
+        x = torch.randn(2, s, 64)
+        batch = (x, torch.ones(2, 1, s, s, dtype=torch.bool)) if mask else (x,)
+        return gobrrr.Workload(model=model, batch=batch, loss=None)
+    return capture(make, precision=precision, sdpa=H100)
+
+
+@pytest.mark.parametrize("dropout, mask, backend", [
+    (0.1, False, "flash"), (0.0, True, "cudnn"), (0.1, True, "efficient"), (0.0, False, "cudnn")])
+def test_trace_keeps_no_score_matrix_on_a_fused_backend(dropout, mask, backend):
+    g = _graph(dropout, mask)
+    assert g.meta["sdpa_backends"] == {backend: 1}
+    assert any(backend in n.op for n in g.nodes if "attention" in n.op)
+    s = 512
+    # no tensor of the S x S scores per head (the math path's attention weights and dropout
+    # mask), only the (B, 1, S, S) mask the user passed and its additive form
+    for st in g.storages:
+        if st.kind in ("activation", "temporary"):
+            assert st.nbytes < 2 * 4 * s * s * 2, st
+
+
+def test_the_math_path_is_taken_where_cuda_takes_it():
+    g = _graph(dropout=0.1, precision="fp32", s=512)  # fp32 with dropout: efficient
+    assert g.meta["sdpa_backends"] == {"efficient": 1}
+
+
+@pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet "
+                    "(benchmarks/sdpa_backends.py writes it on a GPU)")
+def test_choice_matches_what_an_h100_ran():
+    data = json.loads(RECORD.read_text())
+    names = {"cudnn": "_scaled_dot_product_cudnn_attention", "flash":
+             "_scaled_dot_product_flash_attention", "efficient":
+             "_scaled_dot_product_efficient_attention"}
+    checked = 0
+    for r in data["results"]:
+        if "fwd_ops" not in r:
+            continue
+        c = r["case"]
+        ran = next((k for k, n in names.items() for o in r["fwd_ops"]
+                    if o["op"].startswith(n + ".")), "math")
+        dtype = getattr(torch, c["dtype"])
+        with torch.enable_grad():
+            call = _call(b=c["b"], hq=c["hq"], hk=c["hk"], s=c["sq"], sk=c["sk"], d=c["d"],
+                         dtype=dtype, mask=None if c["mask"] == "none" else
+                         (torch.bool if c["mask"] == "bool" else dtype),
+                         dropout=c["dropout"], causal=c["causal"], gqa=c["hq"] != c["hk"])
+            call = _Call(call.q.requires_grad_(), call.k, call.v, call.mask, call.dropout,
+                         call.causal, None, call.gqa)
+            assert choose(call, SdpaTarget((9, 0), True)) == ran, c
+        checked += 1
+    assert checked >= 20

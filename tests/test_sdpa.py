@@ -32,10 +32,10 @@ def _call(b=2, hq=4, hk=4, s=128, sk=None, d=64, dtype=torch.bfloat16, mask=None
 @pytest.mark.parametrize("kw, h100, a100", [
     ({}, "cudnn", "flash"),
     ({"causal": True}, "cudnn", "flash"),
-    ({"dropout": 0.1}, "flash", "flash"),  # cuDNN's dropout resolution is 1/16
+    ({"dropout": 0.1}, "cudnn", "flash"),
     ({"dropout": 0.125}, "cudnn", "flash"),
     ({"mask": torch.bool}, "cudnn", "efficient"),  # flash takes no mask
-    ({"mask": torch.bool, "dropout": 0.1}, "efficient", "efficient"),
+    ({"mask": torch.bool, "dropout": 0.1}, "cudnn", "efficient"),
     ({"dtype": torch.float32}, "efficient", "efficient"),  # fused 16-bit kernels only
     ({"dtype": torch.float32, "d": 66}, "math", "math"),  # fp32 rows aligned to 4
     ({"d": 72}, "cudnn", "flash"),
@@ -86,7 +86,7 @@ def _graph(dropout=0.1, mask=False, s=512, precision="bf16-mixed", checkpoint=Fa
 
 
 @pytest.mark.parametrize("dropout, mask, backend", [
-    (0.1, False, "flash"), (0.0, True, "cudnn"), (0.1, True, "efficient"), (0.0, False, "cudnn")])
+    (0.1, False, "cudnn"), (0.0, True, "cudnn"), (0.1, True, "cudnn"), (0.0, False, "cudnn")])
 def test_trace_keeps_no_score_matrix_on_a_fused_backend(dropout, mask, backend):
     g = _graph(dropout, mask)
     assert g.meta["sdpa_backends"] == {backend: 1}
@@ -129,3 +129,44 @@ def test_choice_matches_what_an_h100_ran():
             assert choose(call, SdpaTarget((9, 0), True)) == ran, c
         checked += 1
     assert checked >= 20
+
+
+def _bwd_visible(r) -> tuple[int, int]:
+    """A recorded backward's visible allocations: dQ, dK, dV in the kernel's dtype, and under
+    autocast the first of their fp32 copies (made once the kernel has returned)."""
+    c = r["case"]
+    el = 2 if c["dtype"] != "float32" else 4
+    q = c["b"] * c["hq"] * c["sq"] * c["d"]
+    kv = c["b"] * c["hk"] * c["sk"] * c["d"]
+    return el * (q + 2 * kv), (4 * q if c["autocast"] and el == 2 else 0)
+
+
+@pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet")
+def test_attention_scratch_matches_the_h100_record():
+    from gobrrr.cost.attention_scratch import op_scratch
+    from gobrrr.graph import OpNode, TensorInfo
+
+    data = json.loads(RECORD.read_text())
+    checked = 0
+    for r in data["results"]:
+        c = r.get("case")
+        bwd = [o for o in r.get("bwd_ops", []) if "attention_backward" in o["op"]]
+        # leaves of 16-bit or fp32 inputs (no autocast) get their gradients copied into their
+        # own layout by autograd as well, which this arithmetic leaves out
+        # (and with Sq != Sk the order of the copies and of the saved tensors' release decides
+        # which one the peak falls on)
+        if not bwd or c["mask"] != "none" or not c["autocast"] or c["sq"] != c["sk"]:
+            continue
+        dt = "bfloat16" if c["dtype"] != "float32" else "float32"
+        q = TensorInfo((c["b"], c["hq"], c["sq"], c["d"]), (1, 1, 1, 1), dt, 0)
+        k = TensorInfo((c["b"], c["hk"], c["sk"], c["d"]), (1, 1, 1, 1), dt, 1)
+        node = OpNode(index=0, op="aten." + bwd[0]["op"], phase="backward", module="",
+                      inputs=(q, k), outputs=(), args=({"t": 0}, {"t": 0}, {"t": 1}))
+        grads, first_copy = _bwd_visible(r)
+        # the peak falls inside the kernel (its scratch) or on the first fp32 copy after it
+        predicted = grads + max(op_scratch(node), first_copy)
+        # within 3%: at S=1500 the caching allocator hands a 24.6 MB request a whole 24 MiB
+        # block (the remainder is too small to split), which counts as allocated
+        assert abs(predicted / r["bwd_peak"] - 1) <= 0.03, (c, predicted, r["bwd_peak"])
+        checked += 1
+    assert checked >= 12

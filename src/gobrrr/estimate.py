@@ -11,7 +11,7 @@ from typing import Any
 from gobrrr import formulas
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
-from gobrrr.cost import conv
+from gobrrr.cost import attention_scratch, conv
 from gobrrr.cost.roofline import Prediction, predict
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
@@ -183,9 +183,9 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 def predict_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
-    convolutions allocate inside themselves."""
+    convolutions and attention kernels allocate inside themselves."""
     return simulate(graph, workspace=blas_workspace(graph, gpu, cal),
-                    scratch=conv.scratch(graph, cal))
+                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph))
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:

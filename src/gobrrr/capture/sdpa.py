@@ -100,8 +100,8 @@ def _common(c: _Call) -> bool:
 def _cudnn(c: _Call, t: SdpaTarget) -> bool:
     if not torch.backends.cuda.cudnn_sdp_enabled() or t.capability < (8, 0):
         return False
-    if c.q.dtype not in _HALF or c.dropout * 16 != math.floor(c.dropout * 16):
-        return False
+    if c.q.dtype not in _HALF:  # (newer sources also want dropout in steps of 1/16; torch
+        return False           # 2.11 on an H100 ran cuDNN at 0.1: sdpa_backends_h100.json)
     b, h, sq, dqk = c.q.shape
     sk, dv = c.k.shape[-2], c.v.shape[-1]
     if b > 65535 or h > 65535 or dqk % 8 or dv % 8 or sk == 1 or (c.dropout and sq == 1):
@@ -158,11 +158,13 @@ def choose(c: _Call, target: SdpaTarget) -> str:
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True = attend) as the additive float mask the kernels take."""
+    """A boolean mask (True = attend) as the additive float mask the kernels take (one new
+    tensor, as `convert_boolean_attn_mask` makes it with `where`)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-        mask.logical_not(), float("-inf"))
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.scalar_tensor(float("-inf"), dtype=dtype,
+                                                       device=mask.device))
 
 
 def _pad_mask_16(mask: torch.Tensor, c: _Call) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""What fused attention kernels allocate inside the call, beyond their outputs.
+
+The trace sees an attention op's outputs (the meta kernels give CUDA's shapes); buffers the
+kernel allocates and frees within the call go through PyTorch's caching allocator and count in
+`max_memory_allocated`, so the memory model adds them while the op runs. Measured on an H100
+(torch 2.11, cuDNN 9.19) in `benchmarks/results/sdpa_backends_h100.json`, checked by
+`tests/test_sdpa.py`:
+
+- cuDNN forward and backward: nothing, except that the backward of grouped-query attention
+  (fewer KV heads than query heads) computes dK and dV at the query heads in fp32 and sums
+  them after: 2 x 4 bytes x B x Hq x Sk x D.
+- memory-efficient (CUTLASS) backward: its row terms (delta, 4 bytes x B x Hq x Sq) and, for
+  16-bit inputs, dQ accumulated across key blocks in fp32 (4 x B x Hq x Sq x D; from the
+  kernel's source: fp32 outputs are accumulated in place). In the fp32 record the rest of the
+  peak is autograd's copy of a leaf's gradient into the leaf's layout, which the trace sees.
+- FlashAttention-2 backward (taken before cuDNN on GPUs older than Hopper; not measured
+  here, from its source, flash_api.cpp `mha_bwd`): dQ accumulated in fp32 at
+  (B, Sq rounded up to 128, H, D rounded up to 32, or 64 past 128) and softmax_d
+  (B, H, Sq rounded to 128) in fp32; with grouped-query attention dK and dV expanded to the
+  query heads in the input dtype.
+"""
+
+from __future__ import annotations
+
+from gobrrr.cost._ops_common import targ
+from gobrrr.graph import OpNode, StepGraph
+
+_CUDNN_BWD = "aten._scaled_dot_product_cudnn_attention_backward"
+_EFFICIENT_BWD = "aten._scaled_dot_product_efficient_attention_backward"
+_FLASH_BWD = "aten._scaled_dot_product_flash_attention_backward"
+
+
+def _round(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def op_scratch(node: OpNode) -> int:
+    """Bytes an attention op allocates and frees inside itself (0 for other ops)."""
+    name = node.op.rsplit(".", 1)[0]
+    if name not in (_CUDNN_BWD, _EFFICIENT_BWD, _FLASH_BWD):
+        return 0
+    q, k = targ(node, 1, "query"), targ(node, 2, "key")
+    if q is None or k is None or len(q.shape) != 4 or len(k.shape) != 4:
+        return 0
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if name == _CUDNN_BWD:
+        return 2 * 4 * b * hq * sk * d if hk != hq else 0
+    if name == _EFFICIENT_BWD:
+        accum = 4 * b * hq * sq * d if q.itemsize < 4 else 0
+        return accum + 4 * b * hq * sq
+    sq_r = _round(sq, 128)
+    dq_accum = 4 * b * sq_r * hq * _round(d, 32 if d <= 128 else 64)
+    expanded = 2 * b * sk * hq * d * q.itemsize if hk != hq else 0
+    return dq_accum + 4 * b * hq * sq_r + expanded
+
+
+def scratch(graph: StepGraph) -> dict[int, int]:
+    """{op index: bytes} for the attention ops of `graph` that allocate inside the call."""
+    out = {}
+    for node in graph.nodes:
+        n = op_scratch(node)
+        if n:
+            out[node.index] = n
+    return out

@@ -161,7 +161,8 @@ DEBERTA_V3 = partial(hf.masked_lm, config_cls="DebertaV2Config", vocab_size=1281
                      pos_att_type=["p2c", "c2p"], position_biased_input=False,
                      type_vocab_size=0, layer_norm_eps=1e-7)
 T5_BASE = partial(hf.seq2seq, config_cls="T5Config", d_model=768, d_ff=3072, d_kv=64,
-                  num_layers=12, num_heads=12, vocab_size=32128)
+                  num_layers=12, num_heads=12, vocab_size=32128, pad_token_id=0,
+                  decoder_start_token_id=0, eos_token_id=1)
 BART_BASE = partial(hf.seq2seq, config_cls="BartConfig", d_model=768, encoder_layers=6,
                     decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
                     encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265)

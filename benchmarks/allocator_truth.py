@@ -10,8 +10,10 @@ reset statistics. Recorded per sequence: the sequence itself (events `["a", id, 
 `["f", id]`), `max_memory_allocated`, `max_memory_reserved`, the allocator's counters (segments,
 retries, out-of-memory errors, cudaMalloc/cudaFree calls), the allocated/reserved/segment count
 after every event, and the segments of `torch.cuda.memory_snapshot()` at the end (before the
-survivors are freed). `tests/test_allocator.py` replays every sequence through gobrrr's model and
-asserts the same peaks. Runs in a few seconds; needs no gobrrr import.
+survivors are freed). Also recorded: the device memory the process holds outside the allocator
+(CUDA context, then with cuBLAS and cuDNN loaded), what a step's budget must leave aside.
+`tests/test_allocator.py` replays every sequence through gobrrr's model and asserts the same
+peaks. Runs in a few seconds; needs no gobrrr import.
 """
 
 from __future__ import annotations
@@ -324,6 +326,29 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
+def outside_allocator(label: str) -> dict:
+    """Device memory this process holds outside the caching allocator (the CUDA context, the
+    libraries' kernels and handles): total - free - reserved, from cudaMemGetInfo."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return {"when": label, "total": total, "free": free, "reserved": reserved,
+            "outside_allocator": total - free - reserved}
+
+
+def library_context() -> list[dict]:
+    """Outside-allocator memory after cuBLAS (a bf16 matmul) and cuDNN (a convolution) ran."""
+    out = []
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    out.append(outside_allocator("after a cuBLAS matmul"))
+    x = torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.conv2d(x, w, padding=1).sum().item()
+    out.append(outside_allocator("after a cuDNN convolution"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path, help="JSON file to write")
@@ -333,6 +358,7 @@ def main() -> None:
         sys.exit("allocator_truth.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.empty(1, device="cuda")  # create the context before any sequence
     env = environment()
+    context = [outside_allocator("after CUDA context creation")]
     t0, results = time.time(), {}
     for name, (build, limit) in SEQUENCES.items():
         if args.only and name not in args.only:
@@ -344,8 +370,9 @@ def main() -> None:
               f"allocated {res['max_memory_allocated'] / MiB:9.2f} MiB  "
               f"reserved {res['max_memory_reserved'] / MiB:9.2f} MiB  "
               f"segments {res['segments_peak']:3d}  ooms {len(res['oom_events'])}", flush=True)
+    context += library_context()  # last: cuBLAS keeps its workspace allocated afterwards
     out = {"version": VERSION, "env": env, "seconds": round(time.time() - t0, 2),
-           "sequences": results}
+           "context": context, "sequences": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {args.out} ({out['seconds']} s)")

@@ -1,6 +1,7 @@
 """Ground truth for gobrrr's replay of CUDA's caching allocator (`gobrrr.allocator`).
 
-    python benchmarks/allocator_truth.py benchmarks/results/allocator_truth_h100.json
+    python benchmarks/allocator_truth.py benchmarks/results/allocator_truth_h100.json \
+        [--steps gpt2:1:256:bf16-mixed gpt2-medium:4:1024:bf16-mixed ...]
 
 In one process, runs deterministic sequences of `torch.empty` allocations and frees of mixed
 sizes (small-pool requests, 1-10 MiB requests that share 20 MiB segments, large requests,
@@ -13,7 +14,9 @@ after every event, and the segments of `torch.cuda.memory_snapshot()` at the end
 survivors are freed). Also recorded: the device memory the process holds outside the allocator
 (CUDA context, then with cuBLAS and cuDNN loaded), what a step's budget must leave aside.
 `tests/test_allocator.py` replays every sequence through gobrrr's model and asserts the same
-peaks. Runs in a few seconds; needs no gobrrr import.
+peaks. Runs in a few seconds; needs no gobrrr import. With `--steps`, it also records the
+allocator's own trace (every alloc, free and segment) of built-in workloads from the model's
+build through four training steps (gobrrr from src/ is imported for those).
 """
 
 from __future__ import annotations
@@ -349,10 +352,56 @@ def library_context() -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- real steps
+TRACE_CODES = {"alloc": "a", "free_completed": "f", "segment_alloc": "s", "segment_free": "S"}
+
+
+def record_step(case: str, steps: int = 4) -> dict:
+    """The allocator's own trace of a built-in workload, from building the model through
+    `steps` training steps (3 warm-ups and the measured one, as bench_estimate_suite.py
+    runs them): events [code, address, bytes] with code a (alloc, requested bytes),
+    f (free), s (segment alloc), S (segment free); reserved and allocated after each step.
+    `case`: "model:batch:seq:precision[:checkpoint]"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from gobrrr.models.registry import get_workload
+    from gobrrr.profile.runner import matmul_precision, prepare, run_step
+
+    model, batch, seq, precision, *rest = case.split(":")
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear:
+        clear()  # the workspaces are allocated again in step 1, as in a fresh process
+    _fresh()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=4_000_000)
+    with torch.device("cuda"):
+        wl = get_workload(model, batch_size=int(batch), seq_len=int(seq))
+    wl, opt, scaler = prepare(wl, "cuda", precision, rest[0] if rest else "none")
+    after = []
+    with matmul_precision(precision):
+        for _ in range(steps):
+            run_step(wl, opt, precision, scaler, "cuda")
+            torch.cuda.synchronize()
+            after.append([torch.cuda.memory_allocated(), torch.cuda.memory_reserved()])
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = [[TRACE_CODES[e["action"]], e["addr"], e["size"]]
+             for e in snap["device_traces"][torch.cuda.current_device()]
+             if e["action"] in TRACE_CODES]
+    out = {"case": case, "steps": steps, "max_memory_allocated": torch.cuda.max_memory_allocated(),
+           "max_memory_reserved": torch.cuda.max_memory_reserved(), "after_step": after,
+           "trace": trace}
+    del wl, opt, scaler
+    _fresh()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path, help="JSON file to write")
     ap.add_argument("--only", nargs="*", help="run only these sequences")
+    ap.add_argument("--steps", nargs="*", default=[], metavar="MODEL:BATCH:SEQ:PRECISION",
+                    help="also record the allocator's trace of these built-in workloads' "
+                         "first steps (needs gobrrr on the path), e.g. gpt2:1:256:bf16-mixed")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("allocator_truth.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -370,9 +419,14 @@ def main() -> None:
               f"allocated {res['max_memory_allocated'] / MiB:9.2f} MiB  "
               f"reserved {res['max_memory_reserved'] / MiB:9.2f} MiB  "
               f"segments {res['segments_peak']:3d}  ooms {len(res['oom_events'])}", flush=True)
-    context += library_context()  # last: cuBLAS keeps its workspace allocated afterwards
+    context += library_context()  # cuBLAS keeps its workspace allocated afterwards
+    steps = []
+    for case in args.steps:
+        steps.append(record_step(case))
+        print(f"{case:28s} {len(steps[-1]['trace']):6d} events  reserved "
+              f"{steps[-1]['max_memory_reserved'] / MiB:9.2f} MiB", flush=True)
     out = {"version": VERSION, "env": env, "seconds": round(time.time() - t0, 2),
-           "context": context, "sequences": results}
+           "context": context, "sequences": results, "steps": steps}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {args.out} ({out['seconds']} s)")

@@ -361,7 +361,7 @@ def record_step(case: str, steps: int = 4) -> dict:
     `steps` training steps (3 warm-ups and the measured one, as bench_estimate_suite.py
     runs them): events [code, address, bytes] with code a (alloc, requested bytes),
     f (free), s (segment alloc), S (segment free); reserved and allocated after each step.
-    `case`: "model:batch:seq:precision[:checkpoint]"."""
+    `case`: "model:batch:seq:precision[:checkpoint]" (seq "-" for models without one)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from gobrrr.models.registry import get_workload
     from gobrrr.profile.runner import matmul_precision, prepare, run_step
@@ -374,7 +374,8 @@ def record_step(case: str, steps: int = 4) -> dict:
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                              max_entries=4_000_000)
     with torch.device("cuda"):
-        wl = get_workload(model, batch_size=int(batch), seq_len=int(seq))
+        wl = get_workload(model, batch_size=int(batch),
+                          seq_len=None if seq in ("", "-", "0") else int(seq))
     wl, opt, scaler = prepare(wl, "cuda", precision, rest[0] if rest else "none")
     after = []
     with matmul_precision(precision):

@@ -182,3 +182,63 @@ def test_recorded_peaks_match_exactly(name):
     assert r.stats.reserved_peak == rec["max_memory_reserved"], where
     assert r.stats.segments_peak == rec["segments_peak"], where
     assert list(r.oom_events) == rec["oom_events"], where
+
+
+def _trace_events(trace: list) -> tuple[list, list[int]]:
+    """A recorded allocator trace as replay events, and cudaMalloc's address of each segment
+    in turn (codes: a alloc, f free, s segment alloc, S segment free)."""
+    events, addresses, ids = [], [], {}
+    for code, addr, nbytes in trace:
+        if code == "a":
+            ids[addr] = len(events)  # the event's index: unique
+            events.append(("a", ids[addr], nbytes))
+        elif code == "f" and addr in ids:
+            events.append(("f", ids.pop(addr)))
+        elif code == "s":
+            addresses.append(addr)
+    return events, addresses
+
+
+def test_trace_events_pair_frees_with_allocations_by_address():
+    base = 1 << 40
+    trace = [["s", base, 2 * MiB], ["a", base, 600 * KiB], ["a", base + 600 * KiB, 600 * KiB],
+             ["f", base, 600 * KiB], ["a", base, 100], ["s", base + 4 * MiB, 20 * MiB],
+             ["a", base + 4 * MiB, 5 * MiB], ["f", base + 600 * KiB, 600 * KiB]]
+    events, addresses = _trace_events(trace)
+    assert events == [("a", 0, 600 * KiB), ("a", 1, 600 * KiB), ("f", 0), ("a", 3, 100),
+                      ("a", 4, 5 * MiB), ("f", 1)]
+    r = replay(events, addresses=addresses)
+    assert (r.stats.reserved_peak, r.stats.allocated_peak) == (22 * MiB, 600 * KiB + 512 + 5 * MiB)
+
+
+def _recorded_steps() -> list:
+    return json.loads(TRUTH.read_text()).get("steps", []) if TRUTH.exists() else []
+
+
+@pytest.mark.parametrize("case", [s["case"] for s in _recorded_steps()] or ["(none recorded)"])
+def test_recorded_training_steps_replay_exactly(case):
+    """The allocator's own trace of a real training run (model build + 4 steps), replayed
+    with the addresses cudaMalloc returned: the same peaks and segments."""
+    truth = _truth()
+    rec = next((s for s in truth.get("steps", []) if s["case"] == case), None)
+    if rec is None:
+        pytest.skip("no training step recorded (allocator_truth.py --steps)")
+    events, addresses = _trace_events(rec["trace"])
+    r = replay(events, addresses=addresses)
+    assert r.stats.reserved_peak == rec["max_memory_reserved"]
+    assert r.stats.allocated_peak == rec["max_memory_allocated"]
+    assert r.stats.device_allocs == len(addresses)
+
+
+def test_cuda_context_assumption_is_near_the_recording():
+    """The budget leaves CUDA_CONTEXT_BYTES for what the process holds outside the allocator;
+    the recording measured it with cuBLAS and cuDNN loaded."""
+    from gobrrr.memory import CUDA_CONTEXT_BYTES
+
+    context = _truth().get("context")
+    if not context:
+        pytest.skip("the recording has no context measurement")
+    measured = context[-1]["outside_allocator"]
+    assert abs(CUDA_CONTEXT_BYTES - measured) <= 0.25 * measured, (
+        f"{measured / MiB:.0f} MiB measured outside the allocator ({context[-1]['when']}), "
+        f"{CUDA_CONTEXT_BYTES / MiB:.0f} MiB assumed")

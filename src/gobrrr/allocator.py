@@ -20,14 +20,15 @@ one stream, no CUDA graphs):
    wholly free is released (cudaFree) and the segment is tried once more; if that fails too,
    the request is out of memory.
 
-Addresses are modelled: segments are laid out one after another in the order they are created
-(cudaMalloc's real addresses only matter where two free blocks of equal size compete).
+Addresses are modelled: segments are laid out one after another in the order they are created.
+cudaMalloc's real addresses matter only where two free blocks of equal size compete (the lower
+address wins); a replay of a recorded trace can pass the addresses cudaMalloc returned.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gobrrr.errors import GobrrrError
@@ -139,10 +140,14 @@ class AllocatorStats:
 
 class CachingAllocator:
     """The caching allocator of one device and one stream. `budget`: bytes that segments may
-    take in all (the device memory left to the process); None = unlimited."""
+    take in all (the device memory left to the process); None = unlimited. `addresses`: the
+    address of each new segment in turn (what cudaMalloc returned in a recorded run); None =
+    each new segment right after the previous one."""
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None,
+                 addresses: Iterator[int] | None = None) -> None:
         self.budget = budget
+        self._addresses = addresses
         self._pools = {True: _Pool(), False: _Pool()}  # small, large
         self._live: dict[int, _Block] = {}  # handle -> allocated block
         self._segments: dict[int, int] = {}  # segment id -> size
@@ -208,9 +213,10 @@ class CachingAllocator:
     def _new_segment(self, size: int, small: bool) -> _Block | None:
         if self.budget is not None and self.reserved + size > self.budget:
             return None
-        block = _Block(self._next_addr, size, small, self._next_segment)
+        addr = next(self._addresses) if self._addresses is not None else self._next_addr
+        block = _Block(addr, size, small, self._next_segment)
         self._segments[self._next_segment] = size
-        self._next_addr += size
+        self._next_addr = max(self._next_addr, addr + size)
         self._next_segment += 1
         self.reserved += size
         self.device_allocs += 1
@@ -285,11 +291,13 @@ class Replay:
     trace: tuple[tuple[int, int, int], ...]
 
 
-def replay(events: Iterable[Sequence], budget: int | None = None) -> Replay:
+def replay(events: Iterable[Sequence], budget: int | None = None,
+           addresses: Iterable[int] | None = None) -> Replay:
     """Replay `events`: ("a", id, nbytes) allocates, ("f", id) frees (the format of
     benchmarks/allocator_truth.py). A request that runs out of memory is recorded and skipped,
-    and a later free of it ignored, as a program that catches torch.OutOfMemoryError would."""
-    alloc = CachingAllocator(budget)
+    and a later free of it ignored, as a program that catches torch.OutOfMemoryError would.
+    `addresses`: cudaMalloc's address for each new segment in turn (default: modelled)."""
+    alloc = CachingAllocator(budget, iter(addresses) if addresses is not None else None)
     handles: dict[int, int] = {}
     ooms, trace = [], []
     for i, ev in enumerate(events):

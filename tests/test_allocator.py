@@ -239,6 +239,6 @@ def test_cuda_context_assumption_is_near_the_recording():
     if not context:
         pytest.skip("the recording has no context measurement")
     measured = context[-1]["outside_allocator"]
-    assert abs(CUDA_CONTEXT_BYTES - measured) <= 0.25 * measured, (
+    assert abs(CUDA_CONTEXT_BYTES - measured) <= 0.02 * measured, (
         f"{measured / MiB:.0f} MiB measured outside the allocator ({context[-1]['when']}), "
         f"{CUDA_CONTEXT_BYTES / MiB:.0f} MiB assumed")

@@ -38,8 +38,11 @@ def test_hand_built_graph_peak_and_breakdown():
                 StorageInfo(3, 5000, "temporary", 2, 2)]
     nodes = [_node(0, [1]), _node(1, [2], [1]), _node(2, [3], [3])]
     m = simulate(_graph(storages, nodes), workspace=2048)
-    assert m.timeline == (2048 + 1024 + 3072, 2048 + 1024 + 3072 + 512, 2048 + 1024 + 512 + 5120)
-    assert m.peak == 2048 + 1024 + 512 + 5120 and m.peak_index == 2
+    # b outlives the step: in the measured step the previous step's b is alive until op1
+    # makes the new one
+    assert m.timeline == (2048 + 1024 + 512 + 3072, 2048 + 1024 + 3072 + 512,
+                          2048 + 1024 + 512 + 5120)
+    assert m.peak == m.peak_rounded == 2048 + 1024 + 512 + 5120 and m.peak_index == 2
     assert m.at_peak == {"parameter": 1024, "temporary": 512 + 5120, "workspace": 2048}
     assert m.persistent == {"parameter": 1024, "temporary": 512}
 
@@ -237,3 +240,14 @@ def test_a_step_whose_allocated_peak_fits_can_still_run_out_of_reserved_memory()
     assert m.peak == 48 * MiB and m.budget == 50 * MiB
     assert m.peak <= m.budget and not m.fits() and m.oom_index == 0
     assert m.fits(60 * MiB)  # what the allocator would need
+
+
+def test_allocated_peak_counts_the_remainder_a_block_keeps():
+    # an 11 MiB activation gets a 12 MiB segment whose 1 MiB remainder is not split off
+    # (the large pool splits only above 1 MiB): max_memory_allocated counts 12 MiB
+    storages = [StorageInfo(0, 1000, "parameter", -1, None),
+                StorageInfo(1, 11 * MiB, "activation", 0, 1)]
+    m = simulate(_graph(storages, [_node(0, [1]), _node(1, [], [1])]))
+    assert m.peak_rounded == 1024 + 11 * MiB
+    assert m.peak == 1024 + 12 * MiB and m.peak_index == 0
+    assert m.at_peak == {"parameter": 1024, "activation": 12 * MiB, "workspace": 0}

@@ -209,6 +209,17 @@ class CachingAllocator:
                 self.reserved -= b.size
                 self.device_frees += 1
 
+    def block_size(self, handle: int) -> int:
+        """Bytes the allocator counts for an allocated block (its request rounded, plus any
+        remainder it kept)."""
+        return self._live[handle].size
+
+    def reset_peaks(self) -> None:
+        """Peaks back to the current values, as torch.cuda.reset_peak_memory_stats()."""
+        self.allocated_peak, self.reserved_peak = self.allocated, self.reserved
+        self.segments_peak = len(self._segments)
+        self._allocated_at_reserved_peak = self.allocated
+
     # --------------------------------------------------------------------------- internals
     def _new_segment(self, size: int, small: bool) -> _Block | None:
         if self.budget is not None and self.reserved + size > self.budget:

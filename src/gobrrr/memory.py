@@ -20,6 +20,7 @@ process (`process_budget`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,10 +32,12 @@ from gobrrr.hardware import Calibration, GpuSpec
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
 STEPS = 4  # steps replayed for the reserved peak: the measured protocol's 3 warm-ups + 1
 # Device memory a training process holds outside the caching allocator: the CUDA context with
-# the kernels of CUDA, cuBLAS and cuDNN loaded lazily. An assumption (about 0.5 GiB on a
-# Hopper GPU with CUDA 12-13), until benchmarks/allocator_truth.py records it on the device
-# ("context" in its JSON), against which tests/test_allocator.py checks it.
-CUDA_CONTEXT_BYTES = 512 * 1024**2
+# the kernels of cuBLAS and cuDNN loaded (lazily, on first use). Measured on an H100 80GB HBM3
+# (CUDA 13.0, driver 580, torch 2.11) by benchmarks/allocator_truth.py: 527 MiB after the
+# context is created, 685 MiB after a cuBLAS matmul, 693 MiB after a cuDNN convolution
+# (benchmarks/results/allocator_truth_h100.json, "context"; tests/test_allocator.py holds this
+# figure to it). Taken as the same on other GPUs, an assumption.
+CUDA_CONTEXT_BYTES = 726_466_560
 
 
 def round_alloc(nbytes: int) -> int:
@@ -48,11 +51,14 @@ def round_alloc(nbytes: int) -> int:
 class MemoryResult:
     """Predicted memory of one step, in bytes.
 
-    peak: predicted max_memory_allocated. peak_index: the op at which it happens.
+    peak: predicted max_memory_allocated over the measured step, as the caching allocator
+    counts it (blocks, with the remainders it keeps in them). peak_index: the op at which it
+    happens (-1: the state the step starts with). peak_rounded: the most bytes alive at once
+    with every allocation only rounded up to 512 bytes, for comparison.
     at_peak: bytes alive at the peak by kind (parameter, gradient, optimizer_state, input,
     activation, temporary, workspace). by_module: activation + temporary bytes alive at the
     peak, by the module that created them. persistent: what outlives the step, by kind.
-    timeline: bytes alive after each op's allocations (one entry per op).
+    timeline: bytes allocated while each op runs (its outputs and scratch; one entry per op).
     reserved: predicted max_memory_reserved (the caching allocator's segments), 0 when the
     allocator was not replayed. allocator: its counters (segments, fragmentation at the
     reserved peak, retries). budget: the bytes the segments may take (None = unlimited);
@@ -69,6 +75,7 @@ class MemoryResult:
     persistent: dict[str, int]
     timeline: tuple[int, ...] = field(repr=False)
     workspace: int = 0
+    peak_rounded: int = 0
     reserved: int = 0
     allocator: AllocatorStats | None = None
     budget: int | None = None
@@ -107,115 +114,163 @@ def simulate(graph: StepGraph, workspace: int | Sequence[int] = 0,
     each such allocation)}, which the trace cannot see (cuDNN's layout copies and workspaces:
     `gobrrr.cost.conv.scratch`); they count while the op runs, with its outputs. `budget`:
     bytes the allocator's segments may take (`process_budget`); None = unlimited."""
-    sizes = [round_alloc(s.nbytes) for s in graph.storages]
     scratch = scratch or {}
     ws = tuple(b for b in _blocks(workspace) if b > 0)
-    live = sum(round_alloc(b) for b in ws) + sum(
-        sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0))
-    peak, peak_index, timeline = live, -1, []
-    for node in graph.nodes:
-        live += sum(sizes[sid] for sid in node.allocs)
-        during = live + _scratch_bytes(scratch, node.index)
-        timeline.append(during)
-        if during > peak:
-            peak, peak_index = during, node.index
-        live -= sum(sizes[sid] for sid in node.frees)
-    at_peak, by_module = _alive_at(graph, sizes, peak_index)
-    at_peak["workspace"] = sum(round_alloc(b) for b in ws) + _scratch_bytes(scratch, peak_index)
+    run = replay(graph, ws, scratch, budget)
+    sizes = [run.sizes.get(s.id, round_alloc(s.nbytes)) for s in graph.storages]
+    at_peak, by_module = _alive_at(graph, sizes, run.peak_index)
+    at_peak["workspace"] = run.workspace + run.scratch.get(run.peak_index, 0)
     persistent: dict[str, int] = defaultdict(int)
     for s in graph.storages:
         if s.freed is None:
             persistent[s.kind] += sizes[s.id]
-    node = graph.nodes[peak_index] if peak_index >= 0 else None
-    stats, oom = replay_reserved(graph, ws, scratch, budget)
+    node = graph.nodes[run.peak_index] if run.peak_index >= 0 else None
     return MemoryResult(
-        peak=peak, peak_index=peak_index,
+        peak=run.stats.allocated_peak, peak_index=run.peak_index,
         peak_op=node.op if node else "", peak_module=node.module if node else "",
         peak_phase=node.phase if node else "start", at_peak=dict(at_peak),
-        by_module=dict(by_module), persistent=dict(persistent), timeline=tuple(timeline),
-        workspace=sum(ws), reserved=stats.reserved_peak, allocator=stats, budget=budget,
-        oom_index=oom,
+        by_module=dict(by_module), persistent=dict(persistent), timeline=run.timeline,
+        workspace=sum(ws), peak_rounded=rounded_peak(graph, ws, scratch),
+        reserved=run.stats.reserved_peak, allocator=run.stats, budget=budget,
+        oom_index=run.oom_index,
     )
+
+
+def rounded_peak(graph: StepGraph, workspace: Sequence[int] = (),
+                 scratch: Scratch | None = None) -> int:
+    """The most bytes alive at once in one step, each allocation rounded up to 512 bytes:
+    max_memory_allocated where every block is cut to its request (the replay's peak can be
+    higher by the remainders the allocator leaves in blocks)."""
+    scratch = scratch or {}
+    sizes = [round_alloc(s.nbytes) for s in graph.storages]
+    live = sum(round_alloc(b) for b in workspace) + sum(
+        sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0))
+    peak = live
+    for node in graph.nodes:
+        live += sum(sizes[sid] for sid in node.allocs)
+        peak = max(peak, live + sum(round_alloc(b) for b in _blocks(scratch.get(node.index, 0))))
+        live -= sum(sizes[sid] for sid in node.frees)
+    return peak
 
 
 def _blocks(v: int | Sequence[int]) -> tuple[int, ...]:
     return (v,) if isinstance(v, int) else tuple(v)
 
 
-def _scratch_bytes(scratch: Scratch, index: int) -> int:
-    return sum(round_alloc(b) for b in _blocks(scratch.get(index, 0)))
-
-
 # ------------------------------------------------------------------------- the allocator replay
-def replay_reserved(graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | None = None,
-                    budget: int | None = None, steps: int = STEPS
-                    ) -> tuple[AllocatorStats, int | None]:
-    """Replay the process through the caching allocator (see the module docstring): the
-    counters, and the op whose request fails within `budget` (None: none does). Where the
-    unlimited replay stays within the budget, that is the answer; otherwise the replay runs
-    again within it, as the allocator would (releasing cached segments, then failing)."""
-    stats, _ = _replay(graph, workspace, scratch or {}, None, steps)
-    if budget is None or stats.reserved_peak <= budget:
-        return stats, None
-    limited, oom = _replay(graph, workspace, scratch or {}, budget, steps)
-    return (stats if oom is not None else limited), oom
+@dataclass(frozen=True)
+class Replayed:
+    """The process replayed through the caching allocator. stats: its counters, with the
+    peaks of the measured (last) step, reset at its start as the measured protocol resets them.
+    timeline: bytes allocated while each op of that step runs (its outputs and scratch);
+    peak_index: the op of the allocated peak (-1: the start of the step). sizes: bytes each
+    storage's block counts, by storage id; workspace: the BLAS workspaces' blocks; scratch:
+    {op index: its scratch blocks}. oom_index: the op whose request fails within the budget."""
+
+    stats: AllocatorStats
+    timeline: tuple[int, ...] = field(repr=False)
+    peak_index: int = -1
+    sizes: dict[int, int] = field(default_factory=dict, repr=False)
+    workspace: int = 0
+    scratch: dict[int, int] = field(default_factory=dict, repr=False)
+    oom_index: int | None = None
 
 
-def _replay(graph: StepGraph, workspace: Sequence[int], scratch: Scratch, budget: int | None,
-            steps: int) -> tuple[AllocatorStats, int | None]:
-    alloc = CachingAllocator(budget)
-    handles: dict[int, int] = {}
-    storages = graph.storages
-    start = [s for s in storages if s.created < 0 and (s.freed is None or s.freed >= 0)]
-    lazy = [s.id for s in start if s.kind == "optimizer_state"]
-    first_opt = next((n.index for n in graph.nodes if n.phase == "optimizer"), None)
-    if first_opt is None:  # no optimizer op: its state is simply there from the start
-        lazy = []
-    survivors = {s.id for s in storages if s.created >= 0 and s.freed is None}
-
-    def malloc(sid: int) -> None:
-        if storages[sid].nbytes > 0:
-            handles[sid] = alloc.malloc(storages[sid].nbytes)
-
-    at = -1  # the op running (-1: before the first step)
-    try:
-        for s in start:
-            if s.id not in lazy:
-                malloc(s.id)
-        for b in workspace:
-            alloc.malloc(b)
-        for step in range(steps):
-            for node in graph.nodes:
-                at = node.index
-                if step == 0 and node.index == first_opt:
-                    for sid in lazy:
-                        malloc(sid)
-                _run_op(alloc, node, handles, survivors, scratch, malloc)
-    except OutOfMemory:
-        return alloc.stats(), at
-    return alloc.stats(), None
+def replay(graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | None = None,
+           budget: int | None = None, steps: int = STEPS) -> Replayed:
+    """Replay the process through the caching allocator (see the module docstring). Where the
+    unlimited replay stays within `budget`, that is the answer; otherwise the replay runs
+    again within it, as the allocator would (releasing cached segments, then failing): if it
+    fails, the unlimited replay is returned (what the step needs) with the failing op."""
+    free = _Process(graph, workspace, scratch or {}, None).run(steps)
+    if budget is None or free.stats.reserved_peak <= budget:
+        return free
+    limited = _Process(graph, workspace, scratch or {}, budget).run(steps)
+    if limited.oom_index is None:
+        return limited
+    return dataclasses.replace(free, oom_index=limited.oom_index)
 
 
-def _run_op(alloc: CachingAllocator, node, handles: dict[int, int], survivors: set[int],
-            scratch: Scratch, malloc) -> None:
-    """One op: its allocations (a storage that outlived the previous step is replaced by this
-    step's), its scratch allocated and freed, then its frees."""
-    for sid in node.allocs:
-        if sid in survivors and sid in handles:
-            alloc.free(handles.pop(sid))
-        malloc(sid)
-    for b in _blocks(scratch.get(node.index, 0)):
-        if b > 0:
-            alloc.free(alloc.malloc(b))
-    for sid in node.frees:
-        if sid in handles:
-            alloc.free(handles.pop(sid))
+def replay_reserved(graph: StepGraph, workspace: Sequence[int] = (),
+                    scratch: Scratch | None = None, budget: int | None = None,
+                    steps: int = STEPS) -> tuple[AllocatorStats, int | None]:
+    """The allocator's counters of `replay`, and the op whose request fails (None: none)."""
+    run = replay(graph, workspace, scratch, budget, steps)
+    return run.stats, run.oom_index
+
+
+class _Process:
+    """A training process as the allocator sees it: the state, the workspaces, then steps."""
+
+    def __init__(self, graph: StepGraph, workspace: Sequence[int], scratch: Scratch,
+                 budget: int | None) -> None:
+        self.graph, self.workspace, self.scratch = graph, workspace, scratch
+        self.alloc = CachingAllocator(budget)
+        self.handles: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        st = graph.storages
+        self.start = [s.id for s in st if s.created < 0 and (s.freed is None or s.freed >= 0)]
+        # the optimizer creates its state in step 1, when its first op runs
+        self.first_opt = next((n.index for n in graph.nodes if n.phase == "optimizer"), None)
+        self.lazy = [i for i in self.start if st[i].kind == "optimizer_state"] \
+            if self.first_opt is not None else []
+        # what a step creates and keeps is replaced by the next step's
+        self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
+
+    def run(self, steps: int) -> Replayed:
+        at, ws, timeline, scratch = -1, 0, [], {}
+        try:
+            for sid in self.start:
+                if sid not in self.lazy:
+                    self._malloc(sid)
+            ws = sum(self.alloc.block_size(self.alloc.malloc(b)) for b in self.workspace)
+            for step in range(steps):
+                last = step == steps - 1
+                if last:
+                    self.alloc.reset_peaks()
+                for node in self.graph.nodes:
+                    at = node.index
+                    if step == 0 and node.index == self.first_opt:
+                        for sid in self.lazy:
+                            self._malloc(sid)
+                    during, scratch[at] = self._op(node)
+                    if last:
+                        timeline.append(during)
+        except OutOfMemory:
+            return Replayed(self.alloc.stats(), (), oom_index=at)
+        peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
+        if peak_index >= 0 and timeline[peak_index] < self.alloc.allocated_peak:
+            peak_index = -1  # the step never tops what it started with
+        return Replayed(self.alloc.stats(), tuple(timeline), peak_index, self.sizes, ws, scratch)
+
+    def _malloc(self, sid: int) -> None:
+        if self.graph.storages[sid].nbytes > 0:
+            h = self.handles[sid] = self.alloc.malloc(self.graph.storages[sid].nbytes)
+            self.sizes[sid] = self.alloc.block_size(h)
+
+    def _op(self, node) -> tuple[int, int]:
+        """One op: its allocations (a storage that outlived the previous step is replaced by
+        this step's), its scratch allocated and freed, then its frees. Returns the bytes
+        allocated while it runs and its scratch blocks' bytes."""
+        for sid in node.allocs:
+            if sid in self.survivors and sid in self.handles:
+                self.alloc.free(self.handles.pop(sid))
+            self._malloc(sid)
+        scratch = [self.alloc.malloc(b) for b in _blocks(self.scratch.get(node.index, 0)) if b > 0]
+        during = self.alloc.allocated
+        scratch_bytes = sum(self.alloc.block_size(h) for h in scratch)
+        for h in scratch:
+            self.alloc.free(h)
+        for sid in node.frees:
+            if sid in self.handles:
+                self.alloc.free(self.handles.pop(sid))
+        return during, scratch_bytes
 
 
 def process_budget(gpu: GpuSpec, cal: Calibration | None = None) -> int:
     """Bytes the caching allocator may reserve on `gpu`: the device memory CUDA reports (the
     calibration's measured total where it has one, else the spec's) minus what the process
-    holds outside the allocator (CUDA_CONTEXT_BYTES, an assumption)."""
+    holds outside the allocator (CUDA_CONTEXT_BYTES, measured on an H100)."""
     total = (cal.meta.get("memory") if cal else None) or gpu.memory_bytes
     return int(total) - CUDA_CONTEXT_BYTES
 

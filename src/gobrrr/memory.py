@@ -1,18 +1,20 @@
 """Memory: replay the step graph's allocations and frees, as CUDA's caching allocator counts them.
 
-Two numbers are predicted:
-- `torch.cuda.max_memory_allocated()` over one steady-state step (`MemoryResult.peak`): every
-  storage alive at the start (parameters, optimizer states, the batch, the cuBLAS workspace)
-  plus the most that is ever alive at once during the step, each allocation rounded as the
-  caching allocator rounds it (up to a multiple of 512 bytes).
-- `torch.cuda.max_memory_reserved()` (`MemoryResult.reserved`): the segments the caching
-  allocator obtains from CUDA, replayed block by block by `gobrrr.allocator`, which is what
-  the device runs out of. The cache keeps what earlier steps left in it, so the replay runs the
-  process as a training loop does: parameters, buffers and the batch first; the BLAS
-  workspaces; then step 1, whose optimizer creates its state when its first op runs (in the
-  cached blocks the freed activations left); then the same step again until the measured one
-  (`STEPS`). Within a step, per op: its allocations, its scratch (allocated and freed while
-  it runs), then its frees.
+Both numbers come from replaying the process through a model of the caching allocator
+(`gobrrr.allocator`), block by block:
+- `torch.cuda.max_memory_allocated()` over the measured step (`MemoryResult.peak`): every
+  storage alive at its start (parameters, optimizer states, the batch, the cuBLAS workspaces)
+  plus the most that is ever alive at once during it, each counted as the block the allocator
+  hands out (the request rounded up to 512 bytes, plus any remainder too small to split off).
+  `peak_rounded` is the same sum with every request only rounded, for comparison.
+- `torch.cuda.max_memory_reserved()` (`MemoryResult.reserved`): the segments the allocator
+  obtains from CUDA, which is what the device runs out of.
+The cache keeps what earlier steps left in it, so the replay runs the process as a training
+loop does: parameters, buffers and the batch first; the BLAS workspaces; then step 1, whose
+optimizer creates its state when its first op runs (in the cached blocks the freed
+activations left); then the same step again up to the measured one (`STEPS`), whose peaks
+are reset at its start. Within a step, per op: its allocations, its scratch (allocated and
+freed while it runs), then its frees.
 
 Whether a step fits is judged on the reserved peak against the memory CUDA leaves to the
 process (`process_budget`).
@@ -30,7 +32,7 @@ from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
-STEPS = 4  # steps replayed for the reserved peak: the measured protocol's 3 warm-ups + 1
+STEPS = 4  # steps replayed: the measured protocol's 3 warm-ups + the measured step
 # Device memory a training process holds outside the caching allocator: the CUDA context with
 # the kernels of cuBLAS and cuDNN loaded (lazily, on first use). Measured on an H100 80GB HBM3
 # (CUDA 13.0, driver 580, torch 2.11) by benchmarks/allocator_truth.py: 527 MiB after the

@@ -16,7 +16,7 @@ from gobrrr.cost.roofline import Prediction, predict
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, find_calibration, get_gpu
-from gobrrr.memory import MemoryResult, simulate
+from gobrrr.memory import MemoryResult, process_budget, simulate
 from gobrrr.workload import Workload
 
 ESTIMATE_VERSION = 1
@@ -42,7 +42,9 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak <= self.gpu.memory_bytes
+        """The step runs on the GPU: the caching allocator's reserved peak stays within the
+        memory CUDA leaves to the process (`gobrrr.memory.process_budget`)."""
+        return self.memory.fits()
 
     def to_dict(self, top: int = 15) -> dict[str, Any]:
         """JSON-ready summary (bytes, seconds, FLOP/s fractions)."""
@@ -54,7 +56,13 @@ class Estimate:
                          "compiled": self.compiled},
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
-            "memory": {"peak_bytes": m.peak, "fits": self.fits, "peak_op": m.peak_op,
+            "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,
+                       "fits": self.fits, "reserved_bytes": m.reserved,
+                       "budget_bytes": m.budget, "headroom_bytes": m.headroom,
+                       "headroom_share": m.headroom_share, "oom_op_index": m.oom_index,
+                       "segments": m.allocator.segments_peak if m.allocator else None,
+                       "fragmentation_bytes": m.allocator.fragmentation if m.allocator else None,
+                       "peak_op": m.peak_op,
                        "peak_module": m.peak_module, "peak_phase": m.peak_phase,
                        "at_peak": m.at_peak, "persistent": m.persistent,
                        "activations_saved_bytes": saved_activations(self.graph)},
@@ -100,7 +108,7 @@ def hints(est: Estimate) -> list[str]:
                    "rate; padding it (e.g. a vocabulary to a multiple of 64) would save "
                    f"≈{saved * 1e3:.1f} ms per step")
     if not est.fits:
-        cap, gib = est.gpu.memory_bytes, 2**30
+        cap, gib = est.memory.budget or est.gpu.memory_bytes, 2**30
         state = sum(est.memory.at_peak.get(k, 0) for k in ("parameter", "gradient",
                                                            "optimizer_state"))
         if state > cap:
@@ -109,8 +117,9 @@ def hints(est: Estimate) -> list[str]:
                        f" GiB of {cap / gib:.1f} GiB: shard them over ≥{gpus} GPUs (FSDP), keep"
                        " them in bf16 (--precision bf16) or offload the optimizer states to CPU")
         else:
-            out.append(f"the step needs {est.memory.peak / gib:.1f} GiB of {cap / gib:.1f} GiB,"
-                       " mostly activations: try --checkpoint full or a smaller --batch")
+            out.append(f"the step needs {est.memory.reserved / gib:.1f} GiB reserved of "
+                       f"{cap / gib:.1f} GiB, mostly activations: try --checkpoint full or a "
+                       "smaller --batch")
     return out
 
 
@@ -184,22 +193,28 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 def predict_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
     convolutions and attention kernels allocate inside themselves."""
-    return simulate(graph, workspace=blas_workspace(graph, gpu, cal),
-                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph))
+    return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
+                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph),
+                    budget=process_budget(gpu, cal))
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:
-    """Bytes the BLAS handles keep allocated once the step has run. cuBLAS keeps one workspace
-    per handle, and handles are per thread: the main thread's (forward, optimizer) and the
-    autograd engine's (backward, recompute) each get one once they run a matmul. cuBLASLt
-    adds its own after an addmm (a Linear with a bias takes the Lt path)."""
+    """Bytes the BLAS handles keep allocated once the step has run (`blas_workspaces`)."""
+    return sum(blas_workspaces(graph, gpu, cal))
+
+
+def blas_workspaces(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> tuple[int, ...]:
+    """The BLAS workspaces the step leaves allocated, one allocation each, in bytes. cuBLAS
+    keeps one workspace per handle, and handles are per thread: the main thread's (forward,
+    optimizer) and the autograd engine's (backward, recompute) each get one once they run a
+    matmul. cuBLASLt adds its own after an addmm (a Linear with a bias takes the Lt path)."""
     blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
     lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
         gpu.blaslt_workspace
     main = {n.name for n in graph.nodes if n.phase in ("forward", "optimizer")}
     engine = {n.name for n in graph.nodes if n.phase in ("backward", "recompute")}
-    total = (blas if main & _MATMULS else 0) + (blas if engine & _MATMULS else 0)
-    return total + (lt if "addmm" in main | engine else 0)
+    return tuple(b for b, used in ((blas, main & _MATMULS), (blas, engine & _MATMULS),
+                                   (lt, "addmm" in main | engine)) if used and b)
 
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:

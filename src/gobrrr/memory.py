@@ -1,19 +1,45 @@
 """Memory: replay the step graph's allocations and frees, as CUDA's caching allocator counts them.
 
-The number predicted is `torch.cuda.max_memory_allocated()` over one steady-state step: every
-storage alive at the start (parameters, optimizer states, the batch, the cuBLAS workspace) plus
-the most that is ever alive at once during the step. Each allocation is rounded as the caching
-allocator rounds it (up to a multiple of 512 bytes).
+Both numbers come from replaying the process through a model of the caching allocator
+(`gobrrr.allocator`), block by block:
+- `torch.cuda.max_memory_allocated()` over the measured step (`MemoryResult.peak`): every
+  storage alive at its start (parameters, optimizer states, the batch, the cuBLAS workspaces)
+  plus the most that is ever alive at once during it, each counted as the block the allocator
+  hands out (the request rounded up to 512 bytes, plus any remainder too small to split off).
+  `peak_rounded` is the same sum with every request only rounded, for comparison.
+- `torch.cuda.max_memory_reserved()` (`MemoryResult.reserved`): the segments the allocator
+  obtains from CUDA, which is what the device runs out of.
+The cache keeps what earlier steps left in it, so the replay runs the process as a training
+loop does: parameters, buffers and the batch first; the BLAS workspaces; then step 1, whose
+optimizer creates its state when its first op runs (in the cached blocks the freed
+activations left); then the same step again up to the measured one (`STEPS`), whose peaks
+are reset at its start. Within a step, per op: its allocations, its scratch (allocated and
+freed while it runs), then its frees.
+
+Whether a step fits is judged on the reserved peak against the memory CUDA leaves to the
+process (`process_budget`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
 from gobrrr.graph import StepGraph
+from gobrrr.hardware import Calibration, GpuSpec
 
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
+STEPS = 4  # steps replayed: the measured protocol's 3 warm-ups + the measured step
+# Device memory a training process holds outside the caching allocator: the CUDA context with
+# the kernels of cuBLAS and cuDNN loaded (lazily, on first use). Measured on an H100 80GB HBM3
+# (CUDA 13.0, driver 580, torch 2.11) by benchmarks/allocator_truth.py: 527 MiB after the
+# context is created, 685 MiB after a cuBLAS matmul, 693 MiB after a cuDNN convolution
+# (benchmarks/results/allocator_truth_h100.json, "context"; tests/test_allocator.py holds this
+# figure to it). Taken as the same on other GPUs, an assumption.
+CUDA_CONTEXT_BYTES = 726_466_560
 
 
 def round_alloc(nbytes: int) -> int:
@@ -27,11 +53,18 @@ def round_alloc(nbytes: int) -> int:
 class MemoryResult:
     """Predicted memory of one step, in bytes.
 
-    peak: predicted max_memory_allocated. peak_index: the op at which it happens.
+    peak: predicted max_memory_allocated over the measured step, as the caching allocator
+    counts it (blocks, with the remainders it keeps in them). peak_index: the op at which it
+    happens (-1: the state the step starts with). peak_rounded: the most bytes alive at once
+    with every allocation only rounded up to 512 bytes, for comparison.
     at_peak: bytes alive at the peak by kind (parameter, gradient, optimizer_state, input,
     activation, temporary, workspace). by_module: activation + temporary bytes alive at the
     peak, by the module that created them. persistent: what outlives the step, by kind.
-    timeline: bytes alive after each op's allocations (one entry per op).
+    timeline: bytes allocated while each op runs (its outputs and scratch; one entry per op).
+    reserved: predicted max_memory_reserved (the caching allocator's segments), 0 when the
+    allocator was not replayed. allocator: its counters (segments, fragmentation at the
+    reserved peak, retries). budget: the bytes the segments may take (None = unlimited);
+    oom_index: the op whose request fails within the budget (None: none fails).
     """
 
     peak: int
@@ -44,43 +77,204 @@ class MemoryResult:
     persistent: dict[str, int]
     timeline: tuple[int, ...] = field(repr=False)
     workspace: int = 0
+    peak_rounded: int = 0
+    reserved: int = 0
+    allocator: AllocatorStats | None = None
+    budget: int | None = None
+    oom_index: int | None = None
 
-    def fits(self, capacity: int) -> bool:
-        return self.peak <= capacity
+    @property
+    def headroom(self) -> int | None:
+        """Bytes of the budget left at the reserved peak (negative: short by that much)."""
+        return None if self.budget is None else self.budget - self.reserved
+
+    @property
+    def headroom_share(self) -> float | None:
+        """headroom as a fraction of the budget."""
+        return None if not self.budget else self.headroom / self.budget
+
+    def fits(self, capacity: int | None = None) -> bool:
+        """Whether the step runs within `capacity` bytes (default: the budget it was replayed
+        with): no request fails and the reserved peak (the allocated peak where the allocator
+        was not replayed) stays within it."""
+        capacity = self.budget if capacity is None else capacity
+        if capacity is None:
+            return True
+        if self.oom_index is not None and capacity == self.budget:
+            return False
+        return (self.reserved or self.peak) <= capacity
 
 
-def simulate(graph: StepGraph, workspace: int = 0,
-             scratch: dict[int, int] | None = None) -> MemoryResult:
+Scratch = dict[int, int | Sequence[int]]
+
+
+def simulate(graph: StepGraph, workspace: int | Sequence[int] = 0,
+             scratch: Scratch | None = None, budget: int | None = None) -> MemoryResult:
     """Replay allocations in op order. `workspace`: bytes the BLAS library keeps allocated
-    (the GPU spec or calibration says how much). `scratch`: {op index: bytes the op allocates
-    and frees inside itself}, which the trace cannot see (cuDNN's layout copies and
-    workspaces: `gobrrr.cost.conv.scratch`); they count while the op runs, with its outputs."""
-    sizes = [round_alloc(s.nbytes) for s in graph.storages]
+    (the GPU spec or calibration says how much), one allocation or one per handle.
+    `scratch`: {op index: bytes the op allocates and frees inside itself (or the sizes of
+    each such allocation)}, which the trace cannot see (cuDNN's layout copies and workspaces:
+    `gobrrr.cost.conv.scratch`); they count while the op runs, with its outputs. `budget`:
+    bytes the allocator's segments may take (`process_budget`); None = unlimited."""
     scratch = scratch or {}
-    live = workspace + sum(sizes[s.id] for s in graph.storages if s.created < 0
-                           and (s.freed is None or s.freed >= 0))
-    peak, peak_index, timeline = live, -1, []
-    for node in graph.nodes:
-        live += sum(sizes[sid] for sid in node.allocs)
-        during = live + round_alloc(scratch.get(node.index, 0))
-        timeline.append(during)
-        if during > peak:
-            peak, peak_index = during, node.index
-        live -= sum(sizes[sid] for sid in node.frees)
-    at_peak, by_module = _alive_at(graph, sizes, peak_index)
-    at_peak["workspace"] = workspace + round_alloc(scratch.get(peak_index, 0))
+    ws = tuple(b for b in _blocks(workspace) if b > 0)
+    run = replay(graph, ws, scratch, budget)
+    sizes = [run.sizes.get(s.id, round_alloc(s.nbytes)) for s in graph.storages]
+    at_peak, by_module = _alive_at(graph, sizes, run.peak_index)
+    at_peak["workspace"] = run.workspace + run.scratch.get(run.peak_index, 0)
     persistent: dict[str, int] = defaultdict(int)
     for s in graph.storages:
         if s.freed is None:
             persistent[s.kind] += sizes[s.id]
-    node = graph.nodes[peak_index] if peak_index >= 0 else None
+    node = graph.nodes[run.peak_index] if run.peak_index >= 0 else None
     return MemoryResult(
-        peak=peak, peak_index=peak_index,
+        peak=run.stats.allocated_peak, peak_index=run.peak_index,
         peak_op=node.op if node else "", peak_module=node.module if node else "",
         peak_phase=node.phase if node else "start", at_peak=dict(at_peak),
-        by_module=dict(by_module), persistent=dict(persistent), timeline=tuple(timeline),
-        workspace=workspace,
+        by_module=dict(by_module), persistent=dict(persistent), timeline=run.timeline,
+        workspace=sum(ws), peak_rounded=rounded_peak(graph, ws, scratch),
+        reserved=run.stats.reserved_peak, allocator=run.stats, budget=budget,
+        oom_index=run.oom_index,
     )
+
+
+def rounded_peak(graph: StepGraph, workspace: Sequence[int] = (),
+                 scratch: Scratch | None = None) -> int:
+    """The most bytes alive at once in one step, each allocation rounded up to 512 bytes:
+    max_memory_allocated where every block is cut to its request (the replay's peak can be
+    higher by the remainders the allocator leaves in blocks)."""
+    scratch = scratch or {}
+    sizes = [round_alloc(s.nbytes) for s in graph.storages]
+    live = sum(round_alloc(b) for b in workspace) + sum(
+        sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0))
+    peak = live
+    for node in graph.nodes:
+        live += sum(sizes[sid] for sid in node.allocs)
+        peak = max(peak, live + sum(round_alloc(b) for b in _blocks(scratch.get(node.index, 0))))
+        live -= sum(sizes[sid] for sid in node.frees)
+    return peak
+
+
+def _blocks(v: int | Sequence[int]) -> tuple[int, ...]:
+    return (v,) if isinstance(v, int) else tuple(v)
+
+
+# ------------------------------------------------------------------------- the allocator replay
+@dataclass(frozen=True)
+class Replayed:
+    """The process replayed through the caching allocator. stats: its counters, with the
+    peaks of the measured (last) step, reset at its start as the measured protocol resets them.
+    timeline: bytes allocated while each op of that step runs (its outputs and scratch);
+    peak_index: the op of the allocated peak (-1: the start of the step). sizes: bytes each
+    storage's block counts, by storage id; workspace: the BLAS workspaces' blocks; scratch:
+    {op index: its scratch blocks}. oom_index: the op whose request fails within the budget."""
+
+    stats: AllocatorStats
+    timeline: tuple[int, ...] = field(repr=False)
+    peak_index: int = -1
+    sizes: dict[int, int] = field(default_factory=dict, repr=False)
+    workspace: int = 0
+    scratch: dict[int, int] = field(default_factory=dict, repr=False)
+    oom_index: int | None = None
+
+
+def replay(graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | None = None,
+           budget: int | None = None, steps: int = STEPS) -> Replayed:
+    """Replay the process through the caching allocator (see the module docstring). Where the
+    unlimited replay stays within `budget`, that is the answer; otherwise the replay runs
+    again within it, as the allocator would (releasing cached segments, then failing): if it
+    fails, the unlimited replay is returned (what the step needs) with the failing op."""
+    free = _Process(graph, workspace, scratch or {}, None).run(steps)
+    if budget is None or free.stats.reserved_peak <= budget:
+        return free
+    limited = _Process(graph, workspace, scratch or {}, budget).run(steps)
+    if limited.oom_index is None:
+        return limited
+    return dataclasses.replace(free, oom_index=limited.oom_index)
+
+
+def replay_reserved(graph: StepGraph, workspace: Sequence[int] = (),
+                    scratch: Scratch | None = None, budget: int | None = None,
+                    steps: int = STEPS) -> tuple[AllocatorStats, int | None]:
+    """The allocator's counters of `replay`, and the op whose request fails (None: none)."""
+    run = replay(graph, workspace, scratch, budget, steps)
+    return run.stats, run.oom_index
+
+
+class _Process:
+    """A training process as the allocator sees it: the state, the workspaces, then steps."""
+
+    def __init__(self, graph: StepGraph, workspace: Sequence[int], scratch: Scratch,
+                 budget: int | None) -> None:
+        self.graph, self.workspace, self.scratch = graph, workspace, scratch
+        self.alloc = CachingAllocator(budget)
+        self.handles: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        st = graph.storages
+        self.start = [s.id for s in st if s.created < 0 and (s.freed is None or s.freed >= 0)]
+        # the optimizer creates its state in step 1, when its first op runs
+        self.first_opt = next((n.index for n in graph.nodes if n.phase == "optimizer"), None)
+        self.lazy = [i for i in self.start if st[i].kind == "optimizer_state"] \
+            if self.first_opt is not None else []
+        # what a step creates and keeps is replaced by the next step's
+        self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
+
+    def run(self, steps: int) -> Replayed:
+        at, ws, timeline, scratch = -1, 0, [], {}
+        try:
+            for sid in self.start:
+                if sid not in self.lazy:
+                    self._malloc(sid)
+            ws = sum(self.alloc.block_size(self.alloc.malloc(b)) for b in self.workspace)
+            for step in range(steps):
+                last = step == steps - 1
+                if last:
+                    self.alloc.reset_peaks()
+                for node in self.graph.nodes:
+                    at = node.index
+                    if step == 0 and node.index == self.first_opt:
+                        for sid in self.lazy:
+                            self._malloc(sid)
+                    during, scratch[at] = self._op(node)
+                    if last:
+                        timeline.append(during)
+        except OutOfMemory:
+            return Replayed(self.alloc.stats(), (), oom_index=at)
+        peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
+        if peak_index >= 0 and timeline[peak_index] < self.alloc.allocated_peak:
+            peak_index = -1  # the step never tops what it started with
+        return Replayed(self.alloc.stats(), tuple(timeline), peak_index, self.sizes, ws, scratch)
+
+    def _malloc(self, sid: int) -> None:
+        if self.graph.storages[sid].nbytes > 0:
+            h = self.handles[sid] = self.alloc.malloc(self.graph.storages[sid].nbytes)
+            self.sizes[sid] = self.alloc.block_size(h)
+
+    def _op(self, node) -> tuple[int, int]:
+        """One op: its allocations (a storage that outlived the previous step is replaced by
+        this step's), its scratch allocated and freed, then its frees. Returns the bytes
+        allocated while it runs and its scratch blocks' bytes."""
+        for sid in node.allocs:
+            if sid in self.survivors and sid in self.handles:
+                self.alloc.free(self.handles.pop(sid))
+            self._malloc(sid)
+        scratch = [self.alloc.malloc(b) for b in _blocks(self.scratch.get(node.index, 0)) if b > 0]
+        during = self.alloc.allocated
+        scratch_bytes = sum(self.alloc.block_size(h) for h in scratch)
+        for h in scratch:
+            self.alloc.free(h)
+        for sid in node.frees:
+            if sid in self.handles:
+                self.alloc.free(self.handles.pop(sid))
+        return during, scratch_bytes
+
+
+def process_budget(gpu: GpuSpec, cal: Calibration | None = None) -> int:
+    """Bytes the caching allocator may reserve on `gpu`: the device memory CUDA reports (the
+    calibration's measured total where it has one, else the spec's) minus what the process
+    holds outside the allocator (CUDA_CONTEXT_BYTES, measured on an H100)."""
+    total = (cal.meta.get("memory") if cal else None) or gpu.memory_bytes
+    return int(total) - CUDA_CONTEXT_BYTES
 
 
 def _alive_at(graph: StepGraph, sizes: list[int], index: int) -> tuple[dict, dict]:

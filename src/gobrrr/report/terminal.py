@@ -45,7 +45,10 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
     verdict = "[green]fits[/]" if est.fits else "[red]does NOT fit[/]"
     if est.compiled:
         verdict += " (eager step's memory: compiled graphs save less, so this is an upper bound)"
-    c.print(f"peak memory {gib(m.peak)} of {gib(est.gpu.memory_bytes)} → {verdict} "
+    room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
+            if m.headroom is not None and m.headroom >= 0 else "")
+    c.print(f"peak memory {gib(m.peak)} allocated, {gib(m.reserved)} reserved of "
+            f"{gib(m.budget or est.gpu.memory_bytes)} usable → {verdict}{room} "
             f"(peak at op #{m.peak_index} {m.peak_op} in '{m.peak_module or '<top>'}', "
             f"{m.peak_phase})")
     share = t.regime_share()

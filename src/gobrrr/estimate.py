@@ -52,8 +52,9 @@ class Estimate:
         ops = sorted(t.ops, key=lambda o: -o.device_s)[:top]
         return {
             "version": ESTIMATE_VERSION,
-            "workload": {**{k: v for k, v in self.graph.meta.items() if k != "info"},
-                         "compiled": self.compiled},
+            "workload": {**{k: v for k, v in self.graph.meta.items()
+                            if k not in ("info", "assumptions")}, "compiled": self.compiled},
+            "assumptions": list(self.graph.meta.get("assumptions") or []),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
             "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,

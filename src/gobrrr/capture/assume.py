@@ -91,6 +91,7 @@ class Values:
         self._counts: dict[tuple[str, str, str, str, str], int] = {}
         self.syncs: list[int] = []  # indices of recorded ops after which the host waits
         self.where: Callable[[], tuple[str, str, int | None]] = lambda: ("", "build", None)
+        self.last: tuple[Any, int] | None = None  # the last op to return a tensor, and its id
 
     def during(self, phase: str) -> None:
         """Reads from now on happen outside the recorded step, in `phase`."""
@@ -119,7 +120,10 @@ class Values:
     def fail(self, func: Any, t: torch.Tensor | None, why: str) -> GobrrrError:
         module, phase, _ = self.where()
         fact = self.table.get(t) if t is not None else None
-        made = f" of a tensor made by {fact.origin}" if fact and fact.origin else ""
+        origin = fact.origin if fact and fact.origin else ""
+        if not origin and self.last is not None and self.last[1] == id(t):
+            origin = str(self.last[0]).removesuffix(".default")
+        made = f" of a tensor made by {origin}" if origin else ""
         return GobrrrError(
             f"the step reads tensor values ({str(func).removesuffix('.default')}{made}) in "
             f"module '{module or '<top>'}', phase {phase}, and no assumption about them is "
@@ -142,7 +146,8 @@ class Values:
             raise self.fail(func, t, "its value is not bounded by how it was made, and a "
                             "branch on it could go either way")
         out = _python(value, t.dtype)
-        self.note(kind, func, repr(out), recorded=False)
+        odds = f" (p={value:.2f})" if kind == "likely-draw" and t.dtype == torch.bool else ""
+        self.note(kind, func, f"{out!r}{odds}", recorded=False)
         return out
 
     def selected(self, func: Any, mask: torch.Tensor, numel: int) -> int:
@@ -152,8 +157,8 @@ class Values:
             kind, n = "derived", 0
         elif f is not None and (f.lo > 0 or f.hi < 0):
             kind, n = "derived", numel
-        elif f is not None and f.boolean and f.mean is not None and f.basis:
-            kind, n = f.basis, int(round(f.mean * numel))
+        elif f is not None and f.boolean and f.mean is not None:  # exact, or expected
+            kind, n = f.basis or "derived", int(round(f.mean * numel))
         else:
             kind, n = "all-selected", numel
         self.note(kind, func, f"{n} of {numel}")
@@ -191,6 +196,8 @@ class ValueMode(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = self._resolve(func, args, kwargs)
         self.values.table.propagate(func, args, kwargs, out)
+        if isinstance(out, torch.Tensor):
+            self.values.last = (func, id(out))
         return out
 
     def _resolve(self, func: Any, args: tuple, kwargs: dict) -> Any:

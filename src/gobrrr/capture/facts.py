@@ -34,9 +34,11 @@ class Fact:
     """Bounds on a tensor's elements, and their expected value where it is known.
 
     lo, hi: every element lies in [lo, hi] (±inf when unbounded).
-    mean: the expected element value (for a bool tensor, the share of True), or None.
-    basis: the assumption kind `mean` rests on ("" = it follows from how the tensor was made);
-        see `gobrrr.capture.assume.KINDS`.
+    mean: the mean element value (for a bool tensor, the share of True), or None. With no
+        `basis` it is the exact mean over the whole tensor (a slice of it does not keep it);
+        with one it is each element's expected value under that assumption.
+    basis: the assumption kind `mean` rests on ("" = none: it follows from how the tensor was
+        made); see `gobrrr.capture.assume.KINDS`.
     uniform: elements are uniform draws on [lo, hi), so a comparison has a known probability.
     origin: the op that made the tensor (named in messages)."""
 
@@ -77,8 +79,8 @@ def of_real(t: torch.Tensor) -> Fact | None:
         return None
     with unset_fake_temporarily():  # it may be asked while a FakeTensorMode is active
         v = t.detach()
-        lo, hi = float(v.min()), float(v.max())
-    return Fact(lo, hi, lo if lo == hi else None, origin="a real tensor")
+        lo, hi, mean = float(v.min()), float(v.max()), float(v.double().mean())
+    return Fact(lo, hi, mean, origin="a real tensor")
 
 
 def _mul(a: float, b: float) -> float:
@@ -202,17 +204,29 @@ def _same(ctx: _Ctx) -> Fact | None:
 
 
 def _cast(ctx: _Ctx) -> Fact | None:
-    f, out = ctx.fact(), ctx.out0
+    f, out, src = ctx.fact(), ctx.out0, ctx.args[0]
     if f is None:
         return None
+    from_float = isinstance(src, torch.Tensor) and src.is_floating_point()
     if out.dtype == torch.bool:
         if f.lo > 0 or f.hi < 0:
             return exact(1)
-        return exact(0) if f.lo == f.hi == 0 else Fact(0, 1)
+        if f.lo == f.hi == 0:
+            return exact(0)
+        return f if f.boolean and not from_float else Fact(0, 1)  # 0/1 integers keep values
     if not out.is_floating_point() and not out.is_complex():
+        keep = f.exact or not from_float
         return Fact(math.trunc(f.lo) if f.lo > -INF else -INF,
-                    math.trunc(f.hi) if f.hi < INF else INF, f.mean, f.basis)
+                    math.trunc(f.hi) if f.hi < INF else INF, f.mean if keep else None, f.basis)
     return f
+
+
+def _subset(ctx: _Ctx) -> Fact | None:
+    """A view or gather of some of the elements: an exact whole-tensor mean does not hold."""
+    f = ctx.fact()
+    if f is None or f.basis or f.exact or f.mean is None:
+        return f
+    return replace(f, mean=None)
 
 
 def _const(value_index: int, name: str) -> Callable[[_Ctx], Fact | None]:
@@ -248,12 +262,12 @@ def _uniform(ctx: _Ctx) -> Fact:
 def _randint(ctx: _Ctx) -> Fact:
     nums = [a for a in ctx.args if _number(a)]
     low, high = (0, nums[0]) if len(nums) == 1 else (nums[0], nums[1])
-    return Fact(low, high - 1, (low + high - 1) / 2)
+    return Fact(low, high - 1, (low + high - 1) / 2, "likely-draw", uniform=True)
 
 
 def _randperm(ctx: _Ctx) -> Fact:
     n = ctx.args[0]
-    return Fact(0, n - 1, (n - 1) / 2)
+    return Fact(0, n - 1, (n - 1) / 2)  # a permutation: its mean is exact
 
 
 def _bernoulli(ctx: _Ctx) -> Fact:
@@ -292,7 +306,8 @@ def _div(ctx: _Ctx) -> Fact | None:
     rnd = {"floor": math.floor, "trunc": math.trunc}.get(mode, lambda v: v)
     lo, hi = _span(a, b, lambda x, y: x / y)
     lo, hi = rnd(lo) if lo > -INF else lo, rnd(hi) if hi < INF else hi
-    mean = a.mean / b.mean if a.mean is not None and b.exact else None
+    mean = a.mean / b.mean if a.mean is not None and b.exact and (mode is None or lo == hi) \
+        else None
     return Fact(lo, hi, mean, a.basis)
 
 
@@ -340,10 +355,10 @@ _CMP = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.
         "eq": operator.eq, "ne": operator.ne}
 
 
-def _decided(name: str, a: Fact, b: Fact) -> bool | None:
+def _decided(name: str, a: Fact, b: Fact, integral: bool) -> bool | None:
     """The comparison's value for every element, or None when the bounds leave it open.
-    A uniform draw never reaches its upper bound."""
-    below = a.hi < b.lo or a.uniform and a.hi <= b.lo  # a < b everywhere
+    A uniform draw of floats never reaches its upper bound."""
+    below = a.hi < b.lo or a.uniform and not integral and a.hi <= b.lo  # a < b everywhere
     if name in ("lt", "le", "gt", "ge"):
         true, false = {"lt": (below, a.lo >= b.hi), "le": (a.hi <= b.lo, a.lo > b.hi),
                        "gt": (a.lo > b.hi, a.hi <= b.lo), "ge": (a.lo >= b.hi, below)}[name]
@@ -359,50 +374,87 @@ def _compare(ctx: _Ctx) -> Fact | None:
     if a is None or b is None:
         return None
     name = ctx.func.__name__.split(".")[0].rstrip("_")
-    known = _decided(name, a, b)
-    return _likely(a, b, name) if known is None else exact(float(known))
+    x = ctx.args[0]
+    integral = isinstance(x, torch.Tensor) and not x.is_floating_point()
+    known = _decided(name, a, b, integral)
+    if known is not None:
+        return exact(float(known))
+    return _likely(a, b, name, integral)
 
 
-def _likely(a: Fact, b: Fact, name: str) -> Fact:
-    """An undecided comparison: its probability for a uniform draw against a constant, else
-    the comparison of the expected value (under that value's assumption), else unknown."""
-    if a.uniform and b.exact and a.hi > a.lo:
-        below = min(max((b.lo - a.lo) / (a.hi - a.lo), 0.0), 1.0)
-        p = {"lt": below, "le": below, "gt": 1 - below, "ge": 1 - below}.get(name)
-        if p is not None:
-            return Fact(0, 1, p, "likely-draw")
+def _likely(a: Fact, b: Fact, name: str, integral: bool) -> Fact:
+    """An undecided comparison: its probability where `a` is uniform (a random draw, ids
+    spread evenly), else the comparison of `a`'s expected value under its assumption, else
+    unknown."""
+    p = _chance(a, b, name, integral) if a.uniform and a.hi > a.lo else None
+    if p is not None:
+        return Fact(0, 1, p, a.basis or "likely-draw")
     if a.mean is not None and b.exact and a.basis:
         return Fact(0, 1, float(_CMP[name](a.mean, b.lo)), a.basis)
     return Fact(0, 1)
+
+
+def _chance(a: Fact, b: Fact, name: str, integral: bool) -> float | None:
+    """P(a <op> b) for `a` uniform on [lo, hi) (floats) or on the integers lo..hi; `b` a
+    constant, or for == and != any value inside a's range."""
+    if name in ("eq", "ne"):
+        if not integral or b.lo < a.lo or b.hi > a.hi:
+            return None
+        p = 1 / (a.hi - a.lo + 1)
+        return p if name == "eq" else 1 - p
+    if not b.exact:
+        return None
+    c = b.lo
+    if integral:  # the share of lo..hi below c (or at most c)
+        n = a.hi - a.lo + 1
+        below = min(max(math.ceil(c) - a.lo, 0), n) / n
+        at_most = min(max(math.floor(c) - a.lo + 1, 0), n) / n
+    else:
+        below = at_most = min(max((c - a.lo) / (a.hi - a.lo), 0.0), 1.0)
+    return {"lt": below, "le": at_most, "gt": 1 - at_most, "ge": 1 - below}[name]
 
 
 def _sum(ctx: _Ctx) -> Fact | None:
     f, n = ctx.fact(), ctx.reduced()
     if f is None or n == 0:
         return None if f is None else exact(0)
+    if f.mean is not None and not f.basis and ctx.out0.numel() == 1:
+        return exact(f.mean * n)  # the exact mean of all the elements, times their count
     return Fact(_mul(f.lo, n), _mul(f.hi, n), None if f.mean is None else f.mean * n, f.basis)
 
 
-def _extreme(ctx: _Ctx) -> Fact | list[Fact | None] | None:
+def _bounds(ctx: _Ctx) -> Fact | None:
+    """A reduction to extremes (amax, amin): the bounds hold, a whole-tensor mean does not."""
     f = ctx.fact()
+    return f if f is None or f.exact else Fact(f.lo, f.hi)
+
+
+def _extreme(ctx: _Ctx) -> Fact | list[Fact | None] | None:
+    f = _bounds(ctx)
     if len(ctx.args) > 1 and isinstance(ctx.args[1], torch.Tensor):  # max.other: elementwise
         return _binary(max if ctx.func.__name__.startswith("max") else min)(ctx)
     if isinstance(ctx.out, (tuple, list)):  # (values, indices) of max.dim / min.dim
-        return [f, _index_range(ctx.dim_size(1))]
+        return [f, _chosen(ctx.dim_size(1))]
     return f
 
 
 def _index_range(size: int) -> Fact:
-    return Fact(0, max(size - 1, 0), (size - 1) / 2 if size else None)
+    return Fact(0, max(size - 1, 0))
+
+
+def _chosen(size: int) -> Fact:
+    """Indices a selection picks (topk, argmax: the experts a router chooses), taken as
+    spread evenly over the `size` candidates."""
+    return Fact(0, max(size - 1, 0), (size - 1) / 2, "balanced", uniform=size > 1)
 
 
 def _arg(ctx: _Ctx) -> Fact:
-    return _index_range(ctx.dim_size(1))
+    return _chosen(ctx.dim_size(1))
 
 
 def _topk(ctx: _Ctx) -> list[Fact | None]:
     dim = ctx.arg(2, "dim", -1)
-    return [ctx.fact(), _index_range(ctx.args[0].shape[dim] if ctx.args[0].dim() else 1)]
+    return [_bounds(ctx), _chosen(ctx.args[0].shape[dim] if ctx.args[0].dim() else 1)]
 
 
 def _sort(ctx: _Ctx) -> list[Fact | None]:
@@ -420,8 +472,8 @@ def _any(ctx: _Ctx) -> Fact | None:
         return Fact(0, 1, 0.0, "check-passes")
     if n == 0 or f.lo == f.hi == 0:
         return exact(0)
-    if f.lo > 0 or f.hi < 0:
-        return exact(1)
+    if f.lo > 0 or f.hi < 0 or f.mean is not None and not f.basis and f.boolean:
+        return exact(float(f.lo > 0 or f.hi < 0 or f.mean > 0))  # some element is set
     if f.mean is not None and f.boolean and f.basis == "likely-draw":
         p = 1 - (1 - f.mean) ** n
         return Fact(0, 1, p, "likely-draw")
@@ -432,7 +484,8 @@ def _all(ctx: _Ctx) -> Fact | None:
     f, n = ctx.fact(), ctx.reduced()
     if n == 0 or f is not None and (f.lo > 0 or f.hi < 0):
         return exact(1)
-    if f is not None and f.lo == f.hi == 0:
+    if f is not None and (f.lo == f.hi == 0 or f.boolean and f.mean is not None
+                          and not f.basis and f.mean < 1):
         return exact(0)
     return Fact(0, 1, 1.0, "check-passes")
 
@@ -443,11 +496,6 @@ def _cumsum(ctx: _Ctx) -> Fact | None:
         return None
     n = x.shape[ctx.arg(1, "dim")] if x.dim() else 1
     return Fact(min(f.lo, _mul(f.lo, n)), max(f.hi, _mul(f.hi, n)))
-
-
-def _one_hot(ctx: _Ctx) -> Fact:
-    classes = ctx.out0.shape[-1]
-    return Fact(0, 1, 1 / classes if classes else None, "balanced")
 
 
 def _histc(ctx: _Ctx) -> Fact:
@@ -480,14 +528,16 @@ def _copy(ctx: _Ctx) -> Fact | None:
     return ctx.fact(1, "src")
 
 
-_VIEWS = ("view _unsafe_view reshape expand expand_as slice select permute transpose t "
-          "unsqueeze squeeze flatten unflatten as_strided narrow unbind split split_with_sizes "
-          "chunk diagonal movedim repeat tile flip roll index_select gather index take "
-          "masked_select clone contiguous detach alias lift_fresh lift_fresh_copy "
-          "_reshape_alias expand_copy view_copy permute_copy").split()
+# every element kept (a whole-tensor mean holds) / some elements (it does not)
+_VIEWS = ("view _unsafe_view reshape expand expand_as permute transpose t unsqueeze squeeze "
+          "flatten unflatten movedim repeat tile flip roll clone contiguous detach alias "
+          "lift_fresh lift_fresh_copy _reshape_alias expand_copy view_copy permute_copy").split()
+_SUBSETS = ("slice select as_strided narrow unbind split split_with_sizes chunk diagonal "
+            "index_select gather index take masked_select").split()
 
 RULES: dict[str, Callable[[_Ctx], Any]] = {
     **{n: _same for n in _VIEWS},
+    **{n: _subset for n in _SUBSETS},
     **{n: _cast for n in ("_to_copy", "to", "type_as", "_to_dtype")},
     **{n: _fill(0) for n in ("zeros", "zeros_like", "new_zeros", "zero")},
     **{n: _fill(1) for n in ("ones", "ones_like", "new_ones")},
@@ -507,10 +557,10 @@ RULES: dict[str, Callable[[_Ctx], Any]] = {
     "logical_or": _logic(False), "bitwise_or": _logic(False), "__or__": _logic(False),
     "clamp": _clamp, "clamp_min": _clamp, "clamp_max": _clamp,
     **{n: _compare for n in _CMP},
-    "sum": _sum, "mean": _same, "amax": _same, "amin": _same,
+    "sum": _sum, "mean": _same, "amax": _bounds, "amin": _bounds,
     "max": _extreme, "min": _extreme, "argmax": _arg, "argmin": _arg,
     "topk": _topk, "sort": _sort, "argsort": _sort,
     "any": _any, "all": _all, "cumsum": _cumsum,
-    "one_hot": _one_hot, "histc": _histc,
+    "histc": _histc,
     "cat": _cat, "stack": _cat, "where": _where, "masked_fill": _masked_fill, "copy": _copy,
 }

@@ -41,7 +41,7 @@ def batch_checks():
     mask = labels >= 0
     return {"mask": mask, "lengths": mask.sum(-1), "total": mask.sum(),
             "too_big": labels.max() >= 32, "any_pad": (labels == -100).any(),
-            "selected": labels.masked_select(mask),
+            "selected": labels.masked_select(mask), "none": labels.masked_select(labels < 0),
             "half": torch.div(mask.sum(-1), 2, rounding_mode="floor"), "as_int": mask.long()}
 
 
@@ -75,6 +75,8 @@ def test_facts_bound_what_real_runs_produce(program):
         torch.manual_seed(seed)
         for name, t in program().items():
             f, x = facts[name], t.double()
+            if not x.numel():
+                continue
             assert f.lo <= x.min().item() and x.max().item() <= f.hi, (name, f, x)
             if f.exact:
                 assert torch.all(x == f.lo), (name, f)
@@ -84,13 +86,25 @@ def test_facts_bound_what_real_runs_produce(program):
 
 def reads(checks):
     return (bool(checks["too_big"]), bool(checks["any_pad"]), int(checks["total"]),
-            checks["lengths"].tolist(), tuple(checks["selected"].shape))
+            checks["lengths"].tolist(), tuple(checks["selected"].shape),
+            tuple(checks["none"].shape))
 
 
 def test_exact_reads_are_the_values_real_runs_read():
     values, fake = traced(lambda: reads(batch_checks()))
-    assert fake == reads(batch_checks()) == (False, False, 800, [100] * 8, (800,))
+    assert fake == reads(batch_checks()) == (False, False, 800, [100] * 8, (800,), (0,))
     assert {a.kind for a in values.assumptions()} == {"derived"}
+
+
+def padded_count():
+    labels = torch.randint(0, 32, (4, 16)).masked_fill(torch.arange(16) >= 12, -100)
+    return int((labels != -100).sum())
+
+
+def test_a_count_the_bounds_leave_open_takes_its_upper_bound():
+    values, n = traced(padded_count)
+    assert n == 64 >= padded_count() == 48  # every element counted: an upper bound
+    assert [(a.kind, a.value) for a in values.assumptions()] == [("upper-bound", "64")]
 
 
 # -- reads in a traced step: where, what, how often -----------------------------------------------

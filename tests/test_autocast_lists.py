@@ -67,6 +67,16 @@ def L(*shape, high=4):
     return torch.randint(0, high, shape, device="cuda")
 
 
+def _conv(n: int):
+    """An n-d convolution's input (1, 4, 8...) and weight (4, 4, 3...)."""
+    return lambda d: ((T(1, 4, *[8] * n, dtype=d), T(4, 4, *[3] * n, dtype=d)), {})
+
+
+def _upsample(k: int, corners: bool):
+    """A k-d upsampling of (1, 4, 4...) to 8 per dim; `corners`: it takes align_corners."""
+    return lambda d: ((T(1, 4, *[4] * k, dtype=d), [8] * k, *([False] if corners else [])), {})
+
+
 # Arguments for ops whose schema alone does not say what shapes they take. (dtype) -> (args,
 # kwargs); float tensors take `dtype`, index tensors stay long.
 SAMPLES = {
@@ -83,18 +93,14 @@ SAMPLES = {
                                                [1, 1], [0, 0], [1, 1], [1, 1], 1, False, False,
                                                True), {}),
     "conv_tbc": lambda d: ((T(4, 2, 4, dtype=d), T(3, 4, 4, dtype=d), T(4, dtype=d), 1), {}),
-    **{f"conv_transpose{n}d{'.input' if n > 1 else ''}":
-       (lambda n: lambda d: ((T(1, 4, *[8] * n, dtype=d), T(4, 4, *[3] * n, dtype=d)), {}))(n)
-       for n in (1, 2, 3)},
+    **{f"conv_transpose{n}d{'.input' if n > 1 else ''}": _conv(n) for n in (1, 2, 3)},
     "addr": lambda d: ((T(4, 4, dtype=d), T(4, dtype=d), T(4, dtype=d)), {}),
     "bmm": lambda d: ((T(2, 4, 4, dtype=d), T(2, 4, 4, dtype=d)), {}),
     "baddbmm": lambda d: ((T(2, 4, 4, dtype=d), T(2, 4, 4, dtype=d), T(2, 4, 4, dtype=d)), {}),
     "dot": lambda d: ((T(4, dtype=d), T(4, dtype=d)), {}),
     "vdot": lambda d: ((T(4, dtype=d), T(4, dtype=d)), {}),
     "bilinear": lambda d: ((T(2, 4, dtype=d), T(2, 4, dtype=d), T(3, 4, 4, dtype=d)), {}),
-    **{f"conv{n}d": (lambda n: lambda d: ((T(1, 4, *[8] * n, dtype=d),
-                                           T(4, 4, *[3] * n, dtype=d)), {}))(n)
-       for n in (1, 2, 3)},
+    **{f"conv{n}d": _conv(n) for n in (1, 2, 3)},
     "_scaled_dot_product_flash_attention": lambda d: ((T(1, 2, 8, 16, dtype=d),
                                                        T(1, 2, 8, 16, dtype=d),
                                                        T(1, 2, 8, 16, dtype=d)), {}),
@@ -135,9 +141,7 @@ SAMPLES = {
     "norm.ScalarOpt_dim": lambda d: ((T(4, 4, dtype=d), 2, [-1]), {}),
     "linalg_matrix_norm": lambda d: ((T(4, 4, dtype=d), 1), {}),
     "sum.dim_IntList": lambda d: ((T(4, 4, dtype=d), [-1]), {}),
-    **{n: (lambda k, corners: lambda d: ((T(1, 4, *[4] * k, dtype=d), [8] * k,
-                                          *([False] if corners else [])), {}))(k, corners)
-       for n, k, corners in (
+    **{n: _upsample(k, corners) for n, k, corners in (
            ("upsample_nearest1d", 1, False), ("upsample_nearest2d", 2, False),
            ("upsample_nearest3d", 3, False), ("_upsample_nearest_exact1d", 1, False),
            ("_upsample_nearest_exact2d", 2, False), ("_upsample_nearest_exact3d", 3, False),

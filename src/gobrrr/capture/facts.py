@@ -162,7 +162,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _wanted(out: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) for t in tree_leaves(out))
+    """Only fake outputs need facts kept: a real tensor's come from its values when asked."""
+    return any(isinstance(t, FakeTensor) for t in tree_leaves(out))
 
 
 class _Ctx:

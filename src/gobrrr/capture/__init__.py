@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gobrrr.capture.autocast import cuda_autocast_rules
+from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
@@ -286,7 +287,7 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
                           f"choose {', '.join(CHECKPOINTS)}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
-    with mode, rules, cuda_sdpa(sdpa or SdpaTarget()) as chosen:
+    with mode, rules, cuda_dropout(), cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode), precision)
         blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
         if checkpoint == "full" and not blocks:

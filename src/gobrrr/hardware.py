@@ -200,7 +200,10 @@ class Calibration:
     `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls
     them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's.
     `outer_sum_bandwidth`: achieved bytes/s of a sum over a tensor's leading dims (a bias
-    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}."""
+    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}.
+    `size_bandwidth`: achieved bytes/s of copies (dtype casts) and pointwise kernels over the
+    bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
+    `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8)."""
 
     gpu: str
     device_name: str
@@ -226,6 +229,7 @@ class Calibration:
     op_host: dict[str, float] = field(default_factory=dict)
     kernel_host: dict[str, float] = field(default_factory=dict)
     outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    size_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -18,6 +18,7 @@ from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
+    alignment,
     checkpointed_modules,
     depthwise,
     gemm_dims,
@@ -169,6 +170,17 @@ class Rates:
             return None
         return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1])
 
+    def sized(self, kind: str, name: str, nbytes: float) -> float | None:
+        """Measured bytes/s of a copy or pointwise kernel moving `nbytes` (the calibration's
+        curve over size), unless the op has a bandwidth of its own; else None."""
+        if not self.cal or kind not in ("copy", "pointwise") or name in self.cal.op_bandwidth:
+            return None
+        points = self.cal.size_bandwidth.get(kind)
+        if not points or nbytes <= 0:
+            return None
+        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                       math.log(nbytes))
+
     def outer_sum(self, node: OpNode) -> float | None:
         """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
         calibration's curve), or None."""
@@ -177,11 +189,16 @@ class Rates:
             return None
         return _measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
 
-    def misaligned_fraction(self, math_mode: str, nt: bool = False) -> float:
+    def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
+                            ) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
         aligned (tensor-core modes only; CUDA-core fp32 kernels do not care). `nt`: the odd
         dimension is the output's and the second operand a transposed weight (a linear
         layer's forward), measured apart where calibrated."""
+        by_align = self.cal.matmul_misaligned if self.cal else {}
+        key = f"{'nt:' if nt else ''}{math_mode}@{align}"
+        if align and key in by_align:  # measured at this alignment (2, 4 or 8 bytes)
+            return by_align[key]
         if self.cal and nt and f"nt:{math_mode}" in self.cal.matmul_misaligned:
             return self.cal.matmul_misaligned[f"nt:{math_mode}"]
         if self.cal and math_mode in self.cal.matmul_misaligned:
@@ -337,11 +354,12 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):
-            rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node))
+            rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node), alignment(node))
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
     memory = cost.bytes / (dw_bw or rates.batch_norm(node) or rates.outer_sum(node) or
+                           rates.sized(cost.kind, node.name, cost.bytes) or
                            rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency

@@ -77,22 +77,31 @@ def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
     return tiles / (waves * sms) if waves else 1.0
 
 
-def misaligned(node: OpNode) -> bool:
-    """True when a matmul operand or result has a leading dimension (or start) that is not a
-    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels (e.g. GPT-2's
-    vocabulary of 50257 runs the head matmuls ~5x slower in bf16 than a padded 50304)."""
+def alignment(node: OpNode) -> int:
+    """The largest power of two, up to 16, that divides every matmul operand's and result's
+    leading dimension and start in bytes: 16 = aligned. cuBLAS picks its kernels by it (GPT-2's
+    vocabulary of 50257 in bf16 is 2-byte aligned and runs the head ~5x slower than a padded
+    50304; BERT's 30522 is 4-byte aligned). A non-unit inner stride counts as the element."""
     if node.name not in ("mm", "addmm", "bmm", "baddbmm", "addbmm"):
-        return False
+        return 16
+    worst = 16
     for t in (*node.inputs, *node.outputs):
         if len(t.shape) < 2:
             continue  # a bias vector
         inner = min(t.stride[-1], t.stride[-2])
         ld = max(t.stride[-1], t.stride[-2])
         if inner != 1 and t.shape[-1] != 1 and t.shape[-2] != 1:
-            return True
-        if (ld * t.itemsize) % 16 or (t.offset * t.itemsize) % 16:
-            return True
-    return False
+            return t.itemsize
+        for nbytes in (ld * t.itemsize, t.offset * t.itemsize):
+            while worst > 1 and nbytes % worst:
+                worst //= 2
+    return worst
+
+
+def misaligned(node: OpNode) -> bool:
+    """True when a matmul operand or result has a leading dimension (or start) that is not a
+    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels."""
+    return alignment(node) < 16
 
 
 def misaligned_nt(node: OpNode) -> bool:

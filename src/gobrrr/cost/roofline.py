@@ -20,7 +20,11 @@ from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
     alignment,
     checkpointed_modules,
+    conv_class,
+    conv_directions,
+    conv_layout,
     depthwise,
+    depthwise_class,
     gemm_dims,
     layout_bytes,
     misaligned,
@@ -140,24 +144,41 @@ class Rates:
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
         return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
 
-    def conv(self, math_mode: str, direction: str, dims: tuple[float, float] | None
-             ) -> float | None:
-        """Measured FLOP/s of a cuDNN convolution (channels-first, transposes included) at
-        these implicit-GEMM dims, forward or backward; None without a convolution grid."""
+    def conv(self, node: OpNode, cost: OpCost) -> float | None:
+        """Measured FLOP/s of a cuDNN convolution at its implicit-GEMM dims, for its layout,
+        shape class and direction (a backward's gradients each at their own rate, summed as
+        times), transposes included where the layout needs them; None without a convolution
+        grid. A grid without layouts (calibrations before them, measured on channels-first
+        tensors over all shapes, both gradients together) is read as it always was."""
+        dims = gemm_dims(node)
         grid = self.cal.conv_grid if self.cal and dims else {}
-        if math_mode == "fp16" and "fp16" not in grid and "bf16" in grid:
-            math_mode = "bf16"  # the same tensor cores and kernels
-        if math_mode not in grid or not grid[math_mode].get(direction):
+        mode = cost.math
+        if mode == "fp16" and "fp16" not in grid and "bf16" in grid:
+            mode = "bf16"  # the same tensor cores and kernels
+        table = grid.get(mode)
+        if not table:
             return None
-        return _grid(grid[math_mode][direction], *dims)
+        seconds, parts = 0.0, conv_directions(node, cost.flops)
+        for direction, flops in parts.items():
+            points = _conv_points(table, conv_layout(node), conv_class(node), direction)
+            if points is None:
+                break
+            seconds += flops / _grid(points, *dims)
+        else:
+            if seconds > 0:
+                return sum(parts.values()) / seconds
+        old = table.get("backward" if node.name.endswith("backward") else "forward")
+        return _grid(old, *dims) if old else None
 
     def depthwise(self, node: OpNode, nbytes: float) -> float | None:
-        """Measured bytes/s of a depthwise convolution this size, or None (not depthwise, or
-        no measurement)."""
+        """Measured bytes/s of a depthwise convolution this size, for its layout and kernel
+        class where measured, or None (not depthwise, or no measurement)."""
         if not self.cal or not depthwise(node):
             return None
         direction = "backward" if node.name.endswith("backward") else "forward"
-        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes)
+        layout, cls = conv_layout(node), depthwise_class(node)
+        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
+                         (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
 
     def batch_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
@@ -168,7 +189,9 @@ class Rates:
         x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
         if len(x.shape) < 2:
             return None
-        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1])
+        layout = ("channels_last",) if len(x.shape) == 4 and x.shape[1] > 1 and \
+            x.stride[1] == 1 else ()
+        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
 
     def sized(self, kind: str, name: str, nbytes: float) -> float | None:
         """Measured bytes/s of a copy or pointwise kernel moving `nbytes` (the calibration's
@@ -268,14 +291,38 @@ def _host_op(name: str) -> str:
 
 
 def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
-              x: float) -> float | None:
+              x: float, variants: tuple[str, ...] = ()) -> float | None:
     """A calibration curve {"direction:bf16" | "direction:fp32": [[x, value], ...]} at x
-    (linear in log x, clamped), for a tensor of `dtype`; None when not measured."""
-    points = curves.get(f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}")
+    (linear in log x, clamped), for a tensor of `dtype`: the first of `variants` measured
+    ("direction:bf16:<variant>", e.g. a layout), else the plain curve; None when not
+    measured."""
+    key = f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}"
+    points = next((curves[f"{key}:{v}"] for v in variants if curves.get(f"{key}:{v}")),
+                  curves.get(key))
     if not points:
         return None
     return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
                    math.log(max(x, 1.0)))
+
+
+# where a convolution's shape class was not measured, the class whose kernels come closest
+CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
+                 "stem": ("3x3-s2", "3x3")}
+
+
+def _conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
+                 direction: str) -> list[list[float]] | None:
+    """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
+    direction": points}) for this layout, shape class and direction: the class's own, else
+    the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
+    channels_last one pays no layout copies, so that errs slow); None when none was measured
+    (a grid without layouts)."""
+    classes = (cls, *CONV_FALLBACK.get(cls, ())) if cls else ()
+    for lay in dict.fromkeys((layout, "channels_first")):
+        for c in classes:
+            if table.get(key := f"{lay}:{c}:{direction}"):
+                return table[key]
+    return None
 
 
 def _host_dtype(math_mode: str) -> str:
@@ -345,9 +392,7 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         backward = "backward" in node.name or node.name.endswith("_bwd")
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
                                else None, "backward" if backward else "forward")
-    elif cost.kind == "conv" and (conv_rate := rates.conv(
-            cost.math, "backward" if node.name.endswith("backward") else "forward",
-            gemm_dims(node))) is not None:
+    elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
         rate = rates.matmul(cost.math, cost.flops, gemm_dims(node))

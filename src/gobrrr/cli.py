@@ -42,8 +42,9 @@ class _Parser(argparse.ArgumentParser):
     where the help is, with "did you mean" for a misspelt command or option."""
 
     def error(self, message: str):
-        raise GobrrrError(f"{self.prog}: {message}{_suggest(self, message)}",
-                          hint=f"see `{self.prog} --help`")
+        command = self.prog.removeprefix("gobrrr").strip()
+        raise GobrrrError(f"{command + ': ' if command else ''}{message}"
+                          f"{_suggest(self, message)}", hint=f"see `{self.prog} --help`")
 
 
 def _suggest(parser: argparse.ArgumentParser, message: str) -> str:
@@ -225,6 +226,8 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except SystemExit as e:  # the user's code exited; argparse never gets here
+        if _raised_by(e, "rich."):  # rich's way out when the reader of a pipe went away
+            raise
         return _fail(GobrrrError(
             f"the workload called sys.exit({e.code!r}) while gobrrr imported or ran it",
             hint="gobrrr builds and runs the step itself: remove the exit, or put the "
@@ -235,16 +238,24 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
         return _fail(e, as_json)
 
 
+def _raised_by(e: BaseException, module: str) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module)
+
+
 def _fail(e: BaseException, as_json: bool) -> int:
     """One line on stderr (after the traceback under GOBRRR_DEBUG=1), the same as JSON on
     stdout under --json; exit code 2."""
     if os.environ.get("GOBRRR_DEBUG") == "1":
         traceback.print_exc()
     message, hint = explain(e)
-    line = one_line(f"{message}: {hint}" if hint else message)
+    message = one_line(message).rstrip(".")
+    line = f"{message}: {one_line(hint)}" if hint else message
     print(f"gobrrr: error: {line}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"version": JSON_VERSION, "error": one_line(message),
+        print(json.dumps({"version": JSON_VERSION, "error": message,
                           "hint": one_line(hint) if hint else None}, indent=2))
     return 2
 

@@ -152,7 +152,10 @@ def explain(e: BaseException) -> tuple[str, str | None]:
         return f"{where}: {cause.message}", cause.hint
     if e.hint:
         return e.message, e.hint
+    message = e.message
+    if "_local_scalar_dense" in message:  # not an output shape: a value read on the host
+        message = message.split(": its output shape depends", 1)[0]
     for needle, hint in KNOWN:
-        if needle in e.message:
-            return e.message, hint
-    return e.message, None
+        if needle in message:
+            return message, hint
+    return message, None

@@ -199,8 +199,9 @@ def _check_model(model: Any) -> None:
     what = "None" if model is None else "a function" if callable(model) else \
         f"a {type(model).__name__}"
     raise GobrrrError(f"Workload(model={_short(model)}) is {what}, not an nn.Module",
-                      hint="give the torch.nn.Module to train, e.g. model=MyModel() (a plain "
-                      "function has no parameters to train: wrap it in an nn.Module)")
+                      hint="give the torch.nn.Module to train, e.g. model=MyModel()" + (
+                          " (a function has no parameters to train: wrap it in an nn.Module)"
+                          if callable(model) else ""))
 
 
 def _check_batch(batch: Any) -> None:

@@ -29,6 +29,11 @@ def check_args(args: argparse.Namespace) -> None:
             check_output_file(args.__dict__[attr], flag)
     if args.command == "bench":
         check_output_dir(args.out, "--out")
+    if args.command == "profile":
+        for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+            if value < least:
+                raise GobrrrError(f"{flag} {value} is too few", hint="give a positive whole "
+                                  "number" if least else "give 0 or more")
     if args.command in ("estimate", "profile"):
         spec = _spec(args)
         if spec is not None:

@@ -36,7 +36,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """" (did you mean 'x'?)" when `word` is a close misspelling of one of `choices` (case
     and separators ignored), else ""."""
     choices = list(choices)
-    folded = {_fold(c): c for c in choices}
+    folded: dict[str, str] = {}
+    for c in choices:  # the first spelling of a folded name wins (a name before its aliases)
+        folded.setdefault(_fold(c), c)
     if _fold(word) in folded and folded[_fold(word)] != word:
         return f" (did you mean {folded[_fold(word)]!r}?)"
     close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1,

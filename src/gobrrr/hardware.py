@@ -113,6 +113,9 @@ def get_gpu(name: str) -> GpuSpec:
     if key.endswith((".toml", ".json")):
         return load_gpu_file(name)
     names = ", ".join(gpu_names())
+    if Path(name).is_dir():
+        raise GobrrrError(f"GPU spec {name} is a directory",
+                          hint="give a .toml or .json GPU spec file, or a built-in GPU name")
     if Path(name).exists():
         raise GobrrrError(f"GPU spec file {name} must end in .toml or .json",
                           hint=f"rename it, or choose a built-in GPU: {names}")

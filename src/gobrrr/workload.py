@@ -65,7 +65,13 @@ class Workload:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer is None:
             return torch.optim.AdamW(params, lr=3e-4)
-        opt = self.optimizer(params)
+        try:
+            opt = self.optimizer(params)
+        except Exception as e:
+            raise GobrrrError(
+                f"Workload(optimizer={_short(self.optimizer)}) raised {type(e).__name__}: {e}",
+                hint="it is called as optimizer(params) with the model's trainable parameters: "
+                "check the arguments it gives the optimizer") from e
         if not isinstance(opt, torch.optim.Optimizer):
             raise GobrrrError(
                 f"Workload(optimizer=...) returned {type(opt).__name__}, not a "

@@ -36,6 +36,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """" (did you mean 'x'?)" when `word` is a close misspelling of one of `choices` (case
     and separators ignored), else ""."""
     choices = list(choices)
+    if word in choices:
+        return ""
     folded: dict[str, str] = {}
     for c in choices:  # the first spelling of a folded name wins (a name before its aliases)
         folded.setdefault(_fold(c), c)

@@ -10,7 +10,6 @@ from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
     grid_value,
-    model_flops,
     predict,
     time_op,
 )

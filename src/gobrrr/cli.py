@@ -32,7 +32,7 @@ EXAMPLES = {
   gobrrr gpus --json""",
     "bench": """examples:
   gobrrr bench kernels --out results/
-  gobrrr bench kernels --which attention norms --json""",
+  gobrrr bench kernels --which norms lce --json""",
 }
 PRECISION_HELP = "fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)"
 
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    ".toml/.json spec file (default h100)")
     p.add_argument("--no-calibration", action="store_true",
                    help="use datasheet peaks even if a calibration exists")
-    p.add_argument("--top", type=positive_int, default=12,
+    p.add_argument("--top", type=positive_int, default=12, metavar="N",
                    help="rows of the op and module tables (default 12)")
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -188,8 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the kernel benchmarks (needs a GPU)",
                        epilog=EXAMPLES["bench"], formatter_class=fmt)
     p.add_argument("target", choices=["kernels"])
-    p.add_argument("--which", nargs="*", default=["all"],
-                   help="attention, norms, lce, pointwise, gpt2 (default all)")
+    from gobrrr.kernels.bench import SCRIPTS
+
+    p.add_argument("--which", nargs="*", default=["all"], choices=["all", *SCRIPTS],
+                   metavar="NAME", help=f"which benchmarks: {', '.join(SCRIPTS)} (default all)")
     p.add_argument("--out", default="benchmarks/results",
                    help="an existing directory for the JSON results (default benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print the written paths as JSON")

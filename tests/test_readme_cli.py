@@ -26,7 +26,8 @@ def readme_synopsis() -> dict[str, set[str]]:
         if line.startswith("gobrrr "):
             command = line.split()[1]
             out[command] = set()
-        out[command] |= set(re.findall(r"--[a-z][a-z-]*", line))
+        if command is not None:
+            out[command] |= set(re.findall(r"--[a-z][a-z-]*", line))
     return out
 
 

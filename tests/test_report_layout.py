@@ -15,6 +15,7 @@ from gobrrr.hardware import BUILTIN_GPUS
 from gobrrr.report.terminal import op_label, print_estimate, print_gpus, summary_lines
 
 LONG = "a_module_name_far_too_long_for_any_column_of_an_eighty_column_table"
+STACK = "an_encoder_stack_whose_name_alone_takes_most_of_a_line"
 
 
 class Deep(nn.Module):
@@ -24,10 +25,10 @@ class Deep(nn.Module):
         super().__init__()
         self.ckpt = ckpt
         inner = nn.ModuleDict({LONG: nn.Linear(32, 32), "short": nn.Linear(32, 32)})
-        self.blocks = nn.ModuleDict({"encoder_block_with_a_long_name": inner})
+        self.add_module(STACK, nn.ModuleDict({"encoder_block_with_a_long_name": inner}))
 
     def forward(self, x):
-        inner = self.blocks["encoder_block_with_a_long_name"]
+        inner = getattr(self, STACK)["encoder_block_with_a_long_name"]
         for m in inner.values():
             x = checkpoint(m, x, use_reentrant=False) if self.ckpt else m(x)
         return x.square().mean()
@@ -70,11 +71,12 @@ def test_everything_fits_80_columns_and_nothing_is_cut(est):
 
 def test_long_names_wrap_in_their_column(est):
     text = render(print_estimate, est, top=50)
-    module = f"blocks.encoder_block_with_a_long_name.{LONG}"
+    module = f"{STACK}.encoder_block_with_a_long_name.{LONG}"
     assert module in est.time.by_module(depth=9) and len(module) > 80
     mm = next(o for o in est.time.ops if o.module == module and o.device_s > 0)
     assert whole(text, f"#{mm.index} in {module}")
-    assert whole(text, "blocks.encoder_block_with_a_long_name")  # the modules table, depth 2
+    # the modules table, two levels deep: longer than its column
+    assert whole(text, f"{STACK}.encoder_block_with_a_long_name")
 
 
 def test_cut_lists_say_so_and_how_to_see_all(est):

@@ -230,6 +230,7 @@ ARGUMENT_CASES = [
     cli("profile-model-empty", "profile --model=", "--model is empty", "gpt2"),
     cli("profile-model-typo", "profile gpt-2", "unknown model 'gpt-2'", "did you mean 'gpt2'"),
     cli("profile-steps-zero", "profile mlp --steps 0", "--steps 0", "positive whole number"),
+    cli("profile-gpu-typo", "profile mlp --gpu h10", "unknown GPU 'h10'", "did you mean 'h100'"),
     cli("profile-warmup-negative", "profile mlp --warmup -1", "--warmup -1", "0 or more"),
 ]
 

@@ -30,6 +30,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.command == "bench":
         check_output_dir(args.out, "--out")
     if args.command == "profile":
+        if args.gpu is not None:  # named before the run, not after it
+            from gobrrr.hardware import get_gpu
+
+            get_gpu(args.gpu)
         for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
             if value < least:
                 raise GobrrrError(f"{flag} {value} is too few", hint="give a positive whole "

@@ -9,12 +9,13 @@ otherwise.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gobrrr.errors import GobrrrError
+from gobrrr.errors import GobrrrError, did_you_mean
 
 TF = 1e12
 GB = 1e9
@@ -112,7 +113,15 @@ def get_gpu(name: str) -> GpuSpec:
     if key.endswith((".toml", ".json")):
         return load_gpu_file(name)
     names = ", ".join(gpu_names())
-    raise GobrrrError(f"unknown GPU {name!r}: choose one of {names}, "
+    if Path(name).is_dir():
+        raise GobrrrError(f"GPU spec {name} is a directory",
+                          hint="give a .toml or .json GPU spec file, or a built-in GPU name")
+    if Path(name).exists():
+        raise GobrrrError(f"GPU spec file {name} must end in .toml or .json",
+                          hint=f"rename it, or choose a built-in GPU: {names}")
+    known = [*gpu_names(), *(a for g in BUILTIN_GPUS for a in g.aliases)]
+    raise GobrrrError(f"unknown GPU {name!r}{did_you_mean(name, known)}",
+                      hint=f"choose one of {names} (`gobrrr gpus` lists them), "
                       "or give a .toml/.json spec file")
 
 
@@ -127,44 +136,119 @@ def match_device_name(device_name: str) -> GpuSpec | None:
     return None
 
 
-_REQUIRED = ("name", "memory_gb", "bandwidth_gbs", "bf16_tflops")
-
-
 def load_gpu_file(path: str | Path) -> GpuSpec:
     """A user's GPU from TOML or JSON with keys: name, memory_gb, bandwidth_gbs, bf16_tflops,
-    and optionally fp16_tflops, tf32_tflops, fp32_tflops, fp8_tflops, sms, launch_overhead_us."""
-    p = Path(path)
+    and optionally full_name, fp16_tflops, tf32_tflops, fp32_tflops, fp8_tflops, sms,
+    launch_overhead_us (the schema: `SPEC_KEYS`). Every error names the file, the key and the
+    form expected."""
+    data = read_spec_file(path)
+    bf16 = data["bf16_tflops"]
+    peaks = {
+        "bf16": bf16 * TF,
+        "fp16": data.get("fp16_tflops", bf16) * TF,
+        "tf32": data.get("tf32_tflops", bf16 / 2) * TF,
+        "fp32": data.get("fp32_tflops", bf16 / 15) * TF,
+    }
+    if "fp8_tflops" in data:
+        peaks["fp8"] = data["fp8_tflops"] * TF
+    return GpuSpec(
+        name=data["name"], full_name=data.get("full_name", data["name"]),
+        memory_bytes=int(data["memory_gb"] * GB), bandwidth=data["bandwidth_gbs"] * GB,
+        peak_flops=peaks, sms=data.get("sms", 100),
+        launch_overhead=data.get("launch_overhead_us", 10.0) * 1e-6,
+    )
+
+
+# -- a user's GPU spec file -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """One key of a GPU spec file: its type ("text", "number": finite and > 0, "count": a
+    whole number > 0), whether it must be there, and what it means (with its unit)."""
+
+    key: str
+    type: str
+    required: bool
+    doc: str
+
+
+SPEC_KEYS: tuple[SpecKey, ...] = (
+    SpecKey("name", "text", True, "name reports show"),
+    SpecKey("memory_gb", "number", True, "device memory in GB of 1e9 bytes"),
+    SpecKey("bandwidth_gbs", "number", True, "memory bandwidth in GB/s"),
+    SpecKey("bf16_tflops", "number", True, "dense bf16 tensor-core peak in TFLOP/s"),
+    SpecKey("full_name", "text", False, "name CUDA reports, default the name"),
+    SpecKey("fp16_tflops", "number", False, "dense fp16 peak in TFLOP/s, default bf16's"),
+    SpecKey("tf32_tflops", "number", False, "dense tf32 peak in TFLOP/s, default bf16/2"),
+    SpecKey("fp32_tflops", "number", False, "fp32 CUDA-core peak in TFLOP/s, default bf16/15"),
+    SpecKey("fp8_tflops", "number", False, "dense fp8 peak in TFLOP/s"),
+    SpecKey("sms", "count", False, "number of streaming multiprocessors, default 100"),
+    SpecKey("launch_overhead_us", "number", False,
+            "host time per kernel launch in µs, default 10"),
+)
+_FORMS = {"text": "a quoted string, e.g. \"mygpu\"", "number": "a finite number > 0, e.g. 80",
+          "count": "a whole number > 0, e.g. 132"}
+
+
+def read_spec_file(path: str | Path) -> dict[str, Any]:
+    """The validated keys of a GPU spec file (TOML or JSON) as Python values: text as str,
+    numbers as float, counts as int. Raises GobrrrError naming the file, the key and the
+    expected form for anything else (a missing or unknown key, a wrong type, a boolean, NaN,
+    infinity, a number <= 0, a directory or an unreadable file)."""
+    data = _parse_spec(Path(path))
+    keys = {k.key: k for k in SPEC_KEYS}
+    for k in data:
+        if k not in keys:
+            raise GobrrrError(f"GPU spec file {path}: unknown key {k!r}{did_you_mean(k, keys)}",
+                              hint=f"the keys are {', '.join(keys)}")
+    missing = [k.key for k in SPEC_KEYS if k.required and k.key not in data]
+    if missing:
+        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)}",
+                          hint="add " + "; ".join(f"{k}, the {keys[k].doc}" for k in missing))
+    return {k: _spec_value(path, keys[k], v) for k, v in data.items()}
+
+
+def _parse_spec(p: Path) -> dict[str, Any]:
+    if p.is_dir():
+        raise GobrrrError(f"GPU spec file {p} is a directory",
+                          hint="give the path of the .toml or .json file itself")
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise GobrrrError(f"cannot read GPU spec file {path}: {e.strerror}") from None
+        raise GobrrrError(f"cannot read GPU spec file {p}: {e.strerror}",
+                          hint="check the path (a .toml or .json file)") from None
+    kind = "TOML" if p.suffix.lower() == ".toml" else "JSON"
     try:
-        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+        text = raw.decode()
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
-        raise GobrrrError(f"GPU spec file {path} is not valid {p.suffix[1:]}: {e}") from None
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)} "
-                          f"(needs {', '.join(_REQUIRED)})")
-    bf16 = float(data["bf16_tflops"])
-    for k in ("memory_gb", "bandwidth_gbs", "bf16_tflops"):
-        if float(data[k]) <= 0:
-            raise GobrrrError(f"GPU spec file {path}: {k} must be > 0, got {data[k]}")
-    peaks = {
-        "bf16": bf16 * TF,
-        "fp16": float(data.get("fp16_tflops", bf16)) * TF,
-        "tf32": float(data.get("tf32_tflops", bf16 / 2)) * TF,
-        "fp32": float(data.get("fp32_tflops", bf16 / 15)) * TF,
-    }
-    if "fp8_tflops" in data:
-        peaks["fp8"] = float(data["fp8_tflops"]) * TF
-    return GpuSpec(
-        name=str(data["name"]), full_name=str(data.get("full_name", data["name"])),
-        memory_bytes=int(float(data["memory_gb"]) * GB),
-        bandwidth=float(data["bandwidth_gbs"]) * GB, peak_flops=peaks,
-        sms=int(data.get("sms", 100)),
-        launch_overhead=float(data.get("launch_overhead_us", 10.0)) * 1e-6,
-    )
+        raise GobrrrError(f"GPU spec file {p} is not valid {kind} ({e})",
+                          hint=f"write it as {kind} with keys name, memory_gb, bandwidth_gbs, "
+                          "bf16_tflops") from None
+    if not isinstance(data, dict):
+        raise GobrrrError(f"GPU spec file {p} holds a {type(data).__name__}, not a table of "
+                          "keys", hint='write {"name": "mygpu", "memory_gb": 80, ...}')
+    return data
+
+
+def _spec_value(path: str | Path, spec: SpecKey, v: Any) -> Any:
+    """One value checked against its key's type; bool is not a number, NaN and infinity are
+    not finite, and numbers must be > 0."""
+    form = f"give {spec.key} as {_FORMS[spec.type]} (the {spec.doc})"
+    bad = f"GPU spec file {path}: {spec.key} is {v!r}"
+    if spec.type == "text":
+        if isinstance(v, str) and v.strip():
+            return v
+        raise GobrrrError(bad, hint=form)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise GobrrrError(f"{bad}, a {type(v).__name__}, not a number",
+                          hint=form.replace(", e.g.", " without quotes or units, e.g.", 1))
+    if not math.isfinite(v) or v <= 0:
+        raise GobrrrError(bad, hint=form)
+    if spec.type == "count" and v != int(v):
+        raise GobrrrError(bad, hint=form)
+    return int(v) if spec.type == "count" else float(v)
 
 
 # -- calibration ----------------------------------------------------------------------------

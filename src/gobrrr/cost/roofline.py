@@ -90,12 +90,15 @@ class Prediction:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs (6N + attention) per second over the dense peak for the precision."""
+        """Model FLOPs per second over `peak_flops`, the precision's dense matmul peak. Model
+        FLOPs: those of the traced forward and backward, without recomputation (see
+        `model_flops`), so MFU <= HFU."""
         return self.model_flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
 
     @property
     def hfu(self) -> float:
-        """All executed FLOPs (recompute included) per second over the dense peak."""
+        """Every FLOP the step runs (recompute and optimizer included) per second over the
+        same peak."""
         return self.flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
 
     def regime_share(self) -> dict[str, float]:
@@ -453,7 +456,7 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     return Prediction(
         gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
         device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
-        flops=sum(o.flops for o in ops), model_flops=model_flops(graph),
+        flops=sum(o.flops for o in ops), model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.get("tokens") or 0),
         peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
@@ -483,11 +486,25 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
     return tuple(out)
 
 
-def model_flops(graph: StepGraph) -> float:
-    """Model FLOPs of the step: 6 · N · tokens for the parameters that take part in matmuls
-    (embedding lookups excluded, a tied output head included) plus attention: 3 × the forward
-    score and value matmuls, counted over the full S×S (the PaLM convention, 12·L·d·S per
-    token, not halved for causal)."""
+MODEL_PHASES = ("forward", "backward")
+
+
+def model_flops(graph: StepGraph, costs: list[OpCost] | None = None) -> float:
+    """Model FLOPs of one step: the FLOPs of the traced forward and backward, without
+    recomputation (a checkpointed step's recomputed forward and the optimizer are left out).
+    The same definition for every model: a CNN's convolutions, a ViT's patches, only the
+    experts an MoE routes to, as they ran. `costs`: the nodes' costs, if already computed."""
+    costs = costs if costs is not None else [op_cost(n) for n in graph.nodes]
+    return sum(c.flops for n, c in zip(graph.nodes, costs, strict=True)
+               if n.phase in MODEL_PHASES)
+
+
+def model_flops_6n(graph: StepGraph) -> float:
+    """Model FLOPs by the 6·N + attention convention (PaLM, Chowdhery et al. 2022, App. B):
+    6 · N · tokens for the parameters that take part in matmuls (embedding lookups excluded,
+    a tied output head included) plus 3 × the forward score and value matmuls over the full
+    S×S (12·L·d·S per token, not halved for causal). Meaningful for dense transformers only:
+    it counts images as tokens and every expert of an MoE."""
     n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
     attn = 0.0
     for node in graph.nodes:

@@ -55,9 +55,11 @@ class Estimate:
         ckpt, recomputed = checkpointing(self.graph)
         return {
             "version": ESTIMATE_VERSION,
-            "workload": {**{k: v for k, v in self.graph.meta.items() if k != "info"},
+            "workload": {**{k: v for k, v in self.graph.meta.items()
+                            if k not in ("info", "assumptions")},
                          "compiled": self.compiled, "checkpointing": ckpt,
                          "recomputed_ops": recomputed},
+            "assumptions": list(self.graph.meta.get("assumptions") or []),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
             "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from gobrrr.capture import assume
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
@@ -109,29 +110,39 @@ def _converter(fn: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any])
 
 
 def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
-                     recurse: bool = True) -> None:
-    """Replace every parameter and buffer by fn(it), keeping tied parameters tied. (Module.to
-    and _apply cannot swap fake tensors.)"""
+                     recurse: bool = True,
+                     only: Callable[[torch.Tensor], bool] = lambda t: True) -> None:
+    """Replace every parameter and buffer (for which `only` holds) by fn(it), keeping tied
+    parameters tied. (Module.to and _apply cannot swap fake tensors.)"""
     convert = _converter(fn, {})
     for mod in model.modules() if recurse else [model]:
         for name, p in list(mod._parameters.items()):
-            if p is not None:
+            if p is not None and only(p):
                 mod._parameters[name] = convert(p)
         for name, b in list(mod._buffers.items()):
-            if b is not None:
+            if b is not None and only(b):
                 mod._buffers[name] = convert(b)
 
 
-def _to_fake(workload: Workload, mode: FakeTensorMode) -> Workload:
+def _to_fake(workload: Workload, mode: FakeTensorMode, values: assume.Values) -> Workload:
     """A fake copy of a workload built from real tensors (same structure, no memory); the
     user's model is left untouched."""
     memo: dict[int, Any] = {}
-    convert = _converter(mode.from_tensor, memo)
-    for t in [*workload.model.parameters(), *workload.model.buffers()]:
-        convert(t)
+    fake = _faker(mode, values)
+    convert = _converter(fake, memo)
+    with unset_fake_temporarily():
+        for t in [*workload.model.parameters(), *workload.model.buffers()]:
+            if isinstance(t, torch._subclasses.FakeTensor):
+                memo[id(t)] = t  # already fake: shared, not copied
+            else:
+                convert(t)
+        batch = map_tensors(workload.batch, fake)
     model = copy.deepcopy(workload.model, memo)  # the memo hands deepcopy the fake tensors
-    return dataclasses.replace(workload, model=model,
-                               batch=map_tensors(workload.batch, mode.from_tensor))
+    return dataclasses.replace(workload, model=model, batch=batch)
+
+
+def _faker(mode: FakeTensorMode, values: assume.Values) -> Callable[[torch.Tensor], Any]:
+    return lambda t: assume.fake_copy(t, mode, values.table)
 
 
 @contextlib.contextmanager
@@ -154,14 +165,19 @@ def _replacing_apply() -> Iterator[None]:
         torch.nn.Module._apply = original
 
 
-def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:
+def _build(source: WorkloadSource, mode: FakeTensorMode, values: assume.Values) -> Workload:
+    """The workload, every tensor in it fake. A function is called under `mode` with small
+    tensors real (assume.RealSmall: constructors may read what they compute), and the CPU's
+    random state is restored afterwards; what is left real is made fake, with the facts its
+    values give (integer batches: their range)."""
     if isinstance(source, Workload):
         w = source
         if any(not isinstance(p, torch._subclasses.FakeTensor) for p in w.model.parameters()):
-            w = _to_fake(w, mode)
+            w = _to_fake(w, mode, values)
         return w
+    real = assume.RealSmall()
     try:
-        with _replacing_apply():
+        with torch.random.fork_rng(devices=[]), _replacing_apply(), real:
             w = source()
     except GobrrrError:
         raise
@@ -170,7 +186,21 @@ def _build(source: WorkloadSource, mode: FakeTensorMode) -> Workload:
     if not isinstance(w, Workload):
         raise GobrrrError(f"the workload function returned {type(w).__name__}, "
                           "expected a gobrrr.Workload")
-    return w
+    return _fake_rest(w, mode, values, real.made)
+
+
+def _fake_rest(w: Workload, mode: FakeTensorMode, values: assume.Values, made) -> Workload:
+    """Make the real tensors a built workload holds fake: in place where the build made them
+    all, on a copy of the model where some came from outside (the user's stay untouched)."""
+    tensors = [*w.model.parameters(), *w.model.buffers()]
+    reals = [t for t in tensors if not isinstance(t, torch._subclasses.FakeTensor)]
+    if reals and not all(made(t) for t in reals):
+        return _to_fake(w, mode, values)
+    with unset_fake_temporarily():  # conversions of real tensors, outside the fake mode
+        if reals:
+            _convert_tensors(w.model, _faker(mode, values),
+                             only=lambda t: not isinstance(t, torch._subclasses.FakeTensor))
+        return dataclasses.replace(w, batch=map_tensors(w.batch, _faker(mode, values)))
 
 
 def _prepare(w: Workload, precision: str) -> Workload:
@@ -287,24 +317,29 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
                           f"choose {', '.join(CHECKPOINTS)}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
-    with mode, rules, cuda_dropout(), cuda_sdpa(sdpa or SdpaTarget()) as chosen:
-        w = _prepare(_build(source, mode), precision)
+    values = assume.Values()
+    with mode, assume.ValueMode(values), rules, cuda_dropout(), \
+            cuda_sdpa(sdpa or SdpaTarget()) as chosen:
+        w = _prepare(_build(source, mode, values), precision)
         blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
         if checkpoint == "full" and not blocks:
             raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
                               "modules of one class) to checkpoint in this model")
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
-        graph = _trace(w, precision, on_step=chosen.chosen.clear)
+        graph = _trace(w, precision, values, on_step=chosen.chosen.clear)
     meta = dict(graph.meta, checkpoint=checkpoint, checkpointed_blocks=len(blocks),
-                sdpa_backends=dict(chosen.chosen))
+                sdpa_backends=dict(chosen.chosen),
+                assumptions=[a.to_dict() for a in values.assumptions()],
+                syncs=sorted({*graph.meta["syncs"], *values.syncs}))
     return dataclasses.replace(graph, meta=meta)
 
 
-def _trace(w: Workload, precision: str, on_step: Callable[[], None] = lambda: None
-           ) -> StepGraph:
+def _trace(w: Workload, precision: str, values: assume.Values,
+           on_step: Callable[[], None] = lambda: None) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
         step = _Step(w, precision)
+        values.during("warm-up")
         _guarded(step.init_optimizer_state, "optimizer's first step")
         on_step()
         table = StorageTable()
@@ -312,6 +347,7 @@ def _trace(w: Workload, precision: str, on_step: Callable[[], None] = lambda: No
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
             rec = step.recorder = Recorder(table, driver.module, driver.current_phase)
+            values.where = lambda: (driver.module(), driver.current_phase(), len(rec.nodes))
 
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)

@@ -51,6 +51,31 @@ def addbmm(node: OpNode, tf32: bool) -> OpCost:
     return _matmul_cost(node, tf32, b1, 2 * b1.numel * b2.shape[-1])
 
 
+def grouped_mm_groups(node: OpNode) -> int:
+    """Groups of a `_grouped_mm`: the length of `offs`, else the batch of a 3-D operand."""
+    offs = targ(node, 2, "offs")
+    if offs is not None and offs.shape:
+        return offs.shape[0]
+    return next((t.shape[0] for t in node.inputs[:2] if len(t.shape) == 3), 1)
+
+
+def grouped_mm(node: OpNode, tf32: bool) -> OpCost:
+    """_grouped_mm(mat_a, mat_b, offs?, bias?, out_dtype?): one matmul per group (mixture-of-
+    experts layers), 2 FLOPs per multiply-add over every row, so 2·rows·K·N in all, whatever
+    the split between groups. Both operands 2-D (the weight gradient: K split by `offs`):
+    2·M·N·K_total. bf16/fp16 run one grouped kernel; other dtypes run CUDA's fallback, one
+    matmul per group."""
+    a, b = targ(node, 0, "self"), targ(node, 1, "mat2")
+    out = node.outputs[0]
+    if len(a.shape) == 2 and len(b.shape) == 2:
+        flops = 2 * out.shape[-2] * out.shape[-1] * a.shape[-1]
+    else:
+        flops = 2 * out.numel * a.shape[-1]
+    launches = 1 if a.dtype in ("bfloat16", "float16") else grouped_mm_groups(node)
+    return OpCost(float(flops), float(io_bytes(node)), matmul_math(a.dtype, tf32), "matmul",
+                  launches)
+
+
 def conv_flop_count(x: tuple, w: tuple, out: tuple, transposed: bool) -> int:
     """torch.utils.flop_counter's count: 2 · batch · C_out · C_in/groups · kernel · spatial
     (spatial of the output, or of the input for a transposed conv)."""
@@ -115,6 +140,7 @@ def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
 COSTS: dict[str, CostFn] = {
     **{f"aten.{n}": mm for n in ("mm", "bmm", "matmul", "linear", "_scaled_mm", "_int_mm", "mv",
                                  "dot", "vdot", "inner")},
+    "aten._grouped_mm": grouped_mm,
     "aten.addmm": addmm, "aten.addmm_": addmm, "aten._addmm_activation": addmm,
     "aten.baddbmm": baddbmm, "aten.baddbmm_": baddbmm,
     "aten.addbmm": addbmm, "aten.addbmm_": addbmm, "aten.addmv": addmv, "aten.addmv_": addmv,

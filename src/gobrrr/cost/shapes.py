@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from gobrrr.cost._ops_common import targ
-from gobrrr.cost._ops_matmul import conv_backward_flops
+from gobrrr.cost._ops_matmul import conv_backward_flops, grouped_mm_groups
 from gobrrr.cost.flops import OpCost
 from gobrrr.graph import OpNode, StepGraph
 
@@ -41,6 +41,13 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
         a = node.inputs[1] if name in ("addmm", "baddbmm") and len(node.inputs) > 2 else \
             node.inputs[0]
         return float(out.numel), float(a.shape[-1])
+    if name == "_grouped_mm" and node.outputs:
+        # one GEMM per group (CUDA's fallback for non-16-bit dtypes: one kernel each)
+        a, b, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        groups = grouped_mm_groups(node)
+        kernels = 1 if a.dtype in ("bfloat16", "float16") else groups
+        depth = a.shape[-1] / groups if len(a.shape) == len(b.shape) == 2 else a.shape[-1]
+        return float(out.numel) / kernels, float(depth)
     if name.startswith("convolution") or name.startswith("cudnn_convolution"):
         # by argument position: a late-stage weight can be larger than the activations
         backward = name.endswith("backward")

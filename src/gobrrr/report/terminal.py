@@ -79,6 +79,8 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
         c.print(_formulas_table(est))
     for h in hints(est):
         c.print(Text.assemble(("hint: ", "yellow"), h))
+    for line in assumption_lines(est.graph.meta.get("assumptions") or []):
+        c.print(line)
 
 
 def summary_lines(est: Estimate) -> list[Text]:
@@ -121,6 +123,27 @@ def _checkpoint(est: Estimate) -> str:
         return "checkpoint none"
     who = "full (every block)" if how == "full" else "by the model itself"
     return f"checkpoint {who}, {recomputed:,} ops recomputed"
+
+
+def assumption_lines(assumptions: list[dict]) -> list[str]:
+    """One line per kind of value the trace read (gobrrr.capture.assume): what it took, how
+    often, by which ops and where (module, phase)."""
+    by_kind: dict[str, list[dict]] = {}
+    for a in assumptions:
+        by_kind.setdefault(a["kind"], []).append(a)
+    lines = []
+    for kind, rows in by_kind.items():
+        n = sum(r["count"] for r in rows)
+        ops = ", ".join(sorted({r["op"].removeprefix("aten.") for r in rows}))
+        places = sorted({f"{r['module'] or '<top>'} ({r['phase']})" for r in rows})
+        where = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3
+                                         else "")
+        values = sorted({r["value"] for r in rows})
+        took = ", ".join(values[:3]) + (" …" if len(values) > 3 else "")
+        tag = "[cyan]read exactly:[/]" if kind == "derived" else "[yellow]assumed:[/]"
+        what = rows[0]["what"].removeprefix("read exactly: ")
+        lines.append(f"{tag} {what} — {n}× {ops} → {took}; in {where}")
+    return lines
 
 
 def _memory_table(est: Estimate) -> Table:

@@ -59,3 +59,23 @@ def test_copies_and_pointwise_read_the_size_curve(make_cal):
     assert rates.sized("copy", "_to_copy", 1e12) == pytest.approx(2.5e12)  # clamped
     assert rates.sized("norm", "native_layer_norm", 1e6) is None  # its own bandwidth
     assert Rates(get_gpu("h100"), make_cal()).sized("copy", "_to_copy", 1e6) is None
+
+
+def test_batch_norm_reads_its_grid_over_channels_and_rows(make_cal):
+    from gobrrr.graph import OpNode, TensorInfo
+
+    def bn(c, n, cl):
+        stride = (c * 28 * 28, 1, 28 * c, c) if cl else (c * 28 * 28, 28 * 28, 28, 1)
+        x = TensorInfo((n, c, 28, 28), stride, "bfloat16", 0)
+        return OpNode(index=0, op="aten.native_batch_norm_backward.default", phase="backward",
+                      module="", inputs=(x, x), outputs=())
+
+    grid = [[1024.0, 3136.0, 1e11], [1024.0, 50176.0, 1e12],
+            [64.0, 3136.0, 4e11], [64.0, 50176.0, 8e11]]
+    cal = make_cal(batch_norm_grid={"backward:bf16:channels_last": grid},
+                   batch_norm_bandwidth={"backward:bf16": [[64.0, 5e10], [1024.0, 5e10]]})
+    rates = Rates(get_gpu("h100"), cal)
+    assert rates.batch_norm(bn(1024, 4, cl=True)) == pytest.approx(1e11)  # 3136 rows
+    assert rates.batch_norm(bn(1024, 64, cl=True)) == pytest.approx(1e12)  # 50176 rows
+    assert rates.batch_norm(bn(64, 16, cl=True)) == pytest.approx(6e11)  # halfway in log rows
+    assert rates.batch_norm(bn(1024, 64, cl=False)) == pytest.approx(5e10)  # no grid: the curve

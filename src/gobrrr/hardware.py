@@ -287,7 +287,9 @@ class Calibration:
     gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}.
     `size_bandwidth`: achieved bytes/s of copies (dtype casts) and pointwise kernels over the
     bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
-    `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8)."""
+    `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
+    `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
+    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve."""
 
     gpu: str
     device_name: str
@@ -314,6 +316,7 @@ class Calibration:
     kernel_host: dict[str, float] = field(default_factory=dict)
     outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     size_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -184,8 +184,8 @@ class Rates:
                          (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
 
     def batch_norm(self, node: OpNode) -> float | None:
-        """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
-        calibration's curve), or None."""
+        """Measured bytes/s of a training-mode batch norm at its channel count, rows (N·H·W),
+        dtype and layout (the calibration's grid; else its curve over channels), or None."""
         direction = BATCH_NORMS.get(node.name)
         if not direction or not self.cal or not node.inputs:
             return None
@@ -194,6 +194,10 @@ class Rates:
             return None
         layout = ("channels_last",) if len(x.shape) == 4 and x.shape[1] > 1 and \
             x.stride[1] == 1 else ()
+        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
+        grid = self.cal.batch_norm_grid.get(":".join((key, *layout)))
+        if grid:
+            return grid_value(grid, x.shape[1], x.numel / x.shape[1])
         return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
 
     def sized(self, kind: str, name: str, nbytes: float) -> float | None:

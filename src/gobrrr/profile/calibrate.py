@@ -98,6 +98,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),
                                         strict=True)),
         "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
+        "batch_norm_grid": lambda d: {"batch_norm_grid": cs.batch_norm_grid(d)},
         "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cc.depthwise_bandwidths(d)},
         "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
         "matmul_misaligned": lambda d: {"matmul_misaligned": {

@@ -215,6 +215,35 @@ def batch_norm_bandwidths(dev: torch.device, elements: int = 2**24, plane: int =
     return out
 
 
+BN_GRID_CHANNELS = (32, 64, 128, 256, 512, 1024, 2048)
+BN_GRID_ROWS = (3136, 12544, 50176, 200704, 802816)  # N·H·W: 4..1024 images of 28 x 28
+
+
+def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
+                    ) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of training-mode batch norm over channels and rows (N·H·W, the
+    reduction each channel makes), forward and backward, per dtype and layout:
+    {"forward:bf16" | "backward:bf16:channels_last" | ...: [[channels, rows, B/s], ...]}.
+    Both set the kernels' launch shape (the channels-last backward at 1024 channels and
+    15680 rows measured 98 GB/s, at 25088 rows it runs ~10x faster): one curve over channels
+    at a fixed size cannot stand for a network's layers."""
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for suffix, channels_last in (("", False), (":channels_last", True)):
+            fwd_rows, bwd_rows = [], []
+            for c in BN_GRID_CHANNELS:
+                for rows in BN_GRID_ROWS:
+                    if c * rows > max_elements:
+                        continue
+                    shape = (rows // 784, c, 28, 28)
+                    t_fwd, t_bwd = batch_norm_times(dev, shape, dtype, channels_last)
+                    nf, nb = _bn_bytes(shape, dtype)
+                    fwd_rows.append([float(c), float(rows), nf / t_fwd])
+                    bwd_rows.append([float(c), float(rows), nb / t_bwd])
+            out[f"forward:{key}{suffix}"], out[f"backward:{key}{suffix}"] = fwd_rows, bwd_rows
+    return out
+
+
 def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype,
                      channels_last: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored

@@ -22,6 +22,7 @@ from gobrrr.cost.shapes import (
     conv_class,
     conv_directions,
     conv_layout,
+    conv_points,
     depthwise,
     depthwise_class,
     gemm_dims,
@@ -159,7 +160,7 @@ class Rates:
             return None
         seconds, parts = 0.0, conv_directions(node, cost.flops)
         for direction, flops in parts.items():
-            points = _conv_points(table, conv_layout(node), conv_class(node), direction)
+            points = conv_points(table, conv_layout(node), conv_class(node), direction)
             if points is None:
                 break
             seconds += flops / _grid(points, *dims)
@@ -286,26 +287,6 @@ def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
         return None
     return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
                    math.log(max(x, 1.0)))
-
-
-# where a convolution's shape class was not measured, the class whose kernels come closest
-CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
-                 "stem": ("3x3-s2", "3x3")}
-
-
-def _conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
-                 direction: str) -> list[list[float]] | None:
-    """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
-    direction": points}) for this layout, shape class and direction: the class's own, else
-    the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
-    channels_last one pays no layout copies, so that errs slow); None when none was measured
-    (a grid without layouts)."""
-    classes = (cls, *CONV_FALLBACK.get(cls, ())) if cls else ()
-    for lay in dict.fromkeys((layout, "channels_first")):
-        for c in classes:
-            if table.get(key := f"{lay}:{c}:{direction}"):
-                return table[key]
-    return None
 
 
 def _host_dtype(math_mode: str) -> str:

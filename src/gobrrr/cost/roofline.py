@@ -146,10 +146,11 @@ class Rates:
 
     def conv(self, node: OpNode, cost: OpCost) -> float | None:
         """Measured FLOP/s of a cuDNN convolution at its implicit-GEMM dims, for its layout,
-        shape class and direction (a backward's gradients each at their own rate, summed as
-        times), transposes included where the layout needs them; None without a convolution
-        grid. A grid without layouts (calibrations before them, measured on channels-first
-        tensors over all shapes, both gradients together) is read as it always was."""
+        shape class and direction (a backward asking for both gradients at the rate measured
+        so, else each gradient at its own rate, summed as times), transposes included where
+        the layout needs them; None without a convolution grid. A grid without layouts
+        (calibrations before them, measured on channels-first tensors over all shapes, both
+        gradients together) is read as it always was."""
         dims = gemm_dims(node)
         grid = self.cal.conv_grid if self.cal and dims else {}
         mode = cost.math
@@ -158,9 +159,13 @@ class Rates:
         table = grid.get(mode)
         if not table:
             return None
-        seconds, parts = 0.0, conv_directions(node, cost.flops)
+        layout, cls = conv_layout(node), conv_class(node)
+        parts = conv_directions(node, cost.flops)
+        if len(parts) == 2 and (both := conv_points(table, layout, cls, "backward")):
+            return _grid(both, *dims)  # both gradients, measured in one call as they run
+        seconds = 0.0
         for direction, flops in parts.items():
-            points = conv_points(table, conv_layout(node), conv_class(node), direction)
+            points = conv_points(table, layout, cls, direction)
             if points is None:
                 break
             seconds += flops / _grid(points, *dims)

@@ -111,6 +111,12 @@ def test_a_backward_sums_its_gradients_times_at_their_own_rates(make_cal):
     assert time_op(bwd[4], c, rates).compute_s == pytest.approx(f3 / 2e12 + f3 / 5e11)
     stem = op_cost(bwd[0])
     assert time_op(bwd[0], stem, rates).compute_s == pytest.approx(2.0 * 2**13 * 147 / 1e12)
+    # both gradients measured in one call (one grad_output copy, as they run): that rate
+    table["channels_last:3x3:backward"] = flat(3e12)
+    table["channels_last:stem:backward"] = flat(3e12)  # the stem asks for grad_weight only
+    both = Rates(H100, make_cal(conv_grid={"bf16": table}))
+    assert time_op(bwd[4], c, both).compute_s == pytest.approx(2 * f3 / 3e12)
+    assert time_op(bwd[0], stem, both).compute_s == pytest.approx(2.0 * 2**13 * 147 / 1e12)
 
 
 def test_missing_classes_and_layouts_fall_back(make_cal):
@@ -253,14 +259,15 @@ def test_a_measured_grid_is_read_by_the_lookup(make_cal):
     shapes = (cc.ConvShape("3x3", 16, 16, 3, 1, 1, 16),)
     grid, spaces = cc.conv_grid(torch.device("cpu"), outputs=(2**12, 2**14), shapes=shapes)
     assert set(grid) == {"bf16", "tf32", "fp32"}
-    assert set(grid["bf16"]) == {f"{lay}:3x3:{d}" for lay in cc.LAYOUTS
-                                 for d in ("forward", "backward_input", "backward_weight")}
+    assert set(grid["bf16"]) == {f"{lay}:3x3:{d}" for lay in cc.LAYOUTS for d in (
+        "forward", "backward_input", "backward_weight", "backward")}
     assert set(spaces["bf16"]) == {"forward", "backward", "channels_last:forward",
                                    "channels_last:backward"}
     rates = Rates(H100, make_cal(conv_grid=grid))
     for channels_last in (False, True):
         node = _convs(_graph(channels_last))[4]  # 2^13 outputs, depth 144: on the grid's row
         layout = "channels_last" if channels_last else "channels_first"
-        pts = grid["bf16"][f"{layout}:3x3:forward"]
-        lo, hi = (p[2] for p in sorted(pts))
-        assert rates.conv(node, op_cost(node)) == pytest.approx((lo + hi) / 2)
+        bwd = _convs(_graph(channels_last), True)[4]
+        for n, direction in ((node, "forward"), (bwd, "backward")):
+            lo, hi = (p[2] for p in sorted(grid["bf16"][f"{layout}:3x3:{direction}"]))
+            assert rates.conv(n, op_cost(n)) == pytest.approx((lo + hi) / 2)

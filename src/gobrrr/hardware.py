@@ -270,15 +270,21 @@ class Calibration:
     ("recompute": a recomputed op; "checkpointed": a forward op inside a checkpointed block;
     both carry the checkpoint machinery and fall back to the forward's when absent).
     `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name.
-    `conv_grid`: achieved FLOP/s of cuDNN convolutions (channels-first), per math mode and
-    direction ("forward", "backward"), over implicit-GEMM output size and depth, as
-    [[outputs, depth, FLOP/s], ...]. `conv_workspace`: the bytes cuDNN allocates inside a
+    `conv_grid`: achieved FLOP/s of cuDNN convolutions per math mode, over implicit-GEMM
+    output size and depth, as [[outputs, depth, FLOP/s], ...], keyed "layout:class:direction"
+    (layout "channels_first" | "channels_last"; class "1x1", "1x1-reduce", "1x1-expand",
+    "3x3", "3x3-s2", "stem", "grouped"; direction "forward", "backward_input",
+    "backward_weight"), or in calibrations before layouts "forward" | "backward"
+    (channels-first, both gradients). `conv_workspace`: the bytes cuDNN allocates inside a
     convolution beyond its 16-bit layout copies, as a fraction of the op's input + output
-    bytes, per math mode and direction (the median over the same grid).
+    bytes, per math mode and direction ("forward" | "backward", channels-first; prefixed
+    "channels_last:" for that layout), the median over the same grid.
     `batch_norm_bandwidth`: achieved bytes/s of training-mode batch norm over the channel
-    count, {"forward:bf16" | "backward:fp32" | ...: [[channels, bytes/s], ...]}.
+    count, {"forward:bf16" | "backward:fp32" | ... (channels-first), with ":channels_last"
+    for that layout: [[channels, bytes/s], ...]}.
     `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their size in
-    bytes, keyed the same way.
+    bytes, keyed "forward:bf16:channels_last:5x5-s2" (direction, dtype, layout, kernel), or
+    "forward:bf16" (channels-first 3x3) in calibrations before layouts.
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
     convolutions and batch norm).
     `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls

@@ -23,6 +23,7 @@ from gobrrr.cost.shapes import (
     conv_class,
     conv_directions,
     conv_layout,
+    conv_points,
     depthwise,
     depthwise_class,
     gemm_dims,
@@ -149,10 +150,11 @@ class Rates:
 
     def conv(self, node: OpNode, cost: OpCost) -> float | None:
         """Measured FLOP/s of a cuDNN convolution at its implicit-GEMM dims, for its layout,
-        shape class and direction (a backward's gradients each at their own rate, summed as
-        times), transposes included where the layout needs them; None without a convolution
-        grid. A grid without layouts (calibrations before them, measured on channels-first
-        tensors over all shapes, both gradients together) is read as it always was."""
+        shape class and direction (a backward asking for both gradients at the rate measured
+        so, else each gradient at its own rate, summed as times), transposes included where
+        the layout needs them; None without a convolution grid. A grid without layouts
+        (calibrations before them, measured on channels-first tensors over all shapes, both
+        gradients together) is read as it always was."""
         dims = gemm_dims(node)
         grid = self.cal.conv_grid if self.cal and dims else {}
         mode = cost.math
@@ -161,9 +163,13 @@ class Rates:
         table = grid.get(mode)
         if not table:
             return None
-        seconds, parts = 0.0, conv_directions(node, cost.flops)
+        layout, cls = conv_layout(node), conv_class(node)
+        parts = conv_directions(node, cost.flops)
+        if len(parts) == 2 and (both := conv_points(table, layout, cls, "backward")):
+            return _grid(both, *dims)  # both gradients, measured in one call as they run
+        seconds = 0.0
         for direction, flops in parts.items():
-            points = _conv_points(table, conv_layout(node), conv_class(node), direction)
+            points = conv_points(table, layout, cls, direction)
             if points is None:
                 break
             seconds += flops / _grid(points, *dims)
@@ -310,26 +316,6 @@ def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
         return None
     return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
                    math.log(max(x, 1.0)))
-
-
-# where a convolution's shape class was not measured, the class whose kernels come closest
-CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
-                 "stem": ("3x3-s2", "3x3")}
-
-
-def _conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
-                 direction: str) -> list[list[float]] | None:
-    """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
-    direction": points}) for this layout, shape class and direction: the class's own, else
-    the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
-    channels_last one pays no layout copies, so that errs slow); None when none was measured
-    (a grid without layouts)."""
-    classes = (cls, *CONV_FALLBACK.get(cls, ())) if cls else ()
-    for lay in dict.fromkeys((layout, "channels_first")):
-        for c in classes:
-            if table.get(key := f"{lay}:{c}:{direction}"):
-                return table[key]
-    return None
 
 
 def _host_dtype(math_mode: str) -> str:

@@ -130,6 +130,26 @@ def conv_class(node: OpNode) -> str | None:
     return "3x3-s2" if any(s > 1 for s in stride) else "3x3"
 
 
+# where a convolution's shape class was not measured, the class whose kernels come closest
+CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
+                 "stem": ("3x3-s2", "3x3")}
+
+
+def conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
+                 direction: str) -> list[list[float]] | None:
+    """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
+    direction": points}) for this layout, shape class and direction: the class's own, else
+    the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
+    channels_last one pays no layout copies, so that errs slow); None when none was measured
+    (a grid without layouts)."""
+    classes = (cls, *CONV_FALLBACK.get(cls, ())) if cls else ()
+    for lay in dict.fromkeys((layout, "channels_first")):
+        for c in classes:
+            if table.get(key := f"{lay}:{c}:{direction}"):
+                return table[key]
+    return None
+
+
 def depthwise_class(node: OpNode) -> str:
     """The calibration's kernel class of a depthwise convolution: "3x3", "5x5", "7x7", with
     "-s2" when strided."""

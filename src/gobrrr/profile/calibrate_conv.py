@@ -99,8 +99,10 @@ def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.d
 
 
 def _calls(x, w, gy, args) -> dict[str, tuple[str, object]]:
-    """direction -> (ATen op name, fn) of one grid point; "backward" (both gradients, as a
-    layer inside a network asks) is measured for its workspace only."""
+    """direction -> (ATen op name, fn) of one grid point: "forward", "backward_input",
+    "backward_weight" (the first layer asks for grad_weight only) and "backward" (both
+    gradients, as a layer inside a network asks: in 16-bit channels-first, PyTorch copies
+    grad_output to NHWC once for both, so the parts' sum would count that copy twice)."""
     aten = torch.ops.aten
     calls = {"forward": ("convolution", lambda: aten.convolution(x, w, None, *args))}
     masks = {**BACKWARD_MASKS, "backward": [True, True, False]}
@@ -127,10 +129,9 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
             inside = _allocated_inside(fn, dev) - conv.layout_scratch(node) \
                 if dev.type == "cuda" else 0
             spaces[direction] = max(inside, 0) / conv.io_bytes(node)
-        if direction != "backward":
-            mn, k = gemm_dims(node)
-            flops = op_cost(node, mode == "tf32").flops
-            rates[direction] = [mn, k, flops / time_op(fn, dev, REPS)]
+        mn, k = gemm_dims(node)
+        flops = op_cost(node, mode == "tf32").flops
+        rates[direction] = [mn, k, flops / time_op(fn, dev, REPS)]
     return rates, spaces
 
 
@@ -139,8 +140,9 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
     """(rates, workspaces) of cuDNN convolutions over `conv_shapes()` at `outputs`:
     rates {mode: {"layout:class:direction": [[output elements, depth, FLOP/s], ...]}},
     layout "channels_first" | "channels_last", direction "forward" | "backward_input" |
-    "backward_weight"; workspaces {mode: {"forward" | "backward": fraction (channels-first),
-    "channels_last:forward" | "channels_last:backward": fraction}}: the bytes cuDNN
+    "backward_weight" | "backward" (both gradients in one call); workspaces {mode:
+    {"forward" | "backward": fraction (channels-first), "channels_last:forward" |
+    "channels_last:backward": fraction}}: the bytes cuDNN
     allocated and freed inside the call beyond the 16-bit layout copies
     `gobrrr.cost.conv.layout_scratch` models, over the op's input + output bytes, the median
     over the grid. The workspace depends on the algorithm cuDNN's heuristics pick, which

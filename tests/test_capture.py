@@ -134,8 +134,12 @@ def test_a_real_workload_is_traced_without_touching_its_tensors():
     g = capture(w, precision="fp32")
     assert sum(s.nbytes for s in g.storages if s.kind == "parameter") == (8 * 8 + 8 + 8 + 1) * 4
     assert g.meta["params"] == 8 * 8 + 8 + 8 + 1
+    # the user's own parameters: still real, the same values, no gradient, and the model
+    # holds the same Parameter objects (the trace ran a fake copy's step)
     for p, b in zip(model.parameters(), before, strict=True):
-        assert not isinstance(p, torch._subclasses.FakeTensor) or torch.equal(p, b)
+        assert not isinstance(p, torch._subclasses.FakeTensor)
+        assert torch.equal(p, b) and p.grad is None
+    assert all(not isinstance(x, torch._subclasses.FakeTensor) for x in w.batch)
 
 
 def test_a_workload_function_may_convert_its_model():

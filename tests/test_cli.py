@@ -104,17 +104,19 @@ def test_user_gpu_file(capsys, tmp_path):
 
 def test_gpus_lists_every_builtin(capsys):
     code, out, err = run(capsys, "gpus", "--json")
-    names = {g["name"] for g in json.loads(out)}
+    data = json.loads(out)
+    assert data["version"] == 1
+    names = {g["name"] for g in data["gpus"]}
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l4", "l40s",
             "rtx4090"} <= names
 
 
-def test_debug_shows_the_traceback(capsys, monkeypatch):
-    from gobrrr.errors import GobrrrError
-
+def test_debug_shows_the_traceback_and_still_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("GOBRRR_DEBUG", "1")
-    with pytest.raises(GobrrrError):
-        main(["estimate", "--model", "gpt5"])
+    code, out, err = run(capsys, "estimate", "--model", "gpt5")
+    assert code == 2
+    assert "Traceback (most recent call last)" in err
+    assert err.splitlines()[-1].startswith("gobrrr: error: unknown model 'gpt5'")
 
 
 def test_hints_name_the_misaligned_head_and_what_does_not_fit(capsys):
@@ -132,5 +134,6 @@ def test_unwritable_graph_path_is_one_line(capsys, tmp_path):
     target = tmp_path / "missing-dir" / "g.json"
     code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "4",
                          "--save-graph", str(target))
-    assert code == 2 and err.startswith("gobrrr: error: cannot write step graph")
+    assert code == 2 and err.startswith("gobrrr: error: --save-graph")
+    assert "does not exist" in err and "mkdir -p" in err and err.count("\n") == 1
     assert not target.parent.exists()

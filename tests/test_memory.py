@@ -116,6 +116,7 @@ def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
         + 2 * sbh + 6 * sbh         # c_attn: bf16 cast of its input; q, k, v (bf16)
         + 2 * 3 * d * d             # c_attn: bf16 copy of the weight (autocast's cache)
         + 2 * sbh + 4 * b * a * s   # attention output (bf16) and its fp32 log-sum-exp
+        + 2 * 8                     # cuDNN attention's RNG seed and offset (int64 scalars)
         + 2 * d * d                 # attn.c_proj weight copy
         + 4 * sbh + 4 * sbh         # the two residual sums, fp32 (the stream stays fp32)
         + 2 * sbh + 8 * sbh         # c_fc: input cast; output 4d wide (gelu's input)
@@ -130,7 +131,8 @@ def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
     assert megatron == 34 * sbh
     fp32_stream = 2 * (4 - 2) * sbh  # two residual sums kept in fp32, not 16-bit
     weight_copies = 2 * 12 * d * d  # bf16 copies of the block's 12·d² weights
-    fp32_stats = 2 * (2 * bs * 4) + 4 * b * a * s  # norm statistics, attention log-sum-exp
+    # norm statistics, attention log-sum-exp, cuDNN attention's RNG seed and offset
+    fp32_stats = 2 * (2 * bs * 4) + 4 * b * a * s + 2 * 8
     dropout_masks = 2 * sbh  # Megatron's two 1-byte masks (attention output, MLP output)
     assert traced - megatron == fp32_stream + weight_copies + fp32_stats - dropout_masks
 

@@ -10,7 +10,6 @@ from gobrrr.cost.roofline import (
     MISALIGNED_FRACTION,
     Rates,
     grid_value,
-    model_flops,
     predict,
     time_op,
 )
@@ -97,6 +96,7 @@ def test_device_bound_step_is_the_device_time():
 
 def test_model_flops_6n_plus_attention():
     from gobrrr.capture import capture
+    from gobrrr.cost.roofline import model_flops_6n
     from gobrrr.models.registry import get_workload
 
     L, d, S, B, V = 2, 768, 64, 2, 96
@@ -105,7 +105,7 @@ def test_model_flops_6n_plus_attention():
     # 6·N·tokens with the position table excluded and the tied head counted, plus
     # 12·L·d·S per token for attention (not halved for causal)
     assert g.meta["embedding_params"] == 1024 * d  # wpe only: wte is tied to lm_head
-    assert model_flops(g) == pytest.approx(6 * n * B * S + 12 * L * d * S * B * S)
+    assert model_flops_6n(g) == pytest.approx(6 * n * B * S + 12 * L * d * S * B * S)
     assert math.isclose(predict(g, H100).backward_forward_ratio(), 2.0, rel_tol=0.1)
 
 

@@ -170,3 +170,13 @@ def test_attention_scratch_matches_the_h100_record():
         assert abs(predicted / r["bwd_peak"] - 1) <= 0.03, (c, predicted, r["bwd_peak"])
         checked += 1
     assert checked >= 12
+
+
+def test_a_learned_mask_takes_the_math_path():
+    with torch.enable_grad():
+        c = _call(mask=torch.bfloat16)
+        c = _Call(c.q.requires_grad_(), c.k, c.v, c.mask.requires_grad_(), 0.0, False, None,
+                  False)
+        assert choose(c, H100) == "math"
+        c = _Call(c.q, c.k, c.v, c.mask.detach(), 0.0, False, None, False)
+        assert choose(c, H100) == "cudnn"

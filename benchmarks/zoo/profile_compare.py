@@ -23,19 +23,24 @@ sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[1])]
 import torch  # noqa: E402
 
 import gobrrr  # noqa: E402
+import gobrrr.hardware  # noqa: E402
 from gobrrr.hardware import find_calibration, match_device_name  # noqa: E402
+from gobrrr.profile.api import profile  # noqa: E402
 from gobrrr.profile.compare import compare  # noqa: E402
 from zoo.cases import get_case  # noqa: E402
 
 
-def one(name: str) -> dict:
+def one(name: str, device: str, batch: int | None, seq: int | None) -> dict:
     case = get_case(name)
-    spec = match_device_name(torch.cuda.get_device_name())
+    spec = match_device_name(torch.cuda.get_device_name()) if device == "cuda" else None
+    spec = spec or gobrrr.hardware.get_gpu("h100")
     cal = find_calibration(spec)
-    est = gobrrr.estimate(case.factory(), gpu=spec, precision=case.precision,
+    kw = {k: v for k, v in (("batch_size", batch), ("seq_len", seq)) if v is not None}
+    est = gobrrr.estimate(lambda: case.factory()(**kw), gpu=spec, precision=case.precision,
                           compile=case.compile, calibration=cal)
-    result = gobrrr.profile(case.factory()(), precision=case.precision, compile=case.compile,
-                            graph=est.graph, calibration=cal)
+    result = profile(case.factory()(**kw), device=device, precision=case.precision,
+                     compile=case.compile, graph=est.graph, calibration=cal,
+                     steps=3 if device == "cpu" else 10)
     cmp = compare(est.time, result).to_dict()
     return {"name": name, "predicted_step_s": est.time.step_s, "measured_step_s": result.step_s,
             "compare": cmp}
@@ -45,11 +50,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--cases", required=True, help="comma-separated zoo case names")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
+    ap.add_argument("--batch", type=int, help="override the cases' batch (a dry run)")
+    ap.add_argument("--seq", type=int, help="override the cases' sequence length")
     args = ap.parse_args(argv)
     rows = []
     for name in args.cases.split(","):
         try:
-            row = one(name)
+            row = one(name, args.device, args.batch, args.seq)
             top = sorted(row["compare"]["kinds"], key=lambda r: -r["measured_s"])[:6]
             print(f"{name}: step {row['predicted_step_s'] * 1e3:.1f} ms predicted, "
                   f"{row['measured_step_s'] * 1e3:.1f} measured; " + ", ".join(
@@ -61,7 +69,8 @@ def main(argv=None) -> None:
             print(f"{name}: {row['error'][:200]}", flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    env = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     Path(args.out).write_text(json.dumps({"version": 1, "environment": env, "cases": rows},
                                          indent=1))

@@ -48,7 +48,23 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def run(results: Path, predictions: Path, markdown: Path | None) -> None:
+START = "<!-- zoo-table: start (benchmarks/zoo/report.py --readme) -->"
+END = "<!-- zoo-table: end -->"
+
+
+def write_readme(readme: Path, text: str, summary: list[str]) -> None:
+    """Replace the README's block between START and END by the table and its summary."""
+    doc = readme.read_text()
+    if START not in doc or END not in doc:
+        raise GobrrrError(f"{readme} has no zoo-table markers ({START} ... {END})")
+    head, rest = doc.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    body = "\n".join(["", text, "", *(f"- {line}" for line in summary), ""])
+    readme.write_text(head + START + body + END + tail)
+
+
+def run(results: Path, predictions: Path, markdown: Path | None,
+        readme: Path | None = None) -> None:
     doc = load(results)
     rows = compare.measured_rows(doc)
     errors = []
@@ -67,6 +83,8 @@ def run(results: Path, predictions: Path, markdown: Path | None) -> None:
               f"{r['error']['message'].splitlines()[0][:160] if r['error']['message'] else ''}")
     if markdown:
         markdown.write_text(text + "\n")
+    if readme:
+        write_readme(readme, text, compare.summary(errors))
     out = {"version": VERSION, "results": results.name, "gpu": compare.GPU,
            "gobrrr_commit": _commit(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -82,12 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--predictions", default=None,
                     help="default: the results file's name with _predictions")
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None,
+                    help="also put the table into the README (between its zoo-table markers)")
     args = ap.parse_args(argv)
     results = Path(args.results)
     predictions = Path(args.predictions) if args.predictions else results.with_name(
         results.stem + "_predictions.json")
     try:
-        run(results, predictions, Path(args.markdown) if args.markdown else None)
+        run(results, predictions, Path(args.markdown) if args.markdown else None,
+            Path(args.readme) if args.readme else None)
     except GobrrrError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

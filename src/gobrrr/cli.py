@@ -1,6 +1,9 @@
-"""The `gobrrr` command: thin over the Python API. Parses, calls, prints.
+"""The `gobrrr` command: thin over the Python API. Parses, checks, calls, prints.
 
-Every error is one line on stderr and exit code 2; GOBRRR_DEBUG=1 shows the traceback.
+Every error is one line on stderr and exit code 2; under `--json` it is also a JSON object
+on stdout, {"version", "error", "hint"}. GOBRRR_DEBUG=1 prints the traceback first (and still
+exits 2). Arguments the run would ignore are warned about, output paths are checked before
+the work starts, and only gobrrr's own output reaches stdout (see `gobrrr.report.streams`).
 """
 
 from __future__ import annotations
@@ -9,30 +12,98 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
-from gobrrr.errors import GobrrrError
+from gobrrr.cli_checks import check_args, explain
+from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.report.streams import command_streams, one_line
+
+JSON_VERSION = 1
 
 EXAMPLES = {
     "estimate": """examples:
   gobrrr estimate --model gpt2 --gpu h100 --batch 16 --seq 1024
   gobrrr estimate --model llama3-8b --gpu h100 --batch 1 --seq 4096 --precision bf16-mixed
-  gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json""",
+  gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
+  gobrrr estimate --model convnet --gpu mygpu.toml --top 30""",
     "gpus": """examples:
   gobrrr gpus
   gobrrr gpus --json""",
+    "bench": """examples:
+  gobrrr bench kernels --out results/
+  gobrrr bench kernels --which norms lce --json""",
 }
+PRECISION_HELP = "fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are GobrrrErrors (one line, exit 2, JSON under --json) that say
+    where the help is, with "did you mean" for a misspelt command or option."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("gobrrr").strip()
+        raise GobrrrError(f"{command + ': ' if command else ''}{message}"
+                          f"{_suggest(self, message)}", hint=f"see `{self.prog} --help`")
+
+
+def _suggest(parser: argparse.ArgumentParser, message: str) -> str:
+    if "invalid choice: '" in message:
+        word = message.split("invalid choice: '", 1)[1].split("'", 1)[0]
+        choices = [c for a in parser._actions if a.choices for c in a.choices]
+        return did_you_mean(word, choices)
+    if message.startswith("unrecognized arguments: "):
+        word = message.split(": ", 1)[1].split()[0].split("=")[0]
+        return did_you_mean(word, _option_strings(parser))
+    return ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    out = [s for a in parser._actions for s in a.option_strings]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _option_strings(sub)
+    return out
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive whole number (e.g. 8), got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number (e.g. 8), got {value}")
+    return value
+
+
+def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
+    """argparse type: one of `options`, with "did you mean" for a close misspelling."""
+
+    def check(text: str) -> str:
+        if text in options:
+            return text
+        raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}{did_you_mean(text, options)}"
+                                         f": choose one of {', '.join(options)}")
+
+    return check
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    from gobrrr.capture import CHECKPOINTS
+    from gobrrr.precision import PRECISIONS
+
     p.add_argument("workload", nargs="?", help="path/to/file.py:function returning a "
                    "gobrrr.Workload (or use --model)")
-    p.add_argument("--model", help="a built-in model (see `gobrrr estimate --help`)")
-    p.add_argument("--batch", type=int, help="batch size passed to the workload")
-    p.add_argument("--seq", type=int, help="sequence length passed to the workload")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)")
-    p.add_argument("--checkpoint", default="none", help="none | full (checkpoint every block)")
+    p.add_argument("--model", help="a built-in model (listed below)")
+    p.add_argument("--batch", type=positive_int, help="batch size passed to the workload")
+    p.add_argument("--seq", type=positive_int, help="sequence length passed to the workload")
+    p.add_argument("--precision", default="bf16-mixed", type=one_of("precision", PRECISIONS),
+                   help=PRECISION_HELP)
+    p.add_argument("--checkpoint", default="none", type=one_of("checkpoint mode", CHECKPOINTS),
+                   help="none | full (checkpoint every block)")
     p.add_argument("--compile", action="store_true", help="the model runs under torch.compile")
 
 
@@ -51,11 +122,11 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.save_graph:
         est.graph.save(args.save_graph)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps({**est.to_dict(top=args.top), "warnings": args.warnings}, indent=2))
     else:
         from gobrrr.report.terminal import print_estimate
 
-        print_estimate(est)
+        print_estimate(est, top=args.top)
     return 0
 
 
@@ -63,10 +134,10 @@ def _gpus(args: argparse.Namespace) -> int:
     from gobrrr.hardware import BUILTIN_GPUS
 
     if args.json:
-        print(json.dumps([{"name": g.name, "aliases": list(g.aliases), "full_name": g.full_name,
-                           "memory_bytes": g.memory_bytes, "bandwidth": g.bandwidth,
-                           "peak_flops": g.peak_flops, "sms": g.sms} for g in BUILTIN_GPUS],
-                         indent=2))
+        print(json.dumps({"version": JSON_VERSION, "gpus": [
+            {"name": g.name, "aliases": list(g.aliases), "full_name": g.full_name,
+             "memory_bytes": g.memory_bytes, "bandwidth": g.bandwidth,
+             "peak_flops": g.peak_flops, "sms": g.sms} for g in BUILTIN_GPUS]}, indent=2))
     else:
         from gobrrr.report.terminal import print_gpus
 
@@ -78,15 +149,19 @@ def _bench(args: argparse.Namespace) -> int:
     from gobrrr.kernels.bench import run_benchmarks
 
     paths = run_benchmarks(args.out, which=tuple(args.which))
-    for p in paths:
-        print(p)
+    if args.json:
+        print(json.dumps({"version": JSON_VERSION, "written": [str(p) for p in paths]},
+                         indent=2))
+    else:
+        for p in paths:
+            print(p)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from gobrrr.models.registry import model_names
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gobrrr", description="Where the time and memory of a PyTorch training step go.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -99,22 +174,27 @@ def build_parser() -> argparse.ArgumentParser:
                    ".toml/.json spec file (default h100)")
     p.add_argument("--no-calibration", action="store_true",
                    help="use datasheet peaks even if a calibration exists")
+    p.add_argument("--top", type=positive_int, default=12, metavar="N",
+                   help="rows of the op and module tables (default 12)")
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_estimate)
 
     p = sub.add_parser("gpus", help="list the built-in GPUs", epilog=EXAMPLES["gpus"],
                        formatter_class=fmt)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_gpus)
 
     p = sub.add_parser("bench", help="run the kernel benchmarks (needs a GPU)",
-                       epilog="examples:\n  gobrrr bench kernels --out results/",
-                       formatter_class=fmt)
+                       epilog=EXAMPLES["bench"], formatter_class=fmt)
     p.add_argument("target", choices=["kernels"])
-    p.add_argument("--which", nargs="*", default=["all"],
-                   help="attention, norms, lce, pointwise, gpt2 (default all)")
-    p.add_argument("--out", default="benchmarks/results", help="where the JSON results go")
+    from gobrrr.kernels.bench import SCRIPTS
+
+    p.add_argument("--which", nargs="*", default=["all"], choices=["all", *SCRIPTS],
+                   metavar="NAME", help=f"which benchmarks: {', '.join(SCRIPTS)} (default all)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="an existing directory for the JSON results (default benchmarks/results)")
+    p.add_argument("--json", action="store_true", help="print the written paths as JSON")
     p.set_defaults(func=_bench)
 
     _add_profile_commands(sub)
@@ -131,22 +211,54 @@ def _add_profile_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    debug = os.environ.get("GOBRRR_DEBUG") == "1"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in argv
+    with command_streams() as said:
+        try:
+            args = build_parser().parse_args(argv)  # --help exits here, as argparse does
+        except GobrrrError as e:
+            return _fail(e, as_json)
+        args.warnings = said
+        return _run(args, as_json)
+
+
+def _run(args: argparse.Namespace, as_json: bool) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        check_args(args)
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
-    except GobrrrError as e:
-        if debug:
+    except SystemExit as e:  # the user's code exited; argparse never gets here
+        if _raised_by(e, "rich."):  # rich's way out when the reader of a pipe went away
             raise
-        print(f"gobrrr: error: {e}", file=sys.stderr)
+        return _fail(GobrrrError(
+            f"the workload called sys.exit({e.code!r}) while gobrrr imported or ran it",
+            hint="gobrrr builds and runs the step itself: remove the exit, or put the "
+            "script's own code under `if __name__ == \"__main__\":`"), as_json)
     except KeyboardInterrupt:
-        print("gobrrr: error: interrupted; nothing was written", file=sys.stderr)
-    except Exception as e:  # a bug in gobrrr or torch: still one line, unless debugging
-        if debug:
-            raise
-        print(f"gobrrr: error: {type(e).__name__}: {e} (GOBRRR_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        return _fail(GobrrrError("interrupted", hint="nothing was written"), as_json)
+    except Exception as e:
+        return _fail(e, as_json)
+
+
+def _raised_by(e: BaseException, module: str) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module)
+
+
+def _fail(e: BaseException, as_json: bool) -> int:
+    """One line on stderr (after the traceback under GOBRRR_DEBUG=1), the same as JSON on
+    stdout under --json; exit code 2."""
+    if os.environ.get("GOBRRR_DEBUG") == "1":
+        traceback.print_exc()
+    message, hint = explain(e)
+    message = one_line(message).rstrip(".")
+    line = f"{message}: {one_line(hint)}" if hint else message
+    print(f"gobrrr: error: {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"version": JSON_VERSION, "error": message,
+                          "hint": one_line(hint) if hint else None}, indent=2))
     return 2
 
 

@@ -16,7 +16,7 @@ from gobrrr.cost.roofline import Prediction, predict
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, find_calibration, get_gpu
-from gobrrr.memory import MemoryResult, process_budget, simulate
+from gobrrr.memory import MemoryResult, module_rollup, process_budget, simulate
 from gobrrr.workload import Workload
 
 ESTIMATE_VERSION = 1
@@ -47,13 +47,18 @@ class Estimate:
         return self.memory.fits()
 
     def to_dict(self, top: int = 15) -> dict[str, Any]:
-        """JSON-ready summary (bytes, seconds, FLOP/s fractions)."""
+        """JSON-ready summary (bytes, seconds, FLOP/s fractions). `top`: rows of the op and
+        module lists (`ops` and `modules` say how many there are in all)."""
         t, m = self.time, self.memory
-        ops = sorted(t.ops, key=lambda o: -o.device_s)[:top]
+        ops = sorted(t.ops, key=lambda o: -o.device_s)
+        modules = t.by_module()
+        ckpt, recomputed = checkpointing(self.graph)
         return {
             "version": ESTIMATE_VERSION,
             "workload": {**{k: v for k, v in self.graph.meta.items()
-                            if k not in ("info", "assumptions")}, "compiled": self.compiled},
+                            if k not in ("info", "assumptions")},
+                         "compiled": self.compiled, "checkpointing": ckpt,
+                         "recomputed_ops": recomputed},
             "assumptions": list(self.graph.meta.get("assumptions") or []),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
@@ -66,23 +71,81 @@ class Estimate:
                        "peak_op": m.peak_op,
                        "peak_module": m.peak_module, "peak_phase": m.peak_phase,
                        "at_peak": m.at_peak, "persistent": m.persistent,
-                       "activations_saved_bytes": saved_activations(self.graph)},
+                       "activations_saved_bytes": saved_activations(self.graph),
+                       "at_peak_by_module": module_rollup(m.by_module)},
             "time": {"step_s": t.step_s, "device_s": t.device_s, "host_s": t.host_s,
-                     "idle_s": t.idle_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
-                     "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
+                     "idle_s": t.idle_s, **self.throughput(), **self.utilization(),
                      "regime_share": t.regime_share(), "phase_s": t.phase_s,
                      "backward_forward_flops": t.backward_forward_ratio(),
-                     "modules_s": dict(list(t.by_module().items())[:top])},
+                     "modules_s": dict(list(modules.items())[:top])},
             "top_ops": [{"index": o.index, "op": o.op, "module": o.module, "phase": o.phase,
                          "kind": o.kind, "device_s": o.device_s, "flops": o.flops,
                          "bytes": o.bytes, "regime": o.regime,
                          "intensity": o.intensity if o.intensity != float("inf") else None}
-                        for o in ops],
+                        for o in ops[:top]],
             "formulas": self.formulas,
             "hints": hints(self),
             "ops": len(self.graph.nodes),
+            "modules": len(modules),
             "capture_s": self.capture_s,
         }
+
+    def throughput(self) -> dict[str, Any]:
+        """Units per second in the workload's unit: tokens for sequences, samples otherwise."""
+        unit = throughput_unit(self.graph)
+        t = self.time
+        out: dict[str, Any] = {"unit": unit, "units_per_step": t.tokens,
+                               "per_s": t.tokens_per_s}
+        if unit == "tokens":
+            out["tokens_per_s"] = t.tokens_per_s
+        return out
+
+    def utilization(self) -> dict[str, Any]:
+        """MFU and HFU against one peak (the precision's dense matmul peak), with their
+        definitions; for sequence models also MFU by the 6·N + attention convention."""
+        from gobrrr.cost.roofline import model_flops_6n
+        from gobrrr.precision import peak_mode
+
+        t = self.time
+        out: dict[str, Any] = {
+            "mfu": t.mfu, "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
+            "peak_flops": t.peak_flops,
+            "peak": f"dense {peak_mode(self.graph.meta.get('precision', ''))} matmul peak",
+            "mfu_definition": MFU_DEFINITION, "hfu_definition": HFU_DEFINITION,
+        }
+        if self.graph.meta.get("seq_len") and t.step_s > 0:
+            flops_6n = model_flops_6n(self.graph)
+            out["model_flops_6n_attention"] = flops_6n
+            out["mfu_6n_attention"] = flops_6n / t.step_s / t.peak_flops
+        return out
+
+
+MFU_DEFINITION = ("model FLOPs: the traced forward and backward, without recomputation, per "
+                  "second over the peak")
+HFU_DEFINITION = "every FLOP the step runs (recompute, optimizer) per second over the peak"
+
+
+def throughput_unit(graph: StepGraph) -> str:
+    """"tokens" for a sequence workload (a seq_len, or its units counted from an integer
+    (batch, sequence) input), else "samples"."""
+    if graph.meta.get("seq_len"):
+        return "tokens"
+    inputs = {s.id for s in graph.storages if s.kind == "input"}
+    for n in graph.nodes:
+        for t in n.inputs:
+            if t.storage in inputs and t.dtype.startswith(("int", "uint")) and len(t.shape) >= 2:
+                return "tokens" if t.numel == graph.meta.get("tokens") else "samples"
+    return "samples"
+
+
+def checkpointing(graph: StepGraph) -> tuple[str, int]:
+    """How the traced step checkpoints, seen in the graph (recomputed ops), and how many ops
+    it recomputes: "full" (gobrrr's --checkpoint full), "model" (the model checkpoints
+    itself, e.g. gradient_checkpointing_enable()) or "none"."""
+    recomputed = sum(1 for n in graph.nodes if n.phase == "recompute")
+    if graph.meta.get("checkpoint") == "full":
+        return "full", recomputed
+    return ("model" if recomputed else "none"), recomputed
 
 
 def hints(est: Estimate) -> list[str]:
@@ -102,8 +165,8 @@ def hints(est: Estimate) -> list[str]:
         mods = sorted({o.module or "<top>" for o in slow})
         shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
                          for n in t.shape if (n * t.itemsize) % 16})
-        dims = ", ".join(map(str, shapes[:3]))
-        out.append(f"{len(slow)} matmuls in {', '.join(mods[:3])} have a dimension that is "
+        dims = _listed([str(n) for n in shapes], 3)
+        out.append(f"{len(slow)} matmuls in {_listed(mods, 3)} have a dimension that is "
                    f"not a multiple of 16 bytes ({dims}): they run at "
                    f"{f'{lo:.0%}-{hi:.0%}' if hi - lo >= 0.005 else f'{lo:.0%}'} of the aligned "
                    "rate; padding it (e.g. a vocabulary to a multiple of 64) would save "
@@ -122,6 +185,12 @@ def hints(est: Estimate) -> list[str]:
                        f"{cap / gib:.1f} GiB, mostly activations: try --checkpoint full or a "
                        "smaller --batch")
     return out
+
+
+def _listed(items: list[str], n: int) -> str:
+    """The first n items, and how many more there are."""
+    more = f" and {len(items) - n} more (--json lists every op)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
 
 
 def saved_activations(graph: StepGraph) -> int:
@@ -218,6 +287,19 @@ def blas_workspaces(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> 
                                    (lt, "addmm" in main | engine)) if used and b)
 
 
+def parameter_shapes(graph: StepGraph) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each parameter storage, shapes as the ops saw the whole tensor (a
+    parameter no op read counts as one flat vector)."""
+    whole: dict[int, tuple[int, ...]] = {}
+    sizes = {s.id: s.nbytes for s in graph.storages if s.kind == "parameter"}
+    for n in graph.nodes:
+        for t in (*n.inputs, *n.outputs):
+            if t.storage in sizes and t.storage not in whole and t.nbytes == sizes[t.storage]:
+                whole[t.storage] = tuple(t.shape)
+    return [(s.label, whole.get(s.id, (s.nbytes // 4,))) for s in graph.storages
+            if s.kind == "parameter"]
+
+
 def closed_forms(graph: StepGraph) -> dict[str, Any]:
     """The textbook numbers for a transformer, beside the traced ones."""
     info = graph.meta.get("info") or {}
@@ -230,6 +312,8 @@ def closed_forms(graph: StepGraph) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params_traced": graph.meta.get("params"),
         "params_textbook_12d2L_2dV": formulas.textbook_params(L, d, V),
+        "params_gap": [list(g) for g in formulas.textbook_param_gap(L, d, V,
+                                                                     parameter_shapes(graph))],
     }
     if seq:
         out["activations_traced_bytes"] = saved_activations(graph)

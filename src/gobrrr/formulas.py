@@ -119,3 +119,42 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float) -> float:
     if peak <= 0:
         raise ValueError(f"peak={peak}: give the GPU's dense peak in FLOP/s (> 0)")
     return tokens_per_s * flops_per_token / peak
+
+
+def textbook_param_gap(
+    L: int, d: int, V: int, params: list[tuple[str, tuple[int, ...]]]
+) -> list[tuple[str, int]]:
+    """Why a model's real parameter count differs from the textbook 12·d²·L + 2·d·V.
+
+    `params`: (name, shape) of every parameter, each once (tied ones once). Each parameter
+    falls in exactly one group, so textbook + the deltas = the real count exactly:
+        "head tied": the V×d tables (embedding, head) beyond the two that 2·d·V counts: −V·d
+            when the head is tied to the embedding;
+        "layer matrices": the matrices inside the numbered layers beyond 12·d² per layer
+            (grouped-query K and V, a gated MLP, an MLP not 4·d wide);
+        "other matrices": those outside the layers (a learned position table, ...);
+        "biases and norms": the 1-D parameters (biases, norm weights), which 12·d²·L omits.
+    Returns (what, delta in scalars) pairs, zero deltas left out.
+    """
+    tables = layer = other = vectors = 0
+    for name, shape in params:
+        n = 1
+        for s in shape:
+            n *= s
+        if len(shape) <= 1:
+            vectors += n
+        elif len(shape) == 2 and V in shape and d in shape:
+            tables += n
+        elif len(shape) == 2 and any(part.isdigit() for part in name.split(".")):
+            layer += n
+        else:
+            other += n
+    gap = [
+        ("head tied to the embedding (one V×d table, not two)" if tables < 2 * V * d
+         else "V×d tables beyond an embedding and a head", tables - 2 * V * d),
+        ("layer matrices beyond 12·d² per layer (grouped K/V, gated or resized MLP)",
+         layer - 12 * d * d * L),
+        ("matrices outside the layers (e.g. a position table)", other),
+        ("biases and norm weights (1-D), left out of 12·d²·L", vectors),
+    ]
+    return [(what, delta) for what, delta in gap if delta]

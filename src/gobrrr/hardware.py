@@ -9,12 +9,13 @@ otherwise.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gobrrr.errors import GobrrrError
+from gobrrr.errors import GobrrrError, did_you_mean
 
 TF = 1e12
 GB = 1e9
@@ -112,7 +113,15 @@ def get_gpu(name: str) -> GpuSpec:
     if key.endswith((".toml", ".json")):
         return load_gpu_file(name)
     names = ", ".join(gpu_names())
-    raise GobrrrError(f"unknown GPU {name!r}: choose one of {names}, "
+    if Path(name).is_dir():
+        raise GobrrrError(f"GPU spec {name} is a directory",
+                          hint="give a .toml or .json GPU spec file, or a built-in GPU name")
+    if Path(name).exists():
+        raise GobrrrError(f"GPU spec file {name} must end in .toml or .json",
+                          hint=f"rename it, or choose a built-in GPU: {names}")
+    known = [*gpu_names(), *(a for g in BUILTIN_GPUS for a in g.aliases)]
+    raise GobrrrError(f"unknown GPU {name!r}{did_you_mean(name, known)}",
+                      hint=f"choose one of {names} (`gobrrr gpus` lists them), "
                       "or give a .toml/.json spec file")
 
 
@@ -127,44 +136,119 @@ def match_device_name(device_name: str) -> GpuSpec | None:
     return None
 
 
-_REQUIRED = ("name", "memory_gb", "bandwidth_gbs", "bf16_tflops")
-
-
 def load_gpu_file(path: str | Path) -> GpuSpec:
     """A user's GPU from TOML or JSON with keys: name, memory_gb, bandwidth_gbs, bf16_tflops,
-    and optionally fp16_tflops, tf32_tflops, fp32_tflops, fp8_tflops, sms, launch_overhead_us."""
-    p = Path(path)
+    and optionally full_name, fp16_tflops, tf32_tflops, fp32_tflops, fp8_tflops, sms,
+    launch_overhead_us (the schema: `SPEC_KEYS`). Every error names the file, the key and the
+    form expected."""
+    data = read_spec_file(path)
+    bf16 = data["bf16_tflops"]
+    peaks = {
+        "bf16": bf16 * TF,
+        "fp16": data.get("fp16_tflops", bf16) * TF,
+        "tf32": data.get("tf32_tflops", bf16 / 2) * TF,
+        "fp32": data.get("fp32_tflops", bf16 / 15) * TF,
+    }
+    if "fp8_tflops" in data:
+        peaks["fp8"] = data["fp8_tflops"] * TF
+    return GpuSpec(
+        name=data["name"], full_name=data.get("full_name", data["name"]),
+        memory_bytes=int(data["memory_gb"] * GB), bandwidth=data["bandwidth_gbs"] * GB,
+        peak_flops=peaks, sms=data.get("sms", 100),
+        launch_overhead=data.get("launch_overhead_us", 10.0) * 1e-6,
+    )
+
+
+# -- a user's GPU spec file -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """One key of a GPU spec file: its type ("text", "number": finite and > 0, "count": a
+    whole number > 0), whether it must be there, and what it means (with its unit)."""
+
+    key: str
+    type: str
+    required: bool
+    doc: str
+
+
+SPEC_KEYS: tuple[SpecKey, ...] = (
+    SpecKey("name", "text", True, "name reports show"),
+    SpecKey("memory_gb", "number", True, "device memory in GB of 1e9 bytes"),
+    SpecKey("bandwidth_gbs", "number", True, "memory bandwidth in GB/s"),
+    SpecKey("bf16_tflops", "number", True, "dense bf16 tensor-core peak in TFLOP/s"),
+    SpecKey("full_name", "text", False, "name CUDA reports, default the name"),
+    SpecKey("fp16_tflops", "number", False, "dense fp16 peak in TFLOP/s, default bf16's"),
+    SpecKey("tf32_tflops", "number", False, "dense tf32 peak in TFLOP/s, default bf16/2"),
+    SpecKey("fp32_tflops", "number", False, "fp32 CUDA-core peak in TFLOP/s, default bf16/15"),
+    SpecKey("fp8_tflops", "number", False, "dense fp8 peak in TFLOP/s"),
+    SpecKey("sms", "count", False, "number of streaming multiprocessors, default 100"),
+    SpecKey("launch_overhead_us", "number", False,
+            "host time per kernel launch in µs, default 10"),
+)
+_FORMS = {"text": "a quoted string, e.g. \"mygpu\"", "number": "a finite number > 0, e.g. 80",
+          "count": "a whole number > 0, e.g. 132"}
+
+
+def read_spec_file(path: str | Path) -> dict[str, Any]:
+    """The validated keys of a GPU spec file (TOML or JSON) as Python values: text as str,
+    numbers as float, counts as int. Raises GobrrrError naming the file, the key and the
+    expected form for anything else (a missing or unknown key, a wrong type, a boolean, NaN,
+    infinity, a number <= 0, a directory or an unreadable file)."""
+    data = _parse_spec(Path(path))
+    keys = {k.key: k for k in SPEC_KEYS}
+    for k in data:
+        if k not in keys:
+            raise GobrrrError(f"GPU spec file {path}: unknown key {k!r}{did_you_mean(k, keys)}",
+                              hint=f"the keys are {', '.join(keys)}")
+    missing = [k.key for k in SPEC_KEYS if k.required and k.key not in data]
+    if missing:
+        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)}",
+                          hint="add " + "; ".join(f"{k}, the {keys[k].doc}" for k in missing))
+    return {k: _spec_value(path, keys[k], v) for k, v in data.items()}
+
+
+def _parse_spec(p: Path) -> dict[str, Any]:
+    if p.is_dir():
+        raise GobrrrError(f"GPU spec file {p} is a directory",
+                          hint="give the path of the .toml or .json file itself")
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise GobrrrError(f"cannot read GPU spec file {path}: {e.strerror}") from None
+        raise GobrrrError(f"cannot read GPU spec file {p}: {e.strerror}",
+                          hint="check the path (a .toml or .json file)") from None
+    kind = "TOML" if p.suffix.lower() == ".toml" else "JSON"
     try:
-        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+        text = raw.decode()
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
-        raise GobrrrError(f"GPU spec file {path} is not valid {p.suffix[1:]}: {e}") from None
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)} "
-                          f"(needs {', '.join(_REQUIRED)})")
-    bf16 = float(data["bf16_tflops"])
-    for k in ("memory_gb", "bandwidth_gbs", "bf16_tflops"):
-        if float(data[k]) <= 0:
-            raise GobrrrError(f"GPU spec file {path}: {k} must be > 0, got {data[k]}")
-    peaks = {
-        "bf16": bf16 * TF,
-        "fp16": float(data.get("fp16_tflops", bf16)) * TF,
-        "tf32": float(data.get("tf32_tflops", bf16 / 2)) * TF,
-        "fp32": float(data.get("fp32_tflops", bf16 / 15)) * TF,
-    }
-    if "fp8_tflops" in data:
-        peaks["fp8"] = float(data["fp8_tflops"]) * TF
-    return GpuSpec(
-        name=str(data["name"]), full_name=str(data.get("full_name", data["name"])),
-        memory_bytes=int(float(data["memory_gb"]) * GB),
-        bandwidth=float(data["bandwidth_gbs"]) * GB, peak_flops=peaks,
-        sms=int(data.get("sms", 100)),
-        launch_overhead=float(data.get("launch_overhead_us", 10.0)) * 1e-6,
-    )
+        raise GobrrrError(f"GPU spec file {p} is not valid {kind} ({e})",
+                          hint=f"write it as {kind} with keys name, memory_gb, bandwidth_gbs, "
+                          "bf16_tflops") from None
+    if not isinstance(data, dict):
+        raise GobrrrError(f"GPU spec file {p} holds a {type(data).__name__}, not a table of "
+                          "keys", hint='write {"name": "mygpu", "memory_gb": 80, ...}')
+    return data
+
+
+def _spec_value(path: str | Path, spec: SpecKey, v: Any) -> Any:
+    """One value checked against its key's type; bool is not a number, NaN and infinity are
+    not finite, and numbers must be > 0."""
+    form = f"give {spec.key} as {_FORMS[spec.type]} (the {spec.doc})"
+    bad = f"GPU spec file {path}: {spec.key} is {v!r}"
+    if spec.type == "text":
+        if isinstance(v, str) and v.strip():
+            return v
+        raise GobrrrError(bad, hint=form)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise GobrrrError(f"{bad}, a {type(v).__name__}, not a number",
+                          hint=form.replace(", e.g.", " without quotes or units, e.g.", 1))
+    if not math.isfinite(v) or v <= 0:
+        raise GobrrrError(bad, hint=form)
+    if spec.type == "count" and v != int(v):
+        raise GobrrrError(bad, hint=form)
+    return int(v) if spec.type == "count" else float(v)
 
 
 # -- calibration ----------------------------------------------------------------------------
@@ -186,21 +270,32 @@ class Calibration:
     ("recompute": a recomputed op; "checkpointed": a forward op inside a checkpointed block;
     both carry the checkpoint machinery and fall back to the forward's when absent).
     `op_bandwidth`: achieved bytes/s of ops whose kernels fall far from a copy's, by op name.
-    `conv_grid`: achieved FLOP/s of cuDNN convolutions (channels-first), per math mode and
-    direction ("forward", "backward"), over implicit-GEMM output size and depth, as
-    [[outputs, depth, FLOP/s], ...]. `conv_workspace`: the bytes cuDNN allocates inside a
+    `conv_grid`: achieved FLOP/s of cuDNN convolutions per math mode, over implicit-GEMM
+    output size and depth, as [[outputs, depth, FLOP/s], ...], keyed "layout:class:direction"
+    (layout "channels_first" | "channels_last"; class "1x1", "1x1-reduce", "1x1-expand",
+    "3x3", "3x3-s2", "stem", "grouped"; direction "forward", "backward_input",
+    "backward_weight"), or in calibrations before layouts "forward" | "backward"
+    (channels-first, both gradients). `conv_workspace`: the bytes cuDNN allocates inside a
     convolution beyond its 16-bit layout copies, as a fraction of the op's input + output
-    bytes, per math mode and direction (the median over the same grid).
+    bytes, per math mode and direction ("forward" | "backward", channels-first; prefixed
+    "channels_last:" for that layout), the median over the same grid.
     `batch_norm_bandwidth`: achieved bytes/s of training-mode batch norm over the channel
-    count, {"forward:bf16" | "backward:fp32" | ...: [[channels, bytes/s], ...]}.
+    count, {"forward:bf16" | "backward:fp32" | ... (channels-first), with ":channels_last"
+    for that layout: [[channels, bytes/s], ...]}.
     `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their size in
-    bytes, keyed the same way.
+    bytes, keyed "forward:bf16:channels_last:5x5-s2" (direction, dtype, layout, kernel), or
+    "forward:bf16" (channels-first 3x3) in calibrations before layouts.
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
     convolutions and batch norm).
     `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls
     them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's.
     `outer_sum_bandwidth`: achieved bytes/s of a sum over a tensor's leading dims (a bias
-    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}."""
+    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}.
+    `size_bandwidth`: achieved bytes/s of copies (dtype casts) and pointwise kernels over the
+    bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
+    `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
+    `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
+    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve."""
 
     gpu: str
     device_name: str
@@ -226,6 +321,8 @@ class Calibration:
     op_host: dict[str, float] = field(default_factory=dict)
     kernel_host: dict[str, float] = field(default_factory=dict)
     outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    size_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

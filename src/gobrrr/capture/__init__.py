@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from gobrrr.capture import assume
 from gobrrr.capture.autocast import cuda_autocast_rules
+from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
@@ -317,7 +318,8 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     values = assume.Values()
-    with mode, assume.ValueMode(values), rules, cuda_sdpa(sdpa or SdpaTarget()) as chosen:
+    with mode, assume.ValueMode(values), rules, cuda_dropout(), \
+            cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode, values), precision)
         blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
         if checkpoint == "full" and not blocks:

@@ -146,9 +146,16 @@ def _efficient(c: _Call, t: SdpaTarget) -> bool:
 _GATES = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient}
 
 
+def _mask_needs_grad(c: _Call) -> bool:
+    """A mask that is learned (T5's relative position bias) needs a gradient the fused kernels
+    do not give: on an H100 such calls ran the math path (zoo_h100.json, t5-base: 12 of its 36
+    attention calls fused, the 24 with a learned bias not)."""
+    return c.mask is not None and c.mask.requires_grad and torch.is_grad_enabled()
+
+
 def choose(c: _Call, target: SdpaTarget) -> str:
     """The backend PyTorch's CUDA dispatcher runs this call on."""
-    if _common(c):
+    if _common(c) and not _mask_needs_grad(c):
         for name in target.order:
             if name == "math":
                 break

@@ -103,24 +103,33 @@ def _t(shape: tuple) -> tuple:
     return (shape[1], shape[0], *shape[2:])
 
 
-def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
-    """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
-    transposed, output_padding, groups, output_mask): grad_input and grad_weight each cost one
-    convolution; the grad_bias reduction is not counted (as in FlopCounterMode). Equal to
-    FlopCounterMode's count except for grouped convolutions, where it overcounts grad_weight."""
+def conv_backward_flops(node: OpNode) -> tuple[int, int]:
+    """(grad_input, grad_weight) FLOPs of a convolution_backward, each 0 where its
+    output_mask entry is off; the grad_bias reduction is not counted (as in FlopCounterMode)."""
     go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
     transposed = bool(node.arg(7, "transposed", False))
     mask = list(node.arg(10, "output_mask", (True, True, True)))
-    flops = 0
+    grad_input = grad_weight = 0
     if mask[0]:  # grad_input = conv_transpose(grad_out, weight)
-        flops += conv_flop_count(go.shape, w.shape, x.shape, not transposed)
+        grad_input = conv_flop_count(go.shape, w.shape, x.shape, not transposed)
     if mask[1]:  # grad_weight = conv(input, grad_out) with batch and channels swapped, per
         # group: FlopCounterMode leaves the groups out here and counts `groups` times too much
         # (32x for a 32-channel depthwise convolution); each weight-gradient multiply-add
         # matches one of the forward's, so the true count is the forward's.
         a, b = (go, x) if transposed else (x, go)
         groups = max(int(node.arg(9, "groups", 1) or 1), 1)
-        flops += conv_flop_count(_t(a.shape), _t(b.shape), _t(w.shape), False) // groups
+        grad_weight = conv_flop_count(_t(a.shape), _t(b.shape), _t(w.shape), False) // groups
+    return grad_input, grad_weight
+
+
+def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
+    """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
+    transposed, output_padding, groups, output_mask): grad_input and grad_weight each cost one
+    convolution (`conv_backward_flops`). Equal to FlopCounterMode's count except for grouped
+    convolutions, where it overcounts grad_weight."""
+    go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
+    mask = list(node.arg(10, "output_mask", (True, True, True)))
+    flops = sum(conv_backward_flops(node))
     # grad_out is always read; input only for grad_weight, weight only for grad_input
     nbytes = sum_read([go, x if mask[1] else None, w if mask[0] else None])
     nbytes += sum_read(node.outputs)

@@ -20,6 +20,7 @@ frees within the op (through PyTorch's caching allocator, so they count in
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
+from gobrrr.cost.shapes import conv_layout
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import Calibration
 
@@ -68,12 +69,17 @@ def io_bytes(node: OpNode) -> int:
 
 def workspace(node: OpNode, cal: Calibration | None, math_mode: str) -> int:
     """cuDNN's own workspace for this convolution: the calibration's typical fraction of the
-    op's input + output bytes (0 without a calibration)."""
+    op's input + output bytes, for its layout where measured apart (0 without a
+    calibration)."""
     if cal is None:
         return 0
     mode = "bf16" if math_mode == "fp16" and "fp16" not in cal.conv_workspace else math_mode
     direction = "backward" if node.name in BACKWARD else "forward"
-    return int(cal.conv_workspace.get(mode, {}).get(direction, 0.0) * io_bytes(node))
+    fractions = cal.conv_workspace.get(mode, {})
+    layout = conv_layout(node)
+    if layout != "channels_first" and f"{layout}:{direction}" in fractions:
+        direction = f"{layout}:{direction}"
+    return int(fractions.get(direction, 0.0) * io_bytes(node))
 
 
 def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:

@@ -18,8 +18,14 @@ from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
+    alignment,
     checkpointed_modules,
+    conv_class,
+    conv_directions,
+    conv_layout,
+    conv_points,
     depthwise,
+    depthwise_class,
     gemm_dims,
     layout_bytes,
     misaligned,
@@ -85,12 +91,15 @@ class Prediction:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs (6N + attention) per second over the dense peak for the precision."""
+        """Model FLOPs per second over `peak_flops`, the precision's dense matmul peak. Model
+        FLOPs: those of the traced forward and backward, without recomputation (see
+        `model_flops`), so MFU <= HFU."""
         return self.model_flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
 
     @property
     def hfu(self) -> float:
-        """All executed FLOPs (recompute included) per second over the dense peak."""
+        """Every FLOP the step runs (recompute and optimizer included) per second over the
+        same peak."""
         return self.flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
 
     def regime_share(self) -> dict[str, float]:
@@ -139,35 +148,74 @@ class Rates:
             return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
         return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
 
-    def conv(self, math_mode: str, direction: str, dims: tuple[float, float] | None
-             ) -> float | None:
-        """Measured FLOP/s of a cuDNN convolution (channels-first, transposes included) at
-        these implicit-GEMM dims, forward or backward; None without a convolution grid."""
+    def conv(self, node: OpNode, cost: OpCost) -> float | None:
+        """Measured FLOP/s of a cuDNN convolution at its implicit-GEMM dims, for its layout,
+        shape class and direction (a backward asking for both gradients at the rate measured
+        so, else each gradient at its own rate, summed as times), transposes included where
+        the layout needs them; None without a convolution grid. A grid without layouts
+        (calibrations before them, measured on channels-first tensors over all shapes, both
+        gradients together) is read as it always was."""
+        dims = gemm_dims(node)
         grid = self.cal.conv_grid if self.cal and dims else {}
-        if math_mode == "fp16" and "fp16" not in grid and "bf16" in grid:
-            math_mode = "bf16"  # the same tensor cores and kernels
-        if math_mode not in grid or not grid[math_mode].get(direction):
+        mode = cost.math
+        if mode == "fp16" and "fp16" not in grid and "bf16" in grid:
+            mode = "bf16"  # the same tensor cores and kernels
+        table = grid.get(mode)
+        if not table:
             return None
-        return _grid(grid[math_mode][direction], *dims)
+        layout, cls = conv_layout(node), conv_class(node)
+        parts = conv_directions(node, cost.flops)
+        if len(parts) == 2 and (both := conv_points(table, layout, cls, "backward")):
+            return _grid(both, *dims)  # both gradients, measured in one call as they run
+        seconds = 0.0
+        for direction, flops in parts.items():
+            points = conv_points(table, layout, cls, direction)
+            if points is None:
+                break
+            seconds += flops / _grid(points, *dims)
+        else:
+            if seconds > 0:
+                return sum(parts.values()) / seconds
+        old = table.get("backward" if node.name.endswith("backward") else "forward")
+        return _grid(old, *dims) if old else None
 
     def depthwise(self, node: OpNode, nbytes: float) -> float | None:
-        """Measured bytes/s of a depthwise convolution this size, or None (not depthwise, or
-        no measurement)."""
+        """Measured bytes/s of a depthwise convolution this size, for its layout and kernel
+        class where measured, or None (not depthwise, or no measurement)."""
         if not self.cal or not depthwise(node):
             return None
         direction = "backward" if node.name.endswith("backward") else "forward"
-        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes)
+        layout, cls = conv_layout(node), depthwise_class(node)
+        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
+                         (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
 
     def batch_norm(self, node: OpNode) -> float | None:
-        """Measured bytes/s of a training-mode batch norm at its channel count and dtype (the
-        calibration's curve), or None."""
+        """Measured bytes/s of a training-mode batch norm at its channel count, rows (N·H·W),
+        dtype and layout (the calibration's grid; else its curve over channels), or None."""
         direction = BATCH_NORMS.get(node.name)
         if not direction or not self.cal or not node.inputs:
             return None
         x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
         if len(x.shape) < 2:
             return None
-        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1])
+        layout = ("channels_last",) if len(x.shape) == 4 and x.shape[1] > 1 and \
+            x.stride[1] == 1 else ()
+        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
+        grid = self.cal.batch_norm_grid.get(":".join((key, *layout)))
+        if grid:
+            return grid_value(grid, x.shape[1], x.numel / x.shape[1])
+        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
+
+    def sized(self, kind: str, name: str, nbytes: float) -> float | None:
+        """Measured bytes/s of a copy or pointwise kernel moving `nbytes` (the calibration's
+        curve over size), unless the op has a bandwidth of its own; else None."""
+        if not self.cal or kind not in ("copy", "pointwise") or name in self.cal.op_bandwidth:
+            return None
+        points = self.cal.size_bandwidth.get(kind)
+        if not points or nbytes <= 0:
+            return None
+        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                       math.log(nbytes))
 
     def outer_sum(self, node: OpNode) -> float | None:
         """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
@@ -177,11 +225,16 @@ class Rates:
             return None
         return _measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
 
-    def misaligned_fraction(self, math_mode: str, nt: bool = False) -> float:
+    def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
+                            ) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
         aligned (tensor-core modes only; CUDA-core fp32 kernels do not care). `nt`: the odd
         dimension is the output's and the second operand a transposed weight (a linear
         layer's forward), measured apart where calibrated."""
+        by_align = self.cal.matmul_misaligned if self.cal else {}
+        key = f"{'nt:' if nt else ''}{math_mode}@{align}"
+        if align and key in by_align:  # measured at this alignment (2, 4 or 8 bytes)
+            return by_align[key]
         if self.cal and nt and f"nt:{math_mode}" in self.cal.matmul_misaligned:
             return self.cal.matmul_misaligned[f"nt:{math_mode}"]
         if self.cal and math_mode in self.cal.matmul_misaligned:
@@ -251,10 +304,14 @@ def _host_op(name: str) -> str:
 
 
 def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
-              x: float) -> float | None:
+              x: float, variants: tuple[str, ...] = ()) -> float | None:
     """A calibration curve {"direction:bf16" | "direction:fp32": [[x, value], ...]} at x
-    (linear in log x, clamped), for a tensor of `dtype`; None when not measured."""
-    points = curves.get(f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}")
+    (linear in log x, clamped), for a tensor of `dtype`: the first of `variants` measured
+    ("direction:bf16:<variant>", e.g. a layout), else the plain curve; None when not
+    measured."""
+    key = f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}"
+    points = next((curves[f"{key}:{v}"] for v in variants if curves.get(f"{key}:{v}")),
+                  curves.get(key))
     if not points:
         return None
     return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
@@ -328,20 +385,19 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         backward = "backward" in node.name or node.name.endswith("_bwd")
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
                                else None, "backward" if backward else "forward")
-    elif cost.kind == "conv" and (conv_rate := rates.conv(
-            cost.math, "backward" if node.name.endswith("backward") else "forward",
-            gemm_dims(node))) is not None:
+    elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
         rate = rates.matmul(cost.math, cost.flops, gemm_dims(node))
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):
-            rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node))
+            rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node), alignment(node))
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
     memory = cost.bytes / (dw_bw or rates.batch_norm(node) or rates.outer_sum(node) or
+                           rates.sized(cost.kind, node.name, cost.bytes) or
                            rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
@@ -390,7 +446,7 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     return Prediction(
         gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
         device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
-        flops=sum(o.flops for o in ops), model_flops=model_flops(graph),
+        flops=sum(o.flops for o in ops), model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.get("tokens") or 0),
         peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
@@ -420,11 +476,25 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
     return tuple(out)
 
 
-def model_flops(graph: StepGraph) -> float:
-    """Model FLOPs of the step: 6 · N · tokens for the parameters that take part in matmuls
-    (embedding lookups excluded, a tied output head included) plus attention: 3 × the forward
-    score and value matmuls, counted over the full S×S (the PaLM convention, 12·L·d·S per
-    token, not halved for causal)."""
+MODEL_PHASES = ("forward", "backward")
+
+
+def model_flops(graph: StepGraph, costs: list[OpCost] | None = None) -> float:
+    """Model FLOPs of one step: the FLOPs of the traced forward and backward, without
+    recomputation (a checkpointed step's recomputed forward and the optimizer are left out).
+    The same definition for every model: a CNN's convolutions, a ViT's patches, only the
+    experts an MoE routes to, as they ran. `costs`: the nodes' costs, if already computed."""
+    costs = costs if costs is not None else [op_cost(n) for n in graph.nodes]
+    return sum(c.flops for n, c in zip(graph.nodes, costs, strict=True)
+               if n.phase in MODEL_PHASES)
+
+
+def model_flops_6n(graph: StepGraph) -> float:
+    """Model FLOPs by the 6·N + attention convention (PaLM, Chowdhery et al. 2022, App. B):
+    6 · N · tokens for the parameters that take part in matmuls (embedding lookups excluded,
+    a tied output head included) plus 3 × the forward score and value matmuls over the full
+    S×S (12·L·d·S per token, not halved for causal). Meaningful for dense transformers only:
+    it counts images as tokens and every expert of an MoE."""
     n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
     attn = 0.0
     for node in graph.nodes:

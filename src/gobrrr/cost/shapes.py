@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from gobrrr.cost._ops_common import targ
-from gobrrr.cost._ops_matmul import grouped_mm_groups
+from gobrrr.cost._ops_matmul import conv_backward_flops, grouped_mm_groups
 from gobrrr.cost.flops import OpCost
 from gobrrr.graph import OpNode, StepGraph
 
@@ -66,11 +66,109 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
 
 def depthwise(node: OpNode) -> bool:
     """A convolution with one input channel per group and more than one group."""
-    if not (node.name.startswith("convolution") or node.name.startswith("cudnn_convolution")):
+    if not _conv_node(node):
         return False
     w = targ(node, 2 if node.name.endswith("backward") else 1, "weight")
     groups = node.arg(9 if node.name.endswith("backward") else 8, "groups", 1)
     return w is not None and len(w.shape) >= 3 and w.shape[1] == 1 and (groups or 1) > 1
+
+
+def _conv_node(node: OpNode) -> bool:
+    return node.name.startswith("convolution") or node.name.startswith("cudnn_convolution")
+
+
+def channels_last_strides(t) -> bool:
+    """PyTorch's test of a 4-D tensor's strides for the channels-last layout
+    (c10's is_channels_last_strides_2d: a contiguous 1x1 conv weight is not, an N,C,1,1
+    tensor is ambiguous and taken as channels-first)."""
+    if t is None or len(t.shape) != 4 or t.stride[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if t.shape[d] == 0 or t.stride[d] < low or (d == 0 and low == t.stride[1]):
+            return False
+        low = t.stride[d] * (t.shape[d] if t.shape[d] > 1 else 1)
+    return True
+
+
+def conv_layout(node: OpNode) -> str:
+    """The layout cuDNN runs a convolution in, as PyTorch picks it
+    (cudnn_conv_suggest_memory_format): "channels_last" when its input or its weight is
+    stored channels-last (other operands are copied to match), "channels_first" otherwise
+    (PyTorch's default, and every 1-D or 3-D convolution)."""
+    backward = node.name.endswith("backward")
+    x = targ(node, 1 if backward else 0, "input")
+    w = targ(node, 2 if backward else 1, "weight")
+    if w is None or len(w.shape) != 4:
+        return "channels_first"
+    return "channels_last" if channels_last_strides(x) or channels_last_strides(w) \
+        else "channels_first"
+
+
+STEM_CHANNELS = 8  # fewer input channels than this: an image stem (cuDNN pads them to 8)
+STEM_WINDOW = 49  # ... with a kernel window up to 7x7 (a ViT's 16x16 patches are a GEMM)
+
+
+def conv_class(node: OpNode) -> str | None:
+    """The calibration's shape class of a convolution: "grouped" (groups > 1), "stem" (under
+    8 input channels, kernel up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand" (C_out over C_in
+    between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel, strided),
+    "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
+    backward = node.name.endswith("backward")
+    w = targ(node, 2 if backward else 1, "weight")
+    if not _conv_node(node) or w is None or len(w.shape) < 3:
+        return None
+    if (node.arg(9 if backward else 8, "groups", 1) or 1) > 1:
+        return "grouped"
+    window = math.prod(w.shape[2:])
+    if w.shape[1] < STEM_CHANNELS and window <= STEM_WINDOW:
+        return "stem"
+    if window == 1:
+        ratio = w.shape[0] / w.shape[1]
+        return "1x1-reduce" if ratio <= 0.5 else "1x1-expand" if ratio >= 2 else "1x1"
+    stride = node.arg(4 if backward else 3, "stride", (1,)) or (1,)
+    return "3x3-s2" if any(s > 1 for s in stride) else "3x3"
+
+
+# where a convolution's shape class was not measured, the class whose kernels come closest
+CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
+                 "stem": ("3x3-s2", "3x3")}
+
+
+def conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
+                 direction: str) -> list[list[float]] | None:
+    """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
+    direction": points}) for this layout, shape class and direction: the class's own, else
+    the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
+    channels_last one pays no layout copies, so that errs slow); None when none was measured
+    (a grid without layouts)."""
+    classes = (cls, *CONV_FALLBACK.get(cls, ())) if cls else ()
+    for lay in dict.fromkeys((layout, "channels_first")):
+        for c in classes:
+            if table.get(key := f"{lay}:{c}:{direction}"):
+                return table[key]
+    return None
+
+
+def depthwise_class(node: OpNode) -> str:
+    """The calibration's kernel class of a depthwise convolution: "3x3", "5x5", "7x7", with
+    "-s2" when strided."""
+    backward = node.name.endswith("backward")
+    w = targ(node, 2 if backward else 1, "weight")
+    stride = node.arg(4 if backward else 3, "stride", (1,)) or (1,)
+    k = w.shape[-1] if w is not None else 3
+    return f"{k}x{k}" + ("-s2" if any(s > 1 for s in stride) else "")
+
+
+def conv_directions(node: OpNode, flops: float) -> dict[str, float]:
+    """A convolution's FLOPs by the calibration's direction: {"forward": flops}, or for a
+    convolution_backward {"backward_input": ..., "backward_weight": ...} (the gradients its
+    output_mask asks for; none when it asks for the bias's only)."""
+    if not node.name.endswith("backward"):
+        return {"forward": flops}
+    grad_input, grad_weight = conv_backward_flops(node)
+    parts = {"backward_input": float(grad_input), "backward_weight": float(grad_weight)}
+    return {d: f for d, f in parts.items() if f > 0}
 
 
 def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
@@ -85,22 +183,31 @@ def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
     return tiles / (waves * sms) if waves else 1.0
 
 
-def misaligned(node: OpNode) -> bool:
-    """True when a matmul operand or result has a leading dimension (or start) that is not a
-    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels (e.g. GPT-2's
-    vocabulary of 50257 runs the head matmuls ~5x slower in bf16 than a padded 50304)."""
+def alignment(node: OpNode) -> int:
+    """The largest power of two, up to 16, that divides every matmul operand's and result's
+    leading dimension and start in bytes: 16 = aligned. cuBLAS picks its kernels by it (GPT-2's
+    vocabulary of 50257 in bf16 is 2-byte aligned and runs the head ~5x slower than a padded
+    50304; BERT's 30522 is 4-byte aligned). A non-unit inner stride counts as the element."""
     if node.name not in ("mm", "addmm", "bmm", "baddbmm", "addbmm"):
-        return False
+        return 16
+    worst = 16
     for t in (*node.inputs, *node.outputs):
         if len(t.shape) < 2:
             continue  # a bias vector
         inner = min(t.stride[-1], t.stride[-2])
         ld = max(t.stride[-1], t.stride[-2])
         if inner != 1 and t.shape[-1] != 1 and t.shape[-2] != 1:
-            return True
-        if (ld * t.itemsize) % 16 or (t.offset * t.itemsize) % 16:
-            return True
-    return False
+            return t.itemsize
+        for nbytes in (ld * t.itemsize, t.offset * t.itemsize):
+            while worst > 1 and nbytes % worst:
+                worst //= 2
+    return worst
+
+
+def misaligned(node: OpNode) -> bool:
+    """True when a matmul operand or result has a leading dimension (or start) that is not a
+    multiple of 16 bytes: cuBLAS then cannot use its fast tensor-core kernels."""
+    return alignment(node) < 16
 
 
 def misaligned_nt(node: OpNode) -> bool:

@@ -88,17 +88,22 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
 def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     """The calibration sections measured on a GPU, in the order `calibrate` measures them:
     name -> fn(device) -> {Calibration field: value}."""
+    from gobrrr.profile import calibrate_conv as cc
     from gobrrr.profile import calibrate_host as ch
+    from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
 
     return {
-        "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cs.conv_grid(d),
+        "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),
                                         strict=True)),
         "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
-        "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cs.depthwise_bandwidths(d)},
+        "batch_norm_grid": lambda d: {"batch_norm_grid": cs.batch_norm_grid(d)},
+        "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cc.depthwise_bandwidths(d)},
         "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
-        "matmul_misaligned": lambda d: {"matmul_misaligned": cs.misaligned_fractions(d)},
+        "matmul_misaligned": lambda d: {"matmul_misaligned": {
+            **cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}},
+        "size_bandwidth": lambda d: {"size_bandwidth": csh.size_bandwidths(d)},
         "attention_curve": lambda d: {"attention_curve": cs.attention_rate(d)},
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
         "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 
@@ -195,32 +193,69 @@ BN_CHANNELS = (32, 64, 128, 256, 512, 1024)
 def batch_norm_bandwidths(dev: torch.device, elements: int = 2**24, plane: int = 28,
                           channels: tuple[int, ...] = BN_CHANNELS) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of training-mode batch norm over the channel count, forward and
-    backward, per dtype: {"forward:bf16" | "backward:bf16" | ...: [[channels, B/s], ...]}.
+    backward, per dtype and layout: {"forward:bf16" | "backward:fp32" | ... (channels-first),
+    "forward:bf16:channels_last" | ...: [[channels, B/s], ...]}.
     Through F.batch_norm so the kernels are the ones a model gets (CUDA picks cuDNN's in fp32
     and its own NCHW kernels in bf16, at very different speeds). Channels-first kernels
     reduce each channel over batch x plane, so the channel count sets their parallelism (at
-    64 channels the bf16 kernels reach ~6% of HBM bandwidth, more with more channels)."""
+    64 channels the bf16 kernels reach ~6% of HBM bandwidth, more with more channels);
+    channels-last tensors (a model converted with `.to(memory_format=torch.channels_last)`)
+    run other kernels, whose channels are the contiguous dimension."""
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        fwd_rows, bwd_rows = [], []
-        for c in channels:
-            shape = (max(elements // (c * plane * plane), 1), c, plane, plane)
-            t_fwd, t_bwd = batch_norm_times(dev, shape, dtype)
-            nf, nb = _bn_bytes(shape, dtype)
-            fwd_rows.append([float(c), nf / t_fwd])
-            bwd_rows.append([float(c), nb / t_bwd])
-        out[f"forward:{key}"], out[f"backward:{key}"] = fwd_rows, bwd_rows
+        for suffix, channels_last in (("", False), (":channels_last", True)):
+            fwd_rows, bwd_rows = [], []
+            for c in channels:
+                shape = (max(elements // (c * plane * plane), 1), c, plane, plane)
+                t_fwd, t_bwd = batch_norm_times(dev, shape, dtype, channels_last)
+                nf, nb = _bn_bytes(shape, dtype)
+                fwd_rows.append([float(c), nf / t_fwd])
+                bwd_rows.append([float(c), nb / t_bwd])
+            out[f"forward:{key}{suffix}"], out[f"backward:{key}{suffix}"] = fwd_rows, bwd_rows
     return out
 
 
-def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype
-                     ) -> tuple[float, float]:
-    """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor; backward
-    is fwd+bwd less forward (grads of input, weight and bias)."""
+BN_GRID_CHANNELS = (32, 64, 128, 256, 512, 1024, 2048)
+BN_GRID_ROWS = (3136, 12544, 50176, 200704, 802816)  # N·H·W: 4..1024 images of 28 x 28
+
+
+def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
+                    ) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of training-mode batch norm over channels and rows (N·H·W, the
+    reduction each channel makes), forward and backward, per dtype and layout:
+    {"forward:bf16" | "backward:bf16:channels_last" | ...: [[channels, rows, B/s], ...]}.
+    Both set the kernels' launch shape (the channels-last backward at 1024 channels and
+    15680 rows measured 98 GB/s, at 25088 rows it runs ~10x faster): one curve over channels
+    at a fixed size cannot stand for a network's layers."""
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for suffix, channels_last in (("", False), (":channels_last", True)):
+            fwd_rows, bwd_rows = [], []
+            for c in BN_GRID_CHANNELS:
+                for rows in BN_GRID_ROWS:
+                    if c * rows > max_elements:
+                        continue
+                    shape = (rows // 784, c, 28, 28)
+                    t_fwd, t_bwd = batch_norm_times(dev, shape, dtype, channels_last)
+                    nf, nb = _bn_bytes(shape, dtype)
+                    fwd_rows.append([float(c), float(rows), nf / t_fwd])
+                    bwd_rows.append([float(c), float(rows), nb / t_bwd])
+            out[f"forward:{key}{suffix}"], out[f"backward:{key}{suffix}"] = fwd_rows, bwd_rows
+    return out
+
+
+def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype,
+                     channels_last: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored
+    channels-last if asked); backward is fwd+bwd less forward (grads of input, weight and
+    bias)."""
     from gobrrr.profile.calibrate import time_op
 
     c = shape[1]
-    x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
+    x = torch.randn(shape, device=dev, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
     w = torch.ones(c, device=dev, requires_grad=True)
     b = torch.zeros(c, device=dev, requires_grad=True)
     rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
@@ -270,25 +305,6 @@ def outer_sum_bandwidths(dev: torch.device, rows: int = 16384,
     return out
 
 
-# Stride-1 convolutions over a rectangular grid of (output elements, depth): 1x1 and 3x3
-# kernels and the channel count set the depth (C·k·k), the spatial size shrinks as channels
-# grow (as through a CNN's stages) and the batch makes up the output size. Powers of two keep
-# every grid point exactly on its row.
-CONV_KERNELS = ((1, (64, 128, 256)), (3, (32, 64, 128, 256, 512)))
-CONV_OUTPUTS = (2**19, 2**21, 2**23, 2**25)
-
-
-def _conv_shapes():
-    """(channels, kernel, height = width, batch) of each grid point."""
-    for k, channels in CONV_KERNELS:
-        for c in channels:
-            hw = min(max(2048 // c, 8), 64)
-            for out in CONV_OUTPUTS:
-                n = out // (c * hw * hw)
-                if n >= 1:
-                    yield c, k, hw, n
-
-
 def _record(fn, name: str):
     """The OpNode of ATen op `name` as fn() runs it (shapes, strides, dtypes as the capture
     records them), so calibration counts FLOPs and bytes exactly as the cost model does."""
@@ -298,100 +314,6 @@ def _record(fn, name: str):
     with rec:
         fn()
     return next(n for n in rec.nodes if n.name == name)
-
-
-def conv_grid(dev: torch.device) -> tuple[dict, dict]:
-    """(rates, workspaces) of cuDNN convolutions on channels-first (NCHW, PyTorch's default)
-    tensors, forward and backward (grad input and grad weight in one convolution_backward),
-    per math mode, in the implicit-GEMM terms of `gobrrr.cost.shapes.gemm_dims`:
-    rates {mode: {"forward" | "backward": [[output elements, depth, FLOP/s], ...]}};
-    workspaces {mode: {direction: fraction}}: the bytes cuDNN allocated and freed inside the
-    call beyond the 16-bit layout copies `gobrrr.cost.conv.layout_scratch` models, as a
-    fraction of the op's input + output bytes, the median over the grid. What a convolution
-    achieves falls well under a matmul of the same GEMM shape (im2col tiling; in 16-bit, the
-    transposes to channels-last around the kernel), so its rate is measured per shape. Its
-    workspace depends on the algorithm cuDNN's heuristics pick, which jumps between
-    neighbouring shapes (in fp32 forward: none for most, 5-25x the tensors for a few), so
-    only the typical fraction is kept."""
-    from gobrrr.cost import conv
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import gemm_dims
-    from gobrrr.profile.calibrate import time_op
-
-    aten = torch.ops.aten
-    rates: dict[str, dict[str, list[list[float]]]] = {}
-    spaces: dict[str, dict[str, float]] = {}
-    old = torch.backends.cudnn.allow_tf32
-    try:
-        for mode, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32),
-                            ("fp32", torch.float32)):
-            torch.backends.cudnn.allow_tf32 = mode == "tf32"
-            rows: dict[str, list[list[float]]] = {"forward": [], "backward": []}
-            ws: dict[str, list[list[float]]] = {"forward": [], "backward": []}
-            for c, k, hw, n in _conv_shapes():
-                x = torch.randn(n, c, hw, hw, device=dev, dtype=dtype)
-                w = torch.randn(c, c, k, k, device=dev, dtype=dtype) * 0.05
-                pad = [k // 2, k // 2]
-                y = aten.convolution(x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1)
-                gy = torch.randn_like(y)
-                cases = {
-                    "forward": ("convolution", lambda x=x, w=w, pad=pad: aten.convolution(
-                        x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1)),
-                    "backward": ("convolution_backward", lambda x=x, w=w, gy=gy, pad=pad:
-                                 aten.convolution_backward(gy, x, w, None, [1, 1], pad,
-                                                           [1, 1], False, [0, 0], 1,
-                                                           [True, True, False])),
-                }
-                for direction, (name, fn) in cases.items():
-                    node = _record(fn, name)
-                    flops = op_cost(node, tf32=mode == "tf32").flops
-                    mn, k = gemm_dims(node)
-                    rows[direction].append([mn, k, flops / time_op(fn, dev, 10)])
-                    inside = _allocated_inside(fn, dev) - conv.layout_scratch(node)
-                    ws[direction].append([mn, k, max(inside, 0) / conv.io_bytes(node)])
-                del x, w, y, gy
-            rates[mode] = rows
-            spaces[mode] = {d: statistics.median(p[2] for p in pts) for d, pts in ws.items()}
-    finally:
-        torch.backends.cudnn.allow_tf32 = old
-    return rates, spaces
-
-
-DEPTHWISE_BATCHES = (1, 4, 16, 64)
-
-
-def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56
-                         ) -> dict[str, list[list[float]]]:
-    """Achieved bytes/s of depthwise (groups = channels) 3x3 convolutions, forward and
-    backward, per dtype, over their size: {"forward:bf16" | "backward:fp32" | ...:
-    [[bytes, B/s], ...]}, bytes as the cost model counts them. With one input channel per
-    output channel a depthwise convolution is no GEMM (cuDNN runs it on CUDA cores, bound by
-    memory and latency), so the dense grid says nothing about it."""
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.calibrate import time_op
-
-    aten = torch.ops.aten
-    out: dict[str, list[list[float]]] = {}
-    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        rows: dict[str, list[list[float]]] = {"forward": [], "backward": []}
-        for n in DEPTHWISE_BATCHES:
-            x = torch.randn(n, channels, plane, plane, device=dev, dtype=dtype)
-            w = torch.randn(channels, 1, 3, 3, device=dev, dtype=dtype)
-            gy = torch.randn_like(x)
-            cases = {
-                "forward": ("convolution", lambda x=x, w=w: aten.convolution(
-                    x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], channels)),
-                "backward": ("convolution_backward", lambda x=x, w=w, gy=gy:
-                             aten.convolution_backward(gy, x, w, None, [1, 1], [1, 1], [1, 1],
-                                                       False, [0, 0], channels,
-                                                       [True, True, False])),
-            }
-            for direction, (name, fn) in cases.items():
-                nbytes = op_cost(_record(fn, name)).bytes
-                rows[direction].append([nbytes, nbytes / time_op(fn, dev, 10)])
-            del x, w, gy
-        out[f"forward:{key}"], out[f"backward:{key}"] = rows["forward"], rows["backward"]
-    return out
 
 
 def _allocated_inside(fn, dev: torch.device) -> int:

@@ -1,16 +1,25 @@
-"""Terminal tables (rich) for an Estimate."""
+"""Terminal tables (rich) for an Estimate and the built-in GPUs.
+
+Everything fits an 80-column terminal or pipe: tables have no vertical rules, names (ops,
+modules, GPUs) wrap within their column and are never cut, and a list cut at N says of how
+many and how to see the rest.
+"""
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from gobrrr.estimate import Estimate
+from gobrrr.estimate import Estimate, checkpointing, hints, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory import module_rollup
+from gobrrr.precision import peak_mode
 
 KIND_ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation",
               "temporary", "workspace")
+TOP_MODULES_AT_PEAK = 5
 
 
 def gib(n: float) -> str:
@@ -32,45 +41,88 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def op_label(op: str) -> str:
+    """An op as the tables show it: "aten.mm.default" -> "mm", "aten.add.Tensor" ->
+    "add.Tensor" (the same abbreviation everywhere)."""
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 padding=(0, 1))
+
+
+def _cut(shown: int, total: int, what: str, more: str) -> str:
+    """"top 12 of 1,517 ops ..." when a list is cut, with how to see the rest; "7 ops ..."
+    when it is not."""
+    if shown >= total:
+        return f"{total:,} {what if total != 1 else what.replace('s ', ' ', 1)}"
+    return f"top {shown:,} of {total:,} {what} ({more})"
+
+
 def print_estimate(est: Estimate, console: Console | None = None, top: int = 12) -> None:
-    """Summary, memory breakdown, regime split, top ops and modules."""
+    """Summary, memory breakdown, regime split, top ops and modules, formulas, hints."""
     c = console or Console()
-    meta, m, t = est.graph.meta, est.memory, est.time
-    cal = (f"calibrated ({est.calibration})" if est.calibration
-           else "datasheet peaks, no calibration")
-    mode = " · torch.compile" if est.compiled else ""
-    c.print(f"[bold]{meta.get('name')}[/] · {meta.get('precision')}{mode} · checkpoint "
-            f"{meta.get('checkpoint')} · {meta.get('tokens'):,} tokens/step · "
-            f"{human_count(meta.get('params', 0))} params · on [bold]{est.gpu.name}[/] ({cal})")
-    verdict = "[green]fits[/]" if est.fits else "[red]does NOT fit[/]"
-    if est.compiled:
-        verdict += " (eager step's memory: compiled graphs save less, so this is an upper bound)"
-    room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
-            if m.headroom is not None and m.headroom >= 0 else "")
-    c.print(f"peak memory {gib(m.peak)} allocated, {gib(m.reserved)} reserved of "
-            f"{gib(m.budget or est.gpu.memory_bytes)} usable → {verdict}{room} "
-            f"(peak at op #{m.peak_index} {m.peak_op} in '{m.peak_module or '<top>'}', "
-            f"{m.peak_phase})")
-    share = t.regime_share()
-    c.print(f"step {human_time(t.step_s)} · {t.tokens_per_s:,.0f} tokens/s · MFU "
-            f"{t.mfu:.1%} · HFU {t.hfu:.1%} · compute {share.get('compute', 0):.0%} / memory "
-            f"{share.get('memory', 0):.0%} / overhead {share.get('overhead', 0):.0%} · "
-            f"bwd/fwd FLOPs {t.backward_forward_ratio():.2f}")
+    for line in summary_lines(est):
+        c.print(line)
     c.print(_memory_table(est))
-    top_mods = list(module_rollup(m.by_module).items())[:5]
-    if top_mods:
-        c.print("activations + temporaries at the peak, by module: " + ", ".join(
-            f"{k} {gib(v)}" for k, v in top_mods))
+    rollup = module_rollup(est.memory.by_module)
+    if rollup:
+        shown = list(rollup.items())[:TOP_MODULES_AT_PEAK]
+        cut = "" if len(shown) == len(rollup) else f" (top {len(shown)} of {len(rollup)}; " \
+            "--json lists all)"
+        c.print(Text(f"activations + temporaries at the peak, by module{cut}: "
+                     + ", ".join(f"{k} {gib(v)}" for k, v in shown)))
     c.print(_ops_table(est, top))
     c.print(_modules_table(est, top))
     if est.formulas:
         c.print(_formulas_table(est))
-    from gobrrr.estimate import hints
-
     for h in hints(est):
-        c.print(f"[yellow]hint:[/] {h}")
+        c.print(Text.assemble(("hint: ", "yellow"), h))
     for line in assumption_lines(est.graph.meta.get("assumptions") or []):
         c.print(line)
+
+
+def summary_lines(est: Estimate) -> list[Text]:
+    """The header, the memory verdict and the time line."""
+    meta, m, t = est.graph.meta, est.memory, est.time
+    cal = (f"calibrated ({est.calibration})" if est.calibration
+           else "datasheet peaks, no calibration")
+    mode = " · torch.compile" if est.compiled else ""
+    unit = throughput_unit(est.graph)
+    head = Text.assemble((str(meta.get("name")), "bold"), f" · {meta.get('precision')}{mode} · "
+                         f"{_checkpoint(est)} · {t.tokens:,} {unit}/step · "
+                         f"{human_count(meta.get('params', 0))} params · on ",
+                         (est.gpu.name, "bold"), f" ({cal})")
+    verdict = Text("fits", "green") if est.fits else Text("does NOT fit", "red")
+    if est.compiled:
+        verdict.append(" (eager step's memory: compiled graphs save less, so this is an upper "
+                       "bound)")
+    room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
+            if m.headroom is not None and m.headroom >= 0 else "")
+    peak = Text.assemble(f"peak memory {gib(m.peak)} allocated, {gib(m.reserved)} reserved of "
+                         f"{gib(m.budget or est.gpu.memory_bytes)} usable → ", verdict,
+                         f"{room} (peak at op #{m.peak_index} {op_label(m.peak_op)} in "
+                         f"'{m.peak_module or '<top>'}', {m.peak_phase})")
+    share = t.regime_share()
+    pmode = peak_mode(meta.get("precision", ""))
+    step = Text(f"step {human_time(t.step_s)} · {t.tokens_per_s:,.0f} {unit}/s · MFU "
+                f"{t.mfu:.1%} · HFU {t.hfu:.1%} of the {pmode} peak "
+                f"({t.peak_flops / 1e12:,.0f} TFLOP/s) · compute {share.get('compute', 0):.0%}"
+                f" / memory {share.get('memory', 0):.0%} / overhead "
+                f"{share.get('overhead', 0):.0%} · bwd/fwd FLOPs "
+                f"{t.backward_forward_ratio():.2f}")
+    note = Text("MFU counts the FLOPs of the traced forward and backward (no recompute), HFU "
+                "every FLOP the step runs, both over the precision's dense matmul peak", "dim")
+    return [head, peak, step, note]
+
+
+def _checkpoint(est: Estimate) -> str:
+    how, recomputed = checkpointing(est.graph)
+    if how == "none":
+        return "checkpoint none"
+    who = "full (every block)" if how == "full" else "by the model itself"
+    return f"checkpoint {who}, {recomputed:,} ops recomputed"
 
 
 def assumption_lines(assumptions: list[dict]) -> list[str]:
@@ -96,7 +148,7 @@ def assumption_lines(assumptions: list[dict]) -> list[str]:
 
 def _memory_table(est: Estimate) -> Table:
     m = est.memory
-    tab = Table(title="memory at the peak", title_justify="left")
+    tab = _table("memory at the peak")
     tab.add_column("what")
     tab.add_column("bytes", justify="right")
     tab.add_column("share", justify="right")
@@ -104,61 +156,79 @@ def _memory_table(est: Estimate) -> Table:
         b = m.at_peak.get(kind, 0)
         if b:
             tab.add_row(kind.replace("_", " "), gib(b), f"{b / m.peak:.1%}")
-    tab.add_row("[bold]peak[/]", f"[bold]{gib(m.peak)}[/]", "")
+    tab.add_row(Text("peak", "bold"), Text(gib(m.peak), "bold"), "")
     return tab
 
 
 def _ops_table(est: Estimate, top: int) -> Table:
-    tab = Table(title=f"top {top} ops by predicted time", title_justify="left")
-    for col in ("#", "op", "module", "phase", "time", "TFLOP", "GB", "FLOP/B", "regime"):
-        tab.add_column(col, justify="right" if col in ("#", "time", "TFLOP", "GB", "FLOP/B")
-                       else "left")
-    for o in sorted(est.time.ops, key=lambda o: -o.device_s)[:top]:
-        tab.add_row(str(o.index), o.op.removeprefix("aten.").removesuffix(".default"),
-                    o.module or "<top>", o.phase,
-                    human_time(o.device_s), f"{o.flops / 1e12:.3f}", f"{o.bytes / 1e9:.3f}",
-                    f"{o.intensity:.0f}" if o.intensity != float("inf") else "∞", o.regime)
+    timed = [o for o in est.time.ops if o.device_s > 0]
+    title = _cut(min(top, len(timed)), len(timed), "ops by predicted time",
+                 "--top N for more, --json for data")
+    tab = _table(title[0].upper() + title[1:])
+    tab.add_column("op, #index in module", overflow="fold", ratio=1)
+    for col in ("phase", "time", "TFLOP", "GB", "regime"):
+        tab.add_column(col, justify="left" if col in ("phase", "regime") else "right",
+                       no_wrap=True)
+    for o in sorted(timed, key=lambda o: -o.device_s)[:top]:
+        name = Text(op_label(o.op))
+        name.append(f"\n#{o.index} in {o.module or '<top>'}", "dim")
+        tab.add_row(name, o.phase, human_time(o.device_s), f"{o.flops / 1e12:.3f}",
+                    f"{o.bytes / 1e9:.3f}", o.regime)
     return tab
 
 
 def _modules_table(est: Estimate, top: int) -> Table:
-    tab = Table(title="time by module", title_justify="left")
-    tab.add_column("module")
-    tab.add_column("time", justify="right")
-    tab.add_column("share", justify="right")
+    modules = list(est.time.by_module().items())
+    title = _cut(min(top, len(modules)), len(modules), "modules by predicted time",
+                 "--top N for more")
+    tab = _table(title[0].upper() + title[1:])
+    tab.add_column("module", overflow="fold")
+    tab.add_column("time", justify="right", no_wrap=True)
+    tab.add_column("share", justify="right", no_wrap=True)
     total = est.time.device_s or 1.0
-    for name, s in list(est.time.by_module().items())[:top]:
+    for name, s in modules[:top]:
         tab.add_row(name, human_time(s), f"{s / total:.1%}")
     return tab
 
 
 def _formulas_table(est: Estimate) -> Table:
     f = est.formulas
-    tab = Table(title="textbook formulas vs the trace", title_justify="left")
-    tab.add_column("quantity")
-    tab.add_column("formula", justify="right")
-    tab.add_column("traced", justify="right")
-    tab.add_row("parameters (12·d²·L + 2·d·V)", human_count(f["params_textbook_12d2L_2dV"]),
+    tab = _table("textbook formulas vs the trace")
+    tab.add_column("quantity", overflow="fold", ratio=1)
+    tab.add_column("formula", justify="right", no_wrap=True)
+    tab.add_column("traced", justify="right", no_wrap=True)
+    tab.add_row("parameters, 12·d²·L + 2·d·V", human_count(f["params_textbook_12d2L_2dV"]),
                 human_count(f["params_traced"]))
+    for what, delta in f.get("params_gap", []):
+        tab.add_row(Text(f"  {what}", "dim"), f"{'+' if delta > 0 else '−'}"
+                    f"{human_count(abs(delta))}", "")
     if "activations_traced_bytes" in f:
         traced = gib(f["activations_traced_bytes"])
-        tab.add_row("activations (12·L·d·T + L·a·T² + V·T)", gib(f["activations_lecture_bytes"]),
+        tab.add_row("activations, 12·L·d·T + L·a·T² + V·T", gib(f["activations_lecture_bytes"]),
                     traced)
-        tab.add_row(f"activations (Megatron, {f['megatron_variant']})",
+        tab.add_row(f"activations, Megatron ({f['megatron_variant']})",
                     gib(f["activations_megatron_bytes"]), traced)
+    u = est.utilization()
+    if "model_flops_6n_attention" in u:
+        tab.add_row(f"model FLOPs/step, 6·N·T + attention (PaLM; MFU "
+                    f"{u['mfu_6n_attention']:.1%})", human_count(u["model_flops_6n_attention"]),
+                    human_count(u["model_flops"]))
     return tab
 
 
 def print_gpus(console: Console | None = None) -> None:
+    """Every built-in GPU, names and aliases in full."""
     c = console or Console()
-    tab = Table(title="built-in GPUs (dense peaks)", title_justify="left")
-    for col in ("name", "aliases", "memory", "HBM TB/s", "bf16 TF", "tf32 TF", "fp32 TF",
-                "fp8 TF", "ridge FLOP/B"):
-        tab.add_column(col, justify="left" if col in ("name", "aliases") else "right")
+    tab = _table("built-in GPUs: dense peaks in TFLOP/s, HBM in TB/s, ridge point in FLOP/B")
+    width = max(len(g.name) for g in BUILTIN_GPUS)
+    tab.add_column("name", no_wrap=True, min_width=width)
+    tab.add_column("aliases", overflow="fold")
+    for col in ("memory", "HBM", "bf16", "tf32", "fp32", "fp8", "ridge"):
+        tab.add_column(col, justify="right", no_wrap=True)
     for g in BUILTIN_GPUS:
         p = g.peak_flops
-        tab.add_row(g.name, ", ".join(g.aliases), gib(g.memory_bytes), f"{g.bandwidth / 1e12:.2f}",
-                    f"{p['bf16'] / 1e12:.0f}", f"{p['tf32'] / 1e12:.0f}",
-                    f"{p['fp32'] / 1e12:.1f}",
+        tab.add_row(g.name, ", ".join(g.aliases) or "-", gib(g.memory_bytes),
+                    f"{g.bandwidth / 1e12:.2f}", f"{p['bf16'] / 1e12:.0f}",
+                    f"{p['tf32'] / 1e12:.0f}", f"{p['fp32'] / 1e12:.1f}",
                     f"{p['fp8'] / 1e12:.0f}" if "fp8" in p else "-", f"{g.ridge_point:.0f}")
     c.print(tab)

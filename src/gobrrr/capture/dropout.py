@@ -1,0 +1,40 @@
+"""Dropout as CUDA runs it, reproduced in the CPU trace.
+
+`F.dropout` (aten::dropout, a composite op) takes a fused kernel on CUDA: `native_dropout`, which
+returns the output and a 1-byte boolean mask, the mask saved for backward. Elsewhere (the CPU,
+where the trace runs) it builds a noise tensor in the input's dtype and multiplies, saving the
+noise: 2 to 4 bytes an element where CUDA keeps 1. Every dropout layer of a BERT or a GPT-2 was
+over-counted that way (aten/src/ATen/native/Dropout.cpp: `is_fused_kernel_acceptable`).
+
+While `cuda_dropout()` is active, aten::dropout on CPU tensors takes CUDA's path: native_dropout
+when training with 0 < p < 1 on a non-empty tensor, the input itself when not training or p == 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    if train and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, train)[0]
+    if p == 1 and train:
+        return input * torch.zeros_like(input)
+    return input
+
+
+@contextlib.contextmanager
+def cuda_dropout() -> Iterator[None]:
+    """Within this context aten::dropout on CPU tensors runs CUDA's fused path."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
+            warnings.simplefilter("ignore")
+            lib.impl("dropout", _dropout, "AutogradCPU")
+        yield
+    finally:
+        lib._destroy()

@@ -1,0 +1,205 @@
+"""Calibration of cuDNN convolutions: achieved FLOP/s by math mode, memory layout, shape class
+and direction, over the shapes real CNNs run, and the workspace cuDNN allocates inside a call.
+
+Why by layout: in 16-bit, cuDNN's tensor-core kernels run on channels-last (NHWC) tensors, and
+PyTorch copies channels-first (NCHW) ones to NHWC and back around the kernel; a model converted
+with `.to(memory_format=torch.channels_last)` runs none of those copies. Why by shape class: a
+1x1 convolution is a plain GEMM, a strided or 7x7 one gathers its im2col tiles differently, a
+grouped one runs small per-group GEMMs; the same (output elements, depth) runs at different
+rates in each. Why by direction: a convolution_backward computes grad_input and grad_weight
+with different kernels (the first layer of a network asks for grad_weight only).
+
+Each class is a rectangular grid of (output elements, depth) in the implicit-GEMM terms of
+`gobrrr.cost.shapes.gemm_dims`, the channel count setting the depth (C_in/groups · k · k) and
+the batch making up the output size. Powers of two keep every grid point exactly on its row.
+The spatial size shrinks as channels grow, as through a CNN's stages.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gobrrr.profile.calibrate_step import _allocated_inside, _record
+
+LAYOUTS = ("channels_first", "channels_last")
+MODES = (("bf16", torch.bfloat16), ("tf32", torch.float32), ("fp32", torch.float32))
+OUTPUTS = (2**19, 2**21, 2**23, 2**25, 2**27)  # output elements N·Ho·Wo·C_out of each grid row
+# (grad_input, grad_weight, grad_bias) requested of convolution_backward, per direction
+BACKWARD_MASKS = {"backward_input": [True, False, False],
+                  "backward_weight": [False, True, False]}
+REPS = 10  # timed runs per point (the median is kept)
+DEPTHWISE_BATCHES = (1, 4, 16, 64)
+DEPTHWISE_CLASSES = {"3x3": (3, 1), "5x5": (5, 1), "7x7": (7, 1), "3x3-s2": (3, 2),
+                     "5x5-s2": (5, 2)}
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One convolution of the grid, without its batch. Planes in pixels (height = width)."""
+
+    cls: str
+    c_in: int
+    c_out: int
+    kernel: int
+    stride: int
+    groups: int
+    plane: int  # output height = width
+
+    def batch(self, outputs: int) -> int:
+        """The batch that makes N · plane² · C_out = outputs (0 when one image is more)."""
+        return outputs // (self.c_out * self.plane * self.plane)
+
+
+def _plane(budget: int, channels: int) -> int:
+    """Output plane for this channel count: budget // channels, within 8..64 pixels."""
+    return min(max(budget // channels, 8), 64)
+
+
+def conv_shapes() -> Iterator[ConvShape]:
+    """The grid's convolutions, by class: "1x1" (C_out = C_in, depth = C_in 64..2048),
+    "1x1-reduce" and "1x1-expand" (C_out = C_in / 4 and 4 · C_in: a bottleneck's 1x1s),
+    "3x3" (stride 1, 32..512 channels), "3x3-s2" (stride 2: the downsampling 3x3 of a stage),
+    "stem" (3 input channels: a 3x3 and a 7x7, both stride 2), "grouped" (3x3, 16 groups of
+    4..64 channels each)."""
+    for c in (64, 128, 256, 512, 1024, 2048):
+        yield ConvShape("1x1", c, c, 1, 1, 1, _plane(8192, c))
+    for c in (256, 512, 1024, 2048):  # a bottleneck's way in (or an inverted one's way out)
+        yield ConvShape("1x1-reduce", c, c // 4, 1, 1, 1, _plane(8192, c))
+    for c in (64, 128, 256, 512):  # a bottleneck's way out (or an inverted one's way in)
+        yield ConvShape("1x1-expand", c, 4 * c, 1, 1, 1, _plane(8192, 4 * c))
+    for c in (32, 64, 128, 256, 512):
+        yield ConvShape("3x3", c, c, 3, 1, 1, _plane(4096, c))
+    for c in (64, 128, 256, 512):
+        yield ConvShape("3x3-s2", c, c, 3, 2, 1, _plane(2048, c))
+    yield ConvShape("stem", 3, 32, 3, 2, 1, 64)
+    yield ConvShape("stem", 3, 64, 7, 2, 1, 64)
+    for width in (4, 8, 16, 32, 64):
+        yield ConvShape("grouped", 16 * width, 16 * width, 3, 1, 16, _plane(4096, 16 * width))
+
+
+def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.device):
+    """(input, weight, grad_output, convolution args after the bias) of shape s at batch n."""
+    g = torch.Generator(device=dev).manual_seed(s.c_in * 7919 + s.kernel * 31 + n)
+    x = torch.randn(n, s.c_in, s.plane * s.stride, s.plane * s.stride, device=dev,
+                    dtype=dtype, generator=g)
+    w = torch.randn(s.c_out, s.c_in // s.groups, s.kernel, s.kernel, device=dev, dtype=dtype,
+                    generator=g) * 0.05
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+    pad = s.kernel // 2
+    args = ([s.stride] * 2, [pad, pad], [1, 1], False, [0, 0], s.groups)
+    y = torch.ops.aten.convolution(x, w, None, *args)
+    assert y.shape[-1] == s.plane, (s, y.shape)
+    return x, w, torch.randn_like(y), args  # randn_like keeps y's memory format
+
+
+def _calls(x, w, gy, args) -> dict[str, tuple[str, object]]:
+    """direction -> (ATen op name, fn) of one grid point: "forward", "backward_input",
+    "backward_weight" (the first layer asks for grad_weight only) and "backward" (both
+    gradients, as a layer inside a network asks: in 16-bit channels-first, PyTorch copies
+    grad_output to NHWC once for both, so the parts' sum would count that copy twice)."""
+    aten = torch.ops.aten
+    calls = {"forward": ("convolution", lambda: aten.convolution(x, w, None, *args))}
+    masks = {**BACKWARD_MASKS, "backward": [True, True, False]}
+    for direction, mask in masks.items():
+        calls[direction] = ("convolution_backward", lambda mask=mask: aten.convolution_backward(
+            gy, x, w, None, *args, mask))
+    return calls
+
+
+def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
+           dev: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """({direction: [outputs, depth, FLOP/s]}, {"forward" | "backward": workspace fraction})
+    of shape s at batch n."""
+    from gobrrr.cost import conv
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.cost.shapes import gemm_dims
+    from gobrrr.profile.calibrate import time_op
+
+    rates, spaces = {}, {}
+    x, w, gy, args = _tensors(s, n, dtype, layout, dev)
+    for direction, (name, fn) in _calls(x, w, gy, args).items():
+        node = _record(fn, name)
+        if direction in ("forward", "backward"):
+            inside = _allocated_inside(fn, dev) - conv.layout_scratch(node) \
+                if dev.type == "cuda" else 0
+            spaces[direction] = max(inside, 0) / conv.io_bytes(node)
+        mn, k = gemm_dims(node)
+        flops = op_cost(node, mode == "tf32").flops
+        rates[direction] = [mn, k, flops / time_op(fn, dev, REPS)]
+    return rates, spaces
+
+
+def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
+              shapes: tuple[ConvShape, ...] | None = None) -> tuple[dict, dict]:
+    """(rates, workspaces) of cuDNN convolutions over `conv_shapes()` at `outputs`:
+    rates {mode: {"layout:class:direction": [[output elements, depth, FLOP/s], ...]}},
+    layout "channels_first" | "channels_last", direction "forward" | "backward_input" |
+    "backward_weight" | "backward" (both gradients in one call); workspaces {mode:
+    {"forward" | "backward": fraction (channels-first), "channels_last:forward" |
+    "channels_last:backward": fraction}}: the bytes cuDNN
+    allocated and freed inside the call beyond the 16-bit layout copies
+    `gobrrr.cost.conv.layout_scratch` models, over the op's input + output bytes, the median
+    over the grid. The workspace depends on the algorithm cuDNN's heuristics pick, which
+    jumps between neighbouring shapes, so only the typical fraction is kept."""
+    rates: dict[str, dict[str, list[list[float]]]] = {}
+    spaces: dict[str, dict[str, float]] = {}
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        for mode, dtype in MODES:
+            torch.backends.cudnn.allow_tf32 = mode == "tf32"
+            rates[mode], ws = {}, {}
+            for layout in LAYOUTS:
+                for s in shapes or tuple(conv_shapes()):
+                    for out in outputs:
+                        if (n := s.batch(out)) < 1:
+                            continue
+                        r, w = _point(s, n, mode, dtype, layout, dev)
+                        for direction, row in r.items():
+                            rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(row)
+                        prefix = "" if layout == "channels_first" else f"{layout}:"
+                        for direction, frac in w.items():
+                            ws.setdefault(prefix + direction, []).append(frac)
+                        _free(dev)
+            spaces[mode] = {k: statistics.median(v) for k, v in ws.items()}
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+    return rates, spaces
+
+
+def _free(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56,
+                         batches: tuple[int, ...] = DEPTHWISE_BATCHES
+                         ) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of depthwise (groups = channels) convolutions, forward and backward
+    (both gradients), per dtype, layout and kernel class, over their size:
+    {"forward:bf16:channels_last:3x3" | "backward:fp32:channels_first:5x5-s2" | ...:
+    [[bytes, B/s], ...]}, bytes as the cost model counts them, `plane` the output's. With one
+    input channel per output channel a depthwise convolution is no GEMM (cuDNN runs it on
+    CUDA cores, bound by memory and latency), so the dense grid says nothing about it."""
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.profile.calibrate import time_op
+
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for layout in LAYOUTS:
+            for cls, (k, stride) in DEPTHWISE_CLASSES.items():
+                s = ConvShape(cls, channels, channels, k, stride, channels, plane)
+                for n in batches:
+                    calls = _calls(*_tensors(s, n, dtype, layout, dev))
+                    for direction in ("forward", "backward"):
+                        name, fn = calls[direction]
+                        nbytes = op_cost(_record(fn, name)).bytes
+                        out.setdefault(f"{direction}:{key}:{layout}:{cls}", []).append(
+                            [nbytes, nbytes / time_op(fn, dev, REPS)])
+                    _free(dev)
+    return out

@@ -1,0 +1,273 @@
+"""The convolution grid by layout, shape class and direction: how a traced convolution is
+classified, the rate the cost model reads for it (against hand-derived interpolations), the
+fallbacks (a missing class, a missing layout, a calibration from before layouts), and the
+calibration code that measures the grid producing the keys the lookup reads."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gobrrr
+from gobrrr.capture import capture
+from gobrrr.cost import conv
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.roofline import Rates, time_op
+from gobrrr.cost.shapes import conv_class, conv_directions, conv_layout, gemm_dims
+from gobrrr.hardware import Calibration, get_gpu
+from gobrrr.profile import calibrate_conv as cc
+
+H100 = get_gpu("h100")
+OLD_CAL = Path(__file__).parent / "fixtures" / "calibration_h100_channels_first.json"
+
+# (in, out, kernel, stride, groups) of each layer, the class the calibration measures it in;
+# a 2 x 3 x 32 x 32 input, the stem halving the plane to 16 x 16
+LAYERS = (((3, 16, 7, 2, 1), "stem"), ((16, 64, 1, 1, 1), "1x1-expand"),
+          ((64, 16, 1, 1, 1), "1x1-reduce"), ((16, 16, 1, 1, 1), "1x1"),
+          ((16, 16, 3, 1, 1), "3x3"), ((16, 32, 3, 2, 1), "3x3-s2"),
+          ((32, 32, 3, 1, 4), "grouped"))
+
+
+def _graph(channels_last: bool, precision: str = "bf16-mixed"):
+    def make():
+        model = nn.Sequential(*(nn.Conv2d(i, o, k, s, k // 2, groups=g, bias=False)
+                                for (i, o, k, s, g), _ in LAYERS))
+        x = torch.randn(2, 3, 32, 32)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), \
+                x.to(memory_format=torch.channels_last)
+        return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.float().sum())
+    return capture(make, precision=precision)
+
+
+def _convs(g, backward=False):
+    """The graph's convolutions in layer order."""
+    nodes = [n for n in g.nodes if n.name == ("convolution_backward" if backward
+                                              else "convolution")]
+    return nodes[::-1] if backward else nodes
+
+
+def _corners(lo_mn, hi_mn, lo_k, hi_k, rates):
+    """A 2 x 2 grid [[mn, k, rate]], rates in the order (lo, lo), (lo, hi), (hi, lo), (hi, hi)."""
+    return [[lo_mn, lo_k, rates[0]], [lo_mn, hi_k, rates[1]], [hi_mn, lo_k, rates[2]],
+            [hi_mn, hi_k, rates[3]]]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_traced_convolutions_get_their_class_layout_and_directions(channels_last):
+    g = _graph(channels_last)
+    fwd, bwd = _convs(g), _convs(g, backward=True)
+    layout = "channels_last" if channels_last else "channels_first"
+    assert [conv_class(n) for n in fwd] == [c for _, c in LAYERS]
+    assert [conv_class(n) for n in bwd] == [c for _, c in LAYERS]
+    assert {conv_layout(n) for n in fwd + bwd} == {layout}
+    # the stem's input needs no gradient: its backward computes grad_weight only
+    stem_fwd = 2 * (2 * 16 * 16 * 16) * (3 * 7 * 7)
+    assert conv_directions(bwd[0], 0.0) == {"backward_weight": stem_fwd}
+    f3 = 2 * (2 * 16 * 16 * 16) * (16 * 9)  # the 3x3: each gradient costs one forward
+    assert conv_directions(bwd[4], 0.0) == {"backward_input": f3, "backward_weight": f3}
+    assert conv_directions(fwd[4], 123.0) == {"forward": 123.0}
+
+
+def test_one_dimensional_convolutions_are_channels_first():
+    def make():
+        m = nn.Conv1d(8, 8, 3, padding=1)
+        return gobrrr.Workload(model=m, batch=(torch.randn(2, 8, 16),),
+                               loss=lambda y, b: y.sum())
+    node = _convs(capture(make, precision="bf16-mixed"))[0]
+    assert conv_layout(node) == "channels_first" and conv_class(node) == "3x3"
+
+
+def test_the_rate_follows_the_ops_layout(make_cal):
+    """The 3x3 (mn = 2·16·16·16 = 2^13, depth 16·9 = 144) sits at the log-midpoint of a grid
+    over mn 2^12..2^14 and depth 72..288: its rate is the mean of the four corners."""
+    cf = _corners(2**12, 2**14, 72, 288, (1e12, 2e12, 3e12, 6e12))
+    cl = _corners(2**12, 2**14, 72, 288, (4e12, 8e12, 12e12, 16e12))
+    rates = Rates(H100, make_cal(conv_grid={"bf16": {"channels_first:3x3:forward": cf,
+                                                     "channels_last:3x3:forward": cl}}))
+    first, last = _convs(_graph(False))[4], _convs(_graph(True))[4]
+    assert gemm_dims(first) == gemm_dims(last) == (2**13, 144)
+    assert rates.conv(first, op_cost(first)) == pytest.approx(3e12)
+    assert rates.conv(last, op_cost(last)) == pytest.approx(10e12)
+    c = op_cost(last)
+    assert time_op(last, c, rates).compute_s == pytest.approx(c.flops / 10e12)
+    assert time_op(first, op_cost(first), rates).device_s > time_op(last, c, rates).device_s
+
+
+def test_a_backward_sums_its_gradients_times_at_their_own_rates(make_cal):
+    flat = lambda r: _corners(2**12, 2**14, 72, 288, (r,) * 4)  # noqa: E731
+    table = {"channels_last:3x3:backward_input": flat(2e12),
+             "channels_last:3x3:backward_weight": flat(5e11),
+             "channels_last:stem:backward_weight": flat(1e12),
+             "channels_last:stem:backward_input": flat(1e9)}  # never asked for
+    rates = Rates(H100, make_cal(conv_grid={"bf16": table}))
+    bwd = _convs(_graph(True), backward=True)
+    f3 = 2.0 * 2**13 * 144
+    c = op_cost(bwd[4])
+    assert c.flops == 2 * f3
+    assert time_op(bwd[4], c, rates).compute_s == pytest.approx(f3 / 2e12 + f3 / 5e11)
+    stem = op_cost(bwd[0])
+    assert time_op(bwd[0], stem, rates).compute_s == pytest.approx(2.0 * 2**13 * 147 / 1e12)
+    # both gradients measured in one call (one grad_output copy, as they run): that rate
+    table["channels_last:3x3:backward"] = flat(3e12)
+    table["channels_last:stem:backward"] = flat(3e12)  # the stem asks for grad_weight only
+    both = Rates(H100, make_cal(conv_grid={"bf16": table}))
+    assert time_op(bwd[4], c, both).compute_s == pytest.approx(2 * f3 / 3e12)
+    assert time_op(bwd[0], stem, both).compute_s == pytest.approx(2.0 * 2**13 * 147 / 1e12)
+
+
+def test_missing_classes_and_layouts_fall_back(make_cal):
+    """3x3-s2 and the stem read the 3x3 grid when theirs was not measured, 1x1-reduce the
+    1x1's; a channels_last op reads the channels-first grid when its layout's is missing."""
+    cf3 = _corners(2**10, 2**16, 8, 2048, (1e12,) * 4)
+    cl3 = _corners(2**10, 2**16, 8, 2048, (7e12,) * 4)
+    cf1 = _corners(2**10, 2**16, 8, 2048, (3e12,) * 4)
+    rates = Rates(H100, make_cal(conv_grid={"bf16": {
+        "channels_first:3x3:forward": cf3, "channels_last:3x3:forward": cl3,
+        "channels_first:1x1:forward": cf1}}))
+    cl = _convs(_graph(True))
+    for i in (0, 5):  # stem, 3x3-s2: the channels_last 3x3's
+        assert rates.conv(cl[i], op_cost(cl[i])) == pytest.approx(7e12)
+    assert rates.conv(cl[2], op_cost(cl[2])) == pytest.approx(3e12)  # 1x1-reduce
+    assert rates.conv(cl[6], op_cost(cl[6])) is None  # grouped: nothing near it measured
+
+
+def _old_rate(points, mn, k):
+    """Bilinear in (log mn, log k) on a rectangular grid, clamped at its edges, and falling in
+    proportion below its smallest mn and k: how a grid without layouts was read."""
+    mns, ks = sorted({p[0] for p in points}), sorted({p[1] for p in points})
+    at = {(p[0], p[1]): p[2] for p in points}
+
+    def bracket(xs, x):
+        x = min(max(x, xs[0]), xs[-1])
+        i = max(j for j in range(len(xs)) if xs[j] <= x) if x < xs[-1] else len(xs) - 2
+        t = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
+        return xs[i], xs[i + 1], t
+
+    m0, m1, tm = bracket(mns, mn)
+    k0, k1, tk = bracket(ks, k)
+    lo = at[m0, k0] + tk * (at[m0, k1] - at[m0, k0])
+    hi = at[m1, k0] + tk * (at[m1, k1] - at[m1, k0])
+    return (lo + tm * (hi - lo)) * min(1.0, mn / mns[0]) * min(1.0, k / ks[0])
+
+
+def test_a_calibration_without_layouts_loads_and_reads_as_before():
+    """The H100 calibration as shipped before layouts (channels-first grid, forward and
+    backward): every convolution of either layout reads its direction's grid."""
+    data = json.loads(OLD_CAL.read_text())
+    assert set(data["conv_grid"]["bf16"]) == {"forward", "backward"}
+    cal = Calibration.load(OLD_CAL)
+    rates = Rates(H100, cal)
+    for channels_last in (False, True):
+        g = _graph(channels_last)
+        for backward in (False, True):
+            for node in _convs(g, backward):
+                mn, k = gemm_dims(node)
+                grid = cal.conv_grid["bf16"]["backward" if backward else "forward"]
+                assert rates.conv(node, op_cost(node)) == pytest.approx(
+                    _old_rate(grid, mn, k), rel=1e-9)
+        # workspace: the one fraction per direction, whatever the layout
+        bwd = _convs(g, True)[4]
+        assert conv.workspace(bwd, cal, "bf16") == int(
+            cal.conv_workspace["bf16"]["backward"] * conv.io_bytes(bwd))
+
+
+def test_workspace_fraction_follows_the_layout(make_cal):
+    cal = make_cal(conv_workspace={"bf16": {"forward": 0.5, "backward": 0.25,
+                                            "channels_last:forward": 2.0}})
+    f_cf, f_cl = _convs(_graph(False))[4], _convs(_graph(True))[4]
+    assert conv.workspace(f_cf, cal, "bf16") == int(0.5 * conv.io_bytes(f_cf))
+    assert conv.workspace(f_cl, cal, "bf16") == int(2.0 * conv.io_bytes(f_cl))
+    b_cl = _convs(_graph(True), True)[4]  # no channels_last backward measured: the plain one
+    assert conv.workspace(b_cl, cal, "bf16") == int(0.25 * conv.io_bytes(b_cl))
+
+
+def test_without_a_calibration_only_channels_first_16bit_pays_layout_copies():
+    """The transposes around a channels-first 16-bit convolution: its activations (input and
+    output, 2 · (2·16·16·16 + 2·16·16·16) bf16 elements) read and written once more, at the
+    copy bandwidth, plus two kernels; channels_last runs none, and allocates none where its
+    operands are channels-last."""
+    rates = Rates(H100, None)
+    first, last = _convs(_graph(False))[4], _convs(_graph(True))[4]
+    t_cf, t_cl = (time_op(n, op_cost(n), rates) for n in (first, last))
+    copies = 2.0 * 2 * (2 * 16 * 16 * 16) * 2
+    assert t_cf.device_s - t_cl.device_s == pytest.approx(
+        copies / rates.bandwidth("copy") + 2 * rates.latency)
+    assert conv.layout_scratch(first) > 0
+    assert conv.layout_scratch(last) == 0
+    *inner, top = _convs(_graph(True), True)
+    for node in inner:
+        assert conv.layout_scratch(node) == 0
+    # the top layer's grad_output comes from the loss channels-first: only it is copied
+    assert conv.layout_scratch(top) == 2 * 32 * 8 * 8 * 2
+
+
+def test_batch_norm_and_depthwise_read_their_layouts_curves(make_cal):
+    def make(channels_last):
+        def workload():
+            m = nn.Sequential(nn.Conv2d(16, 16, 5, 2, 2, groups=16, bias=False),
+                              nn.BatchNorm2d(16))
+            x = torch.randn(2, 16, 16, 16)
+            if channels_last:
+                m, x = m.to(memory_format=torch.channels_last), \
+                    x.to(memory_format=torch.channels_last)
+            return gobrrr.Workload(model=m, batch=(x,), loss=lambda y, b: y.float().sum())
+        return capture(workload, precision="fp32")
+    flat = lambda v: [[1.0, v], [1e9, v]]  # noqa: E731
+    cal = make_cal(
+        batch_norm_bandwidth={"forward:fp32": flat(1e11),
+                              "forward:fp32:channels_last": flat(9e11)},
+        depthwise_bandwidth={"forward:fp32": flat(2e11),
+                             "forward:fp32:channels_last:5x5": flat(5e11),
+                             "forward:fp32:channels_first:3x3": flat(3e11)})
+    rates = Rates(H100, cal)
+    bn = {cl: next(n for n in make(cl).nodes if n.name == "native_batch_norm")
+          for cl in (False, True)}
+    assert rates.batch_norm(bn[False]) == pytest.approx(1e11)
+    assert rates.batch_norm(bn[True]) == pytest.approx(9e11)
+    dw = {cl: _convs(make(cl))[0] for cl in (False, True)}
+    # 5x5-s2: channels_last has its 5x5 curve; channels-first only a 3x3 one
+    assert rates.depthwise(dw[True], 1e6) == pytest.approx(5e11)
+    assert rates.depthwise(dw[False], 1e6) == pytest.approx(3e11)
+    old = Rates(H100, make_cal(depthwise_bandwidth={"forward:fp32": flat(2e11)}))
+    assert old.depthwise(dw[True], 1e6) == pytest.approx(2e11)
+
+
+def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for():
+    """Each convolution the calibration measures, as the cost model sees it: its class, its
+    layout, and output elements N·plane²·C_out at depth C_in/groups·k² (forward)."""
+    dev = torch.device("cpu")
+    classes = set()
+    for s in cc.conv_shapes():
+        for layout in cc.LAYOUTS:
+            calls = cc._calls(*cc._tensors(s, 1, torch.float32, layout, dev))
+            fwd, bwd = (cc._record(fn, name) for name, fn in (calls["forward"],
+                                                              calls["backward_weight"]))
+            for node in (fwd, bwd):
+                assert (conv_class(node), conv_layout(node)) == (s.cls, layout), s
+            assert gemm_dims(fwd) == (s.plane**2 * s.c_out, s.c_in // s.groups * s.kernel**2)
+        classes.add(s.cls)
+    assert classes == {"1x1", "1x1-reduce", "1x1-expand", "3x3", "3x3-s2", "stem", "grouped"}
+
+
+def test_a_measured_grid_is_read_by_the_lookup(make_cal):
+    """conv_grid on the CPU at tiny sizes: the keys it writes are the ones the lookup reads
+    (each traced convolution's rate interpolates its own class's measurement)."""
+    shapes = (cc.ConvShape("3x3", 16, 16, 3, 1, 1, 16),)
+    grid, spaces = cc.conv_grid(torch.device("cpu"), outputs=(2**12, 2**14), shapes=shapes)
+    assert set(grid) == {"bf16", "tf32", "fp32"}
+    assert set(grid["bf16"]) == {f"{lay}:3x3:{d}" for lay in cc.LAYOUTS for d in (
+        "forward", "backward_input", "backward_weight", "backward")}
+    assert set(spaces["bf16"]) == {"forward", "backward", "channels_last:forward",
+                                   "channels_last:backward"}
+    rates = Rates(H100, make_cal(conv_grid=grid))
+    for channels_last in (False, True):
+        node = _convs(_graph(channels_last))[4]  # 2^13 outputs, depth 144: on the grid's row
+        layout = "channels_last" if channels_last else "channels_first"
+        bwd = _convs(_graph(channels_last), True)[4]
+        for n, direction in ((node, "forward"), (bwd, "backward")):
+            lo, hi = (p[2] for p in sorted(grid["bf16"][f"{layout}:3x3:{direction}"]))
+            assert rates.conv(n, op_cost(n)) == pytest.approx((lo + hi) / 2)

@@ -110,24 +110,27 @@ def test_a_count_the_bounds_leave_open_takes_its_upper_bound():
 # -- reads in a traced step: where, what, how often -----------------------------------------------
 
 class LayerDrop(nn.Module):
-    """BART / wav2vec2's LayerDrop: each layer is skipped when a uniform draw is below p."""
+    """BART / wav2vec2's LayerDrop: each layer is skipped when a uniform draw is below p (a
+    host tensor there: `torch.rand([])`; `on_device`: drawn beside the activations)."""
 
-    def __init__(self, p: float, n: int = 4):
+    def __init__(self, p: float, n: int = 4, on_device: bool = False):
         super().__init__()
-        self.p = p
+        self.p, self.on_device = p, on_device
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
         self.head = nn.Linear(8, 1)
 
     def forward(self, x):
         for layer in self.layers:
-            if self.training and torch.rand([]) < self.p:
+            draw = torch.rand([], device=x.device) if self.on_device else torch.rand([])
+            if self.training and draw < self.p:
                 continue
             x = layer(x)
         return self.head(x).mean()
 
 
-def layerdrop(p):
-    return lambda: gobrrr.Workload(model=LayerDrop(p), batch=(torch.randn(4, 8),))
+def layerdrop(p, on_device=False):
+    return lambda: gobrrr.Workload(model=LayerDrop(p, on_device=on_device),
+                                   batch=(torch.randn(4, 8),))
 
 
 @pytest.mark.parametrize(("p", "kind", "value", "layers"), [
@@ -143,7 +146,13 @@ def test_layerdrop_takes_the_likely_branch_and_says_so(p, kind, value, layers):
         "kind": kind, "what": assume.KINDS[kind], "op": "aten._local_scalar_dense",
         "module": "", "phase": "forward", "value": value, "count": 4}]
     draws = [n.index for n in g.nodes if n.name == "lt"]
-    assert len(draws) == 4 and set(draws) <= set(g.meta["syncs"])  # the host waits there
+    assert len(draws) == 4 and not set(draws) & set(g.meta["syncs"])  # read on the host
+
+
+def test_a_read_of_a_gpu_tensor_makes_the_host_wait():
+    g = capture(layerdrop(0.1, on_device=True), precision="fp32")
+    draws = [n.index for n in g.nodes if n.name == "lt"]
+    assert len(draws) == 4 and set(draws) <= set(g.meta["syncs"])
 
 
 class Checked(nn.Module):

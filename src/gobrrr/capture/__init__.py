@@ -354,7 +354,7 @@ def _trace(w: Workload, precision: str, values: assume.Values,
 
             hook = step.opt.register_step_pre_hook(grab_grads)
             try:
-                with rec:
+                with rec, assume.HostMode(values):
                     _guarded(step.run, "traced step", rec)
             finally:
                 hook.remove()

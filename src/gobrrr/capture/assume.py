@@ -27,8 +27,10 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     unset_fake_temporarily,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from gobrrr.capture.facts import INF, Fact, FactTable, exact
 from gobrrr.errors import GobrrrError
@@ -92,20 +94,29 @@ class Values:
         self.syncs: list[int] = []  # indices of recorded ops after which the host waits
         self.where: Callable[[], tuple[str, str, int | None]] = lambda: ("", "build", None)
         self.last: tuple[Any, int] | None = None  # the last op to return a tensor, and its id
+        self.host = WeakTensorKeyDictionary()  # tensors a real step keeps in host memory
 
     def during(self, phase: str) -> None:
         """Reads from now on happen outside the recorded step, in `phase`."""
         self.where = lambda: ("", phase, None)
 
-    def note(self, kind: str, func: Any, value: str, recorded: bool = True) -> None:
-        """Record one read. `recorded`: the op lands in the graph (a sync at it), else the
-        host waits after the last recorded op."""
+    def note(self, kind: str, func: Any, value: str, t: torch.Tensor | None = None,
+             recorded: bool = True) -> None:
+        """Record one read of `t`. Unless `t` lives in host memory, the host waits for the
+        GPU: at the op (`recorded`: it lands in the graph), else after the last recorded op."""
         module, phase, n = self.where()
         op = str(func).removesuffix(".default")
         key = (kind, op, module, phase, value)
         self._counts[key] = self._counts.get(key, 0) + 1
-        if n is not None:
+        if n is not None and not (t is not None and t in self.host):
             self.syncs.append(n if recorded else max(n - 1, 0))
+
+    def follow_host(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """What an op computes from host tensors alone stays on the host."""
+        ins = _tensors((args, kwargs))
+        if ins and all(t in self.host for t in ins):
+            for t in _tensors(out):
+                self.host[t] = True
 
     def sync(self) -> None:
         """The op about to be recorded makes the host wait for the GPU (no value assumed)."""
@@ -147,21 +158,19 @@ class Values:
                             "branch on it could go either way")
         out = _python(value, t.dtype)
         odds = f" (p={value:.2f})" if kind == "likely-draw" and t.dtype == torch.bool else ""
-        self.note(kind, func, f"{out!r}{odds}", recorded=False)
+        self.note(kind, func, f"{out!r}{odds}", t, recorded=False)
         return out
 
     def selected(self, func: Any, mask: torch.Tensor, numel: int) -> int:
         """How many elements of `mask` (broadcast to `numel`) are set."""
         f = self.table.get(mask)
-        if f is not None and f.lo == f.hi == 0:
-            kind, n = "derived", 0
-        elif f is not None and (f.lo > 0 or f.hi < 0):
+        if f is not None and (f.lo > 0 or f.hi < 0):  # no element is zero
             kind, n = "derived", numel
-        elif f is not None and f.boolean and f.mean is not None:  # exact, or expected
+        elif f is not None and f.boolean and f.mean is not None:  # exact (all 0: none), or expected
             kind, n = f.basis or "derived", int(round(f.mean * numel))
         else:
             kind, n = "all-selected", numel
-        self.note(kind, func, f"{n} of {numel}")
+        self.note(kind, func, f"{n} of {numel}", mask)
         return n
 
     def bound(self, func: Any, t: torch.Tensor, floor: int = 0) -> tuple[int, str]:
@@ -196,6 +205,8 @@ class ValueMode(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = self._resolve(func, args, kwargs)
         self.values.table.propagate(func, args, kwargs, out)
+        if len(self.values.host):
+            self.values.follow_host(args, kwargs, out)
         if isinstance(out, torch.Tensor):
             self.values.last = (func, id(out))
         return out
@@ -257,7 +268,7 @@ def _bincount(v: Values, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
     top, kind = v.bound(func, x, minlength - 1)
     length = top + 1
-    v.note(kind, func, f"{length} bins")
+    v.note(kind, func, f"{length} bins", x)
     dtype = torch.long if weights is None else (
         torch.double if weights.dtype != torch.float else torch.float)
     out = torch.empty((length,), dtype=dtype, device=x.device)
@@ -271,10 +282,10 @@ def _repeat_interleave(v: Values, func: Any, args: tuple, kwargs: dict) -> Any:
     f = v.table.get(repeats)
     if f is not None and f.mean is not None and (f.exact or f.basis):
         n = int(round(f.mean * repeats.numel()))
-        v.note("derived" if f.exact else f.basis, func, str(n))
+        v.note("derived" if f.exact else f.basis, func, str(n), repeats)
     elif f is not None and f.hi < INF:
         n = int(f.hi) * repeats.numel()
-        v.note("upper-bound", func, str(n))
+        v.note("upper-bound", func, str(n), repeats)
     else:
         raise v.fail(func, repeats, "the output length is the sum of the repeats")
     return func(*args, **{**kwargs, "output_size": n})
@@ -293,7 +304,8 @@ def _unique(v: Values, func: Any, args: tuple, kwargs: dict) -> tuple:
     n = x.numel()
     if f is not None and f.hi < INF and f.lo > -INF and not x.dtype.is_floating_point:
         n = min(n, int(f.hi - f.lo) + 1)
-    v.note("derived" if f is not None and f.exact else "distinct", func, f"{n} of {x.numel()}")
+    v.note("derived" if f is not None and f.exact else "distinct", func, f"{n} of {x.numel()}",
+           x)
     values = x.new_empty((n,))
     inverse = x.new_empty(x.shape if flag("return_inverse") else (0,), dtype=torch.long)
     if name == "_unique":
@@ -308,7 +320,7 @@ def _ctc_loss(v: Values, func: Any, args: tuple, kwargs: dict) -> tuple:
         longest, kind = v.bound(func, target_lengths)
     else:
         longest, kind = max(target_lengths, default=0), "derived"
-    v.note(kind, func, f"longest target {longest}")
+    v.note(kind, func, f"longest target {longest}", log_probs)
     steps, batch = log_probs.shape[0], log_probs.shape[1]
     return (log_probs.new_empty((batch,)),
             log_probs.new_empty((batch, steps, 2 * longest + 1)))
@@ -341,6 +353,30 @@ RESOLVERS: dict[str, Callable[..., Any]] = {
     "_unique2": _unique, "_unique": _unique, "unique_consecutive": _unique,
     "_ctc_loss": _ctc_loss,
 }
+
+
+_FACTORIES = ("rand", "randn", "randint", "randperm", "zeros", "ones", "full", "empty",
+              "arange", "linspace", "tensor", "as_tensor", "scalar_tensor", "eye")
+
+
+class HostMode(TorchFunctionMode):
+    """While the step is traced: a tensor made by a factory function without a `device`
+    (`torch.rand([])` in Hugging Face's LayerDrop) lives in host memory on a GPU run too, and
+    so does what is computed from it alone; reading it does not make the host wait for the
+    GPU. The trace's fake tensors are all on the CPU, so only the call says so."""
+
+    def __init__(self, values: Values) -> None:
+        super().__init__()
+        self.values = values
+        self.factories = {getattr(torch, n) for n in _FACTORIES}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.factories and kwargs.get("device") is None and \
+                isinstance(out, torch.Tensor):
+            self.values.host[out] = True
+        return out
 
 
 # -- the build: small tensors real -------------------------------------------------------------
@@ -386,5 +422,6 @@ def fake_copy(t: torch.Tensor, mode: Any, table: FactTable) -> torch.Tensor:
     return fake
 
 
-__all__ = ["KINDS", "REAL_LIMIT", "Assumption", "RealSmall", "ValueMode", "Values", "exact",
+__all__ = ["KINDS", "REAL_LIMIT", "Assumption", "HostMode", "RealSmall", "ValueMode", "Values",
+           "exact",
            "fake_copy"]

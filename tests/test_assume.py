@@ -5,6 +5,7 @@ recorded where it happened, and a read no assumption covers is one clear error."
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import gobrrr
@@ -219,6 +221,40 @@ def test_a_read_no_assumption_covers_is_one_error_naming_op_module_and_fix():
     for part in ("aten._local_scalar_dense", "made by aten.sum", "module '0'",
                  "phase forward", "move the read out of the training step"):
         assert part in msg, msg
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def test_adafactor_reads_its_norms_and_runs_the_ops_a_real_step_runs():
+    adafactor = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)
+    g = capture(lambda: gobrrr.Workload(model=small_mlp(), batch=(torch.randn(4, 16),),
+                                        loss=lambda y, b: y.mean(), optimizer=adafactor),
+                precision="fp32")
+    traced = Counter(n.op for n in g.nodes if n.phase == "optimizer")
+    model = small_mlp()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=True)  # CUDA's default
+    for step in range(2):  # the second step, as the trace records it
+        model(torch.randn(4, 16)).mean().backward()
+        with OpCounter() if step else contextlib.nullcontext() as counter:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    real = Counter({k: v for k, v in counter.counts.items() if "_local_scalar_dense" not in k})
+    assert traced == real
+    assert {(a["kind"], a["phase"], a["count"]) for a in g.meta["assumptions"]} == {
+        ("optimizer-scale", "warm-up", 8), ("optimizer-scale", "optimizer", 8)}
 
 
 # -- mixture-of-experts routing: balanced, as uniform routing is on average -----------------------

@@ -45,6 +45,8 @@ KINDS = {
     "all-selected": "a mask selects every element it could (an upper bound)",
     "upper-bound": "a count or length takes its largest possible value",
     "distinct": "unique finds every value it could (an upper bound)",
+    "optimizer-scale": "a value the optimizer reads only scales its update: which ops run "
+                       "does not depend on it (taken as 1.0)",
 }
 
 
@@ -153,6 +155,8 @@ class Values:
         elif f is not None and f.hi < INF and not t.dtype.is_floating_point and \
                 t.dtype != torch.bool:
             kind, value = "upper-bound", f.hi
+        elif t.dtype.is_floating_point and self.where()[1] in ("warm-up", "optimizer"):
+            kind, value = "optimizer-scale", 1.0  # Adafactor's norms, clipping factors
         else:
             raise self.fail(func, t, "its value is not bounded by how it was made, and a "
                             "branch on it could go either way")

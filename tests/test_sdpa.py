@@ -180,3 +180,18 @@ def test_a_learned_mask_takes_the_math_path():
         assert choose(c, H100) == "math"
         c = _Call(c.q, c.k, c.v, c.mask.detach(), 0.0, False, None, False)
         assert choose(c, H100) == "cudnn"
+
+
+def test_grouped_query_attention_traces_on_every_backend():
+    """fp32 takes the memory-efficient kernel, which has no GQA: K and V are repeated to the
+    query heads first (as torch's composite does), so its backward's gradients fit K and V."""
+    from gobrrr.models.registry import get_workload
+
+    for precision, backend in (("fp32", "efficient"), ("bf16-mixed", "cudnn")):
+        g = capture(lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=2,
+                                         dim=64, n_head=4, n_kv_head=2, ffn_dim=128,
+                                         vocab_size=128), precision=precision, sdpa=H100)
+        assert g.meta["sdpa_backends"] == {backend: 2}
+        fwd = [n for n in g.nodes if n.phase == "forward" and "attention" in n.op]
+        # the kernel's K: repeated to 4 heads for the efficient kernel, 2 (native GQA) for cuDNN
+        assert {n.inputs[1].shape[1] for n in fwd} == {4 if backend == "efficient" else 2}

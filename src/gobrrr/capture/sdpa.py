@@ -200,8 +200,11 @@ def _run(backend: str, c: _Call) -> torch.Tensor:
     if backend == "efficient":
         mask = _additive(c.mask, c.q.dtype)
         mask = _pad_mask_16(mask, c) if mask is not None else None
+        k, v = c.k, c.v
+        if c.q.shape[1] != k.shape[1]:  # no GQA in this kernel: K and V repeated to Q's heads
+            k, v = (x.repeat_interleave(c.q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         return aten._scaled_dot_product_efficient_attention(
-            c.q, c.k, c.v, mask, c.grad, c.dropout, c.causal, scale=c.scale)[0]
+            c.q, k, v, mask, c.grad, c.dropout, c.causal, scale=c.scale)[0]
     return aten._scaled_dot_product_attention_math(
         c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa)[0]
 

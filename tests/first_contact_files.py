@@ -48,8 +48,6 @@ class Forward(nn.Module):
             x = x * 2
         if self.what == "tolist":
             x = x * len([v for v in x.sum(1).tolist() if v > 0])
-        if self.what == "bool_index":
-            x = x[x > 0].reshape(-1, 8)
         if self.what == "print":
             print("hello from forward")
         if self.what == "none":
@@ -236,10 +234,6 @@ def item_in_forward():
 
 def tolist_in_forward():
     return gobrrr.Workload(model=Forward("tolist"), batch=_x())
-
-
-def boolean_index_in_forward():
-    return gobrrr.Workload(model=Forward("bool_index"), batch=_x())
 
 
 def shape_mismatch():

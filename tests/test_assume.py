@@ -407,10 +407,20 @@ ZOO_OPS = {  # ops whose count the reads decide, held against the H100's count f
 }
 
 
-@pytest.mark.parametrize("name", list(ZOO_OPS))
-def test_zoo_steps_that_read_values_run_the_ops_cuda_ran(name):
+@pytest.fixture
+def transformers_logging():
+    """transformers binds its log handler to the stderr of the moment it first logs (here,
+    this test's capture); unbound afterwards, so later tests' own capture sees its notices."""
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed: pip install 'gobrrr[zoo]'")
+    yield
+    from transformers.utils import logging as hf_logging
+
+    hf_logging._reset_library_root_logger()
+
+
+@pytest.mark.parametrize("name", list(ZOO_OPS))
+def test_zoo_steps_that_read_values_run_the_ops_cuda_ran(name, transformers_logging):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from zoo.cases import get_case
 

@@ -101,7 +101,6 @@ WORKLOAD_CASES = [
     wl("numpy_in_forward", "numpy", json_out=True),
     wl("item_in_forward", "reads a tensor's value", ".item()"),
     wl("tolist_in_forward", "reads a tensor's value", "torch.where"),
-    wl("boolean_index_in_forward", "data-dependent", "masking"),
     wl("shape_mismatch", "same reduction dim", "plain PyTorch"),
     wl("shape_mismatch", "same reduction dim", json_out=True),
     wl("returns_none", "returned NoneType", "return Workload("),

@@ -213,4 +213,10 @@ def test_cli_profile_on_cpu_prints_json(tmp_path, capsys):
                           "--warmup", "1", "--json", "--batch", "2", "--precision", "fp32"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["profile"]["workload"] == "lin" and out["profile"]["tokens"] == 2
+    r = out["profile"]
+    assert r["workload"] == "lin" and (r["unit"], r["units_per_step"]) == ("samples", 2)
+    # by hand: the forward addmm and the weight gradient, 2·2·8·8 each (the input needs no
+    # gradient); one FLOP per element of the 2×8 output for square and mean forward, mean's
+    # div, square's pow, mul, mul backward and the bias gradient's sum; 1 for the loss's seed
+    assert r["model_flops"] == 2 * (2 * 2 * 8 * 8) + 7 * 16 + 1
+    assert r["flops_source"] == "traced step graph"

@@ -15,6 +15,7 @@ from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.precision import check_precision, peak_mode
 from gobrrr.profile.analyze import analyze
 from gobrrr.profile.diagnose import diagnose
+from gobrrr.profile.flops import StepFlops, step_flops, traced_flops, untraced
 from gobrrr.profile.join import join_trace
 from gobrrr.profile.result import ProfileResult
 from gobrrr.profile.runner import (
@@ -26,7 +27,6 @@ from gobrrr.profile.runner import (
     load_graph_arg,
     measure,
     median,
-    model_flops_per_step,
     oom_error,
 )
 from gobrrr.workload import Workload
@@ -46,6 +46,14 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
     `gpu` names the spec to judge against (default: the one CUDA reports);
     `calibration` defaults to the stored one for that GPU.
 
+    MFU and HFU follow `gobrrr estimate`'s definitions: the FLOPs are counted on the traced
+    step graph (`graph` when given, else the workload traced with gobrrr.capture first: on
+    the CPU under fake tensors, seconds, the model untouched), model FLOPs those of its
+    forward and backward without recomputation, HFU's every op it runs; both per second of
+    the median step over one peak, the precision's dense matmul peak of the GPU (none on the
+    CPU: MFU and HFU are None there, the FLOPs still counted). Throughput is tokens/s for a
+    sequence workload, samples/s otherwise.
+
     The workload is moved to the device (its model in place). Raises GobrrrError for: no GPU
     when one was asked for, CUDA out of memory, a workload that raises.
     """
@@ -54,7 +62,9 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
     if steps < 1 or warmup < 0:
         raise GobrrrError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
     graph = load_graph_arg(graph)
-    tokens = workload.token_count()
+    gpu_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    flops = (step_flops(graph) if graph is not None
+             else traced_flops(workload, precision, checkpoint, gpu_name))
     try:
         m = measure(workload, device, precision, steps, warmup, checkpoint, compile, trace_path)
     except torch.cuda.OutOfMemoryError:
@@ -67,7 +77,7 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
                           "(run it once without gobrrr to debug; GOBRRR_DEBUG=1 shows the "
                           "traceback)") from e
     return summarize(m, RunInfo(workload.name, device, precision, checkpoint, compile, steps,
-                                warmup, tokens), workload=workload, graph=graph, gpu=gpu,
+                                warmup), flops, graph=graph, gpu=gpu,
                      calibration=calibration)
 
 
@@ -82,23 +92,21 @@ class RunInfo:
     compiled: bool
     steps: int
     warmup: int
-    tokens: int
 
 
-def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
+def summarize(m: Measured, info: RunInfo, flops: StepFlops | None = None,
               graph: StepGraph | None = None, gpu: str | GpuSpec | None = None,
-              calibration: Calibration | None = None,
-              model_flops: float | None = None) -> ProfileResult:
-    """Analyze raw measurements (also those of a stored trace) into a ProfileResult."""
+              calibration: Calibration | None = None) -> ProfileResult:
+    """Analyze raw measurements (also those of a stored trace) into a ProfileResult.
+    `flops`: the step's FLOPs and throughput unit (default: counted on `graph`)."""
     on_gpu = info.device.startswith("cuda")
     spec = gpu_for(m.device_name, gpu) if on_gpu else None
     cal = calibration if calibration is not None else calibration_for(spec)
     joined = join_trace(m.trace, has_device=on_gpu)
     an = analyze(joined, spec, info.precision, graph, cal)
     step_s = median(m.step_times)
-    if model_flops is None:
-        model_flops = model_flops_per_step(workload, graph) if workload is not None else 0.0
-    executed = sum(o.flops for o in an.ops)
+    if flops is None:
+        flops = step_flops(graph) if graph is not None else untraced(None, "none: no graph")
     peak = spec.peak(peak_mode(info.precision)) if spec is not None else 0.0
     # Idle time of a timed step: its median time less the kernel time of the profiled step
     # (kernel durations are what the profiler measures well; its host overhead would inflate
@@ -109,12 +117,13 @@ def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
         workload=info.workload, device=info.device, device_name=m.device_name,
         gpu=spec.name if spec else "", label="" if on_gpu else CPU_LABEL,
         precision=info.precision, checkpoint=info.checkpoint, compiled=info.compiled,
-        steps=info.steps, warmup=info.warmup, tokens=info.tokens, step_s=step_s,
-        step_min_s=min(m.step_times), step_max_s=max(m.step_times),
-        step_times=tuple(m.step_times), tokens_per_s=info.tokens / step_s if step_s else 0.0,
-        model_flops=model_flops, executed_flops=executed, peak_flops=peak,
-        mfu=model_flops / step_s / peak if peak and step_s else None,
-        hfu=executed / step_s / peak if peak and step_s else None,
+        steps=info.steps, warmup=info.warmup, unit=flops.unit, units_per_step=flops.units,
+        step_s=step_s, step_min_s=min(m.step_times), step_max_s=max(m.step_times),
+        step_times=tuple(m.step_times), per_s=flops.units / step_s if step_s else 0.0,
+        model_flops=flops.model, executed_flops=flops.executed, flops_source=flops.source,
+        peak_flops=peak,
+        peak=f"dense {peak_mode(info.precision)} matmul peak of {spec.name}" if spec else "",
+        **utilization(flops, step_s, peak),
         peak_allocated=m.peak_allocated, peak_reserved=m.peak_reserved,
         profiled_step_s=an.span_s, busy_s=an.busy_s, idle_s=idle, idle_share=idle_share,
         kernels=an.kernels, kernels_attributed=an.kernels_attributed,
@@ -123,6 +132,16 @@ def summarize(m: Measured, info: RunInfo, workload: Workload | None = None,
         diagnosis=diagnose(an.ops, spec, step_s, idle_share, m.peak_allocated, cal,
                            info.precision),
         meta=environment(on_gpu, cal is not None))
+
+
+def utilization(flops: StepFlops, step_s: float, peak: float) -> dict[str, float | None]:
+    """MFU, HFU and PaLM's MFU (fractions of `peak` FLOP/s over `step_s` seconds); None where
+    there is no peak, no time or no FLOPs counted."""
+    def rate(n: float | None) -> float | None:
+        return n / step_s / peak if n and peak and step_s > 0 else None
+
+    return {"mfu": rate(flops.model), "hfu": rate(flops.executed),
+            "model_flops_6n_attention": flops.palm, "mfu_6n_attention": rate(flops.palm)}
 
 
 def environment(on_gpu: bool, calibrated: bool) -> dict:

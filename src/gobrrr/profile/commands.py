@@ -13,6 +13,13 @@ from dataclasses import asdict
 from gobrrr.errors import GobrrrError
 from gobrrr.workload import Workload
 
+PROFILE_DESCRIPTION = """Measure a real training step: time, per-op regimes, MFU / HFU, idle
+time, diagnosis. MFU counts the FLOPs of the traced forward and backward (no
+recompute), HFU every FLOP the step runs, both over the precision's dense matmul
+peak, as `gobrrr estimate` does (the step is traced on the CPU under fake
+tensors first to count them). Throughput: tokens/s for sequence workloads,
+samples/s otherwise."""
+
 PROFILE_EXAMPLES = """examples:
   gobrrr profile gpt2 --batch 8 --seq 1024 --precision bf16-mixed
   gobrrr profile gpt2 --batch 1 --seq 256 --scaling
@@ -28,7 +35,7 @@ CALIBRATE_EXAMPLES = """examples:
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """The `profile` subcommand: measure a real training step."""
     p = subparsers.add_parser("profile", help="measure a real training step on the GPU",
-                              epilog=PROFILE_EXAMPLES,
+                              description=PROFILE_DESCRIPTION, epilog=PROFILE_EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", nargs="?", help="a built-in model name, or path/file.py:function")
     p.add_argument("--model", help="a built-in model (same as the positional argument)")

@@ -10,7 +10,9 @@ from typing import Any
 
 from gobrrr.errors import GobrrrError
 
-RESULT_VERSION = 1
+# 2: model FLOPs are the traced forward and backward (were 6·N + attention), HFU counts the
+# traced step's FLOPs, throughput is in the workload's unit (`unit`, `units_per_step`, `per_s`)
+RESULT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ class ProfileResult:
     `step_s` is the median of the timed steps (CUDA events on a GPU, perf_counter on the
     CPU); the per-op figures come from one further step under torch.profiler, which runs a
     little slower than the timed ones (the profiler adds host time per op).
+
+    MFU and HFU are defined as `gobrrr estimate` defines them: model FLOPs are those of the
+    traced step's forward and backward without recomputation, HFU's FLOPs every op of the
+    traced step, both per second of `step_s` over one peak (`peak`), so MFU <= HFU for every
+    model. PaLM's 6·N + attention figure is kept apart (`*_6n_attention`).
     """
 
     workload: str
@@ -92,17 +99,22 @@ class ProfileResult:
     compiled: bool
     steps: int
     warmup: int
-    tokens: int
+    unit: str  # "tokens" for a sequence workload, else "samples"
+    units_per_step: int
     step_s: float
     step_min_s: float
     step_max_s: float
     step_times: tuple[float, ...]
-    tokens_per_s: float
-    model_flops: float  # per step: 6N + attention, per token x tokens
-    executed_flops: float  # per step: every op's FLOPs (from the joined costs)
-    peak_flops: float  # dense peak of the precision's math mode, 0 on the CPU
-    mfu: float | None
-    hfu: float | None
+    per_s: float  # units_per_step / step_s: tokens/s or samples/s
+    model_flops: float  # per step: the traced forward and backward, without recomputation
+    executed_flops: float  # per step: every op of the traced step (recompute, optimizer too)
+    flops_source: str  # "traced step graph", or why no FLOPs were counted
+    peak_flops: float  # the precision's dense matmul peak, 0 on the CPU
+    peak: str  # that peak in words, e.g. "dense bf16 matmul peak of h100-sxm"
+    mfu: float | None  # model_flops / step_s / peak_flops; None without a peak
+    hfu: float | None  # executed_flops / step_s / peak_flops; >= mfu
+    model_flops_6n_attention: float | None  # PaLM's 6·N·T + attention; sequences only
+    mfu_6n_attention: float | None  # MFU by that convention
     peak_allocated: int
     peak_reserved: int
     profiled_step_s: float  # device span of the profiled step (first kernel to last)
@@ -119,6 +131,11 @@ class ProfileResult:
     diagnosis: tuple[Finding, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = RESULT_VERSION
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second for a sequence workload, None for any other."""
+        return self.per_s if self.unit == "tokens" else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -29,7 +29,7 @@ from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
 from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
-from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
+from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 CPU_LABEL = "cpu: measured on the CPU, not a GPU"
 
@@ -285,28 +285,6 @@ def gpu_for(device_name: str, gpu: str | GpuSpec | None) -> GpuSpec | None:
 
         return get_gpu(gpu)
     return match_device_name(device_name)
-
-
-def model_flops_per_step(workload: Workload, graph: StepGraph | None) -> float:
-    """Model FLOPs of one step: 6·N per token over the parameters that take part in a matmul
-    plus attention 12·L·d·S per token over the full S×S (the PaLM convention, not halved for
-    causal; as the roofline prediction and BENCHMARKS.md count it). From the graph when one is
-    given, else from the workload's parameters and `info` (layers, hidden)."""
-    if graph is not None:
-        from gobrrr.cost.roofline import model_flops
-
-        return float(model_flops(graph))
-    from gobrrr.formulas import model_flops_per_token
-
-    n = sum(p.numel() for p in workload.model.parameters()) - embedding_only_params(
-        workload.model)
-    info = workload.info or {}
-    layers, hidden, seq = info.get("layers"), info.get("hidden"), workload.seq_len
-    if layers and hidden and seq:
-        per_token = model_flops_per_token(n, layers, hidden, seq, causal=False)
-    else:
-        per_token = 6.0 * n
-    return per_token * workload.token_count()
 
 
 def batch_on(workload: Workload) -> str:

@@ -57,8 +57,8 @@ def _summary(r: ProfileResult) -> Table:
     rows = [
         (f"step (median of {r.steps})", f"{_t(r.step_s)}  (min {_t(r.step_min_s)}, "
                                           f"max {_t(r.step_max_s)})"),
-        ("tokens/s", f"{r.tokens_per_s:,.0f}"),
-        ("MFU / HFU", f"{_pct(r.mfu)} / {_pct(r.hfu)}"),
+        (f"{r.unit}/s", f"{r.per_s:,.0f}  ({r.units_per_step:,} {r.unit}/step)"),
+        *_utilization(r),
         ("peak allocated / reserved", f"{r.peak_allocated / GiB:.2f} / "
                                       f"{r.peak_reserved / GiB:.2f} GiB"),
         ("GPU idle in a step", f"{_t(r.idle_s)} ({_pct(r.idle_share)})"),
@@ -69,6 +69,35 @@ def _summary(r: ProfileResult) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _flops(n: float) -> str:
+    for unit, div in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}FLOP"
+    return f"{n:,.0f} FLOP"
+
+
+def _utilization(r: ProfileResult) -> list[tuple[str, str]]:
+    """MFU and HFU against the stated peak, the FLOPs they count, PaLM's figure apart."""
+    if not r.model_flops:
+        return [("MFU / HFU", f"- ({r.flops_source})")]
+    if r.peak_flops:
+        mfu = (f"{_pct(r.mfu)} / {_pct(r.hfu)} of the {r.peak} "
+               f"({r.peak_flops / 1e12:,.0f} TFLOP/s)")
+    else:
+        mfu = "- (no matmul peak on the CPU)"
+    rows = [("MFU / HFU", mfu),
+            ("model / executed FLOPs per step", f"{_flops(r.model_flops)} / "
+                                                f"{_flops(r.executed_flops)}")]
+    if r.model_flops_6n_attention is not None:
+        palm = _flops(r.model_flops_6n_attention)
+        if r.mfu_6n_attention is not None:
+            palm += f", MFU {_pct(r.mfu_6n_attention)}"
+        rows.append(("model FLOPs, 6·N·T + attention (PaLM)", palm))
+    rows.append(("", "MFU counts the traced forward and backward (no recompute), HFU every "
+                     "FLOP the step runs"))
+    return rows
 
 
 def _ops(r: ProfileResult, top: int) -> Table:

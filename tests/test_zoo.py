@@ -37,7 +37,24 @@ TIME_MEDIAN_CLAIMED = 0.06
 
 # Known misses, {case: {"alloc" | "reserved" | "time": cause}}: left out of the per-case
 # bounds, and required to still miss them, so that a fix shows here.
-KNOWN_MISSES: dict[str, dict[str, str]] = {}
+_COMPILED = ("memory under torch.compile is not modelled: Inductor's partitioner saves fewer "
+             "activations; the eager step's memory is shown as an upper bound")
+_HOST = ("host-bound as predicted; the shipped per-op host cost comes from another H100 host, "
+         "and these steps measured 22-57% slower on a second one (zoo_h100_rerun_hostbound.json)")
+_RESERVED = "the allocator replay's reserved peak; not investigated case by case yet"
+KNOWN_MISSES: dict[str, dict[str, str]] = {
+    "gpt2-124m-compiled": {"alloc": _COMPILED, "reserved": _COMPILED},
+    "t5-base": {"time": _HOST}, "bart-base": {"time": _HOST}, "swin_t-tv": {"time": _HOST},
+    "wav2vec2-base-ctc": {"time": "SpecAugment's numpy work on the host and its blocking copy "
+                                  "to the GPU are not modelled"},
+    "qwen2-moe-small-bf16": {"time": "under-predicted; not profiled yet"},
+    "deberta-v3-base-mlm": {"time": "disentangled attention's gathers under-predicted; not "
+                                    "profiled yet"},
+    "bert-base-mlm-fp32": {"reserved": _RESERVED}, "whisper-base": {"reserved": _RESERVED},
+    "vit_b_16-tv": {"reserved": _RESERVED}, "resnet50-tv-cl": {"reserved": _RESERVED},
+    "mobilenet_v3_large-tv": {"reserved": _RESERVED}, "resnet50d-timm-cl": {"reserved": _RESERVED},
+    "efficientnet_b0-timm-fp32": {"reserved": _RESERVED},
+}
 
 RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS",
                               ROOT / "benchmarks" / "results" / "zoo_h100.json"))

@@ -29,15 +29,20 @@ def _node(i, allocs=(), frees=(), phase="forward"):
                   allocs=tuple(allocs), frees=tuple(frees))
 
 
-def test_hand_built_graph_peak_and_breakdown():
-    # a 1000-byte parameter alive throughout; op0 makes a (3000 B), op1 makes b (100 B) and
-    # frees a right after; op2 makes c (5000 B). Rounded: 1024, 3072, 512, 5120.
+def _hand_built():
+    """A 1000-byte parameter alive throughout; op0 makes a (3000 B), op1 makes b (100 B) and
+    frees a right after; op2 makes c (5000 B). Rounded: 1024, 3072, 512, 5120."""
     storages = [StorageInfo(0, 1000, "parameter", -1, None),
                 StorageInfo(1, 3000, "activation", 0, 1),
                 StorageInfo(2, 100, "temporary", 1, None),
                 StorageInfo(3, 5000, "temporary", 2, 2)]
-    nodes = [_node(0, [1]), _node(1, [2], [1]), _node(2, [3], [3])]
-    m = simulate(_graph(storages, nodes), workspace=2048)
+    return _graph(storages, [_node(0, [1]), _node(1, [2], [1]), _node(2, [3], [3])])
+
+
+def test_hand_built_graph_peak_and_breakdown():
+    # a 1000-byte parameter alive throughout; op0 makes a (3000 B), op1 makes b (100 B) and
+    # frees a right after; op2 makes c (5000 B). Rounded: 1024, 3072, 512, 5120.
+    m = simulate(_hand_built(), workspace=2048)
     # b outlives the step: in the measured step the previous step's b is alive until op1
     # makes the new one
     assert m.timeline == (2048 + 1024 + 512 + 3072, 2048 + 1024 + 3072 + 512,
@@ -140,12 +145,7 @@ def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
 # ------------------------------------------------------------------ reserved: the allocator replay
 def test_hand_built_graph_reserves_one_small_segment():
     # every request is under 1 MiB: all of them share one 2 MiB small-pool segment
-    storages = [StorageInfo(0, 1000, "parameter", -1, None),
-                StorageInfo(1, 3000, "activation", 0, 1),
-                StorageInfo(2, 100, "temporary", 1, None),
-                StorageInfo(3, 5000, "temporary", 2, 2)]
-    nodes = [_node(0, [1]), _node(1, [2], [1]), _node(2, [3], [3])]
-    m = simulate(_graph(storages, nodes), workspace=2048)
+    m = simulate(_hand_built(), workspace=2048)
     assert m.reserved == 2 * MiB and m.allocator.segments_peak == 1
     assert m.fits() and m.headroom is None
 

@@ -220,3 +220,11 @@ def test_cli_profile_on_cpu_prints_json(tmp_path, capsys):
     # div, square's pow, mul, mul backward and the bias gradient's sum; 1 for the loss's seed
     assert r["model_flops"] == 2 * (2 * 2 * 8 * 8) + 7 * 16 + 1
     assert r["flops_source"] == "traced step graph"
+
+
+def test_scaling_counts_throughput_in_the_workloads_unit():
+    from gobrrr.models.registry import get_workload
+    from gobrrr.profile.scaling import factory_units
+
+    assert factory_units(lambda b: get_workload("gpt2", b, 64, n_layer=1), 2) == (128, "tokens")
+    assert factory_units(lambda b: get_workload("convnet", b), 4) == (4, "samples")

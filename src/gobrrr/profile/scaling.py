@@ -25,11 +25,13 @@ BOUND_RATIO = 1.8
 
 @dataclass(frozen=True)
 class ScalingPoint:
-    """One batch size: median step seconds (None when it did not fit)."""
+    """One batch size: median step seconds (None when it did not fit) and throughput in the
+    workload's unit per second ("tokens" for sequences, "samples" otherwise)."""
 
     batch: int
     step_s: float | None
-    tokens_per_s: float | None
+    per_s: float | None
+    unit: str = "samples"
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,22 @@ def scaling(factory: Callable[[int], Workload], batch: int, device: str = "cuda"
             del wl
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        points.append(ScalingPoint(batch * f, t, factory_tokens(factory, batch * f) / t))
+        units, unit = factory_units(factory, batch * f)
+        points.append(ScalingPoint(batch * f, t, units / t, unit))
     return verdict(points)
 
 
-def factory_tokens(factory: Callable[[int], Workload], b: int) -> int:
+def factory_units(factory: Callable[[int], Workload], b: int) -> tuple[int, str]:
+    """(units per step, "tokens" | "samples") of the workload at batch b: tokens when it has a
+    sequence length or its count comes from a (batch, sequence) integer input."""
+    from gobrrr.workload import iter_tensors
+
     with torch.device("meta"):
-        return factory(b).token_count()
+        wl = factory(b)
+        n = wl.token_count()
+    seq = wl.seq_len or any(not t.is_floating_point() and t.dim() >= 2 and t.numel() == n
+                            for t in iter_tensors(wl.batch))
+    return n, "tokens" if seq else "samples"
 
 
 def verdict(points: Sequence[ScalingPoint]) -> ScalingResult:

@@ -18,6 +18,7 @@ from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
+    channels_last_strides,
     checkpointed_modules,
     conv_class,
     conv_directions,
@@ -194,8 +195,7 @@ class Rates:
         x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
         if len(x.shape) < 2:
             return None
-        layout = ("channels_last",) if len(x.shape) == 4 and x.shape[1] > 1 and \
-            x.stride[1] == 1 else ()
+        layout = ("channels_last",) if channels_last_strides(x) else ()
         return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
 
     def outer_sum(self, node: OpNode) -> float | None:

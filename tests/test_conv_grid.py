@@ -291,7 +291,8 @@ def test_channels_last_strides_agree_with_pytorchs_own_test():
     tensors += [torch.empty(2, 8, 6, 6)[:, ::2], torch.empty(2, 8, 6, 6).transpose(2, 3),
                 torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2),
                 torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2)[..., :3], torch.empty(4, 1, 1, 1),
-                torch.empty(4, 1, 1, 6)[..., :1]]
+                torch.empty(4, 1, 1, 6)[..., :1],
+                torch.empty(64).as_strided((1, 4, 2, 2), (16, 1, 8, 2))]
     seen = set()
     for t in tensors:
         info = types.SimpleNamespace(shape=tuple(t.shape), stride=tuple(t.stride()))

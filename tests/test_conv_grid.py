@@ -271,3 +271,32 @@ def test_a_measured_grid_is_read_by_the_lookup(make_cal):
         for n, direction in ((node, "forward"), (bwd, "backward")):
             lo, hi = (p[2] for p in sorted(grid["bf16"][f"{layout}:3x3:{direction}"]))
             assert rates.conv(n, op_cost(n)) == pytest.approx((lo + hi) / 2)
+
+
+def test_channels_last_strides_agree_with_pytorchs_own_test():
+    """Against torch._prims_common (PyTorch's Python mirror of suggest_memory_format's
+    stride test) on layouts with the ambiguous cases: size-1 planes and channels, 1x1
+    weights, slices, transposes."""
+    import types
+
+    from gobrrr.cost.shapes import channels_last_strides
+
+    like_cl = getattr(torch._prims_common, "are_strides_like_channels_last_or_false", None)
+    if like_cl is None:
+        pytest.skip("this torch has no are_strides_like_channels_last_or_false")
+    cl = torch.channels_last
+    tensors = [torch.empty(s) for s in ((2, 3, 4, 5), (8, 16, 1, 1), (1, 16, 1, 1),
+                                        (2, 1, 4, 4), (4, 4, 1, 5))]
+    tensors += [t.contiguous(memory_format=cl) for t in tensors]
+    tensors += [torch.empty(2, 8, 6, 6)[:, ::2], torch.empty(2, 8, 6, 6).transpose(2, 3),
+                torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2),
+                torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2)[..., :3], torch.empty(4, 1, 1, 1),
+                torch.empty(4, 1, 1, 6)[..., :1],
+                torch.empty(64).as_strided((1, 4, 2, 2), (16, 1, 8, 2))]
+    seen = set()
+    for t in tensors:
+        info = types.SimpleNamespace(shape=tuple(t.shape), stride=tuple(t.stride()))
+        ours = channels_last_strides(info)
+        assert ours == bool(like_cl(t.shape, t.stride())), (t.shape, t.stride())
+        seen.add(ours)
+    assert seen == {True, False}

@@ -19,6 +19,7 @@ from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
     alignment,
+    channels_last_strides,
     checkpointed_modules,
     conv_class,
     conv_directions,
@@ -198,8 +199,7 @@ class Rates:
         x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
         if len(x.shape) < 2:
             return None
-        layout = ("channels_last",) if len(x.shape) == 4 and x.shape[1] > 1 and \
-            x.stride[1] == 1 else ()
+        layout = ("channels_last",) if channels_last_strides(x) else ()
         key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
         grid = self.cal.batch_norm_grid.get(":".join((key, *layout)))
         if grid:

@@ -300,3 +300,36 @@ def test_channels_last_strides_agree_with_pytorchs_own_test():
         assert ours == bool(like_cl(t.shape, t.stride())), (t.shape, t.stride())
         seen.add(ours)
     assert seen == {True, False}
+
+
+def test_stems_are_image_inputs_under_a_large_kernel():
+    """A 1x1 from a few channels (a squeeze-and-excitation block's expand) is a GEMM, and so
+    is a ViT's 16x16 patch embedding; a 4x4 patchify stem (ConvNeXt's) is a stem."""
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.se, self.patch4, self.patch16 = (nn.Conv2d(4, 96, 1), nn.Conv2d(3, 16, 4, 4),
+                                                  nn.Conv2d(3, 8, 16, 16))
+
+        def forward(self, pooled, image):
+            return self.se(pooled).sum() + self.patch4(image).sum() + self.patch16(image).sum()
+
+    def make():
+        batch = (torch.randn(2, 4, 1, 1), torch.randn(2, 3, 32, 32))
+        return gobrrr.Workload(model=Three(), batch=batch, loss=lambda y, b: y)
+    convs = _convs(capture(make, precision="bf16-mixed"))
+    assert [conv_class(n) for n in convs] == ["1x1-expand", "stem", "3x3-s2"]
+
+
+def test_each_class_is_measured_on_a_rectangular_grid():
+    """Every shape of a class is measured at the same output sizes (grid rows), so the lookup
+    interpolates along depth within each row: power-of-two batches, and no row that only
+    some shapes of the class fit (a 7x7 stem image is 802,816 outputs)."""
+    shapes = tuple(cc.conv_shapes())
+    rows: dict[str, set] = {}
+    for s in shapes:
+        mns = frozenset(s.batch(o) * s.plane**2 * s.c_out for o in cc._rows(s, shapes, cc.OUTPUTS))
+        assert len(mns) >= 4, s
+        rows.setdefault(s.cls, set()).add(mns)
+    assert all(len(r) == 1 for r in rows.values()), rows
+    assert min(next(iter(rows["stem"]))) == 2 * 112 * 112 * 64

@@ -106,14 +106,15 @@ def conv_layout(node: OpNode) -> str:
 
 
 STEM_CHANNELS = 8  # fewer input channels than this: an image stem (cuDNN pads them to 8)
-STEM_WINDOW = 49  # ... with a kernel window up to 7x7 (a ViT's 16x16 patches are a GEMM)
+STEM_WINDOW = 49  # ... with a kernel window over 1x1 and up to 7x7 (a squeeze-and-excitation
+# block's 1x1 from a few channels and a ViT's 16x16 patches are GEMMs)
 
 
 def conv_class(node: OpNode) -> str | None:
     """The calibration's shape class of a convolution: "grouped" (groups > 1), "stem" (under
-    8 input channels, kernel up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand" (C_out over C_in
-    between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel, strided),
-    "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
+    8 input channels, kernel over 1x1 and up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand"
+    (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel,
+    strided), "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
     backward = node.name.endswith("backward")
     w = targ(node, 2 if backward else 1, "weight")
     if not _conv_node(node) or w is None or len(w.shape) < 3:
@@ -121,7 +122,7 @@ def conv_class(node: OpNode) -> str | None:
     if (node.arg(9 if backward else 8, "groups", 1) or 1) > 1:
         return "grouped"
     window = math.prod(w.shape[2:])
-    if w.shape[1] < STEM_CHANNELS and window <= STEM_WINDOW:
+    if w.shape[1] < STEM_CHANNELS and 1 < window <= STEM_WINDOW:
         return "stem"
     if window == 1:
         ratio = w.shape[0] / w.shape[1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from gobrrr.cost import conv
 from gobrrr.cost._ops_common import tf32_of
+from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
@@ -139,14 +140,14 @@ class Rates:
         """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`; `dims` =
         (output elements, depth k) when known, looked up in the calibration's grid."""
         if self.cal and dims and self.cal.matmul_grid.get(math_mode):
-            return _grid(self.cal.matmul_grid[math_mode], *dims)
+            return grid(self.cal.matmul_grid[math_mode], *dims)
         if self.cal and dims and math_mode == "fp16" and self.cal.matmul_grid.get("bf16"):
             # the same tensor cores: bf16's shape dependence, at fp16's measured rate
             scale = self.cal.matmul_flops.get("fp16", 1.0) / self.cal.matmul_flops.get("bf16", 1.0)
-            return _grid(self.cal.matmul_grid["bf16"], *dims) * scale
+            return grid(self.cal.matmul_grid["bf16"], *dims) * scale
         if self.cal and math_mode in self.cal.matmul_flops:
             rate = self.cal.matmul_flops[math_mode]
-            return rate * _curve(self.cal.matmul_curve.get(math_mode), flops)
+            return rate * curve(self.cal.matmul_curve.get(math_mode), flops)
         return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
 
     def conv(self, node: OpNode, cost: OpCost) -> float | None:
@@ -157,28 +158,28 @@ class Rates:
         (calibrations before them, measured on channels-first tensors over all shapes, both
         gradients together) is read as it always was."""
         dims = gemm_dims(node)
-        grid = self.cal.conv_grid if self.cal and dims else {}
+        by_mode = self.cal.conv_grid if self.cal and dims else {}
         mode = cost.math
-        if mode == "fp16" and "fp16" not in grid and "bf16" in grid:
+        if mode == "fp16" and "fp16" not in by_mode and "bf16" in by_mode:
             mode = "bf16"  # the same tensor cores and kernels
-        table = grid.get(mode)
+        table = by_mode.get(mode)
         if not table:
             return None
         layout, cls = conv_layout(node), conv_class(node)
         parts = conv_directions(node, cost.flops)
         if len(parts) == 2 and (both := conv_points(table, layout, cls, "backward")):
-            return _grid(both, *dims)  # both gradients, measured in one call as they run
+            return grid(both, *dims)  # both gradients, measured in one call as they run
         seconds = 0.0
         for direction, flops in parts.items():
             points = conv_points(table, layout, cls, direction)
             if points is None:
                 break
-            seconds += flops / _grid(points, *dims)
+            seconds += flops / grid(points, *dims)
         else:
             if seconds > 0:
                 return sum(parts.values()) / seconds
         old = table.get("backward" if node.name.endswith("backward") else "forward")
-        return _grid(old, *dims) if old else None
+        return grid(old, *dims) if old else None
 
     def depthwise(self, node: OpNode, nbytes: float) -> float | None:
         """Measured bytes/s of a depthwise convolution this size, for its layout and kernel
@@ -187,7 +188,7 @@ class Rates:
             return None
         direction = "backward" if node.name.endswith("backward") else "forward"
         layout, cls = conv_layout(node), depthwise_class(node)
-        return _measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
+        return measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
                          (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
 
     def batch_norm(self, node: OpNode) -> float | None:
@@ -201,10 +202,10 @@ class Rates:
             return None
         layout = ("channels_last",) if channels_last_strides(x) else ()
         key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
-        grid = self.cal.batch_norm_grid.get(":".join((key, *layout)))
-        if grid:
-            return grid_value(grid, x.shape[1], x.numel / x.shape[1])
-        return _measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
+        points = self.cal.batch_norm_grid.get(":".join((key, *layout)))
+        if points:
+            return grid_value(points, x.shape[1], x.numel / x.shape[1])
+        return measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
 
     def sized(self, kind: str, name: str, nbytes: float) -> float | None:
         """Measured bytes/s of a copy or pointwise kernel moving `nbytes` (the calibration's
@@ -214,7 +215,7 @@ class Rates:
         points = self.cal.size_bandwidth.get(kind)
         if not points or nbytes <= 0:
             return None
-        return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
+        return interp([math.log(p[0]) for p in points], [p[1] for p in points],
                        math.log(nbytes))
 
     def outer_sum(self, node: OpNode) -> float | None:
@@ -223,7 +224,7 @@ class Rates:
         cols = outer_sum_columns(node)
         if cols is None or not self.cal:
             return None
-        return _measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
+        return measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
 
     def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
                             ) -> float:
@@ -250,7 +251,7 @@ class Rates:
             key = f"{direction}:{key}"
         if self.cal and seq and self.cal.attention_curve.get(key):
             pts = self.cal.attention_curve[key]
-            return _interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
+            return interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
         if self.cal and self.cal.attention_flops:
             key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
             if key in self.cal.attention_flops:
@@ -303,67 +304,9 @@ def _host_op(name: str) -> str:
     return _HOST_ALIASES.get(name, name)
 
 
-def _measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
-              x: float, variants: tuple[str, ...] = ()) -> float | None:
-    """A calibration curve {"direction:bf16" | "direction:fp32": [[x, value], ...]} at x
-    (linear in log x, clamped), for a tensor of `dtype`: the first of `variants` measured
-    ("direction:bf16:<variant>", e.g. a layout), else the plain curve; None when not
-    measured."""
-    key = f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}"
-    points = next((curves[f"{key}:{v}"] for v in variants if curves.get(f"{key}:{v}")),
-                  curves.get(key))
-    if not points:
-        return None
-    return _interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                   math.log(max(x, 1.0)))
-
-
 def _host_dtype(math_mode: str) -> str:
     """The dtype key of `op_host`: 16-bit math as measured in bf16, everything else fp32."""
     return "bf16" if math_mode in ("bf16", "fp16") else "fp32"
-
-
-def _curve(points: list[list[float]] | None, flops: float) -> float:
-    """Achieved fraction of the large-matmul rate at this size (log-linear interpolation)."""
-    if not points:
-        return 1.0
-    flops = max(flops, 1.0)
-    if flops <= points[0][0]:
-        return points[0][1] * flops / points[0][0]  # below the range: latency-bound
-    return _interp([math.log(p[0]) for p in points], [p[1] for p in points], math.log(flops))
-
-
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear in x, clamped at the ends."""
-    if x <= xs[0]:
-        return ys[0]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            return ys[i - 1] + t * (ys[i] - ys[i - 1])
-    return ys[-1]
-
-
-def grid_value(points: list[list[float]], mn: float, k: float) -> float:
-    """A value measured on a [[mn, k, value]] grid of (output elements, depth), at (mn, k):
-    linear in log k along each measured mn (over the depths measured there: the grid may be
-    ragged), then in log mn, clamped at the grid's edges."""
-    rows: dict[float, list[tuple[float, float]]] = {}
-    for p in points:
-        rows.setdefault(p[0], []).append((math.log(p[1]), p[2]))
-    lk = math.log(max(k, 1.0))
-    mns = sorted(rows)
-    at_mn = [_interp(*zip(*sorted(rows[m]), strict=True), lk) for m in mns]
-    return _interp([math.log(m) for m in mns], at_mn, math.log(max(mn, 1.0)))
-
-
-def _grid(points: list[list[float]], mn: float, k: float) -> float:
-    """Achieved FLOP/s at (output elements, depth) from a measured [[mn, k, rate]] grid;
-    below the grid the rate falls in proportion (fewer tiles to spread over the SMs, or less
-    depth to amortise each tile over)."""
-    mns = min(p[0] for p in points)
-    ks = min(p[1] for p in points)
-    return grid_value(points, mn, k) * min(1.0, mn / mns) * min(1.0, k / ks)
 
 
 def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,

@@ -52,6 +52,7 @@ KNOWN_MISSES: dict[str, dict[str, str]] = {
                                     "profiled yet"},
     "bert-base-mlm-fp32": {"reserved": _RESERVED}, "whisper-base": {"reserved": _RESERVED},
     "vit_b_16-tv": {"reserved": _RESERVED}, "resnet50-tv-cl": {"reserved": _RESERVED},
+    "resnet50-tv-fp32": {"reserved": _RESERVED},
     "mobilenet_v3_large-tv": {"reserved": _RESERVED}, "resnet50d-timm-cl": {"reserved": _RESERVED},
     "efficientnet_b0-timm-fp32": {"reserved": _RESERVED},
 }

@@ -96,7 +96,7 @@ def cpu_only_ops() -> list[str]:
     return sorted(autocast_ops("AutocastCPU") - autocast_ops("AutocastCUDA"))
 
 
-_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+EXCLUDE_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
 def _lower_dtype() -> torch.dtype:
@@ -147,7 +147,7 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 def _kernel(op: Any, policy: str, cache: _CastCache):
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+        with torch._C._ExcludeDispatchKeyGuard(EXCLUDE_AUTOCAST):
             if policy == "lower":
                 dt = _lower_dtype()
                 args = tuple(cache.cast(a, dt) for a in args)

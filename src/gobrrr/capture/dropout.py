@@ -28,13 +28,20 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def cuda_dropout() -> Iterator[None]:
-    """Within this context aten::dropout on CPU tensors runs CUDA's fused path."""
+def cpu_composite(op: str, kernel) -> Iterator[None]:
+    """Within this context the composite ATen op `op` runs `kernel` on CPU tensors (its
+    AutogradCPU kernel replaced: after autocast, wherever it is called from, recomputation
+    included); restored on exit."""
     lib = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
             warnings.simplefilter("ignore")
-            lib.impl("dropout", _dropout, "AutogradCPU")
+            lib.impl(op, kernel, "AutogradCPU")
         yield
     finally:
         lib._destroy()
+
+
+def cuda_dropout() -> contextlib.AbstractContextManager[None]:
+    """Within this context aten::dropout on CPU tensors runs CUDA's fused path."""
+    return cpu_composite("dropout", _dropout)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,8 +29,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from gobrrr.capture.autocast import EXCLUDE_AUTOCAST
+from gobrrr.capture.dropout import cpu_composite
+
 _HALF = (torch.float16, torch.bfloat16)
-_EXCLUDE_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
 @dataclass(frozen=True)
@@ -234,14 +235,8 @@ def cuda_sdpa(target: SdpaTarget) -> Iterator[SdpaChoices]:
                   bool(enable_gqa))
         backend = choose(c, target)
         choices.chosen[backend] += 1
-        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE_AUTOCAST):
+        with torch._C._ExcludeDispatchKeyGuard(EXCLUDE_AUTOCAST):
             return _run(backend, c)
 
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
-            warnings.simplefilter("ignore")
-            lib.impl("scaled_dot_product_attention", kernel, "AutogradCPU")
+    with cpu_composite("scaled_dot_product_attention", kernel):
         yield choices
-    finally:
-        lib._destroy()

@@ -1,0 +1,1 @@
+"""Plan the fastest training configuration that fits, and apply it."""

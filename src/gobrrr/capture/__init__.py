@@ -390,7 +390,9 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
-                                            "saved": saved.rows or []})
+                                            "saved": saved.rows or [],
+                                            "node_spans": sorted(saved.spans),
+                                            "unreferenced": saved.unreferenced})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

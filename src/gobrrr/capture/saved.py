@@ -16,6 +16,7 @@ recorded) and dropped again.
 from __future__ import annotations
 
 import bisect
+import sys
 import weakref
 from typing import Any
 
@@ -27,6 +28,13 @@ from gobrrr.capture.recorder import StorageTable
 #: after the op ran (one of its outputs) or before (an input), whether the saved tensor
 #: requires grad, and the saved view.
 SAVED_FIELDS = ("op", "storage", "after", "requires_grad", "shape", "stride", "dtype", "offset")
+#: One row of meta["node_spans"]: the forward op whose node saved tensors, and the first and
+#: last op its backward ran (first = last + 1: it ran no op). Autograd unpacks what the node
+#: saved before its first op and lets go of it after its last.
+SPAN_FIELDS = ("op", "first", "last")
+#: One row of meta["unreferenced"]: a saved storage, and the forward op after which no Python
+#: reference to it was left (only the saved-for-backward ones: what checkpointing frees).
+UNREFERENCED_FIELDS = ("storage", "op")
 
 _WINDOW = 16  # ops an output is watched for its node before it is given up
 
@@ -42,19 +50,46 @@ class SavedTracker:
         self._outputs: list[weakref.ref] = []  # every forward output: the walk's roots
         self._out_sids: dict[int, set[int]] = {}
         self.rows: list[list[Any]] | None = None  # set when backward starts
+        self.spans: list[list[int]] = []
+        self.unreferenced: list[list[int]] = []
         self.unmapped = 0  # nodes whose op was guessed from their neighbours
+        self._clock = -1  # the last op recorded
+        self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
+        self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
+        self._clock = index
+        if self._held is not None:
+            self._release(index)
         if phase == "forward":
             self._resolve(index)
-            for t in outs:  # autograd attaches their node once the op returns
+            for t, sid in zip(outs, sids, strict=True):  # autograd attaches their node later
                 ref = weakref.ref(t)
                 self._pending.append((ref, index))
                 self._outputs.append(ref)
+                self._held.append((ref, sid))
             self._out_sids[index] = set(sids)
         elif self.rows is None:
+            self._held = None
             self._resolve(index)
             self.rows = self._walk()
+
+    def _release(self, now: int) -> None:
+        """Note the storages whose every tensor Python has let go of since the last op: the
+        tensor is dead, or only C++ holds it (autograd keeps what it saved as an input, and
+        PyTorch keeps its Python object alive while it does)."""
+        keep, gone = [], []
+        for ref, sid in self._held:
+            t = ref()
+            if t is None or not _python_holds(t):
+                gone.append(sid)
+            else:
+                keep.append((ref, sid))
+        held = {sid for _, sid in keep}  # a storage is let go of once all its views are
+        for sid in gone:
+            if sid not in held:
+                self._let_go[sid] = now - 1
+        self._held = keep
 
     def _resolve(self, now: int) -> None:
         keep = []
@@ -85,8 +120,25 @@ class SavedTracker:
             if saved:
                 index = self._op_of(fn._sequence_nr(), seqs)
                 rows.extend(self._row(index, t) for t in saved)
+                self._watch(fn, index)
         rows.sort(key=lambda r: (r[0], r[2]))
+        saved = {r[1] for r in rows}
+        self.unreferenced = sorted([sid, op] for sid, op in self._let_go.items() if sid in saved)
         return rows
+
+    def _watch(self, fn: Any, index: int) -> None:
+        """Record the ops node `fn` runs in backward (hooks hold no tensor)."""
+        span = [index, -1, -1]
+
+        def pre(grad_outputs):
+            span[1] = self._clock + 1
+
+        def post(grad_inputs, grad_outputs):
+            span[2] = self._clock
+            self.spans.append(span)
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
 
     def _op_of(self, seq: int, seqs: list[int]) -> int:
         index = self.seq_op.get(seq)
@@ -101,6 +153,13 @@ class SavedTracker:
         return [index, sid, sid in self._out_sids.get(index, ()), bool(t.requires_grad),
                 [int(s) for s in t.shape], [int(s) for s in t.stride()],
                 str(t.dtype).removeprefix("torch."), int(t.storage_offset())]
+
+
+def _python_holds(t: torch.Tensor) -> bool:
+    """Whether anything in Python refers to `t` beyond the caller's one reference. Its
+    reference count then also counts the argument, and, while C++ shares the tensor (its use
+    count > 1), the reference PyTorch's preservation of its Python object adds."""
+    return sys.getrefcount(t) - (t._use_count() > 1) > 3
 
 
 def _saved_tensors(fn: Any) -> list[torch.Tensor]:

@@ -5,7 +5,6 @@ tensor would have died had it not been saved (`python_death`)."""
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 from gobrrr.errors import GobrrrError
@@ -85,6 +84,10 @@ class Facts:
         for op, rows in self.saves.items():
             for s in rows:
                 self.saved_by.setdefault(s.view.storage, set()).add(op)
+        self.spans: dict[int, list[tuple[int, int]]] = {}
+        for op, first, last in graph.meta.get("node_spans") or ():
+            self.spans.setdefault(op, []).append((first, last))
+        self.let_go = dict(graph.meta.get("unreferenced") or ())
         self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
 
     def fwd_reads(self, sid: int) -> list[int]:
@@ -125,99 +128,40 @@ def _listed(facts: Facts) -> str:
 
 
 def _place_nodes(facts: Facts, b: Block) -> None:
-    """Where backward runs each of the block's nodes: from the first backward op reading what
-    it saved (storages only it saved, else any the block made, else anything, read by an op
-    of the block) to its last such read before the next node starts."""
+    """When backward runs each of the block's nodes (the trace recorded it): recomputation
+    starts as the first one unpacks; the block's last node done, the checkpoint lets go."""
     nodes = facts.graph.nodes
-    saved = {op: {s.view.storage for s in b.saves if s.op == op} for op in {s.op for s in b.saves}}
-    for op, sids in saved.items():
-        own = sids & b.created
-        alone = {sid for sid in own if facts.saved_by[sid] == {op}}  # no other node saved
-        reads = _reads(facts, b, alone or own or sids)
-        if reads:
-            b.place[op] = _node_start(nodes, reads[0], (sids - b.created) | alone)
-    if not b.place:
-        return
-    b.trigger = min(b.place.values())
-    marks = sorted(set(b.place.values()))
-    for op, sids in saved.items():
-        at = b.place.setdefault(op, b.trigger)  # saved, never read: unpacked with the first
-        nxt = marks[bisect.bisect_right(marks, at)] if at < marks[-1] else len(nodes)
-        end = max((j for j in _reads(facts, b, sids) if at <= j < nxt), default=at)
-        b.node_end[op] = _past_transpose(nodes, end)
-    b.end = max(b.node_end.values())
+    for op in {s.op for s in b.saves}:
+        for first, last in facts.spans.get(op, ()):
+            b.place[op] = min(b.place.get(op, first), first)
+            b.node_end[op] = max(b.node_end.get(op, -1), _end_of_apply(nodes, first, last))
+            b.end = max(b.end, last)
+    if b.place:
+        b.trigger = min(b.place.values())
 
 
-def _past_transpose(nodes, j: int) -> int:
-    """A matmul's gradient (mm_mat2_backward) transposes its result before it returns and its
-    node lets go of the saved tensors: that `t` is still the node's."""
-    nxt = nodes[j + 1] if j + 1 < len(nodes) else None
-    if nxt is not None and nxt.op == "aten.t.default" and nodes[j].name == "mm" and \
-            nxt.inputs[0].storage == nodes[j].outputs[0].storage:
-        return j + 1
-    return j
+# what autograd's engine runs on a node's gradients after the node returns (validate_outputs:
+# sum_to a broadcast input's shape, cast to its dtype); the node's locals are gone by then
+_AFTER_APPLY = ("aten.sum.dim_IntList", "aten.view.default", "aten._to_copy.default")
 
 
-def _reads(facts: Facts, b: Block, sids: set[int]) -> list[int]:
-    """Backward ops reading `sids`, in order, but autograd's own detaches of unpacking (the
-    pass replaces them); storages the block did not make count only where an op of the block
-    reads them."""
-    nodes = facts.graph.nodes
-    return sorted({j for sid in sids for j in facts.bwd_reads(sid, 0) if nodes[j].op != DETACH
-                   and (sid in b.created or b.inside(nodes[j].module))})
-
-
-def _node_start(nodes, j: int, sids: set[int]) -> int:
-    """The first op of the backward node whose op j reads what it saved: back over the ops
-    just before j in the same module, to the earliest that reads one of `sids` (a matmul's
-    gradient reads its weight before its saved input)."""
-    start, k = j, j - 1
-    while k >= 0 and nodes[k].module == nodes[j].module and nodes[k].phase == nodes[j].phase:
-        if any(t.storage in sids for t in nodes[k].inputs):
-            start = k
-        k -= 1
-    return start
+def _end_of_apply(nodes, first: int, last: int) -> int:
+    """The last op a node's backward function runs itself (its span less the engine's
+    reshaping of its results): the unpacked saved tensors die with its locals there."""
+    while last >= first and nodes[last].op in _AFTER_APPLY:
+        last -= 1
+    return max(last, first)
 
 
 # --------------------------------------------------------------------- when tensors would die
-def python_death(facts: Facts, sid: int) -> int:
+def python_death(facts: Facts, sid: int) -> int | None:
     """The forward op after which storage `sid` (made in the forward, saved for backward in
-    the original graph) dies once nothing saves it: autocast's cast of a parameter lives in
-    autocast's cache to the end of the forward; an output no later op reads dies at once;
-    otherwise at the end of the call that last holds it: the module whose forward made the
-    last use, if that module also holds it as a local (it made or received it), else the
-    child call that took it as an argument."""
+    the original graph) dies once nothing saves it: where the trace saw Python let go of it
+    (meta["unreferenced"]), except autocast's cast of a parameter, which autocast's cache
+    keeps to the end of the forward. None: Python held it into backward."""
     nodes = facts.graph.nodes
-    st = facts.graph.storages[sid]
-    made = nodes[st.created]
+    made = nodes[facts.graph.storages[sid].created]
     if facts.autocast and made.name == "_to_copy" and made.inputs and \
             facts.graph.storages[made.inputs[0].storage].kind == "parameter":
         return facts.first_bwd - 1
-    uses = [i for i in facts.fwd_reads(sid) if i > st.created]
-    if not uses:
-        return st.created
-    u = uses[-1]
-    scope = _scope(made.module, nodes[u].module)
-    return _end_of_call(nodes, scope, u, facts.first_bwd)
-
-
-def _scope(maker: str, user: str) -> str:
-    """The innermost call holding a tensor made in `maker` and last used in `user`: their
-    common ancestor if the use is its own op, else that ancestor's child toward `user`."""
-    a, b = maker.split(".") if maker else [], user.split(".") if user else []
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return ".".join(b[:k] if k == len(b) else b[:k + 1])
-
-
-def _end_of_call(nodes, scope: str, u: int, stop: int) -> int:
-    """The last op of the call of `scope` that op u runs in."""
-    e = u
-    while e + 1 < stop and _within(scope, nodes[e + 1].module):
-        e += 1
-    return e
-
-
-def _within(scope: str, module: str) -> bool:
-    return not scope or module == scope or module.startswith(scope + ".")
+    return facts.let_go.get(sid)

@@ -60,7 +60,7 @@ def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
         if policy not in POLICIES:
             raise GobrrrError(f"checkpoint: unknown policy {policy!r} for block {name!r}: "
                               f"choose {', '.join(POLICIES)}")
-    if "saved" not in graph.meta or "blocks" not in graph.meta:
+    if not {"saved", "node_spans", "unreferenced", "blocks"} <= set(graph.meta):
         raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
                           "backward (meta['saved']); capture it again with this gobrrr")
     if graph.meta.get("checkpoint", "none") != "none" or any(
@@ -76,6 +76,7 @@ class _Builder:
         self.f, self.g, self.blocks = facts, facts.graph, blocks
         self.nodes: list[OpNode] = []
         self.new: dict[int, int] = {}  # original op -> its index in the new graph
+        self.last: dict[int, int] = {}  # ... -> the last index it accounts for (its detaches)
         self.storages = list(self.g.storages)
         self.freed: dict[int, int | None] = {}  # storage -> freed (new index), where changed
         self.created: dict[int, int] = {}  # copy -> created (new index)
@@ -91,7 +92,7 @@ class _Builder:
             b = self._block_of(n.index)
             if b is not None and b.cached(n.index, n):
                 for t in n.outputs:  # the selective cache's detach of each output
-                    self._emit(DETACH, n.phase, n.module, (t,), (t,))
+                    self.last[n.index] = self._emit(DETACH, n.phase, n.module, (t,), (t,))
         for n in nodes[self.f.first_bwd:]:
             for b in sorted((b for b in self.blocks if b.trigger == n.index),
                             key=lambda b: -b.lo):
@@ -119,8 +120,8 @@ class _Builder:
         if backward:  # reads of recomputed tensors, and views of them
             inputs = tuple(self._read(t, n) for t in n.inputs)
             outputs = tuple(t if t.storage in n.allocs else self._read(t, n) for t in outputs)
-        self.new[n.index] = self._emit(n.op, n.phase, n.module, inputs, outputs, n.args,
-                                       n.kwargs)
+        self.new[n.index] = self.last[n.index] = self._emit(n.op, n.phase, n.module, inputs,
+                                                            outputs, n.args, n.kwargs)
 
     def _read(self, t: TensorInfo, n: OpNode) -> TensorInfo:
         hit = self.remap.get(t.storage)
@@ -154,6 +155,7 @@ class _Builder:
             else:
                 self._recompute_op(n, phase, module, copies)
             self._pack_detaches(b, i, True, phase, module, copies)
+            self.rc[i] = len(self.nodes) - 1  # where what died after op i dies again
         for sid, copy in copies.items():
             self.remap[sid] = (copy, b)
         b.copies, b.last = copies, len(self.nodes) - 1
@@ -167,8 +169,8 @@ class _Builder:
                                              index, None, module=module))
             self.created[copies[sid]] = index
         ren = lambda t: dataclasses.replace(t, storage=copies.get(t.storage, t.storage))  # noqa: E731
-        self.rc[n.index] = self._emit(n.op, phase, module, tuple(map(ren, n.inputs)),
-                                      tuple(map(ren, n.outputs)), n.args, n.kwargs)
+        self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
+                   n.args, n.kwargs)
 
     def _pack_detaches(self, b: Block, i: int, after: bool, phase: str, module: str,
                        copies: dict) -> None:
@@ -210,12 +212,13 @@ class _Builder:
 
     # -- lifetimes ---------------------------------------------------------------------------
     def _at(self, old: int | None) -> int | None:
-        """The new index of original op `old` (a dropped op: the one kept before it)."""
+        """Where what died after original op `old` dies in the new graph: after the op and
+        the detaches that go with it (a dropped op: after the op kept before it)."""
         if old is None or old < 0:
             return old
-        while old not in self.new and old > 0:
+        while old not in self.last and old > 0:
             old -= 1
-        return self.new.get(old, 0)
+        return self.last.get(old, 0)
 
     def _settle(self) -> None:
         for b in self.blocks:
@@ -226,12 +229,17 @@ class _Builder:
             self._inputs(b)
 
     def _originals(self, b: Block) -> None:
-        """Saved tensors of the block die in the forward unless kept by the selective cache
-        or saved by a node outside the block."""
-        inside = set(range(b.lo, b.hi + 1))
+        """Saved tensors of the block die when Python lets go of them, or later where a node
+        outside every checkpointed block saved them too (when that node is released), unless
+        the selective cache keeps them."""
+        inside = {i for c in self.blocks for i in range(c.lo, c.hi + 1)}
         for sid in b.held - set(b.kept):
-            if not self.f.saved_by.get(sid, set()) - inside:
-                self.freed[sid] = self._at(python_death(self.f, sid))
+            death = python_death(self.f, sid)
+            others = self.f.saved_by.get(sid, set()) - inside
+            ends = [last for op in others for _, last in self.f.spans.get(op, ())]
+            if death is None or len(ends) < len(others):
+                continue  # Python or an unreleased node holds it into backward: as it was
+            self.freed[sid] = self._at(max([death, *ends]))
         for sid, op in b.kept.items():
             if not b.recomputed(op):  # never taken back by the recomputation: lives with it
                 self.freed[sid] = self._at(b.end)
@@ -274,7 +282,7 @@ class _Builder:
         first_bwd = next((n.index for n in self.nodes if n.phase != "forward"), len(self.nodes))
         storages, allocs, frees = [], {}, {}
         for s in self.storages:
-            created = self.created.get(s.id, self._at(s.created))
+            created = self.created.get(s.id, self.new.get(s.created, s.created))
             freed = self.freed[s.id] if s.id in self.freed else self._at(s.freed)
             kind = s.kind
             if kind in ("activation", "temporary"):
@@ -293,5 +301,5 @@ class _Builder:
     def _meta(self) -> dict:
         meta = dict(self.g.meta)
         meta["syncs"] = [self._at(i) for i in meta.get("syncs") or ()]
-        meta["saved"] = [[self._at(r[0]), *r[1:]] for r in meta.get("saved") or ()]
+        meta["saved"] = [[self.new[r[0]], *r[1:]] for r in meta.get("saved") or ()]
         return meta

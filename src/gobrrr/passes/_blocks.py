@@ -85,8 +85,10 @@ class Facts:
             for s in rows:
                 self.saved_by.setdefault(s.view.storage, set()).add(op)
         self.spans: dict[int, list[tuple[int, int]]] = {}
+        self.owner: dict[int, int] = {}  # backward op -> the forward op whose node ran it
         for op, first, last in graph.meta.get("node_spans") or ():
             self.spans.setdefault(op, []).append((first, last))
+            self.owner.update(dict.fromkeys(range(first, last + 1), op))
         self.let_go = dict(graph.meta.get("unreferenced") or ())
         self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
 

@@ -106,11 +106,11 @@ class _Builder:
         return self._graph()
 
     def _emit(self, op: str, phase: str, module: str, inputs: tuple, outputs: tuple,
-              args=None, kwargs=None) -> int:
+              args=None, kwargs=None, allocs: tuple[int, ...] = ()) -> int:
         index = len(self.nodes)
         self.nodes.append(OpNode(index, op, phase, module, tuple(inputs), tuple(outputs),
                                  args=({"t": 0},) if args is None else args,
-                                 kwargs={} if kwargs is None else kwargs))
+                                 kwargs={} if kwargs is None else kwargs, allocs=allocs))
         return index
 
     def _keep(self, n: OpNode, backward: bool = False) -> None:
@@ -121,16 +121,16 @@ class _Builder:
             inputs = tuple(self._read(t, n) for t in n.inputs)
             outputs = tuple(t if t.storage in n.allocs else self._read(t, n) for t in outputs)
         self.new[n.index] = self.last[n.index] = self._emit(n.op, n.phase, n.module, inputs,
-                                                            outputs, n.args, n.kwargs)
+                                                            outputs, n.args, n.kwargs, n.allocs)
 
     def _read(self, t: TensorInfo, n: OpNode) -> TensorInfo:
         hit = self.remap.get(t.storage)
         if hit is None or n.index < hit[1].trigger:
             return t
         copy, b = hit
-        if self.f.saved_by.get(t.storage, set()) - set(range(b.lo, b.hi + 1)) and \
-                not b.inside(n.module):
-            return t  # also saved outside the block: that node reads the original
+        owner = self.f.owner.get(n.index)
+        if owner is not None and not b.lo <= owner <= b.hi:
+            return t  # a node outside the block saved the original and reads it
         return dataclasses.replace(t, storage=copy)
 
     def _where(self, b: Block, module: str, trigger_module: str) -> tuple[str, str]:
@@ -170,7 +170,7 @@ class _Builder:
             self.created[copies[sid]] = index
         ren = lambda t: dataclasses.replace(t, storage=copies.get(t.storage, t.storage))  # noqa: E731
         self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
-                   n.args, n.kwargs)
+                   n.args, n.kwargs, tuple(copies[sid] for sid in n.allocs))
 
     def _pack_detaches(self, b: Block, i: int, after: bool, phase: str, module: str,
                        copies: dict) -> None:
@@ -280,7 +280,7 @@ class _Builder:
     # -- assembly ----------------------------------------------------------------------------
     def _graph(self) -> StepGraph:
         first_bwd = next((n.index for n in self.nodes if n.phase != "forward"), len(self.nodes))
-        storages, allocs, frees = [], {}, {}
+        storages, frees = [], {}
         for s in self.storages:
             created = self.created.get(s.id, self.new.get(s.created, s.created))
             freed = self.freed[s.id] if s.id in self.freed else self._at(s.freed)
@@ -289,12 +289,9 @@ class _Builder:
                 alive = 0 <= created < first_bwd and (freed is None or freed >= first_bwd)
                 kind = "activation" if alive else "temporary"
             storages.append(dataclasses.replace(s, created=created, freed=freed, kind=kind))
-            if created >= 0:
-                allocs.setdefault(created, []).append(s.id)
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(dataclasses.replace(n, allocs=tuple(allocs.get(n.index, ())),
-                                          frees=tuple(frees.get(n.index, ())))
+        nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ())))
                       for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 

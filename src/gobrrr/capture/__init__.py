@@ -379,12 +379,14 @@ def _trace(w: Workload, precision: str, values: assume.Values,
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
-            hook = step.opt.register_step_pre_hook(grab_grads)
+            hooks = [step.opt.register_step_pre_hook(grab_grads),
+                     *saved.watch_blocks(w.model, block_names(w.model))]
             try:
                 with rec, assume.HostMode(values):
                     _guarded(step.run, "traced step", rec)
             finally:
-                hook.remove()
+                for h in hooks:
+                    h.remove()
         table.clock = len(rec.nodes) - 1
         table.close()
     _classify(table, rec.nodes)
@@ -392,7 +394,8 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
                                             "saved": saved.rows or [],
                                             "node_spans": sorted(saved.spans),
-                                            "unreferenced": saved.unreferenced})
+                                            "unreferenced": saved.unreferenced,
+                                            "block_inputs": saved.block_inputs})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

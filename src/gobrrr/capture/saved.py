@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gobrrr.capture.recorder import StorageTable
+from gobrrr.workload import iter_tensors
 
 #: One row of meta["saved"]: the forward op, the storage it saved, whether the save happens
 #: after the op ran (one of its outputs) or before (an input), whether the saved tensor
@@ -35,6 +36,8 @@ SPAN_FIELDS = ("op", "first", "last")
 #: One row of meta["unreferenced"]: a saved storage, and the forward op after which no Python
 #: reference to it was left (only the saved-for-backward ones: what checkpointing frees).
 UNREFERENCED_FIELDS = ("storage", "op")
+#: meta["block_inputs"]: {block name: the storages of the tensors passed to its call}. A
+#: checkpointed block keeps its arguments until its last node in backward is done.
 
 _WINDOW = 16  # ops an output is watched for its node before it is given up
 
@@ -52,6 +55,7 @@ class SavedTracker:
         self.rows: list[list[Any]] | None = None  # set when backward starts
         self.spans: list[list[int]] = []
         self.unreferenced: list[list[int]] = []
+        self.block_inputs: dict[str, list[int]] = {}
         self.unmapped = 0  # nodes whose op was guessed from their neighbours
         self._clock = -1  # the last op recorded
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
@@ -73,6 +77,17 @@ class SavedTracker:
             self._held = None
             self._resolve(index)
             self.rows = self._walk()
+
+    def watch_blocks(self, model: torch.nn.Module, names: list[str]) -> list[Any]:
+        """Record the tensors each block in `names` is called with; returns the hook handles."""
+        def hook(name):
+            def pre(mod, args, kwargs):
+                sids = {self.table.lookup(t) for t in iter_tensors((args, kwargs))}
+                self.block_inputs[name] = sorted(sids - {None})
+            return pre
+
+        return [model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True)
+                for n in names]
 
     def _release(self, now: int) -> None:
         """Note the storages whose every tensor Python has let go of since the last op: the

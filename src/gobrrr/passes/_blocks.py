@@ -90,6 +90,7 @@ class Facts:
             self.spans.setdefault(op, []).append((first, last))
             self.owner.update(dict.fromkeys(range(first, last + 1), op))
         self.let_go = dict(graph.meta.get("unreferenced") or ())
+        self.block_inputs = {k: set(v) for k, v in (graph.meta.get("block_inputs") or {}).items()}
         self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
 
     def fwd_reads(self, sid: int) -> list[int]:

@@ -266,16 +266,19 @@ class _Builder:
         return b.last
 
     def _inputs(self, b: Block) -> None:
-        """The block's inputs stay alive until its last node is released (the checkpoint keeps
-        the arguments it recomputes from)."""
+        """The block's arguments stay alive until its last node is released (the checkpoint
+        keeps what it recomputes from): those the trace saw it called with, else the tensors
+        made before it that its ops read."""
         end = self._at(b.end)
-        for i in range(b.lo, b.hi + 1):
-            for t in self.g.nodes[i].inputs:
-                s = self.g.storages[t.storage]
-                if s.kind in ("activation", "temporary") and 0 <= s.created < b.lo:
-                    f = self.freed.get(s.id, self._at(s.freed))
-                    if f is not None and f < end:
-                        self.freed[s.id] = end
+        args = self.f.block_inputs.get(b.name)
+        if args is None:
+            args = {t.storage for i in range(b.lo, b.hi + 1) for t in self.g.nodes[i].inputs}
+        for sid in args:
+            s = self.g.storages[sid]
+            if s.kind in ("activation", "temporary") and 0 <= s.created < b.lo:
+                f = self.freed.get(sid, self._at(s.freed))
+                if f is not None and f < end:
+                    self.freed[sid] = end
 
     # -- assembly ----------------------------------------------------------------------------
     def _graph(self) -> StepGraph:

@@ -25,7 +25,9 @@ tensor would have died had nothing saved it is inferred from the module calls
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from collections.abc import Mapping
 
 from gobrrr.errors import GobrrrError
@@ -41,18 +43,34 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
     _check(graph, policies)
     if not policies:
         return graph
-    facts = Facts(graph)
-    blocks = sorted((make_block(facts, n, p) for n, p in policies.items()), key=lambda b: b.lo)
-    for a, b in zip(blocks, blocks[1:], strict=False):
-        if b.lo <= a.hi:
-            raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one is "
-                              "inside the other); checkpoint one of them")
-    out = _Builder(facts, blocks).build()
+    with _no_gc():
+        facts = Facts(graph)
+        blocks = sorted((make_block(facts, n, p) for n, p in policies.items()),
+                        key=lambda b: b.lo)
+        for a, b in zip(blocks, blocks[1:], strict=False):
+            if b.lo <= a.hi:
+                raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one "
+                                  "is inside the other); checkpoint one of them")
+        out = _Builder(facts, blocks).build()
     meta = dict(out.meta, checkpoint=checkpoint_meta(policies, graph.meta.get("blocks") or []),
                 checkpointed_blocks=len(policies),
                 passes=[*graph.meta.get("passes", []),
                         {"pass": "checkpoint", "policies": dict(policies)}])
     return dataclasses.replace(out, meta=meta)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The pass makes tens of thousands of small objects and no reference cycles; Python's
+    cycle collector would walk the whole heap (the traced model's too) again and again, more
+    than doubling the time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
@@ -65,8 +83,9 @@ def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
                           "backward (meta['saved']); capture it again with this gobrrr")
     if graph.meta.get("checkpoint", "none") != "none" or any(
             n.phase == "recompute" for n in graph.nodes):
-        raise GobrrrError("checkpoint: the graph is already checkpointed; apply the pass to "
-                          "a graph traced with checkpoint='none'")
+        raise GobrrrError("checkpoint: the graph is already checkpointed (by gobrrr, or by the "
+                          "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
+                          "to a graph traced without checkpointing")
 
 
 class _Builder:
@@ -93,14 +112,16 @@ class _Builder:
             if b is not None and b.cached(n.index, n):
                 for t in n.outputs:  # the selective cache's detach of each output
                     self.last[n.index] = self._emit(DETACH, n.phase, n.module, (t,), (t,))
+        triggers, unpacks = {}, {}
+        for b in sorted(self.blocks, key=lambda b: -b.lo):
+            triggers.setdefault(b.trigger, []).append(b)
+            for op, at in sorted(b.place.items(), reverse=True):
+                unpacks.setdefault(at, []).append((b, op))
         for n in nodes[self.f.first_bwd:]:
-            for b in sorted((b for b in self.blocks if b.trigger == n.index),
-                            key=lambda b: -b.lo):
+            for b in triggers.get(n.index, ()):
                 self._recompute(b, n.module)
-            for b in self.blocks:
-                for op in sorted((op for op, at in b.place.items() if at == n.index),
-                                 reverse=True):
-                    self._unpack(b, op, n.module)
+            for b, op in unpacks.get(n.index, ()):
+                self._unpack(b, op, n.module)
             self._keep(n, backward=True)
         self._settle()
         return self._graph()
@@ -131,7 +152,7 @@ class _Builder:
         owner = self.f.owner.get(n.index)
         if owner is not None and not b.lo <= owner <= b.hi:
             return t  # a node outside the block saved the original and reads it
-        return dataclasses.replace(t, storage=copy)
+        return _on(t, copy)
 
     def _where(self, b: Block, module: str, trigger_module: str) -> tuple[str, str]:
         """Phase and module a recomputed op is recorded with."""
@@ -168,7 +189,7 @@ class _Builder:
             self.storages.append(StorageInfo(len(self.storages), src.nbytes, "temporary",
                                              index, None, module=module))
             self.created[copies[sid]] = index
-        ren = lambda t: dataclasses.replace(t, storage=copies.get(t.storage, t.storage))  # noqa: E731
+        ren = lambda t: _on(t, copies[t.storage]) if t.storage in copies else t  # noqa: E731
         self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
                    n.args, n.kwargs, tuple(copies[sid] for sid in n.allocs))
 
@@ -176,8 +197,7 @@ class _Builder:
                        copies: dict) -> None:
         for s in self.f.saves.get(i, ()):
             if s.after == after and s.requires_grad:
-                t = dataclasses.replace(s.view, storage=copies.get(s.view.storage,
-                                                                   s.view.storage))
+                t = _on(s.view, copies.get(s.view.storage, s.view.storage))
                 self._emit(DETACH, phase, module, (t,), (t,))
 
     def _unpack(self, b: Block, op: int, module: str) -> None:
@@ -186,7 +206,7 @@ class _Builder:
                 t = s.view
                 hit = self.remap.get(t.storage)
                 if hit is not None and hit[1] is b:
-                    t = dataclasses.replace(t, storage=hit[0])
+                    t = _on(t, hit[0])
                 self._emit(DETACH, "backward", module, (t,), (t,))
 
     def _block_of(self, i: int) -> Block | None:
@@ -291,10 +311,11 @@ class _Builder:
             if kind in ("activation", "temporary"):
                 alive = 0 <= created < first_bwd and (freed is None or freed >= first_bwd)
                 kind = "activation" if alive else "temporary"
-            storages.append(dataclasses.replace(s, created=created, freed=freed, kind=kind))
+            storages.append(StorageInfo(s.id, s.nbytes, kind, created, freed, s.label, s.module))
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ())))
+        nodes = tuple(OpNode(n.index, n.op, n.phase, n.module, n.inputs, n.outputs, n.args,
+                             n.kwargs, n.allocs, tuple(frees.get(n.index, ())))
                       for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 
@@ -303,3 +324,8 @@ class _Builder:
         meta["syncs"] = [self._at(i) for i in meta.get("syncs") or ()]
         meta["saved"] = [[self.new[r[0]], *r[1:]] for r in meta.get("saved") or ()]
         return meta
+
+
+def _on(t: TensorInfo, storage: int) -> TensorInfo:
+    """The same view of another storage (dataclasses.replace is slow in this loop)."""
+    return TensorInfo(t.shape, t.stride, t.dtype, storage, t.offset)

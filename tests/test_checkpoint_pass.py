@@ -29,8 +29,13 @@ from gobrrr.estimate import predict_memory, saved_activations
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.checkpoint import checkpoint
-from gobrrr.transforms import (SELECTIVE_SAVE, apply_checkpointing, block_names, checkpointed,
-                               remove_checkpointing)
+from gobrrr.transforms import (
+    SELECTIVE_SAVE,
+    apply_checkpointing,
+    block_names,
+    checkpointed,
+    remove_checkpointing,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -197,7 +202,7 @@ def test_bad_input_is_one_clear_error():
     with pytest.raises(GobrrrError, match="already checkpointed"):
         checkpoint(done, {"transformer.h.1": "full"})
     old = type(g0)(nodes=g0.nodes, storages=g0.storages,
-                   meta={k: v for k, v in g0.meta.items() if k != "saved"})
+                   meta={k: v for k, v in g0.meta.items() if k != "autograd"})
     with pytest.raises(GobrrrError, match="capture it again"):
         checkpoint(old, {"transformer.h.0": "full"})
 
@@ -208,10 +213,10 @@ def test_capture_records_blocks_and_saved_tensors():
     # the input RMSNorm's x * rsqrt(...) saves both operands, before it runs
     mul = next(n for n in g0.nodes if n.module == "layers.0.input_layernorm" and
                n.op == "aten.mul.Tensor")
-    rows = [r for r in g0.meta["saved"] if r[0] == mul.index]
+    rows = [r for r in g0.meta["autograd"]["saved"] if r[0] == mul.index]
     assert sorted(r[1] for r in rows) == sorted(t.storage for t in mul.inputs)
     assert not any(r[2] for r in rows)  # inputs: saved before the op ran
-    spans = {r[0]: r[1:] for r in g0.meta["node_spans"]}
+    spans = {r[0]: r[1:] for r in g0.meta["autograd"]["node_spans"]}
     first, last = spans[mul.index]
     assert g0.nodes[first].phase == "backward" and first <= last
 

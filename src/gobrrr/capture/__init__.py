@@ -25,7 +25,7 @@ from gobrrr.capture import assume
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
-from gobrrr.capture.saved import SavedTracker
+from gobrrr.capture.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
@@ -392,10 +392,7 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
-                                            "saved": saved.rows or [],
-                                            "node_spans": sorted(saved.spans),
-                                            "unreferenced": saved.unreferenced,
-                                            "block_inputs": saved.block_inputs})
+                                            AUTOGRAD: saved.meta()})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

@@ -4,7 +4,7 @@ Activation checkpointing changes exactly these: a checkpointed block keeps none 
 tensors and rebuilds them in backward, stopping once the last one is rebuilt. To predict that
 from a graph traced without checkpointing (`gobrrr.passes.checkpoint`), the trace records,
 for every autograd node alive when backward starts, the forward op that made it and what it
-saved (`meta["saved"]`, rows of SAVED_FIELDS).
+saved (rows of SAVED_FIELDS).
 
 How: each forward op's outputs are watched (weak references, so no lifetime changes); once
 autograd has attached their node (by the next op), the node's sequence number is tied to the
@@ -25,18 +25,21 @@ import torch
 from gobrrr.capture.recorder import StorageTable
 from gobrrr.workload import iter_tensors
 
-#: One row of meta["saved"]: the forward op, the storage it saved, whether the save happens
-#: after the op ran (one of its outputs) or before (an input), whether the saved tensor
-#: requires grad, and the saved view.
+AUTOGRAD = "autograd"  # the graph's meta key
+AUTOGRAD_VERSION = 1
+
+#: One row of meta["autograd"]["saved"]: the forward op, the storage it saved, whether the
+#: save happens after the op ran (one of its outputs) or before (an input), whether the saved
+#: tensor requires grad, and the saved view.
 SAVED_FIELDS = ("op", "storage", "after", "requires_grad", "shape", "stride", "dtype", "offset")
-#: One row of meta["node_spans"]: the forward op whose node saved tensors, and the first and
-#: last op its backward ran (first = last + 1: it ran no op). Autograd unpacks what the node
-#: saved before its first op and lets go of it after its last.
+#: One row of meta["autograd"]["node_spans"]: the forward op whose node saved tensors, and
+#: the first and last op its backward ran (first = last + 1: it ran no op). Autograd unpacks
+#: what the node saved before its first op and lets go of it after its last.
 SPAN_FIELDS = ("op", "first", "last")
-#: One row of meta["unreferenced"]: a saved storage, and the forward op after which no Python
-#: reference to it was left (only the saved-for-backward ones: what checkpointing frees).
+#: One row of meta["autograd"]["unreferenced"]: a saved storage, and the forward op after
+#: which no Python reference to it was left (saved ones only: what checkpointing frees).
 UNREFERENCED_FIELDS = ("storage", "op")
-#: meta["block_inputs"]: {block name: the storages of the tensors passed to its call}. A
+#: meta["autograd"]["block_inputs"]: {block name: the storages of the tensors passed to its call}. A
 #: checkpointed block keeps its arguments until its last node in backward is done.
 
 _WINDOW = 16  # ops an output is watched for its node before it is given up
@@ -77,6 +80,12 @@ class SavedTracker:
             self._held = None
             self._resolve(index)
             self.rows = self._walk()
+
+    def meta(self) -> dict[str, Any]:
+        """What the trace learnt, for meta[AUTOGRAD]."""
+        return {"version": AUTOGRAD_VERSION, "saved": self.rows or [],
+                "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
+                "block_inputs": self.block_inputs}
 
     def watch_blocks(self, model: torch.nn.Module, names: list[str]) -> list[Any]:
         """Record the tensors each block in `names` is called with; returns the hook handles."""

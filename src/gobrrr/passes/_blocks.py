@@ -1,5 +1,5 @@
 """What the checkpoint pass needs to know about each checkpointed block, read off a graph
-traced without checkpointing: its forward ops, what its autograd nodes saved (meta["saved"]),
+traced without checkpointing: its forward ops, what its autograd nodes saved (meta["autograd"]),
 where torch's recomputation stops, where backward first unpacks it, and when each saved
 tensor would have died had it not been saved (`python_death`)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gobrrr.capture.saved import AUTOGRAD
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, TensorInfo
 from gobrrr.transforms import SELECTIVE_SAVE
@@ -77,7 +78,8 @@ class Facts:
             for sid in {t.storage for t in n.inputs}:
                 self.readers.setdefault(sid, []).append(n.index)
         self.saves: dict[int, list[Save]] = {}
-        for row in graph.meta.get("saved") or ():
+        autograd = graph.meta[AUTOGRAD]
+        for row in autograd["saved"]:
             s = Save.from_row(row)
             self.saves.setdefault(s.op, []).append(s)
         self.saved_by: dict[int, set[int]] = {}
@@ -86,11 +88,11 @@ class Facts:
                 self.saved_by.setdefault(s.view.storage, set()).add(op)
         self.spans: dict[int, list[tuple[int, int]]] = {}
         self.owner: dict[int, int] = {}  # backward op -> the forward op whose node ran it
-        for op, first, last in graph.meta.get("node_spans") or ():
+        for op, first, last in autograd["node_spans"]:
             self.spans.setdefault(op, []).append((first, last))
             self.owner.update(dict.fromkeys(range(first, last + 1), op))
-        self.let_go = dict(graph.meta.get("unreferenced") or ())
-        self.block_inputs = {k: set(v) for k, v in (graph.meta.get("block_inputs") or {}).items()}
+        self.let_go = dict(autograd["unreferenced"])
+        self.block_inputs = {k: set(v) for k, v in autograd["block_inputs"].items()}
         self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
 
     def fwd_reads(self, sid: int) -> list[int]:
@@ -160,8 +162,8 @@ def _end_of_apply(nodes, first: int, last: int) -> int:
 def python_death(facts: Facts, sid: int) -> int | None:
     """The forward op after which storage `sid` (made in the forward, saved for backward in
     the original graph) dies once nothing saves it: where the trace saw Python let go of it
-    (meta["unreferenced"]), except autocast's cast of a parameter, which autocast's cache
-    keeps to the end of the forward. None: Python held it into backward."""
+    (meta["autograd"]["unreferenced"]), except autocast's cast of a parameter, which
+    autocast's cache keeps to the end of the forward. None: Python held it into backward."""
     nodes = facts.graph.nodes
     made = nodes[facts.graph.storages[sid].created]
     if facts.autocast and made.name == "_to_copy" and made.inputs and \

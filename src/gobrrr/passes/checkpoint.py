@@ -18,9 +18,10 @@ apply_checkpointing` do, op for op:
   lets go of them. Each node then unpacks through the checkpoint's hook (a detach per saved
   tensor that requires grad) and reads the recomputed copies.
 
-What each op saved comes from the trace (meta["saved"], `gobrrr.capture.saved`); when a
-tensor would have died had nothing saved it is inferred from the module calls
-(`_blocks.python_death`): the one estimate in the pass.
+What autograd saved, when each node ran in backward, when Python let go of each saved tensor
+and what each block was called with come from the trace (meta["autograd"],
+`gobrrr.capture.saved`). The new graph describes the checkpointed step and no longer carries
+them (the pass applies to graphs traced without checkpointing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import dataclasses
 import gc
 from collections.abc import Mapping
 
+from gobrrr.capture.saved import AUTOGRAD, AUTOGRAD_VERSION
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
@@ -78,14 +80,16 @@ def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
         if policy not in POLICIES:
             raise GobrrrError(f"checkpoint: unknown policy {policy!r} for block {name!r}: "
                               f"choose {', '.join(POLICIES)}")
-    if not {"saved", "node_spans", "unreferenced", "blocks"} <= set(graph.meta):
-        raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
-                          "backward (meta['saved']); capture it again with this gobrrr")
     if graph.meta.get("checkpoint", "none") != "none" or any(
             n.phase == "recompute" for n in graph.nodes):
         raise GobrrrError("checkpoint: the graph is already checkpointed (by gobrrr, or by the "
                           "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
                           "to a graph traced without checkpointing")
+    autograd = graph.meta.get(AUTOGRAD) or {}
+    if autograd.get("version") != AUTOGRAD_VERSION or "blocks" not in graph.meta:
+        raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
+                          "backward (meta['autograd'] of this version); capture it again with "
+                          "this gobrrr")
 
 
 class _Builder:
@@ -322,7 +326,7 @@ class _Builder:
     def _meta(self) -> dict:
         meta = dict(self.g.meta)
         meta["syncs"] = [self._at(i) for i in meta.get("syncs") or ()]
-        meta["saved"] = [[self.new[r[0]], *r[1:]] for r in meta.get("saved") or ()]
+        del meta[AUTOGRAD]  # what autograd did in the plain step
         return meta
 
 

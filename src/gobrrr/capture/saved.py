@@ -60,14 +60,19 @@ class SavedTracker:
         self.unreferenced: list[list[int]] = []
         self.block_inputs: dict[str, list[int]] = {}
         self.unmapped = 0  # nodes whose op was guessed from their neighbours
+        self.hooked = False  # the forward packed saved tensors through hooks
         self._clock = -1  # the last op recorded
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
         self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
+        self._site: tuple[int, int] | None = None  # the Python call the last op came from
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
-        if self._held is not None:
-            self._release(index)
+        if phase == "forward" and not self.hooked:
+            self.hooked = _hooks_active()
+        site, self._site = self._site, _call_site()
+        if self._held is not None and (phase != "forward" or site != self._site):
+            self._release(index)  # (within one C++ call Python lets go of nothing)
         if phase == "forward":
             self._resolve(index)
             for t, sid in zip(outs, sids, strict=True):  # autograd attaches their node later
@@ -79,11 +84,11 @@ class SavedTracker:
         elif self.rows is None:
             self._held = None
             self._resolve(index)
-            self.rows = self._walk()
+            self.rows = [] if self.hooked else self._walk()
 
     def meta(self) -> dict[str, Any]:
         """What the trace learnt, for meta[AUTOGRAD]."""
-        return {"version": AUTOGRAD_VERSION, "saved": self.rows or [],
+        return {"version": AUTOGRAD_VERSION, "hooked": self.hooked, "saved": self.rows or [],
                 "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
                 "block_inputs": self.block_inputs}
 
@@ -177,6 +182,34 @@ class SavedTracker:
         return [index, sid, sid in self._out_sids.get(index, ()), bool(t.requires_grad),
                 [int(s) for s in t.shape], [int(s) for s in t.stride()],
                 str(t.dtype).removeprefix("torch."), int(t.storage_offset())]
+
+
+# frames of the dispatch itself: gobrrr's modes, torch's op and mode wrappers
+_MACHINERY = ("/gobrrr/capture/", "/torch/utils/_python_dispatch", "/torch/_ops.py",
+              "/torch/_subclasses/", "/torch/_dynamo/", "/torch/_compile.py")
+
+
+def _call_site() -> tuple[int, int] | None:
+    """The Python call the op being recorded comes from: its frame and instruction. Ops of
+    one C++ call (a composite such as matmul: expand, clone, bmm, view) share it, and their
+    C++ temporaries die when it returns, though no Python object ever held them."""
+    f = sys._getframe(1)
+    while f is not None and any(m in f.f_code.co_filename for m in _MACHINERY):
+        f = f.f_back
+    return None if f is None else (id(f), f.f_lasti)
+
+
+def _hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (checkpointing, offloading): unpacking what such
+    a node saved would run them (a checkpoint would recompute its block), so the graph is not
+    walked. (torch < 2.8 cannot tell: taken as not.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        return top(False) is not None
+    except TypeError:
+        return top() is not None
 
 
 def _python_holds(t: torch.Tensor) -> bool:

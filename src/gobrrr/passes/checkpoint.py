@@ -86,6 +86,9 @@ def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
                           "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
                           "to a graph traced without checkpointing")
     autograd = graph.meta.get(AUTOGRAD) or {}
+    if autograd.get("hooked"):
+        raise GobrrrError("checkpoint: the step saves tensors for backward through saved-tensor "
+                          "hooks (the model checkpoints or offloads itself); trace it without")
     if autograd.get("version") != AUTOGRAD_VERSION or "blocks" not in graph.meta:
         raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
                           "backward (meta['autograd'] of this version); capture it again with "
@@ -106,6 +109,12 @@ class _Builder:
         self.remap: dict[int, tuple[int, Block]] = {}  # backward reads of sid -> copy
         self.dropped = self._dropped()
         self.rc: dict[int, int] = {}  # original op -> its recomputed copy's new index
+        self.syncs = set(self.g.meta.get("syncs") or ())
+        self.new_syncs: list[int] = []
+        self.kernel_clone = self._kernel_clones()
+        allocated = {sid for n in self.g.nodes for sid in n.allocs}
+        # tensors first seen as an op's input (constants made from host data), no allocation
+        self.constants = {s.id for s in self.g.storages if s.created >= 0} - allocated
 
     # -- emission ---------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -169,10 +178,16 @@ class _Builder:
         stop_op, stop_after = b.stop
         for i in range(b.lo, stop_op + 1):
             n = nodes[i]
-            if i in self.dropped:
+            if i in self.dropped or i + 1 in self.kernel_clone:
                 continue
             phase, module = self._where(b, n.module, trigger_module)
-            self._pack_detaches(b, i, False, phase, module, copies)
+            clone = nodes[i - 1] if i in self.kernel_clone else None
+            mine = set(clone.allocs) if clone else set()
+            self._pack_detaches(b, i, False, phase, module, copies, lambda s, m=mine: s not in m)
+            if clone is not None:  # in-place op i copies its input first, then saves the copy
+                self._recompute_op(clone, *self._where(b, clone.module, trigger_module), copies)
+                self.rc[clone.index] = len(self.nodes) - 1
+                self._pack_detaches(b, i, False, phase, module, copies, mine.__contains__)
             if i == stop_op and not stop_after:
                 break
             if b.cached(i, n):
@@ -187,20 +202,24 @@ class _Builder:
 
     def _recompute_op(self, n: OpNode, phase: str, module: str, copies: dict) -> None:
         index = len(self.nodes)
-        for sid in n.allocs:
-            src = self.g.storages[sid]
+        made = [(sid, index) for sid in n.allocs]  # and constants it reads, made anew each time
+        made += [(t.storage, index - 1) for t in n.inputs
+                 if t.storage in self.constants and t.storage not in copies]
+        for sid, created in made:
             copies[sid] = len(self.storages)
-            self.storages.append(StorageInfo(len(self.storages), src.nbytes, "temporary",
-                                             index, None, module=module))
-            self.created[copies[sid]] = index
+            self.storages.append(StorageInfo(len(self.storages), self.g.storages[sid].nbytes,
+                                             "temporary", created, None, module=module))
+            self.created[copies[sid]] = created
         ren = lambda t: _on(t, copies[t.storage]) if t.storage in copies else t  # noqa: E731
+        if n.index in self.syncs:  # it reads a value again: the host waits again
+            self.new_syncs.append(index)
         self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
                    n.args, n.kwargs, tuple(copies[sid] for sid in n.allocs))
 
     def _pack_detaches(self, b: Block, i: int, after: bool, phase: str, module: str,
-                       copies: dict) -> None:
+                       copies: dict, which=lambda sid: True) -> None:
         for s in self.f.saves.get(i, ()):
-            if s.after == after and s.requires_grad:
+            if s.after == after and s.requires_grad and which(s.view.storage):
                 t = _on(s.view, copies.get(s.view.storage, s.view.storage))
                 self._emit(DETACH, phase, module, (t,), (t,))
 
@@ -212,6 +231,19 @@ class _Builder:
                 if hit is not None and hit[1] is b:
                     t = _on(t, hit[0])
                 self._emit(DETACH, "backward", module, (t,), (t,))
+
+    def _kernel_clones(self) -> set[int]:
+        """In-place ops whose autograd copies the input it saves (a `clone` just before the op,
+        saved by it): the copy is made after the op's other saves are packed."""
+        nodes, out = self.g.nodes, set()
+        for b in self.blocks:
+            for i in range(b.lo + 1, b.hi + 1):
+                prev = nodes[i - 1]
+                if prev.name == "clone" and nodes[i].name.endswith("_") and any(
+                        not s.after and s.view.storage in prev.allocs
+                        for s in self.f.saves.get(i, ())):
+                    out.add(i)
+        return out
 
     def _block_of(self, i: int) -> Block | None:
         return next((b for b in self.blocks if b.lo <= i <= b.hi), None)
@@ -259,6 +291,9 @@ class _Builder:
         inside = {i for c in self.blocks for i in range(c.lo, c.hi + 1)}
         for sid in b.held - set(b.kept):
             death = python_death(self.f, sid)
+            made = self.g.storages[sid].created
+            if death is not None and made + 1 in self.kernel_clone:  # autograd's own copy
+                death = max(death, made + 1)  # never a Python tensor: gone after its op
             others = self.f.saved_by.get(sid, set()) - inside
             ends = [last for op in others for _, last in self.f.spans.get(op, ())]
             if death is None or len(ends) < len(others):
@@ -325,7 +360,7 @@ class _Builder:
 
     def _meta(self) -> dict:
         meta = dict(self.g.meta)
-        meta["syncs"] = [self._at(i) for i in meta.get("syncs") or ()]
+        meta["syncs"] = sorted([self._at(i) for i in self.syncs] + self.new_syncs)
         del meta[AUTOGRAD]  # what autograd did in the plain step
         return meta
 

@@ -64,7 +64,7 @@ class SavedTracker:
         self._clock = -1  # the last op recorded
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
         self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
-        self._site: tuple[int, int] | None = None  # the Python call the last op came from
+        self._site: tuple[int, ...] = ()  # the Python call the last op came from
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
@@ -189,14 +189,19 @@ _MACHINERY = ("/gobrrr/capture/", "/torch/utils/_python_dispatch", "/torch/_ops.
               "/torch/_subclasses/", "/torch/_dynamo/", "/torch/_compile.py")
 
 
-def _call_site() -> tuple[int, int] | None:
-    """The Python call the op being recorded comes from: its frame and instruction. Ops of
-    one C++ call (a composite such as matmul: expand, clone, bmm, view) share it, and their
-    C++ temporaries die when it returns, though no Python object ever held them."""
+def _call_site(depth: int = 6) -> tuple[int, ...]:
+    """The Python call the op being recorded comes from: the frames and instructions of its
+    caller and theirs (a frame's id alone is reused by the next call of the same function).
+    Ops of one C++ call (a composite such as matmul: expand, clone, bmm, view) share it, and
+    their C++ temporaries die when it returns, though no Python object ever held them."""
     f = sys._getframe(1)
     while f is not None and any(m in f.f_code.co_filename for m in _MACHINERY):
         f = f.f_back
-    return None if f is None else (id(f), f.f_lasti)
+    site = []
+    while f is not None and len(site) < 2 * depth:
+        site += (id(f), f.f_lasti)
+        f = f.f_back
+    return tuple(site)
 
 
 def _hooks_active() -> bool:

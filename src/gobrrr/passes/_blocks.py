@@ -73,6 +73,12 @@ class Facts:
         self.graph = graph
         nodes = graph.nodes
         self.first_bwd = next((n.index for n in nodes if n.phase != "forward"), len(nodes))
+        self.modules: dict[str, list[int]] = {}  # module -> [first, last, count] forward ops
+        for n in nodes[:self.first_bwd]:
+            parts = n.module.split(".") if n.module else []
+            for k in range(1, len(parts) + 1):
+                m = self.modules.setdefault(".".join(parts[:k]), [n.index, n.index, 0])
+                m[1], m[2] = n.index, m[2] + 1
         self.readers: dict[int, list[int]] = {}
         for n in nodes:
             for sid in {t.storage for t in n.inputs}:
@@ -105,16 +111,16 @@ class Facts:
 def make_block(facts: Facts, name: str, policy: str) -> Block:
     """The block `name`'s forward range, saves, stop point and backward positions."""
     nodes = facts.graph.nodes
-    ops = [n.index for n in nodes[:facts.first_bwd]
-           if n.module == name or n.module.startswith(name + ".")]
-    if not ops:
+    if name not in facts.modules:
         raise GobrrrError(f"checkpoint: no forward op ran in module {name!r}; name a block "
                           f"from the graph's meta['blocks'] ({_listed(facts)})")
-    if ops[-1] - ops[0] + 1 != len(ops):
+    lo, hi, count = facts.modules[name]
+    ops = range(lo, hi + 1)
+    if hi - lo + 1 != count:
         raise GobrrrError(f"checkpoint: module {name!r} runs more than once in the forward "
                           "(or is interleaved with other modules); only blocks called once "
                           "can be checkpointed by this pass")
-    b = Block(name, policy, ops[0], ops[-1],
+    b = Block(name, policy, lo, hi,
               [s for i in ops for s in sorted(facts.saves.get(i, ()), key=lambda s: s.after)])
     if not b.saves:
         return b

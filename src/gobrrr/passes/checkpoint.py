@@ -112,6 +112,7 @@ class _Builder:
         self.syncs = set(self.g.meta.get("syncs") or ())
         self.new_syncs: list[int] = []
         self.kernel_clone = self._kernel_clones()
+        self.inside = {i for c in blocks for i in range(c.lo, c.hi + 1)}  # checkpointed ops
         allocated = {sid for n in self.g.nodes for sid in n.allocs}
         # tensors first seen as an op's input (constants made from host data), no allocation
         self.constants = {s.id for s in self.g.storages if s.created >= 0} - allocated
@@ -288,7 +289,7 @@ class _Builder:
         """Saved tensors of the block die when Python lets go of them, or later where a node
         outside every checkpointed block saved them too (when that node is released), unless
         the selective cache keeps them."""
-        inside = {i for c in self.blocks for i in range(c.lo, c.hi + 1)}
+        inside = self.inside
         for sid in b.held - set(b.kept):
             death = python_death(self.f, sid)
             made = self.g.storages[sid].created

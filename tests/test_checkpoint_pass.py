@@ -53,9 +53,11 @@ WORKLOADS = {
 def _hf_llama():
     from zoo import hf
 
+    # eager attention: torch.matmul on 4-D tensors, a C++ composite whose temporaries
+    # (expanded copies) autograd saves
     return hf.causal_lm(2, 64, config_cls="LlamaConfig", vocab_size=512, hidden_size=128,
                         intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, use_cache=False)
+                        num_key_value_heads=2, use_cache=False, attn="eager")
 
 
 def _resnet():
@@ -334,3 +336,37 @@ def test_module_without_saved_tensors_is_left_alone():
     passed = checkpoint(g0, {"0": "full"})
     assert same_step(fresh, passed) == []
     assert not any(n.phase == "recompute" for n in passed.nodes)
+
+
+class _Keeps(nn.Module):
+    """Saves y for sin's backward and keeps a view of it on itself past the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.kept = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.kept = y[0]  # Python holds y's storage through this view
+        return y.sin()
+
+
+def test_capture_notes_when_python_lets_go_of_a_saved_tensor():
+    """Hand-derived. Each block's y is saved (by sin) and Python keeps a view of it on the
+    module: it is never let go of. Block 0's output sin(y) is saved by block 1's linear; Python
+    lets go of it when the Sequential moves on, after block 1's forward."""
+    import gobrrr
+
+    def wl():
+        return gobrrr.Workload(model=nn.Sequential(_Keeps(), _Keeps()),
+                               batch=(torch.randn(4, 8),), loss=lambda y, b: y.sum())
+
+    g0 = capture(wl, precision="fp32")
+    let_go = dict(g0.meta["autograd"]["unreferenced"])
+    fwd = [n for n in g0.nodes if n.phase == "forward"]
+    ys = [n.outputs[0].storage for n in fwd if n.name == "addmm"]
+    sin0 = next(n for n in fwd if n.name == "sin" and n.module == "0")
+    assert len(ys) == 2 and not set(ys) & set(let_go)
+    last_of_1 = max(n.index for n in fwd if n.module.startswith("1"))
+    assert let_go[sin0.outputs[0].storage] == last_of_1

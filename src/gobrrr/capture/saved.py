@@ -124,8 +124,8 @@ class SavedTracker:
         keep = []
         for ref, index in self._pending:
             t = ref()
-            if t is None:
-                continue
+            if t is None or t._is_view():  # a view's grad_fn may be rebuilt (with ops, under
+                continue  # a lock this dispatch may hold); its node saves nothing anyway
             fn = t.grad_fn
             if fn is not None:
                 self.seq_op.setdefault(fn._sequence_nr(), index)
@@ -135,7 +135,8 @@ class SavedTracker:
 
     def _walk(self) -> list[list[Any]]:
         seen: dict[int, Any] = {}
-        todo = [t.grad_fn for r in self._outputs if (t := r()) is not None and t.grad_fn]
+        todo = [t.grad_fn for r in self._outputs
+                if (t := r()) is not None and not t._is_view() and t.grad_fn]
         while todo:
             fn = todo.pop()
             if fn is None or id(fn) in seen:

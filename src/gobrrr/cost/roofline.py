@@ -370,30 +370,56 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
                 for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
-    host_t = device_t = 0.0
-    syncs = set(graph.meta.get("syncs") or ())
-    for o in ops:  # two queues: the host issues, the device runs when issued and free
-        host_t += o.host_s
-        if o.device_s > 0:
-            device_t = max(device_t, host_t) + o.device_s
-        if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
-            host_t = max(host_t, device_t)
+    host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat)
     step = max(host_t, device_t)
-    device_busy = sum(o.device_s for o in ops)
+    weights = graph.weights()
+    device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)
-    for o in ops:
-        phase_s[o.phase] += o.device_s
+    for o, w in zip(ops, weights, strict=True):
+        phase_s[o.phase] += o.device_s * w
         if o.device_s > 0:
-            regime_s[o.regime] += o.device_s
+            regime_s[o.regime] += o.device_s * w
     return Prediction(
         gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
         device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
-        flops=sum(o.flops for o in ops), model_flops=model_flops(graph, costs),
+        flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
+        model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.get("tokens") or 0),
         peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
     )
+
+
+def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
+              repeat: tuple[int, int, int] | None) -> tuple[float, float]:
+    """When the host has issued the last op and when the device has run it (s). Two queues:
+    the host issues each op in turn; the device runs it once issued and free. A repeated
+    segment (`StepGraph.repeat`) runs twice, and its second run, the steady state, stands
+    for the runs after it."""
+    host_t = device_t = 0.0
+
+    def run(part) -> None:
+        nonlocal host_t, device_t
+        for o in part:
+            host_t += o.host_s
+            if o.device_s > 0:
+                device_t = max(device_t, host_t) + o.device_s
+            if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
+                host_t = max(host_t, device_t)
+
+    if repeat is None:
+        run(ops)
+        return host_t, device_t
+    start, end, times = repeat
+    run(ops[:end])
+    if times > 1:
+        before = (host_t, device_t)
+        run(ops[start:end])
+        host_t += (times - 2) * (host_t - before[0])
+        device_t += (times - 2) * (device_t - before[1])
+    run(ops[end:])
+    return host_t, device_t
 
 
 def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
@@ -428,7 +454,7 @@ def model_flops(graph: StepGraph, costs: list[OpCost] | None = None) -> float:
     The same definition for every model: a CNN's convolutions, a ViT's patches, only the
     experts an MoE routes to, as they ran. `costs`: the nodes' costs, if already computed."""
     costs = costs if costs is not None else [op_cost(n) for n in graph.nodes]
-    return sum(c.flops for n, c in zip(graph.nodes, costs, strict=True)
+    return sum(c.flops * w for n, c, w in zip(graph.nodes, costs, graph.weights(), strict=True)
                if n.phase in MODEL_PHASES)
 
 
@@ -440,12 +466,12 @@ def model_flops_6n(graph: StepGraph) -> float:
     it counts images as tokens and every expert of an MoE."""
     n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
     attn = 0.0
-    for node in graph.nodes:
+    for node, w in zip(graph.nodes, graph.weights(), strict=True):
         if node.phase == "forward" and _is_attention_forward(node):
             q, k = node.inputs[0], node.inputs[1]
             b, h, s_q, d = _bhsd(q)
             s_k = k.shape[-2]
-            attn += 4.0 * b * h * s_q * s_k * d
+            attn += 4.0 * b * h * s_q * s_k * d * w
     return 6.0 * n * graph.meta.get("tokens", 0) + 3.0 * attn
 
 

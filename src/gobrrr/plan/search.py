@@ -1,0 +1,244 @@
+"""Search the configurations of a step for the fastest one that fits.
+
+The step is traced twice (at two micro-batches); every candidate is a composition of named
+passes over those traces — the graph at a micro-batch (`passes.microbatch`), activation
+checkpointing with per-block policies (`passes.checkpoint`), gradient accumulation to the
+global batch (`passes.accumulate`) — costed by the one `evaluate`. Nothing is re-traced.
+
+For each micro-batch that divides the global batch it costs: nothing checkpointed; every block
+selective; every block full; every other block full; and, where those leave a gap, the
+budget-optimal mix: a multiple-choice knapsack over the blocks (none / selective / full for
+each), minimising the recompute time the graph's own per-op times give, subject to saving the
+activation bytes the budget asks for, then checked by evaluating the pass it chose.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
+from gobrrr.graph import StepGraph
+from gobrrr.memory import process_budget
+from gobrrr.passes.accumulate import accumulate
+from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
+from gobrrr.passes.microbatch import BatchDependentStructure, family
+from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack
+from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.result import Plan, PlanResult
+
+#: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
+#: the step's forward and backward).
+ALLOW: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for: the global batch (samples per optimizer step) and the bytes
+    the reserved peak must stay within."""
+
+    global_batch: int
+    budget: int
+    allow: frozenset[str]
+
+
+def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
+         seq: int | None = None, precision: str = "bf16-mixed",
+         memory_budget: int | None = None, allow: Iterable[str] = (),
+         calibration=True) -> PlanResult:
+    """The fastest configurations of `source`'s step that fit `gpu`, best first.
+
+    source: what `gobrrr.estimate` takes (a built-in name, "file.py:function", a function
+    taking batch_size/seq_len, or a Workload). global_batch: samples per optimizer step
+    (default: the workload's own batch). memory_budget: bytes the reserved peak may take
+    (default, and at most: what CUDA leaves the process on `gpu`). allow: knobs that go
+    beyond the user's numerics (see ALLOW).
+    """
+    from gobrrr.plan.trace import Tracer
+
+    t0 = time.perf_counter()
+    target = Target.resolve(gpu, calibration)
+    tracer = Tracer(source, seq=seq, precision=precision, target=target)
+    req = _request(tracer, target, global_batch, memory_budget, allow)
+    at = _graphs(tracer, req.global_batch)
+    base = at(1 if req.global_batch == 1 else min(2, req.global_batch))
+    _check_state_budget(base, req, target)
+    search = _Search(req, target, at, list(base.meta.get("blocks") or ()))
+    plans = search.run()
+    user = search.user()
+    ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
+    return PlanResult(workload=str(base.meta.get("name")), gpu=target.gpu.name,
+                      precision=precision, global_batch=req.global_batch,
+                      budget_bytes=req.budget, blocks=len(search.blocks), user=user,
+                      plans=tuple(ranked), considered=search.evaluated,
+                      traces=tracer.traces, took_s=time.perf_counter() - t0,
+                      notes=tuple(search.notes))
+
+
+def _request(tracer, target: Target, global_batch: int | None, memory_budget: int | None,
+             allow: Iterable[str]) -> Request:
+    allowed = frozenset(a.strip() for a in allow if a.strip())
+    unknown = sorted(allowed - set(ALLOW))
+    if unknown:
+        raise GobrrrError(f"--allow {','.join(unknown)}: unknown; "
+                          + (f"choose from {', '.join(ALLOW)}" if ALLOW else
+                             "this version plans at the user's numerics only"))
+    g = global_batch if global_batch is not None else tracer.default_batch()
+    if g < 1:
+        raise GobrrrError(f"--global-batch must be a positive number of samples, got {g}")
+    cap = process_budget(target.gpu, target.cal)
+    if memory_budget is not None:
+        if memory_budget <= 0:
+            raise GobrrrError(f"--memory-budget must be positive, got {memory_budget} bytes")
+        cap = min(cap, memory_budget)
+    return Request(g, cap, allowed)
+
+
+def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
+    """micro-batch -> its step graph: derived from traces at two micro-batches where the
+    step's structure does not depend on the batch, else traced at each."""
+    if global_batch < 2:
+        g = tracer(1)
+        return lambda m: g
+    try:
+        fam = family(tracer)
+    except BatchDependentStructure:
+        cache: dict[int, StepGraph] = {}
+        return lambda m: cache.setdefault(m, tracer(m))
+    return fam.at
+
+
+def _check_state_budget(g: StepGraph, req: Request, target: Target) -> None:
+    params = sum(s.nbytes for s in g.storages if s.kind == "parameter")
+    if params > req.budget:
+        gib = 2**30
+        raise GobrrrError(
+            f"the memory budget ({req.budget / gib:.1f} GiB) is smaller than the parameters "
+            f"alone ({params / gib:.1f} GiB) on {target.gpu.name}: raise --memory-budget, "
+            "or shard the model over more GPUs")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Search:
+    """Costs the candidates at each micro-batch (smallest first)."""
+
+    def __init__(self, req: Request, target: Target, at: Callable[[int], StepGraph],
+                 blocks: list[str]) -> None:
+        self.req, self.target, self.at, self.blocks = req, target, at, blocks
+        self.evaluated = 0
+        self.notes: list[str] = []
+        self._user: Plan | None = None
+
+    def run(self) -> list[Plan]:
+        out: list[Plan] = []
+        if not self.blocks:
+            self.notes.append("no repeated blocks (an nn.ModuleList or nn.Sequential of "
+                              "modules of one class) to checkpoint: planned micro-batch and "
+                              "accumulation only")
+        for m in divisors(self.req.global_batch):
+            plans = self.at_micro_batch(m)
+            out.extend(plans)
+            if not any(p.fits for p in plans):
+                break  # a larger micro-batch needs more memory still
+        return out
+
+    def user(self) -> Plan:
+        if self._user is None:
+            self._user = self.cost(Knobs(micro_batch=self.req.global_batch))
+        return self._user
+
+    def at_micro_batch(self, m: int) -> list[Plan]:
+        n = self.req.global_batch // m
+        plain = self.cost(Knobs(micro_batch=m, accumulation=n))
+        if m == self.req.global_batch:
+            self._user = plain
+        if plain.fits or not self.blocks:
+            return [plain]
+        policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
+                    every_kth(self.blocks, 2)]
+        plans = [plain] + [self.cost(Knobs(micro_batch=m, accumulation=n, checkpoint=c))
+                           for c in policies]
+        if any(p.fits for p in plans[1:]) and not all(p.fits for p in plans[1:]):
+            plans.extend(self.budget_optimal(m, n, plain))
+        return plans
+
+    def budget_optimal(self, m: int, n: int, plain: Plan) -> list[Plan]:
+        """The mix of policies that saves just enough memory at the least recompute time,
+        checked by evaluating it; the saving asked for grows by what was still missing, a
+        few times at most."""
+        g = self.at(m)
+        costs = block_costs(g, evaluate(g, self.target).time, self.blocks)
+        need = plain.reserved_bytes - self.req.budget
+        out: list[Plan] = []
+        for _ in range(4):
+            choice = knapsack(costs, need)
+            if choice is None:
+                break
+            p = self.cost(Knobs(micro_batch=m, accumulation=n, checkpoint=choice))
+            out.append(p)
+            if p.fits:
+                break
+            need += p.reserved_bytes - self.req.budget + self.req.budget // 100
+        return out
+
+    def cost(self, knobs: Knobs) -> Plan:
+        g = self.at(knobs.micro_batch)
+        if knobs.checkpoint:
+            g = checkpoint_pass(g, dict(knobs.checkpoint))
+        g = accumulate(g, knobs.accumulation)
+        est = evaluate(g, self.target)
+        self.evaluated += 1
+        return _plan(knobs, est, self.req, self.blocks)
+
+
+def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
+    m = est.memory
+    reserved = m.reserved or m.peak
+    fits = m.oom_index is None and reserved <= req.budget
+    recompute = est.time.phase_s.get("recompute", 0.0)
+    changes = describe(knobs, req.global_batch, blocks)
+    gib = 2**30
+    why = (f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare" if fits else
+           f"needs {reserved / gib:.1f} GiB reserved, {(reserved - req.budget) / gib:.1f} GiB "
+           "over the budget")
+    if recompute:
+        why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
+    return Plan(knobs=knobs, unit=throughput_unit(est.graph),
+                units_per_s=est.time.tokens_per_s, step_s=est.time.step_s,
+                peak_bytes=m.peak, reserved_bytes=reserved, fits=fits,
+                headroom_bytes=req.budget - reserved, changes=tuple(changes), why=why,
+                recompute_s=recompute)
+
+
+def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
+    """What the knobs change in the user's step, one phrase each."""
+    out = []
+    if knobs.micro_batch != global_batch:
+        out.append(f"micro-batch {knobs.micro_batch} x {knobs.accumulation} accumulation "
+                   "steps")
+    by_policy: dict[str, int] = {}
+    for _, policy in knobs.checkpoint:
+        by_policy[policy] = by_policy.get(policy, 0) + 1
+    for policy in ("full", "selective"):
+        k = by_policy.get(policy, 0)
+        if k:
+            which = "every block" if k == len(blocks) else f"{k} of {len(blocks)} blocks"
+            out.append(f"checkpoint {which} ({policy})")
+    return out
+
+
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    seen, out = set(), []
+    for p in plans:
+        if p.knobs not in seen:
+            seen.add(p.knobs)
+            out.append(p)
+    return out
+
+
+__all__ = ["ALLOW", "BlockCosts", "Request", "describe", "divisors", "plan"]

@@ -260,3 +260,60 @@ def test_bad_micro_batches_are_named():
         with pytest.raises(GobrrrError, match=f"micro_batch must be a whole number >= 1, got "
                                               f"{bad!r}"):
             _family("mlp").at(bad)
+
+
+class _FirstCallDiffers(nn.Module):
+    """Runs one more op the first time any instance runs in this process, as a scripted
+    function under torch.jit's profiling executor does (DeBERTa's attention)."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if type(self).calls == 0:
+            y = y.clone()
+        type(self).calls += 1
+        return y
+
+
+def test_a_first_trace_that_differs_from_the_later_ones_is_traced_again():
+    _FirstCallDiffers.calls = 0
+    first, second = _toy(_FirstCallDiffers, 2), _toy(_FirstCallDiffers, 4)
+    one_more = r"the number of ops is (\d+) at micro-batch 2 and (?!\1)\d+ at 4"
+    with pytest.raises(BatchDependentStructure, match=one_more):
+        BatchFamily(first, 2, second, 4)
+    _FirstCallDiffers.calls = 0
+    fam = family(partial(_toy, _FirstCallDiffers))
+    assert fam.check(_toy(_FirstCallDiffers, 8), 8) is None
+
+
+def test_earlier_passes_are_kept_and_this_one_appended():
+    def traced_after_a_pass(b: int) -> StepGraph:
+        g = _trace("mlp", b)
+        return StepGraph(g.nodes, g.storages, {**g.meta, "passes": [{"pass": "earlier"}]})
+
+    g = family(traced_after_a_pass).at(5)
+    assert g.meta["passes"] == [{"pass": "earlier"}, {"pass": "micro_batch", "micro_batch": 5}]
+
+
+class _Selects(nn.Module):
+    """Boolean indexing: traced under the "all-selected" assumption, whose count is in meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[y.sum(-1) > 0]
+
+
+def test_an_assumed_count_follows_the_batch_in_meta_too():
+    fam = family(partial(_toy, _Selects))
+    g = fam.at(6)
+    assert [a["value"] for a in g.meta["assumptions"]] == ["6 of 6"]
+    assert fam.check(_toy(_Selects, 6), 6) is None

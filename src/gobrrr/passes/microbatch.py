@@ -2,24 +2,31 @@
 
 A step traced at micro-batches b1 < b2 runs, for the workloads gobrrr traces, the same ops on
 the same storages at both; only integers differ: tensor shapes, strides and offsets, integer
-arguments (view sizes, split sizes, numels), storage bytes, meta["tokens"]. Each is taken as
-an exact affine function of the micro-batch,
+arguments (view sizes, split sizes, numels; whole-number floats such as the token count a
+router's auxiliary loss divides by), storage bytes, meta["tokens"] and counts in meta's
+assumptions. Each is taken as an exact affine function of the micro-batch,
 
     v(b) = v1 + (v2 - v1) * (b - b1) / (b2 - b1),
 
-so `BatchFamily.at(b)` gives the graph at any b without tracing (a 70B step in a fraction of a
-second, where tracing takes seconds). Where the step's structure itself depends on the batch
-(different ops, storages, allocation order, float arguments), or an integer cannot follow it
-(a batch x batch tensor grows quadratically), the family refuses with
-`BatchDependentStructure`: each micro-batch must then be traced.
+so `BatchFamily.at(b)` gives the graph at any b >= b1 without tracing (llama3-70b at seq
+4096, 18.7k ops: ~0.25 s, where one trace takes 6-9 s). Where the step's structure itself
+depends on the batch (other ops, storages or allocation order; a float that is not a count),
+or an integer cannot follow it (a batch x batch tensor grows quadratically; a count that is
+not whole per sample), the family refuses with `BatchDependentStructure`: each micro-batch
+must then be traced.
 
-Where to trace: TRACE_AT = (2, 4). Not at 1: a size-1 dimension specialises (broadcasting,
-squeezes, a stride PyTorch leaves arbitrary, kernels that pick another path for one sample), so
-the difference between 1 and 2 is not the per-sample one. 4 and not 3: a value whose change
-from 2 to 4 is odd is not a whole number per sample (rounded or halved somewhere), and at odd
-b it raises instead of guessing. b = 1 itself derives exactly for the built-ins and the zoo
-cases tested (tests/test_microbatch.py); `check` compares a derived graph with a fresh trace
-for any other workload (the planner's `--verify`).
+Where to trace: TRACE_AT = (2, 4).
+- Not at 1, and 1 is traced, not derived: a batch of one specialises. Slicing a one-row batch
+  leaves it contiguous, so HF's shifted-label loss skips a copy of the logits; a broadcast
+  position embedding's gradient needs no sum over the batch (HF GPT-2); channels-last pooling
+  squeezes once more (torchvision ResNets); a clone keeps a size-1 dimension's stride
+  (Whisper's labels). gobrrr's built-ins happen to derive 1 exactly; most zoo models do not.
+- 4 and not 3: an integer whose change from 2 to 4 is odd is not a whole number per sample
+  (rounded or halved somewhere, e.g. wav2vec2's SpecAugment mask count): odd b then raises
+  instead of guessing.
+Two traces cannot tell an affine integer from one that merely agrees at b1 and b2 (a count
+drawn at random while the batch is built); `check` holds a derived graph against a fresh
+trace, for tests and the planner's `--verify`.
 """
 
 from __future__ import annotations
@@ -216,6 +223,10 @@ class BatchFamily:
     b >= b1, traced (once, by `trace`) below b1, where a batch of one specialises. `check(g, b)`
     holds the derivation against a fresh trace. Raises BatchDependentStructure when the two
     traces are not one structure (then each micro-batch must be traced).
+
+    Attributes: b1, b2 (the traced micro-batches); step (b - b1 must be a multiple of it to
+    derive b: 1 unless some integer changes by a fraction per sample); varying (how many
+    integers of the step follow the batch).
     """
 
     def __init__(self, g1: StepGraph, b1: int, g2: StepGraph, b2: int,
@@ -286,8 +297,16 @@ def family(trace: Callable[[int], StepGraph], b1: int = TRACE_AT[0],
            b2: int = TRACE_AT[1]) -> BatchFamily:
     """Trace a workload at micro-batches b1 and b2 (`trace(b)` -> StepGraph, e.g.
     `lambda b: capture(workload_factory(model, b, seq), precision=p)`) and return the family
-    deriving every other micro-batch (and tracing those below b1 when asked for)."""
-    return BatchFamily(trace(b1), b1, trace(b2), b2, trace=trace)
+    deriving every other micro-batch (and tracing those below b1 when asked for).
+
+    A process's first trace of a model can differ from its later ones (torch.jit's profiling
+    executor rewrites a scripted function after its first runs: DeBERTa's attention gains a
+    detach), so where the two traces differ, b1 is traced once more before giving up."""
+    g1, g2 = trace(b1), trace(b2)
+    try:
+        return BatchFamily(g1, b1, g2, b2, trace=trace)
+    except BatchDependentStructure:
+        return BatchFamily(trace(b1), b1, g2, b2, trace=trace)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,17 @@ BUILT_INS = ("gpt2", "gpt2-fp32", "llama3-1b", "mlp", "convnet")
 ZOO = ("bert-base-mlm-padded", "mixtral-8x-small", "resnet18-tv-cl")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _transformers_logging():
+    """transformers binds its log handler to the stderr of the moment it first logs (one of
+    these tests' capture); unbound afterwards, so later tests' own capture sees its notices."""
+    yield
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging._reset_library_root_logger()
+
+
 def _needs(name: str) -> None:
     library = CASES[name][3]
     if library and importlib.util.find_spec(library) is None:

@@ -17,9 +17,9 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
-from gobrrr.estimate import predict_memory
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import find_calibration, get_gpu
+from gobrrr.memory import step_memory
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.microbatch import (
     TRACE_AT,
@@ -105,7 +105,7 @@ def _h100():
 
 def _same_predictions(derived: StepGraph, traced: StepGraph) -> None:
     gpu, cal = _h100()
-    m_d, m_t = predict_memory(derived, gpu, cal), predict_memory(traced, gpu, cal)
+    m_d, m_t = step_memory(derived, gpu, cal), step_memory(traced, gpu, cal)
     assert (m_d.peak, m_d.reserved, m_d.peak_index) == (m_t.peak, m_t.reserved, m_t.peak_index)
     t_d, t_t = predict(derived, gpu, cal), predict(traced, gpu, cal)
     assert t_d.step_s == pytest.approx(t_t.step_s, rel=1e-9)

@@ -160,14 +160,27 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(workload_spec(args), args.gpu, global_batch=args.global_batch, seq=args.seq,
                   precision=args.precision, memory_budget=args.memory_budget,
                   allow=args.allow, calibration=not args.no_calibration)
+    verified = _verify(args, result) if args.verify else None
     if args.json:
-        print(json.dumps({**result.to_dict(top=args.top), "warnings": args.warnings},
-                         indent=2))
+        extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
+        print(json.dumps({**result.to_dict(top=args.top), **extra,
+                          "warnings": args.warnings}, indent=2))
     else:
-        from gobrrr.report.plan import print_plan
+        from gobrrr.report.plan import print_plan, print_verified
 
         print_plan(result, top=args.top)
+        if verified is not None:
+            print_verified(verified)
     return 0 if result.best is not None else 1
+
+
+def _verify(args: argparse.Namespace, result) -> list:
+    from gobrrr.estimate import workload_factory
+    from gobrrr.plan.verify import verify
+
+    fitting = [p for p in result.plans if p.fits][:args.verify]
+    make = lambda g: workload_factory(workload_spec(args), g, args.seq)()  # noqa: E731
+    return verify(make, fitting, args.precision)
 
 
 def _gpus(args: argparse.Namespace) -> int:
@@ -269,6 +282,9 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
                    help="use datasheet peaks even if a calibration exists")
     p.add_argument("--top", type=positive_int, default=8, metavar="N",
                    help="plans shown (default 8)")
+    p.add_argument("--verify", type=positive_int, nargs="?", const=3, metavar="K",
+                   help="on a GPU: apply the best K plans (default 3) and measure each beside "
+                   "its prediction")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_plan)
 

@@ -56,25 +56,52 @@ def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
     (default, and at most: what CUDA leaves the process on `gpu`). allow: knobs that go
     beyond the user's numerics (see ALLOW).
     """
-    from gobrrr.plan.trace import Tracer
+    return Planner(source, gpu, global_batch=global_batch, seq=seq, precision=precision,
+                   memory_budget=memory_budget, allow=allow, calibration=calibration).run()
 
-    t0 = time.perf_counter()
-    target = Target.resolve(gpu, calibration)
-    tracer = Tracer(source, seq=seq, precision=precision, target=target)
-    req = _request(tracer, target, global_batch, memory_budget, allow)
-    at = _graphs(tracer, req.global_batch)
-    base = at(1 if req.global_batch == 1 else min(2, req.global_batch))
-    _check_state_budget(base, req, target)
-    search = _Search(req, target, at, list(base.meta.get("blocks") or ()))
-    plans = search.run()
-    user = search.user()
-    ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
-    return PlanResult(workload=str(base.meta.get("name")), gpu=target.gpu.name,
-                      precision=precision, global_batch=req.global_batch,
-                      budget_bytes=req.budget, blocks=len(search.blocks), user=user,
-                      plans=tuple(ranked), considered=search.evaluated,
-                      traces=tracer.traces, took_s=time.perf_counter() - t0,
-                      notes=tuple(search.notes))
+
+class Planner:
+    """One workload at one global batch on one GPU: traced (twice) when made, then any
+    Knobs costed by passes over the traces (`cost`), or the whole search (`run`)."""
+
+    def __init__(self, source, gpu: str | Target = "h100", *, global_batch: int | None = None,
+                 seq: int | None = None, precision: str = "bf16-mixed",
+                 memory_budget: int | None = None, allow: Iterable[str] = (),
+                 calibration=True) -> None:
+        from gobrrr.plan.trace import Tracer
+
+        self.t0 = time.perf_counter()
+        self.precision = precision
+        self.target = Target.resolve(gpu, calibration)
+        self.tracer = Tracer(source, seq=seq, precision=precision, target=self.target)
+        self.req = _request(self.tracer, self.target, global_batch, memory_budget, allow)
+        self.at = _graphs(self.tracer, self.req.global_batch)
+        self.base = self.at(1 if self.req.global_batch == 1 else 2)
+        _check_state_budget(self.base, self.req, self.target)
+        self.search = _Search(self.req, self.target, self.at,
+                              list(self.base.meta.get("blocks") or ()))
+
+    @property
+    def blocks(self) -> list[str]:
+        return self.search.blocks
+
+    def cost(self, knobs: Knobs) -> Plan:
+        """The predicted step with these knobs (their global batch must be the planner's)."""
+        if knobs.global_batch != self.req.global_batch:
+            raise GobrrrError(f"knobs for a global batch of {knobs.global_batch}, the plan's is "
+                              f"{self.req.global_batch}")
+        return self.search.cost(knobs)
+
+    def run(self) -> PlanResult:
+        plans = self.search.run()
+        user = self.search.user()
+        ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
+        return PlanResult(workload=str(self.base.meta.get("name")), gpu=self.target.gpu.name,
+                          precision=self.precision, global_batch=self.req.global_batch,
+                          budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
+                          plans=tuple(ranked), considered=self.search.evaluated,
+                          traces=self.tracer.traces, took_s=time.perf_counter() - self.t0,
+                          notes=tuple(self.search.notes))
 
 
 def _request(tracer, target: Target, global_batch: int | None, memory_budget: int | None,
@@ -241,4 +268,4 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     return out
 
 
-__all__ = ["ALLOW", "BlockCosts", "Request", "describe", "divisors", "plan"]
+__all__ = ["ALLOW", "BlockCosts", "Planner", "Request", "describe", "divisors", "plan"]

@@ -1,6 +1,7 @@
 """Apply a plan's knobs to the user's real model and optimizer, and run its step.
 
-    step = gobrrr.apply(workload, Knobs(micro_batch=8, accumulation=4, optimizer_states="bf16"))
+    from gobrrr.plan.apply import apply
+    step = apply(workload, Knobs(micro_batch=8, accumulation=4, optimizer_states="bf16"))
     for batch in data:            # batches of micro_batch * accumulation = 32 samples
         loss = step(batch)        # one optimizer step; the loss of the whole batch
 

@@ -29,6 +29,7 @@ from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
+from gobrrr.step import TrainStep, make_scaler
 from gobrrr.transforms import apply_checkpointing
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
@@ -219,57 +220,47 @@ def _cuda_optimizer_defaults(opt: torch.optim.Optimizer) -> None:
             g["foreach"] = True
 
 
-class _Step:
-    """One training step, the same code for the warm-up and the recorded step."""
+class _Step(TrainStep):
+    """The traced step: gobrrr.step.TrainStep on fake tensors, autocast on the CPU under
+    CUDA's rules, the loss freed after backward as in a real step; the same code for the
+    warm-up and the recorded step. Two differences, both for the trace: the phases set the
+    driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its
+    value read (see optimizer_step)."""
 
     def __init__(self, w: Workload, precision: str, driver: _Driver | None = None) -> None:
-        self.w = w
-        self.precision = precision
+        opt = w.make_optimizer()
+        _cuda_optimizer_defaults(opt)
+        super().__init__(w, opt, precision, device_type="cpu",
+                         scaler=make_scaler(precision, "cpu"), keep_loss=False)
         self.driver = driver
-        self.opt = w.make_optimizer()
-        _cuda_optimizer_defaults(self.opt)
-        self.scaler = None
-        if precision == "fp16-mixed":
-            self.scaler = torch.amp.GradScaler("cpu")
         self.syncs: list[int] = []  # where the real step makes the host wait for the GPU
         self.recorder: Recorder | None = None
 
-    def _phase(self, name: str) -> None:
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
         if self.driver is not None:
             self.driver.phase = name
+        return contextlib.nullcontext()
 
     def init_optimizer_state(self) -> None:
         """What a warm-up step leaves behind, without its forward and backward: the optimizer
         state (created lazily by the first step). Gradients of zeros stand in for real ones."""
-        params = [p for g in self.opt.param_groups for p in g["params"]]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for p in params:
             p.grad = torch.zeros_like(p)
         if self.scaler:
             self.scaler.scale(torch.zeros((), dtype=torch.float32))  # creates its scale tensor
-        self._optimizer_step()
+        self.optimizer_step()
 
-    def _optimizer_step(self) -> None:
-        if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
-            self.scaler.unscale_(self.opt)
-            if self.recorder is not None:  # ... but remember that the host waits there
-                self.syncs.append(len(self.recorder.nodes) - 1)
-            self.opt.step()
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def run(self) -> None:
-        self._phase("forward")
-        dtype = autocast_dtype(self.precision)
-        ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with ctx:
-            loss = self.w.compute_loss(self.w.batch)
-        self._phase("backward")
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-        del loss
-        self._phase("optimizer")
-        self._optimizer_step()
+    def optimizer_step(self) -> None:
+        if not self.scaler:
+            return super().optimizer_step()
+        # GradScaler.step() reads found_inf with .item(): do its ops, not that read ...
+        self.scaler.unscale_(self.optimizer)
+        if self.recorder is not None:  # ... but remember that the host waits there
+            self.syncs.append(len(self.recorder.nodes) - 1)
+        self.optimizer.step()
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
@@ -343,7 +334,7 @@ def _trace(w: Workload, precision: str, values: assume.Values,
         _guarded(step.init_optimizer_state, "optimizer's first step")
         on_step()
         table = StorageTable()
-        _register_state(table, w, step.opt)
+        _register_state(table, w, step.optimizer)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
             rec = step.recorder = Recorder(table, driver.module, driver.current_phase)
@@ -352,10 +343,10 @@ def _trace(w: Workload, precision: str, values: assume.Values,
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
-            hook = step.opt.register_step_pre_hook(grab_grads)
+            hook = step.optimizer.register_step_pre_hook(grab_grads)
             try:
                 with rec, assume.HostMode(values):
-                    _guarded(step.run, "traced step", rec)
+                    _guarded(step, "traced step", rec)
             finally:
                 hook.remove()
         table.clock = len(rec.nodes) - 1

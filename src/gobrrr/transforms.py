@@ -1,12 +1,41 @@
-"""Transforms of a user's model that the estimate, the profiler and the planner share."""
+"""Transforms of a user's model that the estimate, the profiler and the planner share.
+
+    apply_checkpointing(model)                                  # every repeated block, "full"
+    apply_checkpointing(model, {"h.0": "full", "h.1": "selective"})
+    remove_checkpointing(model)                                 # back to the plain forward
+
+"full" wraps a block's forward in torch.utils.checkpoint (non-reentrant): only its inputs are
+kept, and backward runs its forward again. "selective" does the same under a selective-
+checkpoint policy: the outputs of the ops in SELECTIVE_SAVE (matmuls, convolutions,
+attention) are kept from the forward, every other op is run again. The graph pass
+`gobrrr.passes.checkpoint` predicts the same step from a graph traced without either.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from gobrrr.errors import GobrrrError
+
+POLICIES = ("full", "selective")
+
+#: The ops whose outputs a "selective" checkpoint keeps (CheckpointPolicy.MUST_SAVE), as the
+#: graph names them; every other op in the block is recomputed (PREFER_RECOMPUTE). Ops this
+#: torch does not have are simply never met.
+SELECTIVE_SAVE = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten.convolution.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "gobrrr.attention_fwd.default",
+})
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -24,25 +53,108 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """Qualified names (as `model.named_modules()` gives them) of `repeated_blocks(model)`."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in repeated_blocks(model)]
+
+
 def _has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
 
 
-def apply_checkpointing(model: nn.Module) -> list[nn.Module]:
-    """Wrap each repeated block's forward in non-reentrant activation checkpointing: only the
-    block's inputs are saved, and its forward runs again during backward. Returns the blocks."""
-    blocks = repeated_blocks(model)
-    for block in blocks:
-        if getattr(block, "_gobrrr_checkpointed", False):
-            continue
-        inner = block.forward
+def _save_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing: keep the outputs of SELECTIVE_SAVE, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
 
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+    if str(op) in SELECTIVE_SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
-        block.forward = forward
-        block._gobrrr_checkpointed = True
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_policy)
+
+
+def _wrap(block: nn.Module, policy: str) -> None:
+    """Replace `block.forward` by a checkpointed call of its own forward under `policy`."""
+    inner = block.__dict__.get("_gobrrr_inner", block.forward)
+    extra = {"context_fn": _selective_contexts} if policy == "selective" else {}
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    if "_gobrrr_inner" not in block.__dict__:
+        block._gobrrr_inner = inner
+        block._gobrrr_own_forward = "forward" in block.__dict__  # the user set one himself
+    block.forward = forward
+    block._gobrrr_checkpointed = policy
+
+
+def _resolve(model: nn.Module, policies: Mapping[str, str] | None) -> list[tuple[nn.Module, str]]:
+    if policies is None:
+        return [(b, "full") for b in repeated_blocks(model)]
+    out = []
+    for name, policy in policies.items():
+        if policy not in POLICIES:
+            raise GobrrrError(f"unknown checkpoint policy {policy!r} for block {name!r}: "
+                              f"choose {', '.join(POLICIES)}")
+        try:
+            out.append((model.get_submodule(name), policy))
+        except AttributeError:
+            known = ", ".join(block_names(model)[:4]) or "none found"
+            raise GobrrrError(f"checkpoint: the model has no module {name!r}; name blocks as "
+                              f"model.named_modules() does (repeated blocks: {known}, ...)") \
+                from None
+    return out
+
+
+def apply_checkpointing(model: nn.Module,
+                        policies: Mapping[str, str] | None = None) -> list[nn.Module]:
+    """Checkpoint blocks of `model` in place. `policies`: block name (as
+    `model.named_modules()` names it) -> "full" | "selective"; None = every repeated block
+    "full". Applying the same policies again changes nothing; a block given another policy is
+    re-wrapped around its original forward. Each wrapped block carries
+    `_gobrrr_checkpointed` = its policy. Returns the blocks wrapped."""
+    blocks = []
+    for block, policy in _resolve(model, policies):
+        if getattr(block, "_gobrrr_checkpointed", None) != policy:
+            _wrap(block, policy)
+        blocks.append(block)
     return blocks
+
+
+def remove_checkpointing(model: nn.Module) -> int:
+    """Undo `apply_checkpointing` on every module of `model`; returns how many were undone."""
+    undone = 0
+    for m in model.modules():
+        if "_gobrrr_inner" not in m.__dict__:
+            continue
+        if m.__dict__.pop("_gobrrr_own_forward"):
+            m.forward = m.__dict__["_gobrrr_inner"]
+        else:
+            del m.forward
+        del m._gobrrr_inner, m._gobrrr_checkpointed
+        undone += 1
+    return undone
+
+
+def checkpointed(model: nn.Module) -> dict[str, str]:
+    """{block name: policy} of the blocks `apply_checkpointing` wrapped in `model`."""
+    return {n: m._gobrrr_checkpointed for n, m in model.named_modules()
+            if "_gobrrr_inner" in m.__dict__}
+
+
+def checkpoint_meta(policies: Mapping[str, str], blocks: list[str]) -> str | dict[str, str]:
+    """How a graph's meta["checkpoint"] names a step's checkpointing: "none", "full" (every
+    repeated block, "full"), or the {block: policy} mapping itself."""
+    if not policies:
+        return "none"
+    if blocks and dict(policies) == dict.fromkeys(blocks, "full"):
+        return "full"
+    return dict(policies)

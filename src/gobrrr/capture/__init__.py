@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,12 +25,13 @@ from gobrrr.capture import assume
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
+from gobrrr.capture.saved import SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.step import TrainStep, make_scaler
-from gobrrr.transforms import apply_checkpointing
+from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
 CHECKPOINTS = ("none", "full")
@@ -298,31 +299,55 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
 
 
 def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
-            checkpoint: str = "none", sdpa: SdpaTarget | None = None) -> StepGraph:
+            checkpoint: str | Mapping[str, str] = "none",
+            sdpa: SdpaTarget | None = None) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
-    one, called under fake tensors) and return its StepGraph. `sdpa`: the GPU whose attention
-    backends F.scaled_dot_product_attention takes in the trace (default: Hopper's)."""
+    one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
+    (every repeated block) or {block name: "full" | "selective"}. `sdpa`: the GPU whose
+    attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's)."""
     check_precision(precision)
-    if checkpoint not in CHECKPOINTS:
+    if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
-                          f"choose {', '.join(CHECKPOINTS)}")
+                          f"choose {', '.join(CHECKPOINTS)} or a {{block: policy}} mapping")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     values = assume.Values()
     with mode, assume.ValueMode(values), rules, cuda_dropout(), \
             cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode, values), precision)
-        blocks = apply_checkpointing(w.model) if checkpoint == "full" else []
-        if checkpoint == "full" and not blocks:
-            raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
-                              "modules of one class) to checkpoint in this model")
+        names = block_names(w.model)
+        blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
         graph = _trace(w, precision, values, on_step=chosen.chosen.clear)
-    meta = dict(graph.meta, checkpoint=checkpoint, checkpointed_blocks=len(blocks),
+    meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
+                checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
                 sdpa_backends=dict(chosen.chosen),
                 assumptions=[a.to_dict() for a in values.assumptions()],
                 syncs=sorted({*graph.meta["syncs"], *values.syncs}))
     return dataclasses.replace(graph, meta=meta)
+
+
+def _checkpoint(model: torch.nn.Module, checkpoint: str | Mapping[str, str]) -> list:
+    if checkpoint == "none" or not checkpoint:
+        return []
+    blocks = apply_checkpointing(model, None if checkpoint == "full" else checkpoint)
+    if not blocks:  # "full" on a model without repeated blocks
+        raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
+                          "modules of one class) to checkpoint in this model")
+    return blocks
+
+
+def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
+    """The repeated blocks in the order the forward first runs them (blocks it never runs
+    last, in the model's order)."""
+    first: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.phase == "forward":
+            parts = n.module.split(".")
+            for k in range(1, len(parts) + 1):
+                first.setdefault(".".join(parts[:k]), n.index)
+    never = len(graph.nodes)
+    return sorted(names, key=lambda b: first.get(b, never))
 
 
 def _trace(w: Workload, precision: str, values: assume.Values,
@@ -337,7 +362,9 @@ def _trace(w: Workload, precision: str, values: assume.Values,
         _register_state(table, w, step.optimizer)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
-            rec = step.recorder = Recorder(table, driver.module, driver.current_phase)
+            saved = SavedTracker(table)
+            rec = step.recorder = Recorder(table, driver.module, driver.current_phase,
+                                           on_op=saved.on_op)
             values.where = lambda: (driver.module(), driver.current_phase(), len(rec.nodes))
 
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
@@ -353,7 +380,10 @@ def _trace(w: Workload, precision: str, values: assume.Values,
         table.close()
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
-    return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs})
+    return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
+                                            "saved": saved.rows or [],
+                                            "node_spans": sorted(saved.spans),
+                                            "unreferenced": saved.unreferenced})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

@@ -100,8 +100,9 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 class Recorder(TorchDispatchMode):
     """Records each ATen op as an OpNode. `phase` and `module` are set by the driver."""
 
-    def __init__(self, table: StorageTable, module_of, phase_of) -> None:
+    def __init__(self, table: StorageTable, module_of, phase_of, on_op=None) -> None:
         super().__init__()
+        self._on_op = on_op  # on_op(index, phase, output tensors, their storage ids)
         self.table = table
         self.nodes: list[OpNode] = []
         self._module_of = module_of
@@ -140,7 +141,8 @@ class Recorder(TorchDispatchMode):
         self.table.clock = index
         before = len(self.table.records)
         out_flat, _ = tree_flatten(out)
-        outputs = [self._tinfo(t, module) for t in out_flat if isinstance(t, torch.Tensor)]
+        out_flat = [t for t in out_flat if isinstance(t, torch.Tensor)]
+        outputs = [self._tinfo(t, module) for t in out_flat]
         allocs = tuple(range(before, len(self.table.records)))
         for sid in allocs:
             self.table.records[sid].created = index
@@ -149,3 +151,5 @@ class Recorder(TorchDispatchMode):
             outputs=tuple(outputs), args=tuple(_jsonable(a, refs) for a in args),
             kwargs={k: _jsonable(v, refs) for k, v in kwargs.items()}, allocs=allocs,
         ))
+        if self._on_op is not None:
+            self._on_op(index, phase, out_flat, [t.storage for t in outputs])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from gobrrr.cost.roofline import Prediction
 from gobrrr.graph import StepGraph
 from gobrrr.memory import round_alloc
-from gobrrr.passes.checkpoint import SAVED_OPS
+from gobrrr.transforms import SELECTIVE_SAVE
 
 UNITS = 400  # the knapsack's resolution: the bytes asked for in this many steps
 
@@ -61,7 +61,7 @@ def block_costs(graph: StepGraph, time: Prediction, blocks: list[str]) -> BlockC
         if b is None:
             continue
         saved[index[b]] += round_alloc(s.nbytes)
-        if graph.nodes[s.created].name in SAVED_OPS:
+        if graph.nodes[s.created].op in SELECTIVE_SAVE:
             kept["selective"][index[b]] += round_alloc(s.nbytes)
     secs = {"full": [0.0] * len(blocks), "selective": [0.0] * len(blocks)}
     for node, op in zip(graph.nodes, time.ops, strict=True):
@@ -71,7 +71,7 @@ def block_costs(graph: StepGraph, time: Prediction, blocks: list[str]) -> BlockC
         if b is None:
             continue
         secs["full"][index[b]] += op.device_s
-        if node.name not in SAVED_OPS:
+        if node.op not in SELECTIVE_SAVE:
             secs["selective"][index[b]] += op.device_s
     saves = {p: tuple(x - k for x, k in zip(saved, kept[p], strict=True)) for p in kept}
     return BlockCosts(tuple(blocks), saves, {p: tuple(v) for p, v in secs.items()})

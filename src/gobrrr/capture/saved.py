@@ -1,0 +1,180 @@
+"""Which tensors each forward op leaves saved for backward, read off the autograd graph.
+
+Activation checkpointing changes exactly these: a checkpointed block keeps none of its saved
+tensors and rebuilds them in backward, stopping once the last one is rebuilt. To predict that
+from a graph traced without checkpointing (`gobrrr.passes.checkpoint`), the trace records,
+for every autograd node alive when backward starts, the forward op that made it and what it
+saved (`meta["saved"]`, rows of SAVED_FIELDS).
+
+How: each forward op's outputs are watched (weak references, so no lifetime changes); once
+autograd has attached their node (by the next op), the node's sequence number is tied to the
+op. When backward starts, the graph is walked from every forward output still alive and each
+node's saved tensors are unpacked (inside the recorder's dispatch, so the unpacking is not
+recorded) and dropped again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+from gobrrr.capture.recorder import StorageTable
+
+#: One row of meta["saved"]: the forward op, the storage it saved, whether the save happens
+#: after the op ran (one of its outputs) or before (an input), whether the saved tensor
+#: requires grad, and the saved view.
+SAVED_FIELDS = ("op", "storage", "after", "requires_grad", "shape", "stride", "dtype", "offset")
+#: One row of meta["node_spans"]: the forward op whose node saved tensors, and the first and
+#: last op its backward ran (first = last + 1: it ran no op). Autograd unpacks what the node
+#: saved before its first op and lets go of it after its last.
+SPAN_FIELDS = ("op", "first", "last")
+#: One row of meta["unreferenced"]: a saved storage, and the forward op after which no Python
+#: reference to it was left (only the saved-for-backward ones: what checkpointing frees).
+UNREFERENCED_FIELDS = ("storage", "op")
+
+_WINDOW = 16  # ops an output is watched for its node before it is given up
+
+
+class SavedTracker:
+    """Ties autograd nodes to forward ops, then lists their saved tensors at backward's start.
+    Call `on_op` after each recorded op (the Recorder does)."""
+
+    def __init__(self, table: StorageTable) -> None:
+        self.table = table
+        self.seq_op: dict[int, int] = {}  # autograd sequence number -> forward op index
+        self._pending: list[tuple[weakref.ref, int]] = []
+        self._outputs: list[weakref.ref] = []  # every forward output: the walk's roots
+        self._out_sids: dict[int, set[int]] = {}
+        self.rows: list[list[Any]] | None = None  # set when backward starts
+        self.spans: list[list[int]] = []
+        self.unreferenced: list[list[int]] = []
+        self.unmapped = 0  # nodes whose op was guessed from their neighbours
+        self._clock = -1  # the last op recorded
+        self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
+        self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
+
+    def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
+        self._clock = index
+        if self._held is not None:
+            self._release(index)
+        if phase == "forward":
+            self._resolve(index)
+            for t, sid in zip(outs, sids, strict=True):  # autograd attaches their node later
+                ref = weakref.ref(t)
+                self._pending.append((ref, index))
+                self._outputs.append(ref)
+                self._held.append((ref, sid))
+            self._out_sids[index] = set(sids)
+        elif self.rows is None:
+            self._held = None
+            self._resolve(index)
+            self.rows = self._walk()
+
+    def _release(self, now: int) -> None:
+        """Note the storages whose every tensor Python has let go of since the last op: the
+        tensor is dead, or only C++ holds it (autograd keeps what it saved as an input, and
+        PyTorch keeps its Python object alive while it does)."""
+        keep, gone = [], []
+        for ref, sid in self._held:
+            t = ref()
+            if t is None or not _python_holds(t):
+                gone.append(sid)
+            else:
+                keep.append((ref, sid))
+        held = {sid for _, sid in keep}  # a storage is let go of once all its views are
+        for sid in gone:
+            if sid not in held:
+                self._let_go[sid] = now - 1
+        self._held = keep
+
+    def _resolve(self, now: int) -> None:
+        keep = []
+        for ref, index in self._pending:
+            t = ref()
+            if t is None:
+                continue
+            fn = t.grad_fn
+            if fn is not None:
+                self.seq_op.setdefault(fn._sequence_nr(), index)
+            elif now - index < _WINDOW:
+                keep.append((ref, index))
+        self._pending = keep
+
+    def _walk(self) -> list[list[Any]]:
+        seen: dict[int, Any] = {}
+        todo = [t.grad_fn for r in self._outputs if (t := r()) is not None and t.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen[id(fn)] = fn
+            todo.extend(f for f, _ in fn.next_functions)
+        seqs = sorted(self.seq_op)
+        rows = []
+        for fn in seen.values():
+            saved = _saved_tensors(fn)
+            if saved:
+                index = self._op_of(fn._sequence_nr(), seqs)
+                rows.extend(self._row(index, t) for t in saved)
+                self._watch(fn, index)
+        rows.sort(key=lambda r: (r[0], r[2]))
+        saved = {r[1] for r in rows}
+        self.unreferenced = sorted([sid, op] for sid, op in self._let_go.items() if sid in saved)
+        return rows
+
+    def _watch(self, fn: Any, index: int) -> None:
+        """Record the ops node `fn` runs in backward (hooks hold no tensor)."""
+        span = [index, -1, -1]
+
+        def pre(grad_outputs):
+            span[1] = self._clock + 1
+
+        def post(grad_inputs, grad_outputs):
+            span[2] = self._clock
+            self.spans.append(span)
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+
+    def _op_of(self, seq: int, seqs: list[int]) -> int:
+        index = self.seq_op.get(seq)
+        if index is None:  # its outputs died before it could be tied: the op before it
+            self.unmapped += 1
+            i = bisect.bisect_left(seqs, seq)
+            index = self.seq_op[seqs[i - 1]] if i else 0
+        return index
+
+    def _row(self, index: int, t: torch.Tensor) -> list[Any]:
+        sid = self.table.lookup(t)
+        return [index, sid, sid in self._out_sids.get(index, ()), bool(t.requires_grad),
+                [int(s) for s in t.shape], [int(s) for s in t.stride()],
+                str(t.dtype).removeprefix("torch."), int(t.storage_offset())]
+
+
+def _python_holds(t: torch.Tensor) -> bool:
+    """Whether anything in Python refers to `t` beyond the caller's one reference. Its
+    reference count then also counts the argument, and, while C++ shares the tensor (its use
+    count > 1), the reference PyTorch's preservation of its Python object adds."""
+    return sys.getrefcount(t) - (t._use_count() > 1) > 3
+
+
+def _saved_tensors(fn: Any) -> list[torch.Tensor]:
+    """The tensors autograd node `fn` saved, unpacked, in the order of their names."""
+    out: list[torch.Tensor] = []
+    for name in dir(fn):
+        if not name.startswith("_raw_saved_"):
+            continue
+        field = name.removeprefix("_raw_saved_")
+        try:
+            value = fn.saved_tensors if field == "tensors" and not hasattr(
+                fn, "_saved_tensors") else getattr(fn, "_saved_" + field)
+        except RuntimeError:  # freed already, or modified in place since it was saved
+            continue
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out

@@ -77,6 +77,19 @@ def block_costs(graph: StepGraph, time: Prediction, blocks: list[str]) -> BlockC
     return BlockCosts(tuple(blocks), saves, {p: tuple(v) for p, v in secs.items()})
 
 
+def scaled(costs: BlockCosts, totals: dict[str, tuple[int, float]]) -> BlockCosts:
+    """`costs` with each policy's per-block bytes and seconds scaled so they add up to
+    `totals[policy]` = (bytes, seconds) measured with every block under it (shares kept)."""
+    saves, seconds = dict(costs.saves), dict(costs.seconds)
+    for policy, (nbytes, secs) in totals.items():
+        b, s = sum(saves[policy]), sum(seconds[policy])
+        if b > 0 and nbytes > 0:
+            saves[policy] = tuple(int(x * nbytes / b) for x in saves[policy])
+        if s > 0 and secs > 0:
+            seconds[policy] = tuple(x * secs / s for x in seconds[policy])
+    return BlockCosts(costs.names, saves, seconds)
+
+
 def knapsack(costs: BlockCosts, need: int) -> tuple[tuple[str, str], ...] | None:
     """Per block none / selective / full, saving at least `need` bytes at the least
     recompute time; None when checkpointing every block fully saves less than `need`."""

@@ -25,9 +25,16 @@ from gobrrr.memory import process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
-from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack
+from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.result import Plan, PlanResult
+
+#: The share of the budget a plan leaves unplanned. On the zoo (benchmarks/results/
+#: zoo_h100_predictions.json) the allocated peak is predicted within -1.3%..+0.2% and the
+#: reserved peak within 5% for 29 of 38 steps (median 1.2%); when a reservation fails the
+#: caching allocator frees its cached blocks and retries, so a step fails only when what
+#: it allocates, plus fragmentation, does not fit. 3% covers the allocated error with room.
+MARGIN = 0.03
 
 #: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
 #: the step's forward and backward).
@@ -42,6 +49,11 @@ class Request:
     global_batch: int
     budget: int
     allow: frozenset[str]
+
+    @property
+    def usable(self) -> int:
+        """What a plan's reserved peak may take: the budget less the MARGIN."""
+        return int(self.budget * (1 - MARGIN))
 
 
 def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
@@ -190,17 +202,25 @@ class _Search:
                     every_kth(self.blocks, 2)]
         plans = [plain] + [self.cost(Knobs(micro_batch=m, accumulation=n, checkpoint=c))
                            for c in policies]
-        if any(p.fits for p in plans[1:]) and not all(p.fits for p in plans[1:]):
-            plans.extend(self.budget_optimal(m, n, plain))
+        sel, full = plans[1], plans[2]
+        if full.fits:
+            plans.extend(self.budget_optimal(m, n, plain, sel, full))
         return plans
 
-    def budget_optimal(self, m: int, n: int, plain: Plan) -> list[Plan]:
+    def budget_optimal(self, m: int, n: int, plain: Plan, sel: Plan, full: Plan
+                       ) -> list[Plan]:
         """The mix of policies that saves just enough memory at the least recompute time,
-        checked by evaluating it; the saving asked for grows by what was still missing, a
-        few times at most."""
+        checked by evaluating it. The per-block savings and recompute times are the graph's
+        (`block_costs`), scaled per policy so their sums are what checkpointing every block
+        with it measured (`sel`, `full`); the saving asked for grows by what was still
+        missing, a few times at most."""
         g = self.at(m)
-        costs = block_costs(g, evaluate(g, self.target).time, self.blocks)
-        need = plain.reserved_bytes - self.req.budget
+        costs = scaled(block_costs(g, evaluate(g, self.target).time, self.blocks),
+                       {"selective": (plain.reserved_bytes - sel.reserved_bytes,
+                                      sel.step_s - plain.step_s),
+                        "full": (plain.reserved_bytes - full.reserved_bytes,
+                                 full.step_s - plain.step_s)})
+        need = plain.reserved_bytes - self.req.usable
         out: list[Plan] = []
         for _ in range(4):
             choice = knapsack(costs, need)
@@ -210,7 +230,7 @@ class _Search:
             out.append(p)
             if p.fits:
                 break
-            need += p.reserved_bytes - self.req.budget + self.req.budget // 100
+            need += p.reserved_bytes - self.req.usable + self.req.budget // 200
         return out
 
     def cost(self, knobs: Knobs) -> Plan:
@@ -226,13 +246,13 @@ class _Search:
 def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
     m = est.memory
     reserved = m.reserved or m.peak
-    fits = m.oom_index is None and reserved <= req.budget
+    fits = m.oom_index is None and reserved <= req.usable
     recompute = est.time.phase_s.get("recompute", 0.0)
     changes = describe(knobs, req.global_batch, blocks)
     gib = 2**30
     why = (f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare" if fits else
-           f"needs {reserved / gib:.1f} GiB reserved, {(reserved - req.budget) / gib:.1f} GiB "
-           "over the budget")
+           f"needs {reserved / gib:.1f} GiB reserved, over the {req.usable / gib:.1f} GiB "
+           f"a plan may take ({req.budget / gib:.1f} GiB less a {MARGIN:.0%} margin)")
     if recompute:
         why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
     return Plan(knobs=knobs, unit=throughput_unit(est.graph),
@@ -246,8 +266,7 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     """What the knobs change in the user's step, one phrase each."""
     out = []
     if knobs.micro_batch != global_batch:
-        out.append(f"micro-batch {knobs.micro_batch} x {knobs.accumulation} accumulation "
-                   "steps")
+        out.append(f"micro-batch {knobs.micro_batch}, accumulate {knobs.accumulation}")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

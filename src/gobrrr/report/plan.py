@@ -10,7 +10,7 @@ from gobrrr.report.terminal import _table, gib, human_time
 
 
 def rate(p: Plan) -> str:
-    return f"{p.units_per_s:,.0f} {p.unit}/s"
+    return f"{p.units_per_s:,.0f} {'tok' if p.unit == 'tokens' else p.unit}/s"
 
 
 def print_plan(r: PlanResult, top: int = 8) -> None:

@@ -38,10 +38,15 @@ VERSION = 1
 SCENARIOS = {
     "llama3-1b-seq16k": ("llama3-1b", 16384, 4, "bf16-mixed"),
     "llama3-3b-seq4k": ("llama3-3b", 4096, 8, "bf16-mixed"),
-    "resnet50-cl-b512": (f"{HERE.parent / 'plan_scenarios.py'}:resnet50", None, 512,
-                         "bf16-mixed"),
+    "resnet50-cl-b2048": (f"{HERE.parent / 'plan_scenarios.py'}:resnet50", None, 2048,
+                          "bf16-mixed"),
     "gpt2-xl-seq1k": ("gpt2-xl", 1024, 32, "bf16-mixed"),
 }
+
+
+#: The grid's micro-batches: those that divide the global batch with at most this many
+#: accumulation steps (what a careful user would try by hand).
+GRID_ACCUMULATION = 8
 
 
 def grid(planner) -> list:
@@ -52,7 +57,7 @@ def grid(planner) -> list:
     g = planner.req.global_batch
     full = every_kth(planner.blocks, 1) if planner.blocks else None
     out = []
-    for m in divisors(g):
+    for m in (d for d in divisors(g) if g // d <= GRID_ACCUMULATION):
         out.append(Knobs(micro_batch=m, accumulation=g // m))
         if full:
             out.append(Knobs(micro_batch=m, accumulation=g // m, checkpoint=full))
@@ -195,7 +200,7 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--one")

@@ -148,16 +148,21 @@ def scenario(args, name: str, out: dict, save) -> None:
     chosen = [p.knobs for p in result.plans[:3] if p.fits]
     configs = [(k, "grid") for k in grid(planner)]
     configs += [(k, f"plan#{i + 1}") for i, k in enumerate(chosen)]
+    measured: dict = {}  # a configuration the grid and the plan share runs once
     for knobs, role in configs:
         pred = planner.cost(knobs)
         row = {"role": role, "knobs": knobs.to_dict(), "changes": list(pred.changes),
                "predicted": {"step_s": pred.step_s, "units_per_s": pred.units_per_s,
                              "peak_allocated": pred.peak_bytes,
                              "peak_reserved": pred.reserved_bytes, "fits": pred.fits},
-               "measured": measure(args, source, seq, g, precision, knobs)}
+               "measured": measured.get(knobs) or measure(args, source, seq, g, precision,
+                                                          knobs)}
+        if knobs in measured:
+            row["same_as_grid"] = True
+        measured[knobs] = row["measured"]
         m = row["measured"]
         if "step_s" in m:
-            m["units_per_s"] = pred.units_per_s * pred.step_s / m["step_s"]
+            m.setdefault("units_per_s", pred.units_per_s * pred.step_s / m["step_s"])
         rec["configs"].append(row)
         print(name, role, knobs.to_dict(), "->", {k: m.get(k) for k in
                                                    ("step_s", "peak_allocated", "error")})

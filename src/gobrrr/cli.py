@@ -159,7 +159,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     result = plan(workload_spec(args), args.gpu, global_batch=args.global_batch, seq=args.seq,
                   precision=args.precision, memory_budget=args.memory_budget,
-                  allow=args.allow, calibration=not args.no_calibration)
+                  allow=args.allow, margin=args.margin,
+                  calibration=not args.no_calibration)
     verified = _verify(args, result) if args.verify else None
     if args.json:
         extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
@@ -276,6 +277,9 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
     p.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                    help="most memory the step may reserve, e.g. 70GiB (default: what CUDA "
                    "leaves the process on the GPU)")
+    p.add_argument("--margin", type=float, default=0.0, metavar="F",
+                   help="share of the budget to leave free, e.g. 0.05 (default 0: the "
+                   "predicted reserved peak may take the whole budget)")
     p.add_argument("--allow", type=lambda s: [a for a in s.split(",") if a], default=[],
                    metavar="A,B", help="knobs beyond the user's numerics")
     p.add_argument("--no-calibration", action="store_true",

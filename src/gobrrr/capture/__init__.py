@@ -228,10 +228,11 @@ class _Step(TrainStep):
     driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its
     value read (see optimizer_step)."""
 
-    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None) -> None:
+    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None,
+                 accumulation: int = 1) -> None:
         opt = w.make_optimizer()
         _cuda_optimizer_defaults(opt)
-        super().__init__(w, opt, precision, device_type="cpu",
+        super().__init__(w, opt, precision, device_type="cpu", accumulation=accumulation,
                          scaler=make_scaler(precision, "cpu"), keep_loss=False)
         self.driver = driver
         self.syncs: list[int] = []  # where the real step makes the host wait for the GPU
@@ -300,11 +301,13 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
 
 def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
             checkpoint: str | Mapping[str, str] = "none",
-            sdpa: SdpaTarget | None = None) -> StepGraph:
+            sdpa: SdpaTarget | None = None, accumulation: int = 1) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
     one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
     (every repeated block) or {block name: "full" | "selective"}. `sdpa`: the GPU whose
-    attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's)."""
+    attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's).
+    `accumulation`: the workload's batch runs as this many micro-batches before the optimizer
+    step (the planner derives this from a one-micro-batch trace: `passes.accumulate`)."""
     check_precision(precision)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
@@ -318,7 +321,8 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
         names = block_names(w.model)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
-        graph = _trace(w, precision, values, on_step=chosen.chosen.clear)
+        graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
+                       accumulation=accumulation)
     meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
                 checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
                 sdpa_backends=dict(chosen.chosen),
@@ -351,10 +355,10 @@ def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
 
 
 def _trace(w: Workload, precision: str, values: assume.Values,
-           on_step: Callable[[], None] = lambda: None) -> StepGraph:
+           on_step: Callable[[], None] = lambda: None, accumulation: int = 1) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
-        step = _Step(w, precision)
+        step = _Step(w, precision, accumulation=accumulation)
         values.during("warm-up")
         _guarded(step.init_optimizer_state, "optimizer's first step")
         on_step()

@@ -59,6 +59,8 @@ class SavedTracker:
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
+        if self.rows is not None:  # what the first backward found is recorded; later
+            return  # micro-batches of an accumulated step repeat it
         if self._held is not None:
             self._release(index)
         if phase == "forward":

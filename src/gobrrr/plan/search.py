@@ -93,9 +93,10 @@ class Planner:
         self.tracer = Tracer(source, seq=seq, precision=precision, target=self.target)
         self.req = _request(self.tracer, self.target, global_batch, memory_budget, allow,
                             margin)
+        if memory_budget is not None:
+            _check_state_budget(self.tracer.parameter_bytes(), self.req)
         self.at = _graphs(self.tracer, self.req.global_batch)
         self.base = self.at(1 if self.req.global_batch == 1 else 2)
-        _check_state_budget(self.base, self.req, self.target)
         self.search = _Search(self.req, self.target, self.at,
                               list(self.base.meta.get("blocks") or ()))
 
@@ -157,14 +158,14 @@ def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
     return fam.at
 
 
-def _check_state_budget(g: StepGraph, req: Request, target: Target) -> None:
-    params = sum(s.nbytes for s in g.storages if s.kind == "parameter")
+def _check_state_budget(params: int, req: Request) -> None:
+    """A budget the user gave must hold the parameters at least (checked before tracing)."""
     if params > req.budget:
         gib = 2**30
         raise GobrrrError(
-            f"the memory budget ({req.budget / gib:.1f} GiB) is smaller than the parameters "
-            f"alone ({params / gib:.1f} GiB) on {target.gpu.name}: raise --memory-budget, "
-            "or shard the model over more GPUs")
+            f"--memory-budget {req.budget / gib:.1f} GiB is smaller than the parameters alone "
+            f"({params / gib:.1f} GiB): give a larger budget, or shard the model over more "
+            "GPUs")
 
 
 def divisors(n: int) -> list[int]:

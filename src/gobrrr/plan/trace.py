@@ -36,6 +36,12 @@ class Tracer:
             w = workload_factory(self.source, None, self.seq)()
         return _batch_size(w)
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the model's parameters as built (on the meta device: nothing allocated)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        return sum(p.numel() * p.element_size() for p in w.model.parameters())
+
     def takes_batch(self) -> bool:
         with torch.device("meta"):
             a = workload_factory(self.source, 1, self.seq)()

@@ -86,7 +86,7 @@ class Estimate:
         return {
             "version": ESTIMATE_VERSION,
             "workload": {**{k: v for k, v in self.graph.meta.items()
-                            if k not in ("info", "assumptions")},
+                            if k not in ("info", "assumptions", "autograd")},
                          "compiled": self.compiled, "checkpointing": ckpt,
                          "recomputed_ops": recomputed},
             "assumptions": list(self.graph.meta.get("assumptions") or []),

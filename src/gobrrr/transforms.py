@@ -14,6 +14,7 @@ attention) are kept from the forward, every other op is run again. The graph pas
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -83,10 +84,14 @@ def _wrap(block: nn.Module, policy: str) -> None:
     inner = block.__dict__.get("_gobrrr_inner", block.forward)
     extra = {"context_fn": _selective_contexts} if policy == "selective" else {}
 
+    cache_at = {} if getattr(block, "_can_checkpoint_with_cache", False) else _cache_params(inner)
+
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
+        if cache_at:
+            args, kwargs = _without_kv_cache(cache_at, args, kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     if "_gobrrr_inner" not in block.__dict__:
@@ -94,6 +99,31 @@ def _wrap(block: nn.Module, policy: str) -> None:
         block._gobrrr_own_forward = "forward" in block.__dict__  # the user set one himself
     block.forward = forward
     block._gobrrr_checkpointed = policy
+
+
+_CACHE_ARGS = {"use_cache": False, "past_key_values": None, "layer_past": None}
+
+
+def _cache_params(fn) -> dict[str, int]:
+    """{name: position} of the KV-cache parameters (_CACHE_ARGS) that `fn` takes."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: i for i, p in enumerate(params) if p.name in _CACHE_ARGS}
+
+
+def _without_kv_cache(cache_at: dict[str, int], args: tuple, kwargs: dict):
+    """A checkpointed layer must not write a KV cache: its recomputation would write it again
+    (and a selective checkpoint would meet other ops than it cached). As Hugging Face's own
+    gradient checkpointing does (GradientCheckpointingLayer), the layer runs without one."""
+    args = list(args)
+    for name, i in cache_at.items():
+        if i < len(args):
+            args[i] = _CACHE_ARGS[name] if args[i] else args[i]
+        elif kwargs.get(name):
+            kwargs = {**kwargs, name: _CACHE_ARGS[name]}
+    return tuple(args), kwargs
 
 
 def _resolve(model: nn.Module, policies: Mapping[str, str] | None) -> list[tuple[nn.Module, str]]:

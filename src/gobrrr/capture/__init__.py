@@ -25,7 +25,7 @@ from gobrrr.capture import assume
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
-from gobrrr.capture.saved import SavedTracker
+from gobrrr.capture.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
@@ -374,20 +374,20 @@ def _trace(w: Workload, precision: str, values: assume.Values,
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
-            hook = step.optimizer.register_step_pre_hook(grab_grads)
+            hooks = [step.optimizer.register_step_pre_hook(grab_grads),
+                     *saved.watch_blocks(w.model, block_names(w.model))]
             try:
                 with rec, assume.HostMode(values):
                     _guarded(step, "traced step", rec)
             finally:
-                hook.remove()
+                for h in hooks:
+                    h.remove()
         table.clock = len(rec.nodes) - 1
         table.close()
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
-                                            "saved": saved.rows or [],
-                                            "node_spans": sorted(saved.spans),
-                                            "unreferenced": saved.unreferenced})
+                                            AUTOGRAD: saved.meta()})
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

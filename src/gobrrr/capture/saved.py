@@ -4,7 +4,7 @@ Activation checkpointing changes exactly these: a checkpointed block keeps none 
 tensors and rebuilds them in backward, stopping once the last one is rebuilt. To predict that
 from a graph traced without checkpointing (`gobrrr.passes.checkpoint`), the trace records,
 for every autograd node alive when backward starts, the forward op that made it and what it
-saved (`meta["saved"]`, rows of SAVED_FIELDS).
+saved (rows of SAVED_FIELDS).
 
 How: each forward op's outputs are watched (weak references, so no lifetime changes); once
 autograd has attached their node (by the next op), the node's sequence number is tied to the
@@ -23,18 +23,24 @@ from typing import Any
 import torch
 
 from gobrrr.capture.recorder import StorageTable
+from gobrrr.workload import iter_tensors
 
-#: One row of meta["saved"]: the forward op, the storage it saved, whether the save happens
-#: after the op ran (one of its outputs) or before (an input), whether the saved tensor
-#: requires grad, and the saved view.
+AUTOGRAD = "autograd"  # the graph's meta key
+AUTOGRAD_VERSION = 1
+
+#: One row of meta["autograd"]["saved"]: the forward op, the storage it saved, whether the
+#: save happens after the op ran (one of its outputs) or before (an input), whether the saved
+#: tensor requires grad, and the saved view.
 SAVED_FIELDS = ("op", "storage", "after", "requires_grad", "shape", "stride", "dtype", "offset")
-#: One row of meta["node_spans"]: the forward op whose node saved tensors, and the first and
-#: last op its backward ran (first = last + 1: it ran no op). Autograd unpacks what the node
-#: saved before its first op and lets go of it after its last.
+#: One row of meta["autograd"]["node_spans"]: the forward op whose node saved tensors, and
+#: the first and last op its backward ran (first = last + 1: it ran no op). Autograd unpacks
+#: what the node saved before its first op and lets go of it after its last.
 SPAN_FIELDS = ("op", "first", "last")
-#: One row of meta["unreferenced"]: a saved storage, and the forward op after which no Python
-#: reference to it was left (only the saved-for-backward ones: what checkpointing frees).
+#: One row of meta["autograd"]["unreferenced"]: a saved storage, and the forward op after
+#: which no Python reference to it was left (saved ones only: what checkpointing frees).
 UNREFERENCED_FIELDS = ("storage", "op")
+#: meta["autograd"]["block_inputs"]: {block name: the storages of the tensors passed to its call}. A
+#: checkpointed block keeps its arguments until its last node in backward is done.
 
 _WINDOW = 16  # ops an output is watched for its node before it is given up
 
@@ -52,17 +58,23 @@ class SavedTracker:
         self.rows: list[list[Any]] | None = None  # set when backward starts
         self.spans: list[list[int]] = []
         self.unreferenced: list[list[int]] = []
+        self.block_inputs: dict[str, list[int]] = {}
         self.unmapped = 0  # nodes whose op was guessed from their neighbours
+        self.hooked = False  # the forward packed saved tensors through hooks
         self._clock = -1  # the last op recorded
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
         self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
+        self._site: tuple[int, ...] = ()  # the Python call the last op came from
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
         if self.rows is not None:  # what the first backward found is recorded; later
             return  # micro-batches of an accumulated step repeat it
-        if self._held is not None:
-            self._release(index)
+        if phase == "forward" and not self.hooked:
+            self.hooked = _hooks_active()
+        site, self._site = self._site, _call_site()
+        if self._held is not None and (phase != "forward" or site != self._site):
+            self._release(index)  # (within one C++ call Python lets go of nothing)
         if phase == "forward":
             self._resolve(index)
             for t, sid in zip(outs, sids, strict=True):  # autograd attaches their node later
@@ -74,7 +86,24 @@ class SavedTracker:
         elif self.rows is None:
             self._held = None
             self._resolve(index)
-            self.rows = self._walk()
+            self.rows = [] if self.hooked else self._walk()
+
+    def meta(self) -> dict[str, Any]:
+        """What the trace learnt, for meta[AUTOGRAD]."""
+        return {"version": AUTOGRAD_VERSION, "hooked": self.hooked, "saved": self.rows or [],
+                "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
+                "block_inputs": self.block_inputs}
+
+    def watch_blocks(self, model: torch.nn.Module, names: list[str]) -> list[Any]:
+        """Record the tensors each block in `names` is called with; returns the hook handles."""
+        def hook(name):
+            def pre(mod, args, kwargs):
+                sids = {self.table.lookup(t) for t in iter_tensors((args, kwargs))}
+                self.block_inputs[name] = sorted(sids - {None})
+            return pre
+
+        return [model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True)
+                for n in names]
 
     def _release(self, now: int) -> None:
         """Note the storages whose every tensor Python has let go of since the last op: the
@@ -155,6 +184,39 @@ class SavedTracker:
         return [index, sid, sid in self._out_sids.get(index, ()), bool(t.requires_grad),
                 [int(s) for s in t.shape], [int(s) for s in t.stride()],
                 str(t.dtype).removeprefix("torch."), int(t.storage_offset())]
+
+
+# frames of the dispatch itself: gobrrr's modes, torch's op and mode wrappers
+_MACHINERY = ("/gobrrr/capture/", "/torch/utils/_python_dispatch", "/torch/_ops.py",
+              "/torch/_subclasses/", "/torch/_dynamo/", "/torch/_compile.py")
+
+
+def _call_site(depth: int = 6) -> tuple[int, ...]:
+    """The Python call the op being recorded comes from: the frames and instructions of its
+    caller and theirs (a frame's id alone is reused by the next call of the same function).
+    Ops of one C++ call (a composite such as matmul: expand, clone, bmm, view) share it, and
+    their C++ temporaries die when it returns, though no Python object ever held them."""
+    f = sys._getframe(1)
+    while f is not None and any(m in f.f_code.co_filename for m in _MACHINERY):
+        f = f.f_back
+    site = []
+    while f is not None and len(site) < 2 * depth:
+        site += (id(f), f.f_lasti)
+        f = f.f_back
+    return tuple(site)
+
+
+def _hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (checkpointing, offloading): unpacking what such
+    a node saved would run them (a checkpoint would recompute its block), so the graph is not
+    walked. (torch < 2.8 cannot tell: taken as not.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        return top(False) is not None
+    except TypeError:
+        return top() is not None
 
 
 def _python_holds(t: torch.Tensor) -> bool:

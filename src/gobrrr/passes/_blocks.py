@@ -1,5 +1,5 @@
 """What the checkpoint pass needs to know about each checkpointed block, read off a graph
-traced without checkpointing: its forward ops, what its autograd nodes saved (meta["saved"]),
+traced without checkpointing: its forward ops, what its autograd nodes saved (meta["autograd"]),
 where torch's recomputation stops, where backward first unpacks it, and when each saved
 tensor would have died had it not been saved (`python_death`)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gobrrr.capture.saved import AUTOGRAD
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, TensorInfo
 from gobrrr.transforms import SELECTIVE_SAVE
@@ -72,12 +73,19 @@ class Facts:
         self.graph = graph
         nodes = graph.nodes
         self.first_bwd = next((n.index for n in nodes if n.phase != "forward"), len(nodes))
+        self.modules: dict[str, list[int]] = {}  # module -> [first, last, count] forward ops
+        for n in nodes[:self.first_bwd]:
+            parts = n.module.split(".") if n.module else []
+            for k in range(1, len(parts) + 1):
+                m = self.modules.setdefault(".".join(parts[:k]), [n.index, n.index, 0])
+                m[1], m[2] = n.index, m[2] + 1
         self.readers: dict[int, list[int]] = {}
         for n in nodes:
             for sid in {t.storage for t in n.inputs}:
                 self.readers.setdefault(sid, []).append(n.index)
         self.saves: dict[int, list[Save]] = {}
-        for row in graph.meta.get("saved") or ():
+        autograd = graph.meta[AUTOGRAD]
+        for row in autograd["saved"]:
             s = Save.from_row(row)
             self.saves.setdefault(s.op, []).append(s)
         self.saved_by: dict[int, set[int]] = {}
@@ -86,10 +94,11 @@ class Facts:
                 self.saved_by.setdefault(s.view.storage, set()).add(op)
         self.spans: dict[int, list[tuple[int, int]]] = {}
         self.owner: dict[int, int] = {}  # backward op -> the forward op whose node ran it
-        for op, first, last in graph.meta.get("node_spans") or ():
+        for op, first, last in autograd["node_spans"]:
             self.spans.setdefault(op, []).append((first, last))
             self.owner.update(dict.fromkeys(range(first, last + 1), op))
-        self.let_go = dict(graph.meta.get("unreferenced") or ())
+        self.let_go = dict(autograd["unreferenced"])
+        self.block_inputs = {k: set(v) for k, v in autograd["block_inputs"].items()}
         self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
 
     def fwd_reads(self, sid: int) -> list[int]:
@@ -102,16 +111,16 @@ class Facts:
 def make_block(facts: Facts, name: str, policy: str) -> Block:
     """The block `name`'s forward range, saves, stop point and backward positions."""
     nodes = facts.graph.nodes
-    ops = [n.index for n in nodes[:facts.first_bwd]
-           if n.module == name or n.module.startswith(name + ".")]
-    if not ops:
+    if name not in facts.modules:
         raise GobrrrError(f"checkpoint: no forward op ran in module {name!r}; name a block "
                           f"from the graph's meta['blocks'] ({_listed(facts)})")
-    if ops[-1] - ops[0] + 1 != len(ops):
+    lo, hi, count = facts.modules[name]
+    ops = range(lo, hi + 1)
+    if hi - lo + 1 != count:
         raise GobrrrError(f"checkpoint: module {name!r} runs more than once in the forward "
                           "(or is interleaved with other modules); only blocks called once "
                           "can be checkpointed by this pass")
-    b = Block(name, policy, ops[0], ops[-1],
+    b = Block(name, policy, lo, hi,
               [s for i in ops for s in sorted(facts.saves.get(i, ()), key=lambda s: s.after)])
     if not b.saves:
         return b
@@ -159,8 +168,8 @@ def _end_of_apply(nodes, first: int, last: int) -> int:
 def python_death(facts: Facts, sid: int) -> int | None:
     """The forward op after which storage `sid` (made in the forward, saved for backward in
     the original graph) dies once nothing saves it: where the trace saw Python let go of it
-    (meta["unreferenced"]), except autocast's cast of a parameter, which autocast's cache
-    keeps to the end of the forward. None: Python held it into backward."""
+    (meta["autograd"]["unreferenced"]), except autocast's cast of a parameter, which
+    autocast's cache keeps to the end of the forward. None: Python held it into backward."""
     nodes = facts.graph.nodes
     made = nodes[facts.graph.storages[sid].created]
     if facts.autocast and made.name == "_to_copy" and made.inputs and \

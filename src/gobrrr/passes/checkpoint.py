@@ -18,16 +18,20 @@ apply_checkpointing` do, op for op:
   lets go of them. Each node then unpacks through the checkpoint's hook (a detach per saved
   tensor that requires grad) and reads the recomputed copies.
 
-What each op saved comes from the trace (meta["saved"], `gobrrr.capture.saved`); when a
-tensor would have died had nothing saved it is inferred from the module calls
-(`_blocks.python_death`): the one estimate in the pass.
+What autograd saved, when each node ran in backward, when Python let go of each saved tensor
+and what each block was called with come from the trace (meta["autograd"],
+`gobrrr.capture.saved`). The new graph describes the checkpointed step and no longer carries
+them (the pass applies to graphs traced without checkpointing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from collections.abc import Mapping
 
+from gobrrr.capture.saved import AUTOGRAD, AUTOGRAD_VERSION
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
@@ -41,13 +45,15 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
     _check(graph, policies)
     if not policies:
         return graph
-    facts = Facts(graph)
-    blocks = sorted((make_block(facts, n, p) for n, p in policies.items()), key=lambda b: b.lo)
-    for a, b in zip(blocks, blocks[1:], strict=False):
-        if b.lo <= a.hi:
-            raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one is "
-                              "inside the other); checkpoint one of them")
-    out = _Builder(facts, blocks).build()
+    with _no_gc():
+        facts = Facts(graph)
+        blocks = sorted((make_block(facts, n, p) for n, p in policies.items()),
+                        key=lambda b: b.lo)
+        for a, b in zip(blocks, blocks[1:], strict=False):
+            if b.lo <= a.hi:
+                raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one "
+                                  "is inside the other); checkpoint one of them")
+        out = _Builder(facts, blocks).build()
     meta = dict(out.meta, checkpoint=checkpoint_meta(policies, graph.meta.get("blocks") or []),
                 checkpointed_blocks=len(policies),
                 passes=[*graph.meta.get("passes", []),
@@ -55,18 +61,38 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
     return dataclasses.replace(out, meta=meta)
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """The pass makes tens of thousands of small objects and no reference cycles; Python's
+    cycle collector would walk the whole heap (the traced model's too) again and again, more
+    than doubling the time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
     for name, policy in policies.items():
         if policy not in POLICIES:
             raise GobrrrError(f"checkpoint: unknown policy {policy!r} for block {name!r}: "
                               f"choose {', '.join(POLICIES)}")
-    if not {"saved", "node_spans", "unreferenced", "blocks"} <= set(graph.meta):
-        raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
-                          "backward (meta['saved']); capture it again with this gobrrr")
     if graph.meta.get("checkpoint", "none") != "none" or any(
             n.phase == "recompute" for n in graph.nodes):
-        raise GobrrrError("checkpoint: the graph is already checkpointed; apply the pass to "
-                          "a graph traced with checkpoint='none'")
+        raise GobrrrError("checkpoint: the graph is already checkpointed (by gobrrr, or by the "
+                          "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
+                          "to a graph traced without checkpointing")
+    autograd = graph.meta.get(AUTOGRAD) or {}
+    if autograd.get("hooked"):
+        raise GobrrrError("checkpoint: the step saves tensors for backward through saved-tensor "
+                          "hooks (the model checkpoints or offloads itself); trace it without")
+    if autograd.get("version") != AUTOGRAD_VERSION or "blocks" not in graph.meta:
+        raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
+                          "backward (meta['autograd'] of this version); capture it again with "
+                          "this gobrrr")
 
 
 class _Builder:
@@ -83,6 +109,13 @@ class _Builder:
         self.remap: dict[int, tuple[int, Block]] = {}  # backward reads of sid -> copy
         self.dropped = self._dropped()
         self.rc: dict[int, int] = {}  # original op -> its recomputed copy's new index
+        self.syncs = set(self.g.meta.get("syncs") or ())
+        self.new_syncs: list[int] = []
+        self.kernel_clone = self._kernel_clones()
+        self.inside = {i for c in blocks for i in range(c.lo, c.hi + 1)}  # checkpointed ops
+        allocated = {sid for n in self.g.nodes for sid in n.allocs}
+        # tensors first seen as an op's input (constants made from host data), no allocation
+        self.constants = {s.id for s in self.g.storages if s.created >= 0} - allocated
 
     # -- emission ---------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -93,14 +126,16 @@ class _Builder:
             if b is not None and b.cached(n.index, n):
                 for t in n.outputs:  # the selective cache's detach of each output
                     self.last[n.index] = self._emit(DETACH, n.phase, n.module, (t,), (t,))
+        triggers, unpacks = {}, {}
+        for b in sorted(self.blocks, key=lambda b: -b.lo):
+            triggers.setdefault(b.trigger, []).append(b)
+            for op, at in sorted(b.place.items(), reverse=True):
+                unpacks.setdefault(at, []).append((b, op))
         for n in nodes[self.f.first_bwd:]:
-            for b in sorted((b for b in self.blocks if b.trigger == n.index),
-                            key=lambda b: -b.lo):
+            for b in triggers.get(n.index, ()):
                 self._recompute(b, n.module)
-            for b in self.blocks:
-                for op in sorted((op for op, at in b.place.items() if at == n.index),
-                                 reverse=True):
-                    self._unpack(b, op, n.module)
+            for b, op in unpacks.get(n.index, ()):
+                self._unpack(b, op, n.module)
             self._keep(n, backward=True)
         self._settle()
         return self._graph()
@@ -131,7 +166,7 @@ class _Builder:
         owner = self.f.owner.get(n.index)
         if owner is not None and not b.lo <= owner <= b.hi:
             return t  # a node outside the block saved the original and reads it
-        return dataclasses.replace(t, storage=copy)
+        return _on(t, copy)
 
     def _where(self, b: Block, module: str, trigger_module: str) -> tuple[str, str]:
         """Phase and module a recomputed op is recorded with."""
@@ -144,10 +179,16 @@ class _Builder:
         stop_op, stop_after = b.stop
         for i in range(b.lo, stop_op + 1):
             n = nodes[i]
-            if i in self.dropped:
+            if i in self.dropped or i + 1 in self.kernel_clone:
                 continue
             phase, module = self._where(b, n.module, trigger_module)
-            self._pack_detaches(b, i, False, phase, module, copies)
+            clone = nodes[i - 1] if i in self.kernel_clone else None
+            mine = set(clone.allocs) if clone else set()
+            self._pack_detaches(b, i, False, phase, module, copies, lambda s, m=mine: s not in m)
+            if clone is not None:  # in-place op i copies its input first, then saves the copy
+                self._recompute_op(clone, *self._where(b, clone.module, trigger_module), copies)
+                self.rc[clone.index] = len(self.nodes) - 1
+                self._pack_detaches(b, i, False, phase, module, copies, mine.__contains__)
             if i == stop_op and not stop_after:
                 break
             if b.cached(i, n):
@@ -162,22 +203,25 @@ class _Builder:
 
     def _recompute_op(self, n: OpNode, phase: str, module: str, copies: dict) -> None:
         index = len(self.nodes)
-        for sid in n.allocs:
-            src = self.g.storages[sid]
+        made = [(sid, index) for sid in n.allocs]  # and constants it reads, made anew each time
+        made += [(t.storage, index - 1) for t in n.inputs
+                 if t.storage in self.constants and t.storage not in copies]
+        for sid, created in made:
             copies[sid] = len(self.storages)
-            self.storages.append(StorageInfo(len(self.storages), src.nbytes, "temporary",
-                                             index, None, module=module))
-            self.created[copies[sid]] = index
-        ren = lambda t: dataclasses.replace(t, storage=copies.get(t.storage, t.storage))  # noqa: E731
+            self.storages.append(StorageInfo(len(self.storages), self.g.storages[sid].nbytes,
+                                             "temporary", created, None, module=module))
+            self.created[copies[sid]] = created
+        ren = lambda t: _on(t, copies[t.storage]) if t.storage in copies else t  # noqa: E731
+        if n.index in self.syncs:  # it reads a value again: the host waits again
+            self.new_syncs.append(index)
         self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
                    n.args, n.kwargs, tuple(copies[sid] for sid in n.allocs))
 
     def _pack_detaches(self, b: Block, i: int, after: bool, phase: str, module: str,
-                       copies: dict) -> None:
+                       copies: dict, which=lambda sid: True) -> None:
         for s in self.f.saves.get(i, ()):
-            if s.after == after and s.requires_grad:
-                t = dataclasses.replace(s.view, storage=copies.get(s.view.storage,
-                                                                   s.view.storage))
+            if s.after == after and s.requires_grad and which(s.view.storage):
+                t = _on(s.view, copies.get(s.view.storage, s.view.storage))
                 self._emit(DETACH, phase, module, (t,), (t,))
 
     def _unpack(self, b: Block, op: int, module: str) -> None:
@@ -186,8 +230,21 @@ class _Builder:
                 t = s.view
                 hit = self.remap.get(t.storage)
                 if hit is not None and hit[1] is b:
-                    t = dataclasses.replace(t, storage=hit[0])
+                    t = _on(t, hit[0])
                 self._emit(DETACH, "backward", module, (t,), (t,))
+
+    def _kernel_clones(self) -> set[int]:
+        """In-place ops whose autograd copies the input it saves (a `clone` just before the op,
+        saved by it): the copy is made after the op's other saves are packed."""
+        nodes, out = self.g.nodes, set()
+        for b in self.blocks:
+            for i in range(b.lo + 1, b.hi + 1):
+                prev = nodes[i - 1]
+                if prev.name == "clone" and nodes[i].name.endswith("_") and any(
+                        not s.after and s.view.storage in prev.allocs
+                        for s in self.f.saves.get(i, ())):
+                    out.add(i)
+        return out
 
     def _block_of(self, i: int) -> Block | None:
         return next((b for b in self.blocks if b.lo <= i <= b.hi), None)
@@ -232,9 +289,12 @@ class _Builder:
         """Saved tensors of the block die when Python lets go of them, or later where a node
         outside every checkpointed block saved them too (when that node is released), unless
         the selective cache keeps them."""
-        inside = {i for c in self.blocks for i in range(c.lo, c.hi + 1)}
+        inside = self.inside
         for sid in b.held - set(b.kept):
             death = python_death(self.f, sid)
+            made = self.g.storages[sid].created
+            if death is not None and made + 1 in self.kernel_clone:  # autograd's own copy
+                death = max(death, made + 1)  # never a Python tensor: gone after its op
             others = self.f.saved_by.get(sid, set()) - inside
             ends = [last for op in others for _, last in self.f.spans.get(op, ())]
             if death is None or len(ends) < len(others):
@@ -266,16 +326,19 @@ class _Builder:
         return b.last
 
     def _inputs(self, b: Block) -> None:
-        """The block's inputs stay alive until its last node is released (the checkpoint keeps
-        the arguments it recomputes from)."""
+        """The block's arguments stay alive until its last node is released (the checkpoint
+        keeps what it recomputes from): those the trace saw it called with, else the tensors
+        made before it that its ops read."""
         end = self._at(b.end)
-        for i in range(b.lo, b.hi + 1):
-            for t in self.g.nodes[i].inputs:
-                s = self.g.storages[t.storage]
-                if s.kind in ("activation", "temporary") and 0 <= s.created < b.lo:
-                    f = self.freed.get(s.id, self._at(s.freed))
-                    if f is not None and f < end:
-                        self.freed[s.id] = end
+        args = self.f.block_inputs.get(b.name)
+        if args is None:
+            args = {t.storage for i in range(b.lo, b.hi + 1) for t in self.g.nodes[i].inputs}
+        for sid in args:
+            s = self.g.storages[sid]
+            if s.kind in ("activation", "temporary") and 0 <= s.created < b.lo:
+                f = self.freed.get(sid, self._at(s.freed))
+                if f is not None and f < end:
+                    self.freed[sid] = end
 
     # -- assembly ----------------------------------------------------------------------------
     def _graph(self) -> StepGraph:
@@ -288,15 +351,21 @@ class _Builder:
             if kind in ("activation", "temporary"):
                 alive = 0 <= created < first_bwd and (freed is None or freed >= first_bwd)
                 kind = "activation" if alive else "temporary"
-            storages.append(dataclasses.replace(s, created=created, freed=freed, kind=kind))
+            storages.append(StorageInfo(s.id, s.nbytes, kind, created, freed, s.label, s.module))
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ())))
+        nodes = tuple(OpNode(n.index, n.op, n.phase, n.module, n.inputs, n.outputs, n.args,
+                             n.kwargs, n.allocs, tuple(frees.get(n.index, ())))
                       for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 
     def _meta(self) -> dict:
         meta = dict(self.g.meta)
-        meta["syncs"] = [self._at(i) for i in meta.get("syncs") or ()]
-        meta["saved"] = [[self.new[r[0]], *r[1:]] for r in meta.get("saved") or ()]
+        meta["syncs"] = sorted([self._at(i) for i in self.syncs] + self.new_syncs)
+        del meta[AUTOGRAD]  # what autograd did in the plain step
         return meta
+
+
+def _on(t: TensorInfo, storage: int) -> TensorInfo:
+    """The same view of another storage (dataclasses.replace is slow in this loop)."""
+    return TensorInfo(t.shape, t.stride, t.dtype, storage, t.offset)

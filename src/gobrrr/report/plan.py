@@ -46,16 +46,16 @@ def print_plan(r: PlanResult, top: int = 8) -> None:
 
 def print_verified(rows) -> None:
     """The plans as run on this GPU beside their predictions."""
-    t = _table("verified on this GPU: predicted / measured")
-    for name, just in (("what changes", "left"), ("step", "right"), ("peak", "right"),
-                       ("reserved", "right")):
+    t = _table("verified on this GPU: predicted, measured")
+    for name, just in (("what changes", "left"), ("step", "right"), ("", "right"),
+                       ("peak", "right"), ("", "right"), ("reserved", "right"), ("", "right")):
         t.add_column(name, justify=just)
     for v in rows:
         what = ", ".join(v.plan.changes) or "as given"
         if v.error:
-            t.add_row(what, Text(v.error, "red"), "", "")
+            t.add_row(what, Text(v.error, "red"), "", "", "", "", "")
             continue
-        t.add_row(what, f"{human_time(v.plan.step_s)} / {human_time(v.step_s)}",
-                  f"{gib(v.plan.peak_bytes)} / {gib(v.peak_allocated)}",
-                  f"{gib(v.plan.reserved_bytes)} / {gib(v.peak_reserved)}")
+        t.add_row(what, human_time(v.plan.step_s), human_time(v.step_s),
+                  gib(v.plan.peak_bytes), gib(v.peak_allocated),
+                  gib(v.plan.reserved_bytes), gib(v.peak_reserved))
     Console().print(t)

@@ -11,6 +11,7 @@ from gobrrr.capture import capture
 from gobrrr.cli import main
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import evaluate
+from gobrrr.fused_loss import use_fused_loss
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.blocks import BlockCosts, knapsack, scaled
@@ -125,7 +126,8 @@ def test_plan_fits_the_budget_and_ranks_by_throughput(planned):
     assert [p.units_per_s for p in fitting] == sorted((p.units_per_s for p in fitting),
                                                      reverse=True)
     assert all(not p.fits for p in r.plans[len(fitting):])
-    assert r.best.knobs.global_batch == 16 and r.traces <= 3
+    assert r.best.knobs.global_batch == 16
+    assert r.traces <= 6  # micro-batches 1, 2 and 4, with and without the fused loss
 
 
 def test_planned_knobs_match_a_fresh_trace_of_them(planned):
@@ -133,8 +135,14 @@ def test_planned_knobs_match_a_fresh_trace_of_them(planned):
     those knobs applied (checkpoint wrappers, accumulation): the same allocated peak."""
     p, r, _ = planned
     k = r.best.knobs
-    traced = capture(lambda: tiny_gpt2(batch_size=16), accumulation=k.accumulation,
-                     checkpoint=dict(k.checkpoint) or "none")
+
+    def make():
+        w = tiny_gpt2(batch_size=16)
+        if k.fused_loss:
+            use_fused_loss(w.model)
+        return w
+
+    traced = capture(make, accumulation=k.accumulation, checkpoint=dict(k.checkpoint) or "none")
     fresh = evaluate(traced, p.target)
     assert r.best.peak_bytes == pytest.approx(fresh.memory.peak, rel=0.002)
     assert r.best.step_s == pytest.approx(fresh.time.step_s, rel=0.10)
@@ -183,7 +191,36 @@ def test_a_model_without_repeated_blocks_says_what_was_tried():
 
     r = plan(single, "h100", global_batch=4)
     assert r.blocks == 0 and any("micro-batch and accumulation only" in n for n in r.notes)
-    assert all(not p.knobs.checkpoint for p in r.plans)
+    assert any(n.startswith("fused linear + cross-entropy not planned") for n in r.notes)
+    assert all(not p.knobs.checkpoint and not p.knobs.fused_loss for p in r.plans)
+
+
+def test_the_fused_loss_variant_has_no_logits(planned):
+    """Traced as CUDA runs it: gobrrr's kernel op, and no (tokens, vocab) tensor anywhere."""
+    p, _, _ = planned
+    plain = p.search.graph(Knobs(micro_batch=2, accumulation=8))
+    fused = p.search.graph(Knobs(micro_batch=2, accumulation=8, fused_loss=True))
+    vocab = 512
+
+    def logits(g):
+        return [n.op for n in g.nodes for t in n.outputs if t.shape and t.shape[-1] == vocab
+                and len(t.shape) >= 2 and t.numel >= 2 * 64 * vocab]
+
+    assert logits(plain) and not logits(fused)
+    assert any(n.op == "gobrrr.linear_cross_entropy.default" for n in fused.nodes)
+    assert p.cost(Knobs(micro_batch=2, accumulation=8, fused_loss=True)).peak_bytes < \
+        p.cost(Knobs(micro_batch=2, accumulation=8)).peak_bytes
+
+
+def test_bf16_states_are_planned_only_when_allowed():
+    r = plan(tiny_gpt2, "h100", global_batch=4, seq=64, allow=["bf16-states"])
+    states = {p.knobs.optimizer_states for p in r.plans}
+    assert states == {"as-is", "bf16"}
+    assert {p.knobs.optimizer_states for p in plan(tiny_gpt2, "h100", global_batch=4,
+                                                    seq=64).plans} == {"as-is"}
+    a = next(p for p in r.plans if p.knobs == Knobs(micro_batch=4))
+    b = next(p for p in r.plans if p.knobs == Knobs(micro_batch=4, optimizer_states="bf16"))
+    assert b.peak_bytes < a.peak_bytes
 
 
 def test_plan_json_round_trips_its_knobs(planned):

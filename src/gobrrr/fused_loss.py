@@ -13,9 +13,12 @@ without a loss (inference) stay as they were.
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import functools
 import inspect
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,7 +44,23 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                            ignore_index=ignore_index, reduction=reduction)
 
 
+_AS_ON_CUDA = contextvars.ContextVar("gobrrr_fused_loss_as_on_cuda", default=False)
+
+
+@contextlib.contextmanager
+def as_on_cuda() -> Iterator[None]:
+    """Within: the loss takes the kernel's path whatever the device (gobrrr.capture traces
+    the step as CUDA runs it, on fake CPU tensors; the kernel's op has a fake kernel)."""
+    token = _AS_ON_CUDA.set(True)
+    try:
+        yield
+    finally:
+        _AS_ON_CUDA.reset(token)
+
+
 def _kernel_runs(device: torch.device) -> bool:
+    if _AS_ON_CUDA.get():
+        return True
     from gobrrr.kernels._util import is_interpreter, triton
 
     return triton is not None and (device.type == "cuda" or (device.type == "cpu"

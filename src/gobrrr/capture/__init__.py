@@ -28,6 +28,7 @@ from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.capture.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
+from gobrrr.fused_loss import as_on_cuda
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.step import TrainStep, make_scaler
@@ -315,7 +316,7 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     values = assume.Values()
-    with mode, assume.ValueMode(values), rules, cuda_dropout(), \
+    with mode, assume.ValueMode(values), rules, cuda_dropout(), as_on_cuda(), \
             cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode, values), precision)
         names = block_names(w.model)

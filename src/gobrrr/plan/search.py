@@ -14,6 +14,7 @@ activation bytes the budget asks for, then checked by evaluating the pass it cho
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,7 +41,12 @@ MARGIN = 0.0
 
 #: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
 #: the step's forward and backward).
-ALLOW: tuple[str, ...] = ()
+ALLOW: tuple[str, ...] = ("bf16-states",)
+
+#: A variant of the step that is traced apart (it changes the forward or the optimizer's
+#: ops, not only what is kept): (fused loss, optimizer states).
+Variant = tuple[bool, str]
+BASE: Variant = (False, "as-is")
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,33 @@ class Planner:
                             margin)
         if memory_budget is not None:
             _check_state_budget(self.tracer.parameter_bytes(), self.req)
-        self.at = _graphs(self.tracer, self.req.global_batch)
-        self.base = self.at(1 if self.req.global_batch == 1 else 2)
-        self.search = _Search(self.req, self.target, self.at,
-                              list(self.base.meta.get("blocks") or ()))
+        self.steps = _Steps(lambda fused, states: Tracer(
+            source, seq=seq, precision=precision, target=self.target, fused_loss=fused,
+            states=states), self.req.global_batch, self.tracer)
+        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
+        notes: list[str] = []
+        variants = [BASE, *self._variants(notes)]
+        self.search = _Search(self.req, self.target, self.steps,
+                              list(self.base.meta.get("blocks") or ()), variants)
+        self.search.notes.extend(notes)
+
+    def _variants(self, notes: list[str]) -> list[Variant]:
+        """The variants worth tracing: the fused loss where the model takes it, bf16
+        optimizer states where allowed; none whose parameters, gradients and optimizer
+        states alone exceed the budget."""
+        refusal = self.tracer.fused_loss_refusal()
+        if refusal:
+            notes.append(f"fused linear + cross-entropy not planned: {refusal}")
+        states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
+        out = [(fused, st) for st in states for fused in (False, True)
+               if (fused, st) != BASE and (not fused or not refusal)]
+        kept = [v for v in out if _persistent(self.base, v[1]) <= self.req.usable]
+        if len(kept) < len(out) or _persistent(self.base, "as-is") > self.req.usable:
+            gib = 2**30
+            notes.append(f"parameters, gradients and optimizer states alone need "
+                         f"{_persistent(self.base, 'as-is') / gib:.1f} GiB of the "
+                         f"{self.req.usable / gib:.1f} GiB budget")
+        return kept
 
     @property
     def blocks(self) -> list[str]:
@@ -119,7 +148,7 @@ class Planner:
                           precision=self.precision, global_batch=self.req.global_batch,
                           budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
                           plans=tuple(ranked), considered=self.search.evaluated,
-                          traces=self.tracer.traces, took_s=time.perf_counter() - self.t0,
+                          traces=self.steps.traces, took_s=time.perf_counter() - self.t0,
                           notes=tuple(self.search.notes))
 
 
@@ -142,6 +171,37 @@ def _request(tracer, target: Target, global_batch: int | None, memory_budget: in
     if not 0 <= margin < 1:
         raise GobrrrError(f"--margin must be a fraction of the budget in [0, 1), got {margin}")
     return Request(g, cap, allowed, margin)
+
+
+class _Steps:
+    """The step's graph for each variant and micro-batch; a variant is traced when first
+    asked for (`tracer` serves the base variant)."""
+
+    def __init__(self, make_tracer, global_batch: int, tracer) -> None:
+        self.make_tracer, self.global_batch = make_tracer, global_batch
+        self.tracers = {BASE: tracer}
+        self._at: dict[Variant, Callable[[int], StepGraph]] = {}
+
+    def at(self, variant: Variant, micro_batch: int) -> StepGraph:
+        if variant not in self._at:
+            tracer = self.tracers.setdefault(variant, self.make_tracer(*variant))
+            self._at[variant] = _graphs(tracer, self.global_batch)
+        return self._at[variant](micro_batch)
+
+    @property
+    def traces(self) -> int:
+        return sum(t.traces for t in self.tracers.values())
+
+
+def _persistent(g: StepGraph, states: str) -> int:
+    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved)."""
+    by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
+    for s in g.storages:
+        if s.kind in by:
+            by[s.kind] += s.nbytes
+    if states == "bf16":
+        by["optimizer_state"] //= 2
+    return sum(by.values())
 
 
 def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
@@ -175,9 +235,10 @@ def divisors(n: int) -> list[int]:
 class _Search:
     """Costs the candidates at each micro-batch (smallest first)."""
 
-    def __init__(self, req: Request, target: Target, at: Callable[[int], StepGraph],
-                 blocks: list[str]) -> None:
-        self.req, self.target, self.at, self.blocks = req, target, at, blocks
+    def __init__(self, req: Request, target: Target, steps: _Steps, blocks: list[str],
+                 variants: list[Variant]) -> None:
+        self.req, self.target, self.steps, self.blocks = req, target, steps, blocks
+        self.variants = variants
         self.evaluated = 0
         self.notes: list[str] = []
         self._user: Plan | None = None
@@ -188,11 +249,12 @@ class _Search:
             self.notes.append("no repeated blocks (an nn.ModuleList or nn.Sequential of "
                               "modules of one class) to checkpoint: planned micro-batch and "
                               "accumulation only")
-        for m in divisors(self.req.global_batch):
-            plans = self.at_micro_batch(m)
-            out.extend(plans)
-            if not any(p.fits for p in plans):
-                break  # a larger micro-batch needs more memory still
+        for v in self.variants:
+            for m in divisors(self.req.global_batch):
+                plans = self.at_micro_batch(m, v)
+                out.extend(plans)
+                if not any(p.fits for p in plans):
+                    break  # a larger micro-batch needs more memory still
         return out
 
     def user(self) -> Plan:
@@ -200,30 +262,30 @@ class _Search:
             self._user = self.cost(Knobs(micro_batch=self.req.global_batch))
         return self._user
 
-    def at_micro_batch(self, m: int) -> list[Plan]:
+    def at_micro_batch(self, m: int, v: Variant = BASE) -> list[Plan]:
         n = self.req.global_batch // m
-        plain = self.cost(Knobs(micro_batch=m, accumulation=n))
-        if m == self.req.global_batch:
+        knobs = functools.partial(Knobs, micro_batch=m, accumulation=n, fused_loss=v[0],
+                                  optimizer_states=v[1])
+        plain = self.cost(knobs())
+        if m == self.req.global_batch and v == BASE:
             self._user = plain
         if plain.fits or not self.blocks:
             return [plain]
         policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
                     every_kth(self.blocks, 2)]
-        plans = [plain] + [self.cost(Knobs(micro_batch=m, accumulation=n, checkpoint=c))
-                           for c in policies]
+        plans = [plain] + [self.cost(knobs(checkpoint=c)) for c in policies]
         sel, full = plans[1], plans[2]
         if full.fits:
-            plans.extend(self.budget_optimal(m, n, plain, sel, full))
+            plans.extend(self.budget_optimal(knobs, plain, sel, full))
         return plans
 
-    def budget_optimal(self, m: int, n: int, plain: Plan, sel: Plan, full: Plan
-                       ) -> list[Plan]:
+    def budget_optimal(self, knobs, plain: Plan, sel: Plan, full: Plan) -> list[Plan]:
         """The mix of policies that saves just enough memory at the least recompute time,
         checked by evaluating it. The per-block savings and recompute times are the graph's
         (`block_costs`), scaled per policy so their sums are what checkpointing every block
         with it measured (`sel`, `full`); the saving asked for grows by what was still
         missing, a few times at most."""
-        g = self.at(m)
+        g = self.graph(knobs())
         costs = scaled(block_costs(g, evaluate(g, self.target).time, self.blocks),
                        {"selective": (plain.reserved_bytes - sel.reserved_bytes,
                                       sel.step_s - plain.step_s),
@@ -235,15 +297,19 @@ class _Search:
             choice = knapsack(costs, need)
             if choice is None:
                 break
-            p = self.cost(Knobs(micro_batch=m, accumulation=n, checkpoint=choice))
+            p = self.cost(knobs(checkpoint=choice))
             out.append(p)
             if p.fits:
                 break
             need += p.reserved_bytes - self.req.usable + self.req.budget // 200
         return out
 
+    def graph(self, knobs: Knobs) -> StepGraph:
+        """The graph of knobs' variant at knobs' micro-batch (before checkpointing)."""
+        return self.steps.at((knobs.fused_loss, knobs.optimizer_states), knobs.micro_batch)
+
     def cost(self, knobs: Knobs) -> Plan:
-        g = self.at(knobs.micro_batch)
+        g = self.graph(knobs)
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
@@ -277,6 +343,10 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     out = []
     if knobs.micro_batch != global_batch:
         out.append(f"micro-batch {knobs.micro_batch}, accumulate {knobs.accumulation}")
+    if knobs.fused_loss:
+        out.append("fused linear + cross-entropy")
+    if knobs.optimizer_states != "as-is":
+        out.append(f"optimizer states in {knobs.optimizer_states}")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

@@ -11,7 +11,9 @@ from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
 from gobrrr.evaluate import Target
+from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
+from gobrrr.optim import states_optimizer
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 
@@ -25,8 +27,9 @@ class Tracer:
     """
 
     def __init__(self, source: Any, *, seq: int | None, precision: str,
-                 target: Target) -> None:
+                 target: Target, fused_loss: bool = False, states: str = "as-is") -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
+        self.fused_loss, self.states = fused_loss, states
         self.traces = 0
         self._fixed: int | None = None
 
@@ -49,7 +52,7 @@ class Tracer:
         return _batch_size(a) == 1 and _batch_size(b) == 2
 
     def __call__(self, micro_batch: int) -> StepGraph:
-        make = self._maker(micro_batch)
+        make = self._variant(self._maker(micro_batch))
         self.traces += 1
         return capture(make, precision=self.precision,
                        sdpa=target_for(self.target.gpu.full_name))
@@ -66,6 +69,34 @@ class Tracer:
                 "a function that takes batch_size (see README, `plan`)")
         inner = workload_factory(self.source, None, self.seq)
         return lambda: _cut(inner(), m)
+
+
+    def _variant(self, make):
+        """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
+        and loss, the optimizer keeping its states as planned."""
+        if not self.fused_loss and self.states == "as-is":
+            return make
+
+        def build() -> Workload:
+            w = make()
+            if self.fused_loss:
+                use_fused_loss(w.model)
+            if self.states != "as-is":
+                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+                w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
+            return w
+
+        return build
+
+    def fused_loss_refusal(self) -> str | None:
+        """Why the fused loss does not apply to this model (None: it does)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        try:
+            use_fused_loss(w.model)
+        except GobrrrError as e:
+            return str(e)
+        return None
 
 
 def _batch_size(w: Workload) -> int:

@@ -29,10 +29,12 @@ from gobrrr.cost.shapes import (
     depthwise,
     depthwise_class,
     gemm_dims,
+    host_key,
     layout_bytes,
     misaligned,
     misaligned_nt,
     outer_sum_columns,
+    selective_modules,
     wave_efficiency,
 )
 from gobrrr.graph import OpNode, StepGraph
@@ -267,7 +269,11 @@ class Rates:
         if self.cal and op in self.cal.kernel_host:
             return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
-        key = "forward" if phase in CHECKPOINT_PHASES and phase not in per_op else phase
+        key = phase
+        if key.endswith("_selective") and key not in per_op:  # not measured: as full
+            key = key.removesuffix("_selective")
+        if key in CHECKPOINT_PHASES and key not in per_op:
+            key = "forward"
         if key in per_op:
             extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
             return per_op[key] + self.launch * max(launches - 1, 0) + extra
@@ -364,9 +370,8 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     tf32 = tf32_of(graph.meta)
     rates = Rates(gpu, calibration)
     costs = [op_cost(n, tf32) for n in graph.nodes]
-    under = checkpointed_modules(graph)
-    ops = tuple(time_op(n, c, rates, host_phase="checkpointed" if n.phase == "forward" and
-                        n.module in under else None)
+    under, selective = checkpointed_modules(graph), selective_modules(graph)
+    ops = tuple(time_op(n, c, rates, host_phase=host_key(n, under, selective))
                 for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)

@@ -342,6 +342,8 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):
             rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node), alignment(node))
+        elif cost.kind == "loss" and cost.math != "fp32":
+            rate *= fused_loss_fraction(node, cost, rates)
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
@@ -361,6 +363,28 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     intensity = cost.flops / cost.bytes if cost.bytes else math.inf
     return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                   cost.flops, cost.bytes, intensity, compute, memory, device, host, regime)
+
+
+def fused_loss_fraction(node: OpNode, cost: OpCost, rates: Rates) -> float:
+    """The fused linear + cross-entropy's achieved share of the aligned matmul rate. Its
+    cuBLAS matmuls work on (chunk, V) logits chunks: with a vocabulary whose width in bytes is
+    not a multiple of 16 (GPT-2's 50257) they take the misaligned paths, the forward's
+    `h @ W.T` the transposed-weight one (`nt`), the gradients' the others. Their FLOPs are
+    weighed by those paths' calibrated fractions (see Rates.misaligned_fraction)."""
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    if weight is None or not weight.shape:
+        return 1.0
+    vocab, itemsize = weight.shape[0], 2 if cost.math in ("bf16", "fp16") else 4
+    align = math.gcd(vocab * itemsize, 16)
+    if align >= 16:
+        return 1.0
+    d = weight.shape[-1]
+    n = node.inputs[0].numel // max(d, 1)
+    fwd = 2.0 * n * d * vocab
+    grads = max(cost.flops - fwd, 0.0)  # the gradient matmuls (and the few vector ops)
+    f_nt = rates.misaligned_fraction(cost.math, True, align)
+    f = rates.misaligned_fraction(cost.math, False, align)
+    return cost.flops / (fwd / f_nt + grads / f)
 
 
 def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,

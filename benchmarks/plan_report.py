@@ -44,7 +44,8 @@ def rows() -> list[dict]:
                                        if e["role"] == "plan#1"), None),
                 "worst_tput": max(errs, key=lambda e: abs(e["throughput_error"])),
                 "worst_peak": max(errs, key=lambda e: abs(e["peak_error"])),
-                "ran": len({tuple(e["changes"]) for e in errs}), "fit_but_oom": len(s["predicted_fit_but_oom"]),
+                "ran": len({tuple(e["changes"]) for e in errs}),
+                "fit_but_oom": len(s["predicted_fit_but_oom"]),
                 "device": data["environment"].get("device"),
             })
     return out

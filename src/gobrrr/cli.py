@@ -281,7 +281,8 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
                    help="share of the budget to leave free, e.g. 0.05 (default 0: the "
                    "predicted reserved peak may take the whole budget)")
     p.add_argument("--allow", type=lambda s: [a for a in s.split(",") if a], default=[],
-                   metavar="A,B", help="knobs beyond the user's numerics")
+                   metavar="A,B", help="knobs that change the numerics, allowed to the plan: "
+                   "bf16-states (the optimizer's moments in bf16)")
     p.add_argument("--no-calibration", action="store_true",
                    help="use datasheet peaks even if a calibration exists")
     p.add_argument("--top", type=positive_int, default=8, metavar="N",

@@ -140,15 +140,15 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
 
 def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | None) -> dict:
     """gobrrr's prediction from the datasheet, and from the calibration when one is given."""
-    from gobrrr.cost.roofline import predict
-    from gobrrr.estimate import predict_memory
+    from gobrrr.evaluate import Target, evaluate
 
     est = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
                    checkpoint=checkpoint, calibration=False, compile=compile_)
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:
-        out.update(peak_calibrated=predict_memory(est.graph, est.gpu, cal).peak,
-                   step_s_calibrated=predict(est.graph, est.gpu, cal, compile_).step_s)
+        calibrated = evaluate(est.graph, Target(est.gpu, cal), compiled=compile_)
+        out.update(peak_calibrated=calibrated.memory.peak,
+                   step_s_calibrated=calibrated.time.step_s)
     return out
 
 

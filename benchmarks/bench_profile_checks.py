@@ -112,8 +112,8 @@ def check_gpt2_fp32(args) -> dict:
 
 def check_gpt2_compare(args) -> dict:
     from gobrrr.capture import capture
-    from gobrrr.cost.roofline import predict
-    from gobrrr.hardware import find_calibration, get_gpu
+    from gobrrr.evaluate import evaluate
+    from gobrrr.hardware import get_gpu
     from gobrrr.profile import compare
 
     make = lambda: get_workload("gpt2", batch_size=8, seq_len=1024)
@@ -121,7 +121,7 @@ def check_gpt2_compare(args) -> dict:
     r = profile(make(), args.device, "bf16-mixed", steps=10, warmup=3, graph=graph)
     _free()
     gpu = get_gpu(r.gpu or "h100")
-    c = compare(predict(graph, gpu, find_calibration(gpu)), r)
+    c = compare(evaluate(graph, gpu).time, r)
     top = sorted(r.ops, key=lambda o: -o.device_s)[:20]
     return dict(summary=_summary(r), compare=c.to_dict(),
                 top_ops=_ops(r, lambda o: o in top), modules=[asdict(g) for g in r.modules])

@@ -46,7 +46,9 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
             # host speed differs between machines: keep the file's own per-op costs and add
             # the checkpointed phases' at their ratios to the forward's measured here
             here = measured.pop("op_overhead")
-            ratios = {k: here[k] / here["forward"] for k in ("recompute", "checkpointed")}
+            ratios = {k: here[k] / here["forward"] for k in (
+                "recompute", "checkpointed", "recompute_selective", "checkpointed_selective")
+                if k in here}
             measured["op_overhead"] = {**cal.op_overhead, **{
                 k: cal.op_overhead["forward"] * r for k, r in ratios.items()}}
             meta["checkpoint_overhead"] = {**meta["checkpoint_overhead"], "measured": here,

@@ -14,8 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
-from gobrrr.cost.roofline import predict
-from gobrrr.estimate import estimate, predict_memory
+from gobrrr.estimate import estimate
+from gobrrr.evaluate import Target, evaluate
 from gobrrr.hardware import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +38,10 @@ def rows() -> list[dict]:
             + f" {c['precision']}" + (" ckpt" if c["checkpoint"] == "full" else "")
             + (" compile" if c["compile"] else ""),
             "compile": c["compile"], "peak": m["peak_allocated"], "step": m["step_s"],
-            "pred_peak": predict_memory(est.graph, est.gpu, cal).peak,
+            "pred_peak": (cal_est := evaluate(est.graph, Target(est.gpu, cal),
+                                              compiled=c["compile"])).memory.peak,
             "pred_step_sheet": est.time.step_s,
-            "pred_step_cal": predict(est.graph, est.gpu, cal, compiled=c["compile"]).step_s,
+            "pred_step_cal": cal_est.time.step_s,
             "re_step": c.get("runtime_estimator_s"),
             "re_error": c.get("runtime_estimator_s_error"),
         })

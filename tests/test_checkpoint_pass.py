@@ -25,8 +25,9 @@ from torch import nn
 from gobrrr.capture import capture
 from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
-from gobrrr.estimate import predict_memory, saved_activations
+from gobrrr.evaluate import saved_activations
 from gobrrr.hardware import find_calibration, get_gpu
+from gobrrr.memory import step_memory
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.checkpoint import checkpoint
 from gobrrr.transforms import (
@@ -136,7 +137,7 @@ def test_pass_is_the_step_traced_with_checkpointing(model, policy):
     assert same_step(fresh, passed) == []
     gpu = get_gpu("h100")
     cal = find_calibration(gpu)
-    m_fresh, m_pass = predict_memory(fresh, gpu, cal), predict_memory(passed, gpu, cal)
+    m_fresh, m_pass = step_memory(fresh, gpu, cal), step_memory(passed, gpu, cal)
     assert (m_pass.peak, m_pass.reserved) == (m_fresh.peak, m_fresh.reserved)
     assert saved_activations(passed) == saved_activations(fresh) < saved_activations(g0)
     t_fresh, t_pass = predict(fresh, gpu, cal).step_s, predict(passed, gpu, cal).step_s

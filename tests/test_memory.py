@@ -87,7 +87,7 @@ def test_adamw_states_are_two_param_copies_and_step_counters_live_on_host():
 
 
 def test_checkpointing_saves_only_block_inputs():
-    from gobrrr.estimate import saved_activations
+    from gobrrr.evaluate import saved_activations
     from gobrrr.models.registry import get_workload
 
     wl = lambda: get_workload("gpt2", batch_size=2, seq_len=64, n_layer=4, vocab_size=128)
@@ -230,15 +230,14 @@ def test_scratch_allocations_take_segments_while_the_op_runs():
 def test_a_step_whose_allocated_peak_fits_can_still_run_out_of_reserved_memory():
     import dataclasses
 
-    from gobrrr.estimate import predict_memory
     from gobrrr.hardware import get_gpu
-    from gobrrr.memory import CUDA_CONTEXT_BYTES, process_budget
+    from gobrrr.memory import CUDA_CONTEXT_BYTES, process_budget, step_memory
 
     # a GPU leaving 50 MiB to the allocator: the 48 MiB allocated peak would fit, the 60 MiB
     # the allocator reserves does not
     gpu = dataclasses.replace(get_gpu("h100"), memory_bytes=CUDA_CONTEXT_BYTES + 50 * MiB)
     assert process_budget(gpu) == 50 * MiB
-    m = predict_memory(_lazy_state_graph(), gpu, None)
+    m = step_memory(_lazy_state_graph(), gpu, None)
     assert m.peak == 48 * MiB and m.budget == 50 * MiB
     assert m.peak <= m.budget and not m.fits() and m.oom_index == 0
     assert m.fits(60 * MiB)  # what the allocator would need

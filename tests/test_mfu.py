@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost.roofline import model_flops, model_flops_6n, predict
-from gobrrr.estimate import checkpointing, throughput_unit
+from gobrrr.evaluate import checkpointing, throughput_unit
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import get_workload
 

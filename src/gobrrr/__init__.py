@@ -9,8 +9,13 @@ Measuring on a GPU: `gobrrr.profile.profile`, `gobrrr.profile.calibrate`.
 
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import Estimate, estimate
+from gobrrr.evaluate import Target, evaluate
+from gobrrr.plan.apply import apply
+from gobrrr.plan.knobs import Knobs
+from gobrrr.plan.search import plan
 from gobrrr.workload import Workload
 
 __version__ = "0.1.0"
 
-__all__ = ["Estimate", "GobrrrError", "Workload", "__version__", "estimate"]
+__all__ = ["Estimate", "GobrrrError", "Knobs", "Target", "Workload", "__version__", "apply",
+           "estimate", "evaluate", "plan"]

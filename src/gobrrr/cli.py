@@ -27,6 +27,11 @@ EXAMPLES = {
   gobrrr estimate --model llama3-8b --gpu h100 --batch 1 --seq 4096 --precision bf16-mixed
   gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
   gobrrr estimate --model convnet --gpu mygpu.toml --top 30""",
+    "plan": """examples:
+  gobrrr plan --model gpt2 --global-batch 64 --seq 1024
+  gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096
+  gobrrr plan --model llama3-1b --gpu a100-80gb --global-batch 32 --seq 8192 \\
+              --memory-budget 70GiB --json""",
     "gpus": """examples:
   gobrrr gpus
   gobrrr gpus --json""",
@@ -77,6 +82,25 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number (e.g. 8), got {value}")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size in bytes, e.g. 70GiB, 75GB, 8e10."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 70GiB, 75GB or 80000000000, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
 
 
 def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
@@ -130,6 +154,36 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from gobrrr.plan.search import plan
+
+    result = plan(workload_spec(args), args.gpu, global_batch=args.global_batch, seq=args.seq,
+                  precision=args.precision, memory_budget=args.memory_budget,
+                  allow=args.allow, margin=args.margin,
+                  calibration=not args.no_calibration)
+    verified = _verify(args, result) if args.verify else None
+    if args.json:
+        extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
+        print(json.dumps({**result.to_dict(top=args.top), **extra,
+                          "warnings": args.warnings}, indent=2))
+    else:
+        from gobrrr.report.plan import print_plan, print_verified
+
+        print_plan(result, top=args.top)
+        if verified is not None:
+            print_verified(verified)
+    return 0 if result.best is not None else 1
+
+
+def _verify(args: argparse.Namespace, result) -> list:
+    from gobrrr.estimate import workload_factory
+    from gobrrr.plan.verify import verify
+
+    fitting = [p for p in result.plans if p.fits][:args.verify]
+    make = lambda g: workload_factory(workload_spec(args), g, args.seq)()  # noqa: E731
+    return verify(make, fitting, args.precision)
+
+
 def _gpus(args: argparse.Namespace) -> int:
     from gobrrr.hardware import BUILTIN_GPUS
 
@@ -180,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_estimate)
 
+    _add_plan_parser(sub, fmt, model_names())
+
     p = sub.add_parser("gpus", help="list the built-in GPUs", epilog=EXAMPLES["gpus"],
                        formatter_class=fmt)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -199,6 +255,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_profile_commands(sub)
     return parser
+
+
+def _add_plan_parser(sub, fmt, models: list[str]) -> None:
+    from gobrrr.precision import PRECISIONS
+
+    p = sub.add_parser("plan", help="find the fastest configuration that fits the GPU",
+                       epilog=EXAMPLES["plan"] + "\n\nbuilt-in models: " + ", ".join(models),
+                       formatter_class=fmt)
+    p.add_argument("workload", nargs="?", help="path/to/file.py:function returning a "
+                   "gobrrr.Workload (or use --model)")
+    p.add_argument("--model", help="a built-in model (listed below)")
+    p.add_argument("--global-batch", type=positive_int, metavar="N",
+                   help="samples (sequences or images) per optimizer step (default: the "
+                   "workload's batch)")
+    p.add_argument("--seq", type=positive_int, help="sequence length passed to the workload")
+    p.add_argument("--precision", default="bf16-mixed", type=one_of("precision", PRECISIONS),
+                   help=PRECISION_HELP + "; the plan keeps it")
+    p.add_argument("--gpu", default="h100", help="target GPU name (see `gobrrr gpus`) or a "
+                   ".toml/.json spec file (default h100)")
+    p.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
+                   help="most memory the step may reserve, e.g. 70GiB (default: what CUDA "
+                   "leaves the process on the GPU)")
+    p.add_argument("--margin", type=float, default=0.0, metavar="F",
+                   help="share of the budget to leave free, e.g. 0.05 (default 0: the "
+                   "predicted reserved peak may take the whole budget)")
+    p.add_argument("--allow", type=lambda s: [a for a in s.split(",") if a], default=[],
+                   metavar="A,B", help="knobs that change the numerics, allowed to the plan: "
+                   "bf16-states (the optimizer's moments in bf16)")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="use datasheet peaks even if a calibration exists")
+    p.add_argument("--top", type=positive_int, default=8, metavar="N",
+                   help="plans shown (default 8)")
+    p.add_argument("--verify", type=positive_int, nargs="?", const=3, metavar="K",
+                   help="on a GPU: apply the best K plans (default 3) and measure each beside "
+                   "its prediction")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_plan)
 
 
 def _add_profile_commands(sub) -> None:

@@ -38,7 +38,7 @@ def check_args(args: argparse.Namespace) -> None:
             if value < least:
                 raise GobrrrError(f"{flag} {value} is too few", hint="give a positive whole "
                                   "number" if least else "give 0 or more")
-    if args.command in ("estimate", "profile"):
+    if args.command in ("estimate", "profile", "plan"):
         spec = _spec(args)
         if spec is not None:
             check_unused(spec, getattr(args, "batch", None), getattr(args, "seq", None))

@@ -145,6 +145,21 @@ class StepGraph:
     def phase_nodes(self, phase: str) -> list[OpNode]:
         return [n for n in self.nodes if n.phase == phase]
 
+    @property
+    def repeat(self) -> tuple[int, int, int] | None:
+        """(start, end, times): nodes[start:end] stand for `times` identical runs of
+        themselves (the later micro-batches of an accumulated step; `passes.accumulate`),
+        or None. Memory needs them once; time and FLOPs count them `times` times."""
+        r = self.meta.get("repeat")
+        return (int(r["start"]), int(r["end"]), int(r["times"])) if r else None
+
+    def weights(self) -> list[int]:
+        """How many times each node runs in the step (see `repeat`)."""
+        w = [1] * len(self.nodes)
+        if (r := self.repeat) is not None:
+            w[r[0]:r[1]] = [r[2]] * (r[1] - r[0])
+        return w
+
     # -- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

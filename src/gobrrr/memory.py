@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gobrrr.cost import attention_scratch, conv
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
@@ -297,3 +298,35 @@ def module_rollup(by_module: dict[str, int], depth: int = 2) -> dict[str, int]:
     for name, b in by_module.items():
         out[".".join(name.split(".")[:depth])] += b
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+_MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
+
+
+def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
+    """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
+    convolutions and attention kernels allocate inside themselves (their sizes per op come
+    from `cost.conv` and `cost.attention_scratch`), replayed through the caching allocator
+    against the memory CUDA leaves the process."""
+    return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
+                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph),
+                    budget=process_budget(gpu, cal))
+
+
+def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:
+    """Bytes the BLAS handles keep allocated once the step has run (`blas_workspaces`)."""
+    return sum(blas_workspaces(graph, gpu, cal))
+
+
+def blas_workspaces(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> tuple[int, ...]:
+    """The BLAS workspaces the step leaves allocated, one allocation each, in bytes. cuBLAS
+    keeps one workspace per handle, and handles are per thread: the main thread's (forward,
+    optimizer) and the autograd engine's (backward, recompute) each get one once they run a
+    matmul. cuBLASLt adds its own after an addmm (a Linear with a bias takes the Lt path)."""
+    blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
+    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
+        gpu.blaslt_workspace
+    main = {n.name for n in graph.nodes if n.phase in ("forward", "optimizer")}
+    engine = {n.name for n in graph.nodes if n.phase in ("backward", "recompute")}
+    return tuple(b for b, used in ((blas, main & _MATMULS), (blas, engine & _MATMULS),
+                                   (lt, "addmm" in main | engine)) if used and b)

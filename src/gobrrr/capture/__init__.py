@@ -28,8 +28,10 @@ from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.capture.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
+from gobrrr.fused_loss import as_on_cuda
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
+from gobrrr.step import TrainStep, make_scaler
 from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
@@ -220,57 +222,48 @@ def _cuda_optimizer_defaults(opt: torch.optim.Optimizer) -> None:
             g["foreach"] = True
 
 
-class _Step:
-    """One training step, the same code for the warm-up and the recorded step."""
+class _Step(TrainStep):
+    """The traced step: gobrrr.step.TrainStep on fake tensors, autocast on the CPU under
+    CUDA's rules, the loss freed after backward as in a real step; the same code for the
+    warm-up and the recorded step. Two differences, both for the trace: the phases set the
+    driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its
+    value read (see optimizer_step)."""
 
-    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None) -> None:
-        self.w = w
-        self.precision = precision
+    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None,
+                 accumulation: int = 1) -> None:
+        opt = w.make_optimizer()
+        _cuda_optimizer_defaults(opt)
+        super().__init__(w, opt, precision, device_type="cpu", accumulation=accumulation,
+                         scaler=make_scaler(precision, "cpu"), keep_loss=False)
         self.driver = driver
-        self.opt = w.make_optimizer()
-        _cuda_optimizer_defaults(self.opt)
-        self.scaler = None
-        if precision == "fp16-mixed":
-            self.scaler = torch.amp.GradScaler("cpu")
         self.syncs: list[int] = []  # where the real step makes the host wait for the GPU
         self.recorder: Recorder | None = None
 
-    def _phase(self, name: str) -> None:
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
         if self.driver is not None:
             self.driver.phase = name
+        return contextlib.nullcontext()
 
     def init_optimizer_state(self) -> None:
         """What a warm-up step leaves behind, without its forward and backward: the optimizer
         state (created lazily by the first step). Gradients of zeros stand in for real ones."""
-        params = [p for g in self.opt.param_groups for p in g["params"]]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for p in params:
             p.grad = torch.zeros_like(p)
         if self.scaler:
             self.scaler.scale(torch.zeros((), dtype=torch.float32))  # creates its scale tensor
-        self._optimizer_step()
+        self.optimizer_step()
 
-    def _optimizer_step(self) -> None:
-        if self.scaler:  # GradScaler.step() reads found_inf with .item(): do its ops, not that
-            self.scaler.unscale_(self.opt)
-            if self.recorder is not None:  # ... but remember that the host waits there
-                self.syncs.append(len(self.recorder.nodes) - 1)
-            self.opt.step()
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def run(self) -> None:
-        self._phase("forward")
-        dtype = autocast_dtype(self.precision)
-        ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with ctx:
-            loss = self.w.compute_loss(self.w.batch)
-        self._phase("backward")
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-        del loss
-        self._phase("optimizer")
-        self._optimizer_step()
+    def optimizer_step(self) -> None:
+        if not self.scaler:
+            return super().optimizer_step()
+        # GradScaler.step() reads found_inf with .item(): do its ops, not that read ...
+        self.scaler.unscale_(self.optimizer)
+        if self.recorder is not None:  # ... but remember that the host waits there
+            self.syncs.append(len(self.recorder.nodes) - 1)
+        self.optimizer.step()
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
@@ -309,11 +302,13 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
 
 def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
             checkpoint: str | Mapping[str, str] = "none",
-            sdpa: SdpaTarget | None = None) -> StepGraph:
+            sdpa: SdpaTarget | None = None, accumulation: int = 1) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
     one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
     (every repeated block) or {block name: "full" | "selective"}. `sdpa`: the GPU whose
-    attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's)."""
+    attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's).
+    `accumulation`: the workload's batch runs as this many micro-batches before the optimizer
+    step (the planner derives this from a one-micro-batch trace: `passes.accumulate`)."""
     check_precision(precision)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
@@ -321,13 +316,14 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     values = assume.Values()
-    with mode, assume.ValueMode(values), rules, cuda_dropout(), \
+    with mode, assume.ValueMode(values), rules, cuda_dropout(), as_on_cuda(), \
             cuda_sdpa(sdpa or SdpaTarget()) as chosen:
         w = _prepare(_build(source, mode, values), precision)
         names = block_names(w.model)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
-        graph = _trace(w, precision, values, on_step=chosen.chosen.clear)
+        graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
+                       accumulation=accumulation)
     meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
                 checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
                 sdpa_backends=dict(chosen.chosen),
@@ -360,15 +356,15 @@ def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
 
 
 def _trace(w: Workload, precision: str, values: assume.Values,
-           on_step: Callable[[], None] = lambda: None) -> StepGraph:
+           on_step: Callable[[], None] = lambda: None, accumulation: int = 1) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
-        step = _Step(w, precision)
+        step = _Step(w, precision, accumulation=accumulation)
         values.during("warm-up")
         _guarded(step.init_optimizer_state, "optimizer's first step")
         on_step()
         table = StorageTable()
-        _register_state(table, w, step.opt)
+        _register_state(table, w, step.optimizer)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
             saved = SavedTracker(table)
@@ -379,11 +375,11 @@ def _trace(w: Workload, precision: str, values: assume.Values,
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
-            hooks = [step.opt.register_step_pre_hook(grab_grads),
+            hooks = [step.optimizer.register_step_pre_hook(grab_grads),
                      *saved.watch_blocks(w.model, block_names(w.model))]
             try:
                 with rec, assume.HostMode(values):
-                    _guarded(step.run, "traced step", rec)
+                    _guarded(step, "traced step", rec)
             finally:
                 for h in hooks:
                     h.remove()

@@ -8,6 +8,7 @@ the real step would have.
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -89,7 +90,11 @@ def _jsonable(x: Any, refs: dict[int, int]) -> Any:
         return str(x)
     if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
         return str(x)
-    return repr(x)
+    return _ADDRESS.sub("", repr(x))  # "<torch.ScriptObject object>": same in every trace
+
+
+# A default repr's memory address differs between two traces of one step.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class Recorder(TorchDispatchMode):

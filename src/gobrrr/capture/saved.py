@@ -68,6 +68,8 @@ class SavedTracker:
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
+        if self.rows is not None:  # what the first backward found is recorded; later
+            return  # micro-batches of an accumulated step repeat it
         if phase == "forward" and not self.hooked:
             self.hooked = _hooks_active()
         site, self._site = self._site, _call_site()

@@ -29,10 +29,12 @@ from gobrrr.cost.shapes import (
     depthwise,
     depthwise_class,
     gemm_dims,
+    host_key,
     layout_bytes,
     misaligned,
     misaligned_nt,
     outer_sum_columns,
+    selective_modules,
     wave_efficiency,
 )
 from gobrrr.graph import OpNode, StepGraph
@@ -267,7 +269,11 @@ class Rates:
         if self.cal and op in self.cal.kernel_host:
             return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
-        key = "forward" if phase in CHECKPOINT_PHASES and phase not in per_op else phase
+        key = phase
+        if key.endswith("_selective") and key not in per_op:  # not measured: as full
+            key = key.removesuffix("_selective")
+        if key in CHECKPOINT_PHASES and key not in per_op:
+            key = "forward"
         if key in per_op:
             extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
             return per_op[key] + self.launch * max(launches - 1, 0) + extra
@@ -336,6 +342,8 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):
             rate *= rates.misaligned_fraction(cost.math, misaligned_nt(node), alignment(node))
+        elif cost.kind == "loss" and cost.math != "fp32":
+            rate *= fused_loss_fraction(node, cost, rates)
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
@@ -357,6 +365,28 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
                   cost.flops, cost.bytes, intensity, compute, memory, device, host, regime)
 
 
+def fused_loss_fraction(node: OpNode, cost: OpCost, rates: Rates) -> float:
+    """The fused linear + cross-entropy's achieved share of the aligned matmul rate. Its
+    cuBLAS matmuls work on (chunk, V) logits chunks: with a vocabulary whose width in bytes is
+    not a multiple of 16 (GPT-2's 50257) they take the misaligned paths, the forward's
+    `h @ W.T` the transposed-weight one (`nt`), the gradients' the others. Their FLOPs are
+    weighed by those paths' calibrated fractions (see Rates.misaligned_fraction)."""
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    if weight is None or not weight.shape:
+        return 1.0
+    vocab, itemsize = weight.shape[0], 2 if cost.math in ("bf16", "fp16") else 4
+    align = math.gcd(vocab * itemsize, 16)
+    if align >= 16:
+        return 1.0
+    d = weight.shape[-1]
+    n = node.inputs[0].numel // max(d, 1)
+    fwd = 2.0 * n * d * vocab
+    grads = max(cost.flops - fwd, 0.0)  # the gradient matmuls (and the few vector ops)
+    f_nt = rates.misaligned_fraction(cost.math, True, align)
+    f = rates.misaligned_fraction(cost.math, False, align)
+    return cost.flops / (fwd / f_nt + grads / f)
+
+
 def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,
             compiled: bool = False) -> Prediction:
     """Predict the step's time on `gpu`. `compiled`: the model runs under torch.compile
@@ -364,36 +394,61 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     tf32 = tf32_of(graph.meta)
     rates = Rates(gpu, calibration)
     costs = [op_cost(n, tf32) for n in graph.nodes]
-    under = checkpointed_modules(graph)
-    ops = tuple(time_op(n, c, rates, host_phase="checkpointed" if n.phase == "forward" and
-                        n.module in under else None)
+    under, selective = checkpointed_modules(graph), selective_modules(graph)
+    ops = tuple(time_op(n, c, rates, host_phase=host_key(n, under, selective))
                 for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
-    host_t = device_t = 0.0
-    syncs = set(graph.meta.get("syncs") or ())
-    for o in ops:  # two queues: the host issues, the device runs when issued and free
-        host_t += o.host_s
-        if o.device_s > 0:
-            device_t = max(device_t, host_t) + o.device_s
-        if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
-            host_t = max(host_t, device_t)
+    host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat)
     step = max(host_t, device_t)
-    device_busy = sum(o.device_s for o in ops)
+    weights = graph.weights()
+    device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)
-    for o in ops:
-        phase_s[o.phase] += o.device_s
+    for o, w in zip(ops, weights, strict=True):
+        phase_s[o.phase] += o.device_s * w
         if o.device_s > 0:
-            regime_s[o.regime] += o.device_s
+            regime_s[o.regime] += o.device_s * w
     return Prediction(
         gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
         device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
-        flops=sum(o.flops for o in ops), model_flops=model_flops(graph, costs),
+        flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
+        model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.get("tokens") or 0),
         peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
         phase_s=dict(phase_s), regime_s=dict(regime_s),
     )
+
+
+def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
+              repeat: tuple[int, int, int] | None) -> tuple[float, float]:
+    """When the host has issued the last op and when the device has run it (s). Two queues:
+    the host issues each op in turn; the device runs it once issued and free. A repeated
+    segment (`StepGraph.repeat`) runs twice, and its second run, the steady state, stands
+    for the runs after it."""
+    host_t = device_t = 0.0
+
+    def run(part) -> None:
+        nonlocal host_t, device_t
+        for o in part:
+            host_t += o.host_s
+            if o.device_s > 0:
+                device_t = max(device_t, host_t) + o.device_s
+            if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
+                host_t = max(host_t, device_t)
+
+    if repeat is None:
+        run(ops)
+        return host_t, device_t
+    start, end, times = repeat
+    run(ops[:end])
+    if times > 1:
+        before = (host_t, device_t)
+        run(ops[start:end])
+        host_t += (times - 2) * (host_t - before[0])
+        device_t += (times - 2) * (device_t - before[1])
+    run(ops[end:])
+    return host_t, device_t
 
 
 def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
@@ -428,7 +483,7 @@ def model_flops(graph: StepGraph, costs: list[OpCost] | None = None) -> float:
     The same definition for every model: a CNN's convolutions, a ViT's patches, only the
     experts an MoE routes to, as they ran. `costs`: the nodes' costs, if already computed."""
     costs = costs if costs is not None else [op_cost(n) for n in graph.nodes]
-    return sum(c.flops for n, c in zip(graph.nodes, costs, strict=True)
+    return sum(c.flops * w for n, c, w in zip(graph.nodes, costs, graph.weights(), strict=True)
                if n.phase in MODEL_PHASES)
 
 
@@ -440,12 +495,12 @@ def model_flops_6n(graph: StepGraph) -> float:
     it counts images as tokens and every expert of an MoE."""
     n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
     attn = 0.0
-    for node in graph.nodes:
+    for node, w in zip(graph.nodes, graph.weights(), strict=True):
         if node.phase == "forward" and _is_attention_forward(node):
             q, k = node.inputs[0], node.inputs[1]
             b, h, s_q, d = _bhsd(q)
             s_k = k.shape[-2]
-            attn += 4.0 * b * h * s_q * s_k * d
+            attn += 4.0 * b * h * s_q * s_k * d * w
     return 6.0 * n * graph.meta.get("tokens", 0) + 3.0 * attn
 
 

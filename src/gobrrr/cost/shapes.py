@@ -11,13 +11,46 @@ from gobrrr.cost._ops_matmul import conv_backward_flops, grouped_mm_groups
 from gobrrr.cost.flops import OpCost
 from gobrrr.graph import OpNode, StepGraph
 
-CHECKPOINT_PHASES = ("recompute", "checkpointed")  # host-cost keys beyond the graph's phases
+# host-cost keys beyond the graph's phases: a recomputed op, a forward op inside a checkpointed
+# block; "_selective" for a block under a selective policy (every op of it passes through the
+# policy's dispatch mode, in forward and in recompute)
+CHECKPOINT_PHASES = ("recompute", "checkpointed", "recompute_selective",
+                     "checkpointed_selective")
 
 
 def checkpointed_modules(graph: StepGraph) -> set[str]:
     """Modules whose forward runs under activation checkpointing: those recomputed in the
     backward. Their forward ops cost the host more (the checkpoint's saved-tensor hooks)."""
     return {n.module for n in graph.nodes if n.phase == "recompute"}
+
+
+def selective_modules(graph: StepGraph) -> set[str]:
+    """Modules inside the blocks the step checkpoints selectively (meta["checkpoint"] maps
+    block names to policies when the blocks are not all checkpointed fully)."""
+    policies = graph.meta.get("checkpoint")
+    if not isinstance(policies, dict):
+        return set()
+    blocks = {b for b, p in policies.items() if p == "selective"}
+    return {n.module for n in graph.nodes if n.module and _within(n.module, blocks)}
+
+
+def _within(module: str, blocks: set[str]) -> bool:
+    name = module
+    while name:
+        if name in blocks:
+            return True
+        name = name.rpartition(".")[0]
+    return False
+
+
+def host_key(node: OpNode, checkpointed: set[str], selective: set[str]) -> str | None:
+    """The host-cost key of `node` when it is not its phase (see CHECKPOINT_PHASES)."""
+    sel = "_selective" if node.module in selective else ""
+    if node.phase == "forward" and node.module in checkpointed:
+        return "checkpointed" + sel
+    if node.phase == "recompute" and sel:
+        return "recompute" + sel
+    return None
 
 
 def outer_sum_columns(node: OpNode) -> int | None:

@@ -126,7 +126,13 @@ class GPT2(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)  # (B, T, C)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V), all positions as in training
         if targets is None:
-            return logits
+            return self.lm_head(self.transformer.ln_f(x))  # (B, T, V), all positions as in training
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and mean cross-entropy over all positions, from the last
+        block's output x (B, T, C). gobrrr.apply's fused loss replaces it on the instance:
+        the same loss without the (B, T, V) logits."""
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

@@ -176,7 +176,13 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(T, hd, self.config.rope_theta, idx.device, x.dtype)  # (T, hd)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
         if targets is None:
-            return logits
+            return self.lm_head(self.norm(x))  # (B, T, V), all positions as in training
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and mean cross-entropy over all positions, from the last
+        block's output x (B, T, C). gobrrr.apply's fused loss replaces it on the instance:
+        the same loss without the (B, T, V) logits."""
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

@@ -37,14 +37,15 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     process) found five rounds steadier than one in one trial and no better in another:
     spreads of 20% and 32% per forward op against 49% and 30%.
 
-    "recompute" and "checkpointed": the same models with every block checkpointed. A
+    "recompute" and "checkpointed": the same models with every block checkpointed ("_selective":
+    every block under the selective policy, whose dispatch mode sees every op). A
     recomputed op costs its backward's time less what its backward ops cost at the backward
     rate, over its recomputed ops; a forward op inside a checkpointed block costs its
     forward's time less what the other forward ops cost at the forward rate, over those ops.
     That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
     re-entering the block's Python) as a cost per op."""
     models = [_timed_model(make, ckpt, dev, warmup)
-              for make in _tiny_workloads() for ckpt in ("none", "full")]
+              for make in _tiny_workloads() for ckpt in ("none", "full", "selective")]
     for _ in range(rounds):
         for m in models:
             for _ in range(reps):
@@ -53,13 +54,14 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     plain = [m for m in models if m.checkpoint == "none"]
     out = {p: sum(statistics.median(m.times[p]) for m in plain) / n
            for p in PHASES if (n := sum(m.counts[p] for m in plain))}
-    ckpt = [m for m in models if m.checkpoint == "full"]
-    for key, phase, others in (("recompute", "backward", "backward"),
-                               ("checkpointed", "forward", "outside")):
-        if phase in out and (n := sum(m.counts[key] for m in ckpt)):
-            extra = sum(statistics.median(m.times[phase]) - m.counts[others] * out[phase]
-                        for m in ckpt)
-            out[key] = max(extra / n, out.get("forward", 0.0))
+    for policy, suffix in (("full", ""), ("selective", "_selective")):
+        ckpt = [m for m in models if m.checkpoint == policy]
+        for key, phase, others in (("recompute", "backward", "backward"),
+                                   ("checkpointed", "forward", "outside")):
+            if phase in out and (n := sum(m.counts[key] for m in ckpt)):
+                extra = sum(statistics.median(m.times[phase]) - m.counts[others] * out[phase]
+                            for m in ckpt)
+                out[key + suffix] = max(extra / n, out.get("forward", 0.0))
     return out
 
 
@@ -79,14 +81,20 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Time
     from gobrrr.capture import capture
     from gobrrr.cost.shapes import checkpointed_modules
     from gobrrr.profile.runner import prepare
+    from gobrrr.transforms import apply_checkpointing, block_names
 
-    graph = capture(make, precision="fp32", checkpoint=checkpoint)
+    policies = checkpoint if checkpoint != "selective" else \
+        dict.fromkeys(block_names(make().model), "selective")
+    graph = capture(make, precision="fp32", checkpoint=policies)
     counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
     under = checkpointed_modules(graph)
     counts["checkpointed"] = sum(1 for n in graph.nodes
                                  if n.phase == "forward" and n.module in under)
     counts["outside"] = counts["forward"] - counts["checkpointed"]
-    wl, opt, _ = prepare(make(), dev.type, "fp32", checkpoint=checkpoint)
+    wl, opt, _ = prepare(make(), dev.type, "fp32",
+                         checkpoint="none" if checkpoint == "selective" else checkpoint)
+    if checkpoint == "selective":
+        apply_checkpointing(wl.model, policies)
     for _ in range(warmup):
         _phase_times(wl, opt, dev)
     return _Timed(wl, opt, checkpoint, counts, {p: [] for p in PHASES})

@@ -132,8 +132,8 @@ def _default_batch(make) -> int:
 
 def _predict(make, args):
     from gobrrr.capture import capture
-    from gobrrr.cost.roofline import predict
-    from gobrrr.hardware import find_calibration, get_gpu, match_device_name
+    from gobrrr.evaluate import evaluate
+    from gobrrr.hardware import get_gpu, match_device_name
 
     graph = capture(lambda: make(args.batch), precision=args.precision,
                     checkpoint=args.checkpoint)
@@ -144,7 +144,7 @@ def _predict(make, args):
         if torch.cuda.is_available():
             spec = match_device_name(torch.cuda.get_device_name())
     spec = spec or get_gpu("h100")
-    return graph, predict(graph, spec, find_calibration(spec))
+    return graph, evaluate(graph, spec).time
 
 
 def run_calibrate(args) -> int:

@@ -40,7 +40,7 @@ def step_flops(graph: StepGraph) -> StepFlops:
     from gobrrr.cost._ops_common import tf32_of
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.roofline import model_flops, model_flops_6n
-    from gobrrr.estimate import throughput_unit
+    from gobrrr.evaluate import throughput_unit
 
     tf32 = tf32_of(graph.meta)
     costs = [op_cost(n, tf32) for n in graph.nodes]

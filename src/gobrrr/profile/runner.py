@@ -27,20 +27,16 @@ from gobrrr.capture import CHECKPOINTS
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
-from gobrrr.precision import autocast_dtype, check_precision
+from gobrrr.precision import check_precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
+from gobrrr.step import TrainStep, make_scaler
+from gobrrr.step import autocast_for as autocast_for  # re-exported: benchmarks import it here
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 CPU_LABEL = "cpu: measured on the CPU, not a GPU"
 
 
 # -- one real step --------------------------------------------------------------------------
-
-
-def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
-    """torch.autocast for the mixed precisions, a no-op otherwise."""
-    dtype = autocast_dtype(precision)
-    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -60,23 +56,16 @@ def matmul_precision(precision: str) -> Iterator[None]:
 
 def run_step(workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
              scaler: Any = None, device_type: str = "cuda") -> torch.Tensor:
-    """One training step, the real-device twin of the capture's: forward + loss (autocast for
-    the mixed precisions), backward (through the GradScaler for fp16), optimizer.step,
-    zero_grad(set_to_none=True). Each part sits in a `gobrrr::<phase>` profiler range.
-    Returns the loss (detached)."""
-    with record_function(PHASE_PREFIX + "forward"):
-        with autocast_for(precision, device_type):
-            loss = workload.compute_loss(workload.batch)
-    with record_function(PHASE_PREFIX + "backward"):
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-    with record_function(PHASE_PREFIX + "optimizer"):
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    """One training step (gobrrr.step.TrainStep, the step capture traces): forward + loss
+    (autocast for the mixed precisions), backward (through the GradScaler for fp16),
+    optimizer.step, zero_grad(set_to_none=True). Each part sits in a `gobrrr::<phase>`
+    profiler range. Returns the loss (detached)."""
+    return TrainStep(workload, optimizer, precision, device_type=device_type, scaler=scaler,
+                     phase=_phase_range)()
+
+
+def _phase_range(name: str) -> record_function:
+    return record_function(PHASE_PREFIX + name)
 
 
 def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "none",
@@ -104,10 +93,7 @@ def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "
     opt = workload.make_optimizer()
     if compile:
         workload.model = torch.compile(model)
-    scaler = None
-    if precision == "fp16-mixed":
-        scaler = torch.amp.GradScaler(device.split(":")[0])
-    return workload, opt, scaler
+    return workload, opt, make_scaler(precision, device.split(":")[0])
 
 
 # -- module labels --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gobrrr.estimate import Estimate, checkpointing, hints, throughput_unit
+from gobrrr.evaluate import Estimate, checkpointing, hints, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory import module_rollup
 from gobrrr.precision import peak_mode

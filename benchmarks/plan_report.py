@@ -1,0 +1,97 @@
+"""The planner's measured scenarios as a table, from the committed results.
+
+    python benchmarks/plan_report.py [--readme [README.md]]
+
+Reads benchmarks/results/plan_h100_*.json (written by bench_plan.py on an H100) and prints, per
+scenario: the grid a careful user would try (micro-batch x every block checkpointed or not,
+at most 8 accumulation steps) with how many of its points ran out of memory and its best
+measured throughput; the plan; the plan's measured throughput over the grid's best; and the
+prediction's errors over every configuration that ran. `--readme` writes the table into the
+README between its plan-table markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START = "<!-- plan-table: start (benchmarks/plan_report.py --readme) -->"
+END = "<!-- plan-table: end -->"
+
+
+def rows() -> list[dict]:
+    out = []
+    for path in sorted(RESULTS.glob("plan_h100_*.json")):
+        data = json.loads(path.read_text())
+        for name, sc in data["scenarios"].items():
+            s = sc["summary"]
+            plan = next(c for c in sc["configs"] if c["role"] == "plan#1")
+            errs = s["errors"]
+            out.append({
+                "file": path.name, "name": name, "global_batch": sc["global_batch"],
+                "grid_points": sum(1 for c in sc["configs"] if c["role"] == "grid"),
+                "grid_oom": s["grid_oom"], "grid_best": s["grid_best_units_per_s"],
+                "plan": ", ".join(plan["changes"]) or "as given",
+                "plan_units": plan["measured"].get("units_per_s"),
+                "ratio": s.get("plan_over_grid_best"),
+                "plan_oom": s["plan_oom"],
+                "plan_tput_err": next((e["throughput_error"] for e in errs
+                                       if e["role"] == "plan#1"), None),
+                "plan_peak_err": next((e["peak_error"] for e in errs
+                                       if e["role"] == "plan#1"), None),
+                "worst_tput": max(errs, key=lambda e: abs(e["throughput_error"])),
+                "worst_peak": max(errs, key=lambda e: abs(e["peak_error"])),
+                "ran": len({tuple(e["changes"]) for e in errs}),
+                "fit_but_oom": len(s["predicted_fit_but_oom"]),
+                "device": data["environment"].get("device"),
+            })
+    return out
+
+
+def table(rs: list[dict]) -> str:
+    lines = ["| scenario (global batch) | grid: OOM / points, best | plan | plan / grid best "
+             "| plan: predicted tok/s, peak | all that ran: worst tok/s, worst peak |",
+             "|---|---|---|---|---|---|"]
+    for r in rs:
+        unit = "tok/s" if "resnet" not in r["name"] else "img/s"
+        lines.append(
+            f"| {r['name']} ({r['global_batch']}) | {r['grid_oom']} / {r['grid_points']}, "
+            f"{r['grid_best']:,.0f} {unit} | {r['plan']} | **{r['ratio']:.3f}x** | "
+            f"{r['plan_tput_err']:+.1%}, {r['plan_peak_err']:+.2%} | "
+            f"{r['worst_tput']['throughput_error']:+.1%}, {r['worst_peak']['peak_error']:+.2%} "
+            f"({r['ran']} configurations) |")
+    n_oom = sum(r["plan_oom"] for r in rs)
+    wrong = sum(r["fit_but_oom"] for r in rs)
+    lines.append("")
+    lines.append(f"{len(rs)} scenarios on {rs[0]['device']}; the plan ran out of memory in "
+                 f"{n_oom}; configurations predicted to fit that ran out of memory: {wrong}. "
+                 "Errors are predicted / measured - 1: throughput in the workload's unit, "
+                 "peak = `max_memory_allocated`. Files: "
+                 + ", ".join(f"`{f}`" for f in sorted({r['file'] for r in rs})) + ".")
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, text: str) -> None:
+    doc = readme.read_text()
+    if START not in doc or END not in doc:
+        raise SystemExit(f"{readme} has no plan-table markers ({START} ... {END})")
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + START + "\n" + text + "\n" + END + tail)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None)
+    args = ap.parse_args()
+    text = table(rows())
+    print(text)
+    if args.readme:
+        write_readme(Path(args.readme), text)
+
+
+if __name__ == "__main__":
+    main()

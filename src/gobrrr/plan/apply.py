@@ -1,0 +1,193 @@
+"""Apply a plan's knobs to the user's real model and optimizer, and run its step.
+
+    from gobrrr.plan.apply import apply
+    step = apply(workload, Knobs(micro_batch=8, accumulation=4, optimizer_states="bf16"))
+    for batch in data:            # batches of micro_batch * accumulation = 32 samples
+        loss = step(batch)        # one optimizer step; the loss of the whole batch
+
+What each knob does to the real model (in the order applied, and why that order):
+    1. precision "bf16": the model is cast to bfloat16 first, so the optimizer and its
+       states are made for the weights as they will train.
+    2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
+       cross-entropy (gobrrr.fused_loss); a change of the forward, so before compile.
+    3. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
+       their policy (gobrrr.transforms.apply_checkpointing); before compile, which traces
+       through them.
+    4. optimizer_states / offload: the workload's optimizer is built, its hyper-parameters
+       read, and it is replaced by one keeping bf16 or 8-bit moments, on the host when
+       offloaded (gobrrr.optim); it holds the parameters themselves, compiled or not.
+    5. compile: torch.compile(model), last, over the model as it will run; the optimizer
+       stays eager.
+    6. micro_batch x accumulation: inside the returned step (gobrrr.step.TrainStep).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.fused_loss import use_fused_loss
+from gobrrr.optim import states_optimizer
+from gobrrr.plan.knobs import Knobs
+from gobrrr.precision import check_precision
+from gobrrr.step import TrainStep, batch_size, cast_batch, make_scaler
+from gobrrr.transforms import apply_checkpointing, repeated_blocks
+from gobrrr.workload import Batch, Workload, map_tensors
+
+
+class AppliedStep:
+    """One optimizer step of the planned configuration: `step(batch=None)` runs it on a batch
+    of knobs.global_batch samples (the workload's own batch when None) and returns the loss
+    of the whole batch, detached (the mean of the micro-batches' losses).
+
+    Attributes:
+        model: the user's model, changed in place as planned (checkpoint wrappers, fused
+            loss, bf16 weights); under compile, `compiled` is what runs it.
+        optimizer: the optimizer that steps it (the user's, or its bf16/8-bit/offloaded
+            replacement).
+        knobs: the configuration applied.
+        precision: the numerics the step runs in.
+        changes: what was changed, in words, one entry per knob that changed something.
+    """
+
+    def __init__(self, workload: Workload, model: nn.Module, runner: nn.Module,
+                 optimizer: torch.optim.Optimizer, knobs: Knobs, precision: str,
+                 changes: tuple[str, ...]) -> None:
+        self.model, self.optimizer, self.knobs, self.precision = model, optimizer, knobs, precision
+        self.compiled = runner if runner is not model else None
+        self.changes = changes
+        self.device = _device_of(model)
+        running = copy.copy(workload)  # the user's Workload object is left as it was
+        running.model = runner
+        self._step = TrainStep(running, optimizer, precision, device_type=self.device.type,
+                               accumulation=knobs.accumulation,
+                               scaler=make_scaler(precision, self.device.type))
+        self._batch = workload.batch
+
+    def __call__(self, batch: Batch | None = None) -> torch.Tensor:
+        batch = self._batch if batch is None else batch
+        n = batch_size(batch)
+        if n != self.knobs.global_batch:
+            raise GobrrrError(
+                f"a batch of {n} samples, but the plan's global batch is micro_batch "
+                f"{self.knobs.micro_batch} x accumulation {self.knobs.accumulation} = "
+                f"{self.knobs.global_batch}: give batches of {self.knobs.global_batch} "
+                f"samples, or plan for {n}")
+        batch = map_tensors(cast_batch(batch, self.precision),
+                            lambda t: t.to(self.device, non_blocking=True))
+        return self._step(batch)
+
+    def __repr__(self) -> str:
+        return f"AppliedStep({self.knobs}, precision={self.precision!r})"
+
+
+def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
+          precision: str = "bf16-mixed") -> AppliedStep:
+    """Change the workload's real model and optimizer as `knobs` say and return the step
+    that trains them (see the module docstring for what each knob does, and its order).
+
+    knobs: a Knobs, its JSON form (Knobs.to_dict), or a plan entry with a `.knobs`.
+    precision: the user's numerics (gobrrr.precision.PRECISIONS); the model stays on the
+    device it is on. Every error is one GobrrrError line naming the value and the fix."""
+    knobs = as_knobs(knobs)
+    check_precision(precision)
+    model = workload.model
+    changes = []
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+        changes.append("weights in bfloat16")
+    if knobs.fused_loss:
+        changes.append(_fused_loss(workload))
+    if knobs.checkpoint:
+        changes.append(checkpoint_blocks(model, dict(knobs.checkpoint)))
+    optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states,
+                                 knobs.offload)
+    if knobs.optimizer_states != "as-is" or knobs.offload:
+        changes.append(f"optimizer {type(optimizer).__name__}")
+    runner = model
+    if knobs.compile:
+        runner = torch.compile(model)
+        changes.append("torch.compile(model)")
+    return AppliedStep(workload, model, runner, optimizer, knobs, precision, tuple(changes))
+
+
+def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:
+    """A Knobs from a Knobs, its dict form, or an object carrying `.knobs`; an unknown key is
+    a GobrrrError naming it."""
+    if isinstance(knobs, Knobs):
+        return knobs
+    if isinstance(getattr(knobs, "knobs", None), Knobs):
+        return knobs.knobs
+    if not isinstance(knobs, Mapping):
+        raise GobrrrError(f"knobs={knobs!r} is a {type(knobs).__name__}: give a "
+                          "gobrrr.plan.knobs.Knobs (or its to_dict() form)")
+    fields = [f.name for f in dataclasses.fields(Knobs)]
+    for key in knobs:
+        if key not in fields:
+            raise GobrrrError(f"unknown knob {key!r}{did_you_mean(str(key), fields)}: the knobs "
+                              f"are {', '.join(fields)}")
+    if "micro_batch" not in knobs:
+        raise GobrrrError("knobs without micro_batch: give at least {'micro_batch': N}")
+    return Knobs.from_dict(dict(knobs))
+
+
+def _fused_loss(workload: Workload) -> str:
+    if workload.step is not None or workload.loss is not None:
+        kind = "step" if workload.step is not None else "loss"
+        raise GobrrrError(f"fused_loss replaces the model's own head and loss, but this "
+                          f"workload computes its loss in Workload({kind}=...), which gobrrr "
+                          "does not rewrite: let the model return its loss, or set "
+                          "fused_loss=False")
+    return use_fused_loss(workload.model)
+
+
+# -- checkpointing --------------------------------------------------------------------------
+
+
+def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
+    """Wrap the named blocks in activation checkpointing with their policies, through
+    gobrrr.transforms.apply_checkpointing(model, policies). Where that function takes no
+    policies yet (it checkpoints every repeated block in full), only that plan is accepted."""
+    names = dict(model.named_modules())
+    for block in policies:
+        if block not in names:
+            raise GobrrrError(f"checkpoint block {block!r} is not a module of "
+                              f"{type(model).__name__}{did_you_mean(block, names)}: name blocks "
+                              "as model.named_modules() does (e.g. 'transformer.h.3')")
+    if _takes_policies():
+        apply_checkpointing(model, policies)
+    else:
+        _every_block_full(model, policies)
+    counts = {p: sum(1 for v in policies.values() if v == p) for p in set(policies.values())}
+    return "checkpoint " + ", ".join(f"{n} block(s) {p}" for p, n in sorted(counts.items()))
+
+
+def _takes_policies() -> bool:
+    return len(inspect.signature(apply_checkpointing).parameters) >= 2
+
+
+def _every_block_full(model: nn.Module, policies: dict[str, str]) -> None:
+    ids = {id(m) for m in repeated_blocks(model)}
+    every = {n for n, m in model.named_modules() if id(m) in ids}
+    if set(policies) != every or set(policies.values()) != {"full"}:
+        raise GobrrrError(
+            f"this gobrrr checkpoints every repeated block in full, nothing else "
+            f"({len(every)} blocks in {type(model).__name__}); the plan asks for "
+            f"{len(policies)} block(s) with policies {sorted(set(policies.values()))}: "
+            "plan with every block full, or update gobrrr")
+    apply_checkpointing(model)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+__all__ = ["AppliedStep", "apply", "as_knobs", "checkpoint_blocks"]

@@ -1,0 +1,370 @@
+"""Search the configurations of a step for the fastest one that fits.
+
+The step is traced twice (at two micro-batches); every candidate is a composition of named
+passes over those traces — the graph at a micro-batch (`passes.microbatch`), activation
+checkpointing with per-block policies (`passes.checkpoint`), gradient accumulation to the
+global batch (`passes.accumulate`) — costed by the one `evaluate`. Nothing is re-traced.
+
+For each micro-batch that divides the global batch it costs: nothing checkpointed; every block
+selective; every block full; every other block full; and, where those leave a gap, the
+budget-optimal mix: a multiple-choice knapsack over the blocks (none / selective / full for
+each), minimising the recompute time the graph's own per-op times give, subject to saving the
+activation bytes the budget asks for, then checked by evaluating the pass it chose.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
+from gobrrr.graph import StepGraph
+from gobrrr.memory import process_budget
+from gobrrr.passes.accumulate import accumulate
+from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
+from gobrrr.passes.microbatch import BatchDependentStructure, family
+from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
+from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.result import Plan, PlanResult
+
+#: The share of the budget a plan leaves unplanned by default: none. What fits is judged as
+#: `gobrrr estimate` judges it: the predicted reserved peak within the budget. Measured on an
+#: H100 (benchmarks/results/plan_h100_*.json), the allocated peak was predicted within 0.1%
+#: and the reserved peak within -3.3%..+5.3% for every configuration that ran, 75.8-78.1 GiB
+#: reserved within 0.2% at the edge of the 78.5 GiB budget; and when a reservation fails
+#: the caching allocator frees its cached blocks and retries before it gives up. `margin`
+#: (`--margin`) keeps a share of the budget free for steps whose shapes vary.
+MARGIN = 0.0
+
+#: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
+#: the step's forward and backward).
+ALLOW: tuple[str, ...] = ("bf16-states",)
+
+#: A variant of the step that is traced apart (it changes the forward or the optimizer's
+#: ops, not only what is kept): (fused loss, optimizer states).
+Variant = tuple[bool, str]
+BASE: Variant = (False, "as-is")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for: the global batch (samples per optimizer step) and the bytes
+    the reserved peak must stay within."""
+
+    global_batch: int
+    budget: int
+    allow: frozenset[str]
+    margin: float = MARGIN
+
+    @property
+    def usable(self) -> int:
+        """What a plan's reserved peak may take: the budget less the margin."""
+        return int(self.budget * (1 - self.margin))
+
+
+def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
+         seq: int | None = None, precision: str = "bf16-mixed",
+         memory_budget: int | None = None, allow: Iterable[str] = (),
+         margin: float = MARGIN, calibration=True) -> PlanResult:
+    """The fastest configurations of `source`'s step that fit `gpu`, best first.
+
+    source: what `gobrrr.estimate` takes (a built-in name, "file.py:function", a function
+    taking batch_size/seq_len, or a Workload). global_batch: samples per optimizer step
+    (default: the workload's own batch). memory_budget: bytes the reserved peak may take
+    (default, and at most: what CUDA leaves the process on `gpu`). allow: knobs that go
+    beyond the user's numerics (see ALLOW). margin: the share of the budget to leave free
+    (see MARGIN).
+    """
+    return Planner(source, gpu, global_batch=global_batch, seq=seq, precision=precision,
+                   memory_budget=memory_budget, allow=allow, margin=margin,
+                   calibration=calibration).run()
+
+
+class Planner:
+    """One workload at one global batch on one GPU: traced (twice) when made, then any
+    Knobs costed by passes over the traces (`cost`), or the whole search (`run`)."""
+
+    def __init__(self, source, gpu: str | Target = "h100", *, global_batch: int | None = None,
+                 seq: int | None = None, precision: str = "bf16-mixed",
+                 memory_budget: int | None = None, allow: Iterable[str] = (),
+                 margin: float = MARGIN, calibration=True) -> None:
+        from gobrrr.plan.trace import Tracer
+
+        self.t0 = time.perf_counter()
+        self.precision = precision
+        self.target = Target.resolve(gpu, calibration)
+        self.tracer = Tracer(source, seq=seq, precision=precision, target=self.target)
+        self.req = _request(self.tracer, self.target, global_batch, memory_budget, allow,
+                            margin)
+        if memory_budget is not None:
+            _check_state_budget(self.tracer.parameter_bytes(), self.req)
+        self.steps = _Steps(lambda fused, states: Tracer(
+            source, seq=seq, precision=precision, target=self.target, fused_loss=fused,
+            states=states), self.req.global_batch, self.tracer)
+        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
+        notes: list[str] = []
+        variants = [BASE, *self._variants(notes)]
+        self.search = _Search(self.req, self.target, self.steps,
+                              list(self.base.meta.get("blocks") or ()), variants)
+        self.search.notes.extend(notes)
+
+    def _variants(self, notes: list[str]) -> list[Variant]:
+        """The variants worth tracing: the fused loss where the model takes it, bf16
+        optimizer states where allowed; none whose parameters, gradients and optimizer
+        states alone exceed the budget."""
+        refusal = self.tracer.fused_loss_refusal()
+        if refusal:
+            notes.append(f"fused linear + cross-entropy not planned: {refusal}")
+        states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
+        out = [(fused, st) for st in states for fused in (False, True)
+               if (fused, st) != BASE and (not fused or not refusal)]
+        kept = [v for v in out if _persistent(self.base, v[1]) <= self.req.usable]
+        if len(kept) < len(out) or _persistent(self.base, "as-is") > self.req.usable:
+            gib = 2**30
+            notes.append(f"parameters, gradients and optimizer states alone need "
+                         f"{_persistent(self.base, 'as-is') / gib:.1f} GiB of the "
+                         f"{self.req.usable / gib:.1f} GiB budget")
+        return kept
+
+    @property
+    def blocks(self) -> list[str]:
+        return self.search.blocks
+
+    def cost(self, knobs: Knobs) -> Plan:
+        """The predicted step with these knobs (their global batch must be the planner's)."""
+        if knobs.global_batch != self.req.global_batch:
+            raise GobrrrError(f"knobs for a global batch of {knobs.global_batch}, the plan's is "
+                              f"{self.req.global_batch}")
+        return self.search.cost(knobs)
+
+    def run(self) -> PlanResult:
+        plans = self.search.run()
+        user = self.search.user()
+        ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
+        return PlanResult(workload=str(self.base.meta.get("name")), gpu=self.target.gpu.name,
+                          precision=self.precision, global_batch=self.req.global_batch,
+                          budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
+                          plans=tuple(ranked), considered=self.search.evaluated,
+                          traces=self.steps.traces, took_s=time.perf_counter() - self.t0,
+                          notes=tuple(self.search.notes))
+
+
+def _request(tracer, target: Target, global_batch: int | None, memory_budget: int | None,
+             allow: Iterable[str], margin: float) -> Request:
+    allowed = frozenset(a.strip() for a in allow if a.strip())
+    unknown = sorted(allowed - set(ALLOW))
+    if unknown:
+        raise GobrrrError(f"--allow {','.join(unknown)}: unknown; "
+                          + (f"choose from {', '.join(ALLOW)}" if ALLOW else
+                             "this version plans at the user's numerics only"))
+    g = global_batch if global_batch is not None else tracer.default_batch()
+    if g < 1:
+        raise GobrrrError(f"--global-batch must be a positive number of samples, got {g}")
+    cap = process_budget(target.gpu, target.cal)
+    if memory_budget is not None:
+        if memory_budget <= 0:
+            raise GobrrrError(f"--memory-budget must be positive, got {memory_budget} bytes")
+        cap = min(cap, memory_budget)
+    if not 0 <= margin < 1:
+        raise GobrrrError(f"--margin must be a fraction of the budget in [0, 1), got {margin}")
+    return Request(g, cap, allowed, margin)
+
+
+class _Steps:
+    """The step's graph for each variant and micro-batch; a variant is traced when first
+    asked for (`tracer` serves the base variant)."""
+
+    def __init__(self, make_tracer, global_batch: int, tracer) -> None:
+        self.make_tracer, self.global_batch = make_tracer, global_batch
+        self.tracers = {BASE: tracer}
+        self._at: dict[Variant, Callable[[int], StepGraph]] = {}
+
+    def at(self, variant: Variant, micro_batch: int) -> StepGraph:
+        if variant not in self._at:
+            tracer = self.tracers.setdefault(variant, self.make_tracer(*variant))
+            self._at[variant] = _graphs(tracer, self.global_batch)
+        return self._at[variant](micro_batch)
+
+    @property
+    def traces(self) -> int:
+        return sum(t.traces for t in self.tracers.values())
+
+
+def _persistent(g: StepGraph, states: str) -> int:
+    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved)."""
+    by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
+    for s in g.storages:
+        if s.kind in by:
+            by[s.kind] += s.nbytes
+    if states == "bf16":
+        by["optimizer_state"] //= 2
+    return sum(by.values())
+
+
+def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
+    """micro-batch -> its step graph: derived from traces at two micro-batches where the
+    step's structure does not depend on the batch, else traced at each."""
+    if global_batch < 2:
+        g = tracer(1)
+        return lambda m: g
+    try:
+        fam = family(tracer)
+    except BatchDependentStructure:
+        cache: dict[int, StepGraph] = {}
+        return lambda m: cache.setdefault(m, tracer(m))
+    return fam.at
+
+
+def _check_state_budget(params: int, req: Request) -> None:
+    """A budget the user gave must hold the parameters at least (checked before tracing)."""
+    if params > req.budget:
+        gib = 2**30
+        raise GobrrrError(
+            f"--memory-budget {req.budget / gib:.1f} GiB is smaller than the parameters alone "
+            f"({params / gib:.1f} GiB): give a larger budget, or shard the model over more "
+            "GPUs")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Search:
+    """Costs the candidates at each micro-batch (smallest first)."""
+
+    def __init__(self, req: Request, target: Target, steps: _Steps, blocks: list[str],
+                 variants: list[Variant]) -> None:
+        self.req, self.target, self.steps, self.blocks = req, target, steps, blocks
+        self.variants = variants
+        self.evaluated = 0
+        self.notes: list[str] = []
+        self._user: Plan | None = None
+
+    def run(self) -> list[Plan]:
+        out: list[Plan] = []
+        if not self.blocks:
+            self.notes.append("no repeated blocks (an nn.ModuleList or nn.Sequential of "
+                              "modules of one class) to checkpoint: planned micro-batch and "
+                              "accumulation only")
+        for v in self.variants:
+            for m in divisors(self.req.global_batch):
+                plans = self.at_micro_batch(m, v)
+                out.extend(plans)
+                if not any(p.fits for p in plans):
+                    break  # a larger micro-batch needs more memory still
+        return out
+
+    def user(self) -> Plan:
+        if self._user is None:
+            self._user = self.cost(Knobs(micro_batch=self.req.global_batch))
+        return self._user
+
+    def at_micro_batch(self, m: int, v: Variant = BASE) -> list[Plan]:
+        n = self.req.global_batch // m
+        knobs = functools.partial(Knobs, micro_batch=m, accumulation=n, fused_loss=v[0],
+                                  optimizer_states=v[1])
+        plain = self.cost(knobs())
+        if m == self.req.global_batch and v == BASE:
+            self._user = plain
+        if plain.fits or not self.blocks:
+            return [plain]
+        policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
+                    every_kth(self.blocks, 2)]
+        plans = [plain] + [self.cost(knobs(checkpoint=c)) for c in policies]
+        sel, full = plans[1], plans[2]
+        if full.fits:
+            plans.extend(self.budget_optimal(knobs, plain, sel, full))
+        return plans
+
+    def budget_optimal(self, knobs, plain: Plan, sel: Plan, full: Plan) -> list[Plan]:
+        """The mix of policies that saves just enough memory at the least recompute time,
+        checked by evaluating it. The per-block savings and recompute times are the graph's
+        (`block_costs`), scaled per policy so their sums are what checkpointing every block
+        with it measured (`sel`, `full`); the saving asked for grows by what was still
+        missing, a few times at most."""
+        g = self.graph(knobs())
+        costs = scaled(block_costs(g, evaluate(g, self.target).time, self.blocks),
+                       {"selective": (plain.reserved_bytes - sel.reserved_bytes,
+                                      sel.step_s - plain.step_s),
+                        "full": (plain.reserved_bytes - full.reserved_bytes,
+                                 full.step_s - plain.step_s)})
+        need = plain.reserved_bytes - self.req.usable
+        out: list[Plan] = []
+        for _ in range(4):
+            choice = knapsack(costs, need)
+            if choice is None:
+                break
+            p = self.cost(knobs(checkpoint=choice))
+            out.append(p)
+            if p.fits:
+                break
+            need += p.reserved_bytes - self.req.usable + self.req.budget // 200
+        return out
+
+    def graph(self, knobs: Knobs) -> StepGraph:
+        """The graph of knobs' variant at knobs' micro-batch (before checkpointing)."""
+        return self.steps.at((knobs.fused_loss, knobs.optimizer_states), knobs.micro_batch)
+
+    def cost(self, knobs: Knobs) -> Plan:
+        g = self.graph(knobs)
+        if knobs.checkpoint:
+            g = checkpoint_pass(g, dict(knobs.checkpoint))
+        g = accumulate(g, knobs.accumulation)
+        est = evaluate(g, self.target)
+        self.evaluated += 1
+        return _plan(knobs, est, self.req, self.blocks)
+
+
+def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
+    m = est.memory
+    reserved = m.reserved or m.peak
+    fits = m.oom_index is None and reserved <= req.usable
+    recompute = est.time.phase_s.get("recompute", 0.0)
+    changes = describe(knobs, req.global_batch, blocks)
+    gib = 2**30
+    why = (f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare" if fits else
+           f"needs {reserved / gib:.1f} GiB reserved, over the {req.usable / gib:.1f} GiB "
+           "a plan may take" + (f" ({req.budget / gib:.1f} GiB less a {req.margin:.0%} "
+                                "margin)" if req.margin else ""))
+    if recompute:
+        why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
+    return Plan(knobs=knobs, unit=throughput_unit(est.graph),
+                units_per_s=est.time.tokens_per_s, step_s=est.time.step_s,
+                peak_bytes=m.peak, reserved_bytes=reserved, fits=fits,
+                headroom_bytes=req.budget - reserved, changes=tuple(changes), why=why,
+                recompute_s=recompute)
+
+
+def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
+    """What the knobs change in the user's step, one phrase each."""
+    out = []
+    if knobs.micro_batch != global_batch:
+        out.append(f"micro-batch {knobs.micro_batch}, accumulate {knobs.accumulation}")
+    if knobs.fused_loss:
+        out.append("fused linear + cross-entropy")
+    if knobs.optimizer_states != "as-is":
+        out.append(f"optimizer states in {knobs.optimizer_states}")
+    by_policy: dict[str, int] = {}
+    for _, policy in knobs.checkpoint:
+        by_policy[policy] = by_policy.get(policy, 0) + 1
+    for policy in ("full", "selective"):
+        k = by_policy.get(policy, 0)
+        if k:
+            which = "every block" if k == len(blocks) else f"{k} of {len(blocks)} blocks"
+            out.append(f"checkpoint {which} ({policy})")
+    return out
+
+
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    seen, out = set(), []
+    for p in plans:
+        if p.knobs not in seen:
+            seen.add(p.knobs)
+            out.append(p)
+    return out
+
+
+__all__ = ["ALLOW", "BlockCosts", "Planner", "Request", "describe", "divisors", "plan"]

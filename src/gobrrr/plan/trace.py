@@ -1,0 +1,113 @@
+"""Tracing a workload at a chosen micro-batch, for the planner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gobrrr.capture import capture
+from gobrrr.capture.sdpa import target_for
+from gobrrr.errors import GobrrrError
+from gobrrr.estimate import workload_factory
+from gobrrr.evaluate import Target
+from gobrrr.fused_loss import use_fused_loss
+from gobrrr.graph import StepGraph
+from gobrrr.optim import states_optimizer
+from gobrrr.workload import Workload, iter_tensors, map_tensors
+
+
+class Tracer:
+    """micro-batch -> the step graph of the workload at that micro-batch.
+
+    A workload that takes `batch_size` (a built-in, or a function with that argument) is
+    built at each micro-batch. One that does not (a Workload, or a function without it) has
+    its batch cut along the first dimension: every micro-batch must then be at most its
+    batch, whose size is the default global batch.
+    """
+
+    def __init__(self, source: Any, *, seq: int | None, precision: str,
+                 target: Target, fused_loss: bool = False, states: str = "as-is") -> None:
+        self.source, self.seq, self.precision, self.target = source, seq, precision, target
+        self.fused_loss, self.states = fused_loss, states
+        self.traces = 0
+        self._fixed: int | None = None
+
+    def default_batch(self) -> int:
+        """The workload's own batch: samples in its batch's first tensor."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, None, self.seq)()
+        return _batch_size(w)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the model's parameters as built (on the meta device: nothing allocated)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        return sum(p.numel() * p.element_size() for p in w.model.parameters())
+
+    def takes_batch(self) -> bool:
+        with torch.device("meta"):
+            a = workload_factory(self.source, 1, self.seq)()
+            b = workload_factory(self.source, 2, self.seq)()
+        return _batch_size(a) == 1 and _batch_size(b) == 2
+
+    def __call__(self, micro_batch: int) -> StepGraph:
+        make = self._variant(self._maker(micro_batch))
+        self.traces += 1
+        return capture(make, precision=self.precision,
+                       sdpa=target_for(self.target.gpu.full_name))
+
+    def _maker(self, m: int):
+        if self._fixed is None:
+            self._fixed = 0 if self.takes_batch() else self.default_batch()
+        if not self._fixed:
+            return workload_factory(self.source, m, self.seq)
+        if m > self._fixed:
+            raise GobrrrError(
+                f"the workload's batch is fixed at {self._fixed} samples, so no micro-batch of "
+                f"{m} can be cut from it: make the global batch at most {self._fixed}, or give "
+                "a function that takes batch_size (see README, `plan`)")
+        inner = workload_factory(self.source, None, self.seq)
+        return lambda: _cut(inner(), m)
+
+
+    def _variant(self, make):
+        """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
+        and loss, the optimizer keeping its states as planned."""
+        if not self.fused_loss and self.states == "as-is":
+            return make
+
+        def build() -> Workload:
+            w = make()
+            if self.fused_loss:
+                use_fused_loss(w.model)
+            if self.states != "as-is":
+                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+                w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
+            return w
+
+        return build
+
+    def fused_loss_refusal(self) -> str | None:
+        """Why the fused loss does not apply to this model (None: it does)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        try:
+            use_fused_loss(w.model)
+        except GobrrrError as e:
+            return str(e)
+        return None
+
+
+def _batch_size(w: Workload) -> int:
+    ts = list(iter_tensors(w.batch))
+    return int(ts[0].shape[0]) if ts and ts[0].dim() else 1
+
+
+def _cut(w: Workload, m: int) -> Workload:
+    """The workload with its batch's first m samples (tokens scaled to match)."""
+    full = _batch_size(w)
+    w.batch = map_tensors(w.batch, lambda t: t[:m].clone() if t.dim() and t.shape[0] == full else t)
+    if w.tokens is not None:
+        w.tokens = w.tokens * m // full
+    return w

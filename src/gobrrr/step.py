@@ -1,0 +1,159 @@
+"""The one real training step: what `capture` traces, `profile` measures and `apply` runs.
+
+    step = TrainStep(workload, optimizer, "bf16-mixed", device_type="cuda", accumulation=4)
+    loss = step(batch)            # one optimizer step over the whole batch
+
+One optimizer step: the batch is split along dim 0 into `accumulation` equal micro-batches;
+each runs forward + loss (under the precision's autocast) and backward (through the fp16
+GradScaler), its loss scaled by 1/accumulation so the gradients add up to those of the mean
+over the batch; then optimizer.step and zero_grad(set_to_none=True).
+
+Accumulation is exact for a loss that is a mean over samples of equal weight. A loss that
+is a mean over valid tokens (cross-entropy with ignore_index, padding masks) averages each
+micro-batch over its own tokens: where the micro-batches hold unequal numbers of valid
+tokens, the accumulated loss is the mean of the micro-batch means, not the mean over all the
+batch's tokens, exactly as in any gradient-accumulation loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gobrrr.errors import GobrrrError
+from gobrrr.precision import autocast_dtype, check_precision
+from gobrrr.workload import Batch, Workload, map_tensors
+
+PhaseContext = Callable[[str], contextlib.AbstractContextManager]
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """torch.autocast for the mixed precisions, a no-op otherwise."""
+    dtype = autocast_dtype(precision)
+    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:
+    """The loss scaler fp16-mixed needs (fp16 gradients underflow without it); None otherwise."""
+    return torch.amp.GradScaler(device_type) if precision == "fp16-mixed" else None
+
+
+def cast_batch(batch: Batch, precision: str) -> Batch:
+    """The batch as the precision runs it: floating tensors in bfloat16 for pure "bf16"
+    (the model's weights are bf16 too), unchanged otherwise."""
+    if precision != "bf16":
+        return batch
+    return map_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+
+def batch_size(batch: Batch) -> int:
+    """Samples in a batch: the common leading dimension of its tensors. A GobrrrError names
+    the tensors when they disagree or one has no leading dimension."""
+    sizes = {where: t.shape[0] if t.dim() else None for where, t in _tensor_leaves(batch)}
+    if not sizes:
+        raise GobrrrError("the batch holds no tensor: give the model's inputs as tensors")
+    if None in sizes.values() or len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{w} {'a scalar' if n is None else n}" for w, n in sizes.items())
+        raise GobrrrError(f"the batch's tensors do not share a leading (sample) dimension "
+                          f"({listing}): give every tensor the batch's samples along dim 0")
+    return next(iter(sizes.values()))
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """`batch` split along dim 0 into `parts` equal micro-batches (views, no copies), the
+    structure kept (tensors, tuples/lists, dicts; other leaves repeated in each part)."""
+    if parts == 1:
+        return [batch]
+    n = batch_size(batch)
+    if n % parts:
+        raise GobrrrError(f"a batch of {n} samples does not split into {parts} equal "
+                          f"micro-batches: give a batch that is a multiple of {parts} samples")
+    size = n // parts
+    return [map_tensors(batch, lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def _tensor_leaves(x: Any, where: str = "batch"):
+    if isinstance(x, torch.Tensor):
+        yield where, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _tensor_leaves(v, f"{where}[{k!r}]")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from _tensor_leaves(v, f"{where}[{i}]")
+
+
+class TrainStep:
+    """One optimizer step of a workload, callable: `step(batch=None)` (the workload's own
+    batch when None) runs it and returns the loss of the whole batch (detached; the mean of
+    the micro-batch losses), or None when `keep_loss` is False.
+
+    Args:
+        workload: the step's model (as it runs: compiled, checkpointed, ...) and its loss.
+        optimizer: steps the model's parameters.
+        precision: one of gobrrr.precision.PRECISIONS; the mixed ones run forward and loss
+            under autocast on `device_type`. (Casting weights and inputs for pure "bf16" is
+            the caller's: `cast_batch`, and the model converted before the optimizer is made.)
+        device_type: "cuda" or "cpu", for autocast.
+        accumulation: micro-batches per optimizer step (the batch's samples must divide).
+        scaler: the fp16 GradScaler (see make_scaler) or None.
+        phase: a context manager factory wrapped around each phase ("forward", "backward",
+            "optimizer"), e.g. a profiler range; none by default.
+        keep_loss: return the loss. Off, each micro-batch's loss is freed right after its
+            backward (the trace of the step then holds it no longer than it must).
+    """
+
+    def __init__(self, workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
+                 *, device_type: str = "cuda", accumulation: int = 1,
+                 scaler: torch.amp.GradScaler | None = None, phase: PhaseContext | None = None,
+                 keep_loss: bool = True) -> None:
+        check_precision(precision)
+        if accumulation < 1:
+            raise GobrrrError(f"accumulation={accumulation}: give 1 or more micro-batches")
+        self.workload, self.optimizer, self.precision = workload, optimizer, precision
+        self.device_type, self.accumulation, self.scaler = device_type, accumulation, scaler
+        self._phase = phase
+        self.keep_loss = keep_loss
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self._phase(name) if self._phase is not None else contextlib.nullcontext()
+
+    def __call__(self, batch: Batch | None = None) -> torch.Tensor | None:
+        micro = split_batch(self.workload.batch if batch is None else batch, self.accumulation)
+        total = None
+        for mb in micro:
+            loss = self.forward(mb)
+            self.backward(loss)
+            if self.keep_loss:
+                total = loss.detach() if total is None else total + loss.detach()
+            del loss
+        with self.phase("optimizer"):
+            self.optimizer_step()
+        return total
+
+    def forward(self, micro_batch: Batch) -> torch.Tensor:
+        """Forward and loss of one micro-batch, scaled by 1/accumulation."""
+        with self.phase("forward"), autocast_for(self.precision, self.device_type):
+            loss = self.workload.compute_loss(micro_batch)
+            return loss / self.accumulation if self.accumulation > 1 else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.phase("backward"):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def optimizer_step(self) -> None:
+        """optimizer.step (through the GradScaler, which skips a step whose gradients hold an
+        inf or NaN) and zero_grad(set_to_none=True)."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+__all__ = ["TrainStep", "autocast_for", "batch_size", "cast_batch", "make_scaler",
+           "split_batch"]

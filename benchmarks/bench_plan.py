@@ -72,6 +72,7 @@ def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict, w
     from gobrrr.estimate import workload_factory
     from gobrrr.plan.apply import apply
     from gobrrr.plan.knobs import Knobs
+    from gobrrr.profile.runner import time_steps
 
     row: dict = {}
     try:
@@ -84,14 +85,7 @@ def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict, w
             step(batch)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(batch)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+        times = time_steps(lambda: step(batch), steps, device)
         row.update(step_s=statistics.median(times), step_times=times,
                    peak_allocated=torch.cuda.max_memory_allocated(),
                    peak_reserved=torch.cuda.max_memory_reserved())

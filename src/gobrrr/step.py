@@ -25,7 +25,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.precision import autocast_dtype, check_precision
-from gobrrr.workload import Batch, Workload, map_tensors
+from gobrrr.workload import Batch, Workload, _leaves, map_tensors
 
 PhaseContext = Callable[[str], contextlib.AbstractContextManager]
 
@@ -76,14 +76,8 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
 
 
 def _tensor_leaves(x: Any, where: str = "batch"):
-    if isinstance(x, torch.Tensor):
-        yield where, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _tensor_leaves(v, f"{where}[{k!r}]")
-    elif isinstance(x, (tuple, list)):
-        for i, v in enumerate(x):
-            yield from _tensor_leaves(v, f"{where}[{i}]")
+    """(path, tensor) of every tensor leaf of a batch (see workload's _leaves)."""
+    return ((w, v) for w, v in _leaves(x, where) if isinstance(v, torch.Tensor))
 
 
 class TrainStep:

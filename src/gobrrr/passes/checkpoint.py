@@ -26,14 +26,13 @@ them (the pass applies to graphs traced without checkpointing).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 from collections.abc import Mapping
 
 from gobrrr.capture.saved import AUTOGRAD, AUTOGRAD_VERSION
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.passes import gc_paused
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
 from gobrrr.transforms import POLICIES, checkpoint_meta
 
@@ -45,7 +44,7 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
     _check(graph, policies)
     if not policies:
         return graph
-    with _no_gc():
+    with gc_paused():
         facts = Facts(graph)
         blocks = sorted((make_block(facts, n, p) for n, p in policies.items()),
                         key=lambda b: b.lo)
@@ -59,20 +58,6 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
                 passes=[*graph.meta.get("passes", []),
                         {"pass": "checkpoint", "policies": dict(policies)}])
     return dataclasses.replace(out, meta=meta)
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """The pass makes tens of thousands of small objects and no reference cycles; Python's
-    cycle collector would walk the whole heap (the traced model's too) again and again, more
-    than doubling the time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:

@@ -31,16 +31,15 @@ trace, for tests and the planner's `--verify`.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gobrrr.errors import GobrrrError
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.passes import gc_paused
 
 #: The micro-batches the planner traces a workload at, to derive every other one.
 TRACE_AT = (2, 4)
@@ -279,7 +278,7 @@ class BatchFamily:
                 f"micro-batch {b} cannot be derived from traces at {self.b1} and {self.b2}: "
                 f"{where} changes by {d} between them, which is not a whole number per sample",
                 hint=f"trace micro-batch {b} (derivable: {self.b1} + multiples of {self.step})")
-        with _gc_paused():  # ~10^5 small objects: a collection pass would double the time
+        with gc_paused():  # ~10^5 small objects: a collection pass would double the time
             nodes = tuple(_node_at(r, k, den) for r in self._nodes)
             storages = tuple(s if type(s) is StorageInfo else _storage_at(s, k, den)
                              for s in self._storages)
@@ -307,17 +306,6 @@ def family(trace: Callable[[int], StepGraph], b1: int = TRACE_AT[0],
         return BatchFamily(g1, b1, g2, b2, trace=trace)
     except BatchDependentStructure:
         return BatchFamily(trace(b1), b1, g2, b2, trace=trace)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _with_pass(meta: dict[str, Any], b: int, traced: bool) -> dict[str, Any]:

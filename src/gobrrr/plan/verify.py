@@ -60,6 +60,7 @@ def _one(make_workload, p: Plan, precision: str, warmup: int, steps: int) -> Ver
     import torch
 
     from gobrrr.plan.apply import apply
+    from gobrrr.profile.runner import time_steps
 
     try:
         with torch.device("cuda"):
@@ -69,14 +70,7 @@ def _one(make_workload, p: Plan, precision: str, warmup: int, steps: int) -> Ver
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+        times = time_steps(step, steps, "cuda")
         return Verified(p, statistics.median(times), torch.cuda.max_memory_allocated(),
                         torch.cuda.max_memory_reserved())
     except torch.cuda.OutOfMemoryError as e:

@@ -2,7 +2,7 @@
 and the device time per kernel kind, recorded on a GPU.
 
     PYTHONUNBUFFERED=1 python benchmarks/zoo_diagnose.py --out OUT.json \
-        [--alloc-cases NAME,NAME] [--profile-cases NAME,NAME] [--parallel 4]
+        [--alloc-cases NAME,NAME] [--profile-cases NAME,NAME] [--parallel 5]
     python benchmarks/zoo_diagnose.py --out /tmp/d.json --device cpu --alloc-cases \
         vit_b_16-tv --profile-cases "" --batch 2      # a dry run of the tagging on the CPU
 
@@ -16,9 +16,11 @@ and the device time per kernel kind, recorded on a GPU.
    ops that own an event ([op, module, phase, autograd node]; the module in forward, the
    autograd node in backward), where each phase starts, the counters after each step, the
    peaks of the last step (reset at its start) and the segments at the end.
-2. Per-kernel-kind comparisons (`--profile-cases`): zoo/profile_compare.py's `one` (gobrrr's
-   prediction beside gobrrr.profile of the same step, kernel by kernel), each case in a fresh
-   process, run one at a time after the traces so the GPU is quiet.
+2. Per-kernel comparisons (`--profile-cases`): as zoo/profile_compare.py (gobrrr's prediction
+   beside gobrrr.profile of the same step, joined kernel by kernel: per kernel kind, module,
+   phase), plus per ATen op, the single ops with the largest gaps and the measured ops joined
+   to no predicted op; each case in a fresh process, one at a time after the traces so the
+   GPU is quiet.
 
 An error is recorded per item, never fatal; OUT.json is rewritten after every item.
 """
@@ -235,6 +237,73 @@ def trace_case(name: str, device: str, batch: int | None) -> dict:
             **compact_trace(trace, marks.marks, phases), "strings": names.table()}
 
 
+# -- the child: one case's per-kernel comparison ---------------------------------------------
+
+
+def profile_case(name: str, device: str, batch: int | None) -> dict:
+    """zoo/profile_compare.py's comparison (per kernel kind, module, phase), plus the same per
+    ATen op, the ops with the largest device-time gap and the measured ops joined to no
+    predicted op, by name."""
+    from zoo.cases import get_case
+
+    import gobrrr
+    from gobrrr.hardware import find_calibration, get_gpu, match_device_name
+    from gobrrr.profile.api import profile
+    from gobrrr.profile.compare import compare
+
+    case = get_case(name)
+    spec = (match_device_name(torch.cuda.get_device_name()) if device == "cuda" else None) \
+        or get_gpu("h100")
+    cal = find_calibration(spec)
+    kw = {"batch_size": batch} if batch else {}
+    est = gobrrr.estimate(lambda: case.factory()(**kw), gpu=spec, precision=case.precision,
+                          compile=case.compile, calibration=cal)
+    res = profile(case.factory()(**kw), device=device, precision=case.precision,
+                  compile=case.compile, graph=est.graph, calibration=cal,
+                  steps=3 if device == "cpu" else 10)
+    pred = {p.index: p for p in est.time.ops}
+    joined = [(pred[m.node], m) for m in res.ops if m.node in pred]
+    return {"name": name, "predicted_step_s": est.time.step_s, "measured_step_s": res.step_s,
+            "predicted_device_s": sum(p.device_s for p in est.time.ops),
+            "measured_busy_s": res.busy_s, "measured_idle_s": res.idle_s,
+            "compare": compare(est.time, res).to_dict(), "aten": by_aten(joined),
+            "worst_ops": worst_ops(joined), "unjoined": unjoined(res.ops, pred)}
+
+
+def by_aten(joined: list) -> list[dict]:
+    """Predicted and measured device seconds per (ATen op, phase), largest measured first."""
+    acc: dict[tuple[str, str], list] = {}
+    for p, m in joined:
+        a = acc.setdefault((p.op, p.phase), [0.0, 0.0, 0])
+        a[0] += p.device_s
+        a[1] += m.device_s
+        a[2] += 1
+    rows = [{"op": k[0], "phase": k[1], "predicted_s": a[0], "measured_s": a[1], "n": a[2]}
+            for k, a in acc.items()]
+    return sorted(rows, key=lambda r: -r["measured_s"])[:60]
+
+
+def worst_ops(joined: list, n: int = 40) -> list[dict]:
+    """The single ops whose measured device time most exceeds (or trails) the prediction."""
+    rows = sorted(joined, key=lambda pm: -abs(pm[1].device_s - pm[0].device_s))[:n]
+    return [{"index": p.index, "op": p.op, "module": p.module, "phase": p.phase,
+             "kind": p.kind, "math": p.math, "flops": p.flops, "bytes": p.bytes,
+             "predicted_s": p.device_s, "measured_s": m.device_s, "kernels": m.kernels,
+             "kernel": m.kernel[:160]} for p, m in rows]
+
+
+def unjoined(ops, pred: dict) -> list[dict]:
+    """Measured ops joined to no predicted op: device seconds and count per op name."""
+    acc: dict[str, list] = {}
+    for m in ops:
+        if m.node not in pred:
+            a = acc.setdefault(m.op, [0.0, 0, m.kernel[:120]])
+            a[0] += m.device_s
+            a[1] += 1
+    return sorted(({"op": k, "measured_s": a[0], "n": a[1], "kernel": a[2]}
+                   for k, a in acc.items()), key=lambda r: -r["measured_s"])[:30]
+
+
 # -- the parent ------------------------------------------------------------------------------
 
 
@@ -293,9 +362,7 @@ def one(what: str, name: str, device: str, batch: int | None) -> dict:
     try:
         if what == "alloc":
             return trace_case(name, device, batch)
-        from zoo.profile_compare import one as profile_one
-
-        return profile_one(name, device, batch, None)
+        return profile_case(name, device, batch)
     except Exception as e:  # recorded, not fatal
         return {"name": name, "error": f"{type(e).__name__}: {str(e)[:1500]}",
                 "traceback": traceback.format_exc()[-2000:]}
@@ -348,7 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the JSON to write")
     ap.add_argument("--alloc-cases", default=",".join(ALLOC_CASES))
     ap.add_argument("--profile-cases", default=",".join(PROFILE_CASES))
-    ap.add_argument("--parallel", type=int, default=4,
+    ap.add_argument("--parallel", type=int, default=5,
                     help="allocator traces run at once (each its own process and allocator)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=None, help="override the batch (dry runs)")

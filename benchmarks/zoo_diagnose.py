@@ -72,13 +72,16 @@ class _Names:
         return list(self.ids)
 
 
+_BASE = [0, 0]  # the counts when the recording started: the trace's events count from there
+
+
 def _counts(device: int | None) -> tuple[int, int]:
-    """(allocations so far, frees so far) of the caching allocator, cumulative; (0, 0) on the
-    CPU (a dry run)."""
+    """(allocations, frees) the caching allocator made since the recording started; (0, 0)
+    on the CPU (a dry run)."""
     if device is None:
         return 0, 0
     s = torch.cuda.memory_stats_as_nested_dict(device)["allocation"]["all"]
-    return s["allocated"], s["freed"]
+    return s["allocated"] - _BASE[0], s["freed"] - _BASE[1]
 
 
 def _autograd_node():
@@ -193,6 +196,7 @@ def trace_case(name: str, device: str, batch: int | None) -> dict:
         torch.cuda.init()
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=4_000_000)
+        _BASE[:] = _counts(idx)
     names, where = _Names(), {"phase": "build", "module": [], "step": 0}
     phases: list[tuple[str, tuple[int, int]]] = [("build", _counts(idx))]
     counts0 = _counts(idx)
@@ -233,8 +237,11 @@ def trace_case(name: str, device: str, batch: int | None) -> dict:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][idx]
-    return {**out, "trace_entries": len(trace), "segments_end": segments_now(),
-            **compact_trace(trace, marks.marks, phases), "strings": names.table()}
+    compact = compact_trace(trace, marks.marks, phases)
+    # the op tags hold only if the trace saw every alloc and free the counters did
+    traced = [sum(e[0] == k for e in compact["events"]) for k in (0, 1)]
+    return {**out, "trace_entries": len(trace), "segments_end": segments_now(), **compact,
+            "strings": names.table(), "traced_vs_counted": [traced, list(_counts(idx))]}
 
 
 # -- the child: one case's per-kernel comparison ---------------------------------------------

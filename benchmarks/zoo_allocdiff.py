@@ -59,7 +59,10 @@ def real_steps(row: dict) -> list[dict]:
 
 
 def _label(strings: list[str], op: list[int]) -> str:
-    name = strings[op[0]].replace("aten.", "").replace(".default", "")
+    """"mm @ module" (forward) or "mm @ MmBackward0" (backward): the op's name without its
+    namespace and overload, as gobrrr's OpNode.name."""
+    parts = strings[op[0]].split(".")
+    name = parts[1] if len(parts) >= 2 else parts[0]
     where = strings[op[1]] or strings[op[3]]
     return f"{name} @ {where}" if where else name
 
@@ -180,6 +183,27 @@ def sequence_diff(real: dict, pred: dict, show: int) -> list[str]:
     return out
 
 
+def unmatched(real: dict, pred: dict) -> list[tuple[str, int, int, Counter]]:
+    """Per op name: the requests one side makes and the other does not (sizes as a multiset),
+    as (op, bytes only real, bytes only predicted, {size: +n real / -n predicted})."""
+    r, p = defaultdict(Counter), defaultdict(Counter)
+    for e in real["events"]:
+        if e[0] == 0:
+            r[e[2].split(" @ ")[0]][e[1]] += 1
+    for e in pred["events"]:
+        if e[0] == 0:
+            p[e[2].split(" @ ")[0]][e[1]] += 1
+    out = []
+    for op in set(r) | set(p):
+        diff = Counter(r[op])
+        diff.subtract(p[op])
+        diff = Counter({k: v for k, v in diff.items() if v})
+        if diff:
+            out.append((op, sum(k * v for k, v in diff.items() if v > 0),
+                        -sum(k * v for k, v in diff.items() if v < 0), diff))
+    return sorted(out, key=lambda t: -(t[1] + t[2]))
+
+
 def report(row: dict, step: int, show: int) -> list[str]:
     from zoo import compare
     from zoo.cases import get_case
@@ -204,6 +228,11 @@ def report(row: dict, step: int, show: int) -> list[str]:
     out.append(f"  step {step} bytes requested by op (MiB, real / predicted), largest gaps:")
     gaps = sorted(set(rb) | set(pb), key=lambda k: -abs(rb[k] - pb[k]))[:15]
     out += [f"    {k:40s} {rb[k] / MiB:10.1f} {pb[k] / MiB:10.1f}" for k in gaps]
+    out.append(f"  step {step} requests on one side only, by op (MiB only real / only "
+               "predicted; sizes: +count real, -count predicted):")
+    for op, only_r, only_p, diff in unmatched(r, p)[:20]:
+        sizes = ", ".join(f"{k}:{v:+d}" for k, v in sorted(diff.items(), key=lambda kv: -kv[0])[:6])
+        out.append(f"    {op:40s} {only_r / MiB:9.1f} {only_p / MiB:9.1f}  {sizes}")
     for name, s in (("real", r), ("predicted", p)):
         out.append(f"  step {step} {name} segments:")
         out += ["    " + x for x in segments(s)[:30]]

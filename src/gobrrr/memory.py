@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gobrrr.cost import attention_scratch, conv
+from gobrrr.cost import attention_scratch, conv, reduce_scratch
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
@@ -305,12 +305,23 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
-    convolutions and attention kernels allocate inside themselves (their sizes per op come
-    from `cost.conv` and `cost.attention_scratch`), replayed through the caching allocator
-    against the memory CUDA leaves the process."""
+    convolutions, attention kernels and reductions allocate inside themselves (their sizes
+    per op come from `cost.conv`, `cost.attention_scratch` and `cost.reduce_scratch`),
+    replayed through the caching allocator against the memory CUDA leaves the process."""
     return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
-                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph),
+                    scratch=merge_scratch(conv.scratch(graph, cal),
+                                          attention_scratch.scratch(graph),
+                                          reduce_scratch.scratch(graph)),
                     budget=process_budget(gpu, cal))
+
+
+def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:
+    """{op index: blocks} of several scratch tables, an op's blocks in the order given."""
+    out: dict[int, tuple[int, ...]] = {}
+    for part in parts:
+        for i, v in part.items():
+            out[i] = out.get(i, ()) + _blocks(v)
+    return out
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:

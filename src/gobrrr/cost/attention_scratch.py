@@ -6,9 +6,12 @@ kernel allocates and frees within the call go through PyTorch's caching allocato
 (torch 2.11, cuDNN 9.19) in `benchmarks/results/sdpa_backends_h100.json`, checked by
 `tests/test_sdpa.py`:
 
-- cuDNN forward and backward: nothing, except that the backward of grouped-query attention
-  (fewer KV heads than query heads) computes dK and dV at the query heads in fp32 and sums
-  them after: 2 x 4 bytes x B x Hq x Sk x D.
+- cuDNN forward: nothing. cuDNN backward: dQ accumulated in fp32 and the row terms
+  (4 x B x Hq x Sq x (D + 1) bytes, plus 256) in one block, seen request by request in the
+  allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`: ViT-B/16 at
+  S=197, Whisper at Sq=1500 and 128, exact to the byte); with grouped-query attention (fewer
+  KV heads than query heads) it computes dK and dV at the query heads in fp32 and sums them
+  after instead: 2 x 4 bytes x B x Hq x Sk x D.
 - memory-efficient (CUTLASS) backward: its row terms (delta, 4 bytes x B x Hq x Sq) and, for
   16-bit inputs, dQ accumulated across key blocks in fp32 (4 x B x Hq x Sq x D; from the
   kernel's source: fp32 outputs are accumulated in place). In the fp32 record the rest of the
@@ -45,7 +48,7 @@ def op_scratch(node: OpNode) -> int:
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if name == _CUDNN_BWD:
-        return 2 * 4 * b * hq * sk * d if hk != hq else 0
+        return 2 * 4 * b * hq * sk * d if hk != hq else 4 * b * hq * sq * (d + 1) + 256
     if name == _EFFICIENT_BWD:
         accum = 4 * b * hq * sq * d if q.itemsize < 4 else 0
         return accum + 4 * b * hq * sq

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gobrrr.cost import attention_scratch, conv, reduce_scratch
+from gobrrr.cost import attention_scratch, conv, norm_scratch, reduce_scratch
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
@@ -305,13 +305,15 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
-    convolutions, attention kernels and reductions allocate inside themselves (their sizes
-    per op come from `cost.conv`, `cost.attention_scratch` and `cost.reduce_scratch`),
+    convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
+    (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
+    and `cost.norm_scratch`),
     replayed through the caching allocator against the memory CUDA leaves the process."""
     return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
                     scratch=merge_scratch(conv.scratch(graph, cal),
                                           attention_scratch.scratch(graph),
-                                          reduce_scratch.scratch(graph)),
+                                          reduce_scratch.scratch(graph),
+                                          norm_scratch.scratch(graph)),
                     budget=process_budget(gpu, cal))
 
 

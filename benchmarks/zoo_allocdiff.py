@@ -110,13 +110,12 @@ class RecordingAllocator(CachingAllocator):
 
 def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
     """The prediction's process replayed as gobrrr.memory does, split like `real_steps`."""
-    from gobrrr.cost import attention_scratch, conv
     from gobrrr.hardware import find_calibration
 
     g = est.graph
     cal = find_calibration(est.gpu)
     ws = memory.blas_workspaces(g, est.gpu, cal)
-    scratch = conv.scratch(g, cal) | attention_scratch.scratch(g)
+    scratch = memory.step_scratch(g, cal)
     proc = memory._Process(g, ws, scratch, None)
     where = {"node": None}
 

@@ -310,11 +310,13 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
     and `cost.norm_scratch`),
     replayed through the caching allocator against the memory CUDA leaves the process."""
     return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
-                    scratch=merge_scratch(conv.scratch(graph, cal),
-                                          attention_scratch.scratch(graph),
-                                          reduce_scratch.scratch(graph),
-                                          norm_scratch.scratch(graph)),
-                    budget=process_budget(gpu, cal))
+                    scratch=step_scratch(graph, cal), budget=process_budget(gpu, cal))
+
+
+def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[int, ...]]:
+    """{op index: blocks} every op of the step allocates and frees inside itself."""
+    return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
+                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph))
 
 
 def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:

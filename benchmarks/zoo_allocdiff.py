@@ -114,7 +114,7 @@ def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
 
     g = est.graph
     cal = find_calibration(est.gpu)
-    ws = memory.blas_workspaces(g, est.gpu, cal)
+    ws = memory.blas_workspace_ops(g, est.gpu, cal)
     scratch = memory.step_scratch(g, cal)
     proc = memory._Process(g, ws, scratch, None)
     where = {"node": None}

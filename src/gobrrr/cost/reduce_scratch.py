@@ -148,20 +148,33 @@ def reduce_buffers(shape: Sequence[int], strides: Sequence[int], dims: Sequence[
     return size, 4 * grid
 
 
+def _cast_copy(node: OpNode) -> int:
+    """Bytes of the copy a reduction makes of an input whose dtype is not the one it reduces
+    in (ATen's make_reduction: `self.to(in_dtype)`, e.g. a sum of bools counts in int64; a
+    16-bit float input reduced into fp32 is read as it is)."""
+    x, out = node.inputs[0], node.outputs[0] if node.outputs else None
+    if out is None or out.dtype == x.dtype:
+        return 0
+    if x.dtype in ("bfloat16", "float16") and out.dtype == "float32":
+        return 0
+    return x.numel * out.itemsize
+
+
 def op_scratch(node: OpNode) -> tuple[int, ...]:
-    """The blocks (bytes) a sum or mean op allocates inside itself, in order; () otherwise."""
-    if node.name not in REDUCTIONS or not node.inputs:
+    """The blocks (bytes) a sum or mean op allocates inside itself, in order: a copy of an
+    input of another dtype, the staging buffer and semaphores; () for other ops."""
+    if node.name not in REDUCTIONS or not node.inputs or not node.inputs[0].shape:
         return ()
-    x = node.inputs[0]
-    if not x.shape or x.dtype not in ("float32", "bfloat16", "float16"):
-        return ()
+    x, copy = node.inputs[0], _cast_copy(node)
     dims = node.arg(1, "dim")
     if isinstance(dims, int):
         dims = [dims]
     if not dims:
         dims = list(range(len(x.shape)))
-    buf, sem = reduce_buffers(x.shape, x.stride, dims, x.itemsize)
-    return (buf, sem) if buf else ()
+    buf = sem = 0
+    if x.dtype in ("float32", "bfloat16", "float16"):
+        buf, sem = reduce_buffers(x.shape, x.stride, dims, x.itemsize)
+    return tuple(b for b in (copy, buf, sem) if b)
 
 
 def scratch(graph: StepGraph) -> dict[int, tuple[int, ...]]:

@@ -42,6 +42,15 @@ def test_reduce_buffers_match_requests_read_off_the_trace(shape, dtype_bytes, ex
     assert reduce_buffers(shape, (shape[1], 1), [0], dtype_bytes) == expected
 
 
+def test_a_convolutions_bias_gradient_stages_as_laid_out():
+    """ViT-B/16's patch-embedding gradient (64, 768, 14, 14) bf16 arrives channels-last (from
+    the permute after it): its bias's sum reduces across blocks, as the trace recorded
+    (77,070,336 + 24 bytes); laid out channels-first, the same sum would not."""
+    assert reduce_buffers((64, 768, 14, 14), (150528, 1, 10752, 768), [0, 2, 3], 2) == (
+        77070336, 24)
+    assert reduce_buffers((64, 768, 14, 14), (150528, 196, 14, 1), [0, 2, 3], 2) == (0, 0)
+
+
 def test_a_reduction_within_blocks_stages_nothing():
     """Summing a row's 768 values (the fastest dim) needs no second pass: no staging."""
     assert reduce_buffers((8192, 768), (768, 1), [1], 4) == (0, 0)

@@ -11,7 +11,8 @@ come from the caching allocator and are freed when the op returns. This module r
 choice (for an H100: 132 SMs, 2048 threads per SM, warps of 32). Checked request by request
 against the allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`):
 BERT's bias gradients in fp32 (768 and 3072 wide, 30522 for the decoder: 48 MiB, 132 MiB and
-29.8 MiB buffers), ViT's and Whisper's under autocast.
+29.8 MiB buffers), ViT's and Whisper's under autocast, and the bias gradient a
+convolution_backward sums inside itself (ViT's patch embedding, Whisper's second conv).
 """
 
 from __future__ import annotations
@@ -160,9 +161,25 @@ def _cast_copy(node: OpNode) -> int:
     return x.numel * out.itemsize
 
 
+def _conv_bias_grad(node: OpNode) -> tuple[int, ...]:
+    """A convolution_backward that returns the bias's gradient sums grad_output over every dim
+    but the channels (as the tensor is laid out: a channels-last gradient reduces across
+    blocks); its staging blocks."""
+    mask = node.arg(10, "output_mask")
+    go = node.inputs[0] if node.inputs else None
+    if not mask or len(mask) < 3 or not mask[2] or go is None or len(go.shape) < 3 \
+            or go.dtype not in ("float32", "bfloat16", "float16"):
+        return ()
+    buf, sem = reduce_buffers(go.shape, go.stride, [0, *range(2, len(go.shape))], go.itemsize)
+    return (buf, sem) if buf else ()
+
+
 def op_scratch(node: OpNode) -> tuple[int, ...]:
     """The blocks (bytes) a sum or mean op allocates inside itself, in order: a copy of an
-    input of another dtype, the staging buffer and semaphores; () for other ops."""
+    input of another dtype, the staging buffer and semaphores; for a convolution_backward,
+    its bias gradient's staging blocks; () for other ops."""
+    if node.name == "convolution_backward":
+        return _conv_bias_grad(node)
     if node.name not in REDUCTIONS or not node.inputs or not node.inputs[0].shape:
         return ()
     x, copy = node.inputs[0], _cast_copy(node)

@@ -50,7 +50,7 @@ _CONV_SCRATCH = ("cuDNN's buffers inside each convolution are modelled as the ca
                  "fp32 1x1s nothing and its 3x3s about twice their input): a per-class "
                  "calibration of them is the next step")
 _RUN_TO_RUN = ("the measured reserved peak moves between runs of this same step: 6.35 GiB in "
-               "zoo_h100.json, 6.69 GiB in zoo_diagnose_h100.json (3 more 112 MiB segments; "
+               "zoo_h100.json, 6.69 GiB in zoo_diagnose_h100.json (3 more segments, 0.34 GiB; "
                "the prediction is within 0.5% of that run)")
 _HOST_TIME = ("device side within 1-4 ms per kernel kind (zoo_diagnose_h100.json); measured "
               "79.5 ms here, 70.9 and 71.5 ms in two later runs on other H100 hosts "

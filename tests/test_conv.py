@@ -13,10 +13,9 @@ from torch import nn
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost import conv
-from gobrrr.cost.shapes import conv_class
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.roofline import Rates, time_op
-from gobrrr.cost.shapes import gemm_dims
+from gobrrr.cost.shapes import conv_class, gemm_dims
 from gobrrr.graph import OpNode, StepGraph, StorageInfo
 from gobrrr.hardware import get_gpu
 from gobrrr.memory import simulate

@@ -48,4 +48,4 @@ def test_allocdiff_reads_the_compact_trace_back():
     build, step = zoo_allocdiff.real_steps(row)
     assert [e[:2] for e in build["events"]] == [(2, 2 * MiB), (0, 100), (0, 200), (1, 100)]
     assert [(e[0], e[1], e[2]) for e in step["events"]] == [
-        (0, 300, "add.Tensor @ fc"), (0, 50, "mul.Tensor @ fc"), (1, 200, "mul.Tensor @ fc")]
+        (0, 300, "add @ fc"), (0, 50, "mul @ fc"), (1, 200, "mul @ fc")]

@@ -1,0 +1,148 @@
+"""8-bit optimizer states (torchao's AdamW8bit) measured on a GPU: the calibration section the
+cost model reads, and real training steps with and without 8-bit states.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/bench_optim_states.py \\
+        --out benchmarks/results/optim8_h100.json [--steps 5] [--warmup 3]
+
+1. The `optim8` calibration section (gobrrr.profile.calibrate_optim): torchao's AdamW8bit step
+   over parameter sizes x parameters per step — device seconds, host seconds and kernels per
+   update, the bytes an update allocates and frees.
+2. Real steps, bf16-mixed, each configuration in a fresh process (benchmarks/bench_plan.py's
+   child: gobrrr.apply, warm-up — the first 8-bit step compiles —, peak stats reset, `--steps`
+   steps timed with CUDA events, median): gobrrr's gpt2 and a Llama-3 1B shape, optimizer
+   states as-is (fused-less AdamW, foreach) and 8-bit. The predictions are computed apart on
+   a CPU from the same knobs (see tests/test_optim8.py) and held against these.
+Every item records its own error instead of ending the run; OUT is rewritten after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+
+VERSION = 1
+
+#: name -> (workload source, seq, global batch = micro-batch), bf16-mixed.
+CASES = {
+    "gpt2-b8-s1024": ("gpt2", 1024, 8),
+    "gpt2-b1-s256": ("gpt2", 256, 1),  # host-bound: the per-parameter host cost shows
+    "llama3-1b-b2-s2048": ("llama3-1b", 2048, 2),
+}
+STATES = ("as-is", "8bit")
+PRECISION = "bf16-mixed"
+BUDGET_S = 215  # stop starting new items after this long (the whole run stays under 4 min)
+
+
+def section_child() -> dict:
+    """The optim8 section, measured in this (fresh) process."""
+    import torch
+
+    from gobrrr.profile.calibrate_optim import optim8_section
+
+    t0 = time.perf_counter()
+    out = optim8_section(torch.device("cuda"))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def run_child(flag: str, payload: str, timeout: int, extra: list[str] = ()) -> dict:
+    cmd = [sys.executable, str(HERE), flag, payload, *extra]
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": {"type": "timeout", "seconds": timeout}}
+    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash",
+                                                       "message": proc.stderr[-2000:]}}
+    row["wall_s"] = time.perf_counter() - t
+    return row
+
+
+def case_child(spec: list, warmup: int, steps: int) -> dict:
+    from bench_plan import run_one
+
+    source, seq, g, states = spec
+    knobs = {"micro_batch": g, "accumulation": 1, "optimizer_states": states}
+    return run_one(source, seq, g, PRECISION, knobs, warmup, steps, "cuda")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--section", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args, _ = ap.parse_known_args()
+    if args.section or args.one:
+        try:
+            row = section_child() if args.section else case_child(json.loads(args.one),
+                                                                  args.warmup, args.steps)
+        except Exception as e:  # recorded by the parent
+            row = {"error": {"type": type(e).__name__, "message": str(e)[:2000],
+                             "traceback": traceback.format_exc().splitlines()[-12:]}}
+        print("ROW " + json.dumps(row))
+        return
+    if not args.out:
+        ap.error("--out PATH.json is required")
+    run(args)
+
+
+def run(args) -> None:
+    from bench_plan import child_environment
+
+    t0 = time.perf_counter()
+    path = Path(args.out)
+    out: dict = {"version": VERSION, "benchmark": "optim8", "precision": PRECISION,
+                 "settings": {"warmup": args.warmup, "steps": args.steps}, "cases": {}}
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)
+
+    out["environment"] = _guard(child_environment)
+    save()
+    out["section"] = run_child("--section", "1", 150)
+    print("section:", {k: out["section"].get(k) for k in ("seconds", "wall_s", "error")},
+          flush=True)
+    save()
+    for name in args.cases.split(","):
+        source, seq, g = CASES[name]
+        for states in STATES:
+            key = f"{name}:{states}"
+            if time.perf_counter() - t0 > BUDGET_S:
+                out["cases"][key] = {"skipped": f"past the {BUDGET_S} s budget"}
+                continue
+            spec = json.dumps([source, seq, g, states])
+            row = run_child("--one", spec, 120, ["--warmup", str(args.warmup),
+                                                  "--steps", str(args.steps)])
+            row.update(source=source, seq=seq, batch=g, states=states)
+            out["cases"][key] = row
+            print(key, {k: row.get(k) for k in ("step_s", "peak_allocated", "peak_reserved",
+                                                "wall_s", "error")}, flush=True)
+            save()
+    out["total_s"] = time.perf_counter() - t0
+    save()
+
+
+def _guard(fn) -> dict:
+    try:
+        return fn()
+    except Exception as e:
+        return {"error": {"type": type(e).__name__, "message": str(e)[:1000]}}
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -53,18 +54,32 @@ def section_child() -> dict:
     return out
 
 
-def run_child(flag: str, payload: str, timeout: int, extra: list[str] = ()) -> dict:
+def run_child(flag: str, payload: str, timeout: int, extra: list[str] = (),
+              output_code: bool = False) -> dict:
+    """One child process; `output_code`: with Inductor's generated code logged, whose
+    buffer allocations and kernel calls are kept (what the compiled update allocates)."""
     cmd = [sys.executable, str(HERE), flag, payload, *extra]
+    env = {**os.environ, **({"TORCH_LOGS": "output_code"} if output_code else {})}
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": {"type": "timeout", "seconds": timeout}}
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
     row = json.loads(rows[-1]) if rows else {"error": {"type": "crash",
                                                        "message": proc.stderr[-2000:]}}
     row["wall_s"] = time.perf_counter() - t
+    if output_code:
+        row["inductor_calls"] = _wrapper_lines(proc.stderr)
     return row
+
+
+def _wrapper_lines(log: str, limit: int = 400) -> list[str]:
+    """The generated wrappers' allocations, kernel launches and frees, in order."""
+    keep = ("def call(", "empty_strided_cuda(", ".run(", "del buf", "return (")
+    out = [ln.split("[__output_code]", 1)[1].strip() for ln in log.splitlines()
+           if "[__output_code]" in ln and any(k in ln for k in keep)]
+    return out[:limit]
 
 
 def case_child(spec: list, warmup: int, steps: int) -> dict:
@@ -114,7 +129,7 @@ def run(args) -> None:
 
     out["environment"] = _guard(child_environment)
     save()
-    out["section"] = run_child("--section", "1", 150)
+    out["section"] = run_child("--section", "1", 150, output_code=True)
     print("section:", {k: out["section"].get(k) for k in ("seconds", "wall_s", "error")},
           flush=True)
     save()

@@ -84,22 +84,26 @@ def _dequantize(codes: Tensor, qmap: Tensor, scale: Tensor) -> Tensor:
 
 @torch.library.custom_op(
     "gobrrr::adam8bit_update",
-    mutates_args=("param", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"),
-    schema="(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scale, "
-    "Tensor? exp_avg_qmap, Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scale, "
-    "Tensor? exp_avg_sq_qmap, float step, float lr, float beta1, float beta2, "
-    "float weight_decay, float eps, bool adamw) -> Tensor[]",
+    mutates_args=("param", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq",
+                  "exp_avg_sq_scale"),
+    schema="(Tensor(a!) param, Tensor grad, Tensor(f!) step, Tensor(b!) exp_avg, "
+    "Tensor(c!)? exp_avg_scale, Tensor? exp_avg_qmap, Tensor(d!) exp_avg_sq, "
+    "Tensor(e!)? exp_avg_sq_scale, Tensor? exp_avg_sq_qmap, float lr, float beta1, "
+    "float beta2, float weight_decay, float eps, bool adamw) -> Tensor[]",
 )
-def adam8bit_update(param, grad, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq,
-                    exp_avg_sq_scale, exp_avg_sq_qmap, step, lr, beta1, beta2, weight_decay,
-                    eps, adamw):
-    """One parameter's Adam(W) update with torchao's arithmetic (`single_param_adam`): fp32
-    math, decoupled weight decay (adamw) or L2, the moments lerped and, where quantised,
-    re-quantised in blocks. Returns the fp32 buffers the compiled update holds while it
-    runs — the updated moments and their new block scales — for quantised moments, else
-    nothing."""
+def adam8bit_update(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq,
+                    exp_avg_sq_scale, exp_avg_sq_qmap, lr, beta1, beta2, weight_decay, eps,
+                    adamw):
+    """One parameter's Adam(W) update with torchao's arithmetic (`single_param_adam`): the
+    step count (a 0-d fp32 host tensor) incremented, fp32 math, decoupled weight decay
+    (adamw) or L2, the moments lerped and, where quantised, re-quantised in blocks. Returns
+    the fp32 buffers the compiled update holds while it runs — the updated moments and their
+    new block scales — for quantised moments, else nothing. (torchao increments the step
+    in Python before its compiled call; here it is part of the one op, so that the update's
+    host cost is one op's.)"""
     f32 = torch.float32
-    lr_t, step_t = torch.tensor(lr, dtype=f32), torch.tensor(step, dtype=f32)
+    step.add_(1)
+    lr_t, step_t = torch.tensor(lr, dtype=f32), step.to(f32)
     p32, g32 = param.float(), grad.float()
     if adamw:
         p32 = p32 - lr_t * weight_decay * p32
@@ -126,8 +130,8 @@ def adam8bit_update(param, grad, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_s
 
 
 @adam8bit_update.register_fake
-def _(param, grad, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq, exp_avg_sq_scale,
-      exp_avg_sq_qmap, step, lr, beta1, beta2, weight_decay, eps, adamw):
+def _(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq, exp_avg_sq_scale,
+      exp_avg_sq_qmap, lr, beta1, beta2, weight_decay, eps, adamw):
     out = []
     for codes, scale, qmap in ((exp_avg, exp_avg_scale, exp_avg_qmap),
                                (exp_avg_sq, exp_avg_sq_scale, exp_avg_sq_qmap)):
@@ -151,7 +155,7 @@ class Adam8bitTrace(torch.optim.Optimizer):
         self.decoupled = decoupled
 
     def _init_state(self, p: Tensor, state: dict) -> None:
-        state["step"] = torch.tensor(0.0, device="cpu")
+        state["step"] = torch.tensor(0.0)  # on the host, as torchao keeps it
         for name in MOMENTS:
             if quantized(p.numel()):
                 state[name] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
@@ -174,17 +178,28 @@ class Adam8bitTrace(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
-                state["step"] += 1
                 self._update(p, state, group)
         return loss
 
     def _update(self, p: Tensor, state: dict, group: dict) -> None:
         b1, b2 = group["betas"]
-        adam8bit_update(p, p.grad, state["exp_avg"], state.get("exp_avg_scale"),
+        adam8bit_update(p, p.grad, state["step"], state["exp_avg"], state.get("exp_avg_scale"),
                         state.get("exp_avg_qmap"), state["exp_avg_sq"],
                         state.get("exp_avg_sq_scale"), state.get("exp_avg_sq_qmap"),
-                        float(state["step"]), float(group["lr"]), float(b1), float(b2),
+                        float(group["lr"]), float(b1), float(b2),
                         float(group["weight_decay"]), float(group["eps"]), self.decoupled)
 
 
-__all__ = ["Adam8bitTrace", "adam8bit_update", "dynamic_map"]
+
+
+
+def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.optim.Optimizer:
+    """The optimizer a trace runs for `states`: Adam8bitTrace in place of torchao's 8-bit
+    Adam(W) (same groups and hyper-parameters), else what `gobrrr.apply` runs."""
+    from gobrrr.optim import adam_hyper, states_optimizer
+
+    if states != "8bit":
+        return states_optimizer(opt, states)
+    decoupled, groups = adam_hyper(opt)
+    return Adam8bitTrace(groups, decoupled=decoupled)
+__all__ = ["Adam8bitTrace", "adam8bit_update", "dynamic_map", "traced_states_optimizer"]

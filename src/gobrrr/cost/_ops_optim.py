@@ -141,7 +141,7 @@ def adam8bit_bytes(numel: int, param_itemsize: int, grad_itemsize: int) -> int:
 
 
 def adam8bit_update(node: OpNode, tf32: bool) -> OpCost:
-    """gobrrr::adam8bit_update(param, grad, exp_avg, exp_avg_scale?, exp_avg_qmap?,
+    """gobrrr::adam8bit_update(param, grad, step, exp_avg, exp_avg_scale?, exp_avg_qmap?,
     exp_avg_sq, exp_avg_sq_scale?, exp_avg_sq_qmap?, ...) -> fp32 working buffers: one
     parameter's torchao 8-bit Adam(W) update (its compiled `single_param_adam`). Bytes: the
     minimal traffic (`adam8bit_bytes`) plus the fp32 buffers it returns, written and read

@@ -13,7 +13,7 @@ from gobrrr.estimate import workload_factory
 from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
-from gobrrr.optim import states_optimizer
+from gobrrr.optim_trace import traced_states_optimizer
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 
@@ -73,7 +73,8 @@ class Tracer:
 
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
-        and loss, the optimizer keeping its states as planned."""
+        and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
+        one traced op per update, `optim_trace`)."""
         if not self.fused_loss and self.states == "as-is":
             return make
 
@@ -83,7 +84,8 @@ class Tracer:
                 use_fused_loss(w.model)
             if self.states != "as-is":
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-                w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
+                w.optimizer = lambda ps, states=self.states: traced_states_optimizer(
+                    user(ps), states)
             return w
 
         return build

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gobrrr.cost._ops_optim import BLOCK, quantized
+from gobrrr.cost._ops_optim import BLOCK, QMAP, quantized
 from gobrrr.errors import GobrrrError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -141,6 +141,15 @@ def _(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq, exp_a
     return out
 
 
+def state_bytes(numel: int, itemsize: int) -> int:
+    """Bytes of the two moments torchao's 8-bit Adam keeps for a parameter of `numel`
+    elements of `itemsize` bytes (the step, a host tensor, aside): codes, scales and code
+    books where quantised, else two tensors like the parameter."""
+    if quantized(numel):
+        return 2 * (numel + 4 * (numel // BLOCK) + 4 * QMAP)
+    return 2 * numel * itemsize
+
+
 class Adam8bitTrace(torch.optim.Optimizer):
     """torchao's Adam8bit / AdamW8bit (decoupled) with plain-tensor states and one
     `gobrrr::adam8bit_update` per parameter; block size 256, no amsgrad, no stochastic
@@ -202,4 +211,5 @@ def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.op
         return states_optimizer(opt, states)
     decoupled, groups = adam_hyper(opt)
     return Adam8bitTrace(groups, decoupled=decoupled)
-__all__ = ["Adam8bitTrace", "adam8bit_update", "dynamic_map", "traced_states_optimizer"]
+__all__ = ["Adam8bitTrace", "adam8bit_update", "dynamic_map", "state_bytes",
+           "traced_states_optimizer"]

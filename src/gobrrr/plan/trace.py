@@ -90,6 +90,16 @@ class Tracer:
 
         return build
 
+    def states_refusal(self, states: str) -> str | None:
+        """Why the workload's optimizer cannot keep its states as `states` (None: it can)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+            try:
+                traced_states_optimizer(w.make_optimizer(), states)
+            except GobrrrError as e:
+                return str(e)
+        return None
+
     def fused_loss_refusal(self) -> str | None:
         """Why the fused loss does not apply to this model (None: it does)."""
         with torch.device("meta"):

@@ -11,7 +11,8 @@ cost model reads, and real training steps with and without 8-bit states.
    child: gobrrr.apply, warm-up — the first 8-bit step compiles —, peak stats reset, `--steps`
    steps timed with CUDA events, median): gobrrr's gpt2 and a Llama-3 1B shape, optimizer
    states as-is (fused-less AdamW, foreach) and 8-bit. The predictions are computed apart on
-   a CPU from the same knobs (see tests/test_optim8.py) and held against these.
+   a CPU from the same knobs and held against these (`--compare OUT.json`, which also sets
+   the section in a calibration file with `--into`).
 Every item records its own error instead of ending the run; OUT is rewritten after each.
 """
 
@@ -96,6 +97,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--compare", metavar="RESULTS.json",
+                    help="predict the measured cases and write the errors into RESULTS.json")
+    ap.add_argument("--into", metavar="CALIBRATION.json",
+                    help="with --compare: set the measured optim8 section in this calibration")
     ap.add_argument("--section", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
@@ -107,6 +112,9 @@ def main() -> None:
             row = {"error": {"type": type(e).__name__, "message": str(e)[:2000],
                              "traceback": traceback.format_exc().splitlines()[-12:]}}
         print("ROW " + json.dumps(row))
+        return
+    if args.compare:
+        compare(args.compare, args.into)
         return
     if not args.out:
         ap.error("--out PATH.json is required")
@@ -150,6 +158,48 @@ def run(args) -> None:
             save()
     out["total_s"] = time.perf_counter() - t0
     save()
+
+
+# -- after the run, on any machine: the predictions beside the measurements --------------------
+def compare(results: str | Path, into: str | Path | None = None) -> dict:
+    """Predict every measured case on the CPU (traced on fake tensors, costed on the shipped
+    H100 calibration with the optim8 section just measured), write the comparison into the
+    results file, and, given `into`, set that section in a calibration file."""
+    from dataclasses import replace
+
+    from gobrrr.hardware import Calibration
+    from gobrrr.plan.knobs import Knobs
+    from gobrrr.plan.search import Planner
+
+    path = Path(results)
+    data = json.loads(path.read_text())
+    sec = data["section"]
+    section = {k: v for k, v in sec["optim8"].items()}
+    base = Calibration.load(into or HERE.parents[1] / "src/gobrrr/data/calibration/h100-sxm.json")
+    cal = replace(base, optim8=section)
+    planners: dict = {}
+    out = {}
+    for key, row in data["cases"].items():
+        if "step_s" not in row:
+            continue
+        spec = (row["source"], row["seq"], row["batch"])
+        if spec not in planners:
+            planners[spec] = Planner(spec[0], "h100", global_batch=spec[2], seq=spec[1],
+                                     precision=PRECISION, allow=["8bit-states"],
+                                     calibration=cal)
+        p = planners[spec].cost(Knobs(micro_batch=spec[2], optimizer_states=row["states"]))
+        out[key] = {"step_s": p.step_s, "peak_allocated": p.peak_bytes,
+                    "peak_reserved": p.reserved_bytes,
+                    "step_error": p.step_s / row["step_s"] - 1,
+                    "peak_error": p.peak_bytes / row["peak_allocated"] - 1,
+                    "reserved_error": p.reserved_bytes / row["peak_reserved"] - 1}
+        print(key, {k: round(v, 4) for k, v in out[key].items() if k.endswith("error")})
+    data["predicted"] = out
+    path.write_text(json.dumps(data, indent=1))
+    if into:
+        env = data.get("environment", {})
+        replace(cal, meta={**base.meta, "optim8": env}).save(into)
+    return out
 
 
 def _guard(fn) -> dict:

@@ -88,7 +88,7 @@ def test_adamw_update_is_torchaos(adamw):
 
 
 def test_adam_with_l2_weight_decay_is_torchaos():
-    _same_update(*_pair("Adam8bit", 2, SHAPES[:2], weight_decay=0.05))  # one compile each
+    _same_update(*_pair("Adam8bit", 2, SHAPES[:2], weight_decay=0.05))  # fewer compiles
 
 
 # -- the traced step and its cost ------------------------------------------------------------

@@ -36,10 +36,13 @@ def optim8_section(dev: torch.device) -> dict:
     "device" [[bytes per update, seconds], ...] (quantized moments; "device_small" for the
     fp32-moment path), "host" (median seconds per update over the grid's 64-parameter points),
     "host_distinct" (per update when the parameters have DISTINCT shapes), "kernels" and
-    "kernels_small" (per update), "transient" [[elements, bytes], ...]."""
-    from gobrrr.optim import torchao_optim
-
-    ao = torchao_optim()
+    "kernels_small" (per update), "transient" [[elements, bytes], ...]. {"optim8": {}}
+    without torchao (a full calibration goes on; the planner then says the section is
+    missing)."""
+    try:
+        import torchao.optim as ao
+    except ImportError:
+        return {"optim8": {}}
     points = [_point(ao, dev, n, k) for n in SIZES for k in COUNTS
               if n * k <= MAX_STEP_ELEMENTS]
     big = [p for p in points if p["quantized"]]

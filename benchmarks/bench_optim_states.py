@@ -170,11 +170,12 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
     from gobrrr.hardware import Calibration
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
+    from gobrrr.profile.calibrate_optim import summarize
 
     path = Path(results)
     data = json.loads(path.read_text())
-    sec = data["section"]
-    section = {k: v for k, v in sec["optim8"].items()}
+    measured = data["section"]["optim8"]  # summarised again: as the section's code does now
+    section = summarize(measured["points"], measured["host_distinct"])
     base = Calibration.load(into or HERE.parents[1] / "src/gobrrr/data/calibration/h100-sxm.json")
     cal = replace(base, optim8=section)
     planners: dict = {}
@@ -198,7 +199,7 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
     path.write_text(json.dumps(data, indent=1))
     if into:
         env = data.get("environment", {})
-        replace(cal, meta={**base.meta, "optim8": env}).save(into)
+        replace(cal, meta={**base.meta, "optim8": {**env, "results": path.name}}).save(into)
     return out
 
 

@@ -142,18 +142,16 @@ def adam8bit_bytes(numel: int, param_itemsize: int, grad_itemsize: int) -> int:
 
 def adam8bit_update(node: OpNode, tf32: bool) -> OpCost:
     """gobrrr::adam8bit_update(param, grad, step, exp_avg, exp_avg_scale?, exp_avg_qmap?,
-    exp_avg_sq, exp_avg_sq_scale?, exp_avg_sq_qmap?, ...) -> fp32 working buffers: one
-    parameter's torchao 8-bit Adam(W) update (its compiled `single_param_adam`). Bytes: the
-    minimal traffic (`adam8bit_bytes`) plus the fp32 buffers it returns, written and read
-    once. FLOPs per element: Adam's 14, dequantisation (2 per moment), the block absmax and
-    division (2 per moment) and the 8-step code search with its rounding (10 per moment,
-    counted as 5): 30. One launch: Inductor fuses the update into one kernel on the CPU; a
-    calibration's `optim8` section replaces this op's device and host time with what was
-    measured on the GPU (see cost.roofline.Rates.adam8bit)."""
+    exp_avg_sq, exp_avg_sq_scale?, exp_avg_sq_qmap?, ...): one parameter's torchao 8-bit
+    Adam(W) update (its compiled `single_param_adam`), one fused kernel that moves the
+    minimal bytes (`adam8bit_bytes`). FLOPs per element: Adam's 14, dequantisation (2 per
+    moment), the block absmax and division (2 per moment) and the 8-step code search with its
+    rounding (10 per moment, counted as 5): 30. A calibration's `optim8` section replaces
+    this op's device and host time with what was measured on the GPU (see
+    cost.roofline.Rates.adam8bit)."""
     p, g = node.inputs[0], node.inputs[1]
-    nbytes = adam8bit_bytes(p.numel, p.itemsize, g.itemsize)
-    nbytes += 2 * sum(t.nbytes for t in node.outputs)
-    return vector(ADAM8_PER_ELEM * p.numel, nbytes, "optimizer", 1)
+    return vector(ADAM8_PER_ELEM * p.numel, adam8bit_bytes(p.numel, p.itemsize, g.itemsize),
+                  "optimizer", 1)
 
 
 COSTS: dict[str, CostFn] = {

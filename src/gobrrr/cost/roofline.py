@@ -291,9 +291,11 @@ class Rates:
     def adam8bit(self, node: OpNode, nbytes: float) -> tuple[float, float] | None:
         """(device s, host s) of one torchao 8-bit Adam update moving `nbytes`, from the
         calibration's `optim8` section: the device time over bytes interpolated log-log (past
-        the grid, at its last point's bytes/s; under it, its first point's time), the host's
-        per update as measured; None without the section (the op is then costed as any
-        other: its bytes at the pointwise bandwidth, the eager per-op host cost)."""
+        the grid, at its last point's bytes/s; under it, its first point's time); the host's
+        per update as measured with parameters of distinct shapes (a model's: each call's
+        guards are checked against the other shapes' compiled entries first), else of one
+        shape; None without the section (the op is then costed as any other: its bytes at
+        the pointwise bandwidth, the eager per-op host cost)."""
         sec = self.cal.optim8 if self.cal else None
         if not sec or node.name != "adam8bit_update" or not node.inputs:
             return None
@@ -308,7 +310,7 @@ class Rates:
         else:
             device = math.exp(interp([math.log(p[0]) for p in pts],
                                      [math.log(p[1]) for p in pts], math.log(nbytes)))
-        return device, sec["host"]
+        return device, sec.get("host_distinct") or sec["host"]
 
     def bandwidth(self, kind: str, name: str = "") -> float:
         """Achieved bytes/s for an op of this kind: the op's own measured bandwidth where the

@@ -13,6 +13,9 @@ cost model reads, and real training steps with and without 8-bit states.
    states as-is (fused-less AdamW, foreach) and 8-bit. The predictions are computed apart on
    a CPU from the same knobs and held against these (`--compare OUT.json`, which also sets
    the section in a calibration file with `--into`).
+3. `--probe-only`: the 8-bit optimizer step alone on those models, its host seconds per
+   update with the GPU idle and busy (behind a ~100 ms spin), and a whole step's host
+   seconds to issue against its seconds to finish.
 Every item records its own error instead of ending the run; OUT is rewritten after each.
 """
 
@@ -101,13 +104,19 @@ def main() -> None:
                     help="predict the measured cases and write the errors into RESULTS.json")
     ap.add_argument("--into", metavar="CALIBRATION.json",
                     help="with --compare: set the measured optim8 section in this calibration")
+    ap.add_argument("--probe-only", action="store_true",
+                    help="only the probe: the 8-bit optimizer's host time, GPU idle and busy")
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--section", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
-    if args.section or args.one:
+    if args.section or args.one or args.probe:
         try:
-            row = section_child() if args.section else case_child(json.loads(args.one),
-                                                                  args.warmup, args.steps)
+            if args.probe:
+                row = probe_child(json.loads(args.probe), args.warmup)
+            else:
+                row = section_child() if args.section else case_child(
+                    json.loads(args.one), args.warmup, args.steps)
         except Exception as e:  # recorded by the parent
             row = {"error": {"type": type(e).__name__, "message": str(e)[:2000],
                              "traceback": traceback.format_exc().splitlines()[-12:]}}
@@ -137,6 +146,15 @@ def run(args) -> None:
 
     out["environment"] = _guard(child_environment)
     save()
+    if args.probe_only:
+        out["probes"] = {}
+        for name in args.cases.split(","):
+            row = run_child("--probe", json.dumps(list(CASES[name])), 150,
+                            ["--warmup", str(args.warmup)])
+            out["probes"][name] = row
+            print(name, row, flush=True)
+            save()
+        return
     out["section"] = run_child("--section", "1", 150, output_code=True)
     print("section:", {k: out["section"].get(k) for k in ("seconds", "wall_s", "error")},
           flush=True)
@@ -158,6 +176,61 @@ def run(args) -> None:
             save()
     out["total_s"] = time.perf_counter() - t0
     save()
+
+
+# -- the probe: the 8-bit optimizer's host time with the GPU idle and busy --------------------
+PROBE_SPIN = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms of a busy GPU
+
+
+def probe_child(spec: list, warmup: int) -> dict:
+    """One workload with 8-bit states: the optimizer step alone (gradients of zeros kept),
+    its host seconds with the GPU idle and behind a ~100 ms spin kernel, per update; and a
+    whole step's host seconds to issue it against its seconds to finish."""
+    import torch
+
+    from gobrrr.estimate import workload_factory
+    from gobrrr.plan.apply import apply
+    from gobrrr.plan.knobs import Knobs
+
+    source, seq, g = spec
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        wl = workload_factory(source, g, seq)()
+    step = apply(wl, Knobs(micro_batch=g, optimizer_states="8bit"), precision=PRECISION)
+    for _ in range(warmup):
+        step(wl.batch)
+    params = [p for grp in step.optimizer.param_groups for p in grp["params"]]
+    out: dict = {"updates": len(params)}
+    out["step_issue_s"], out["step_s"] = _issue_and_finish(lambda: step(wl.batch))
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for busy in (False, True):
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(PROBE_SPIN)
+            t0 = time.perf_counter()
+            step.optimizer.step()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        out["host_per_update_" + ("busy" if busy else "idle")] = sorted(times)[2] / len(params)
+    return out
+
+
+def _issue_and_finish(fn, reps: int = 5) -> tuple[float, float]:
+    """Median host seconds to issue fn() and seconds until the GPU finished it."""
+    import torch
+
+    issue, done = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        issue.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        done.append(time.perf_counter() - t0)
+    return sorted(issue)[reps // 2], sorted(done)[reps // 2]
 
 
 # -- after the run, on any machine: the predictions beside the measurements --------------------

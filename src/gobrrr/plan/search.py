@@ -407,7 +407,7 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     if knobs.weights != "as-is":
         out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
-        out.append({"8bit": "8-bit optimizer states (torchao AdamW8bit)"}.get(
+        out.append({"8bit": "8-bit optimizer states"}.get(
             knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:

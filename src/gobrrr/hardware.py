@@ -300,7 +300,9 @@ class Calibration:
     bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
     `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
     `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
-    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve."""
+    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve.
+    `optim8`: torchao's 8-bit AdamW per parameter update (profile.calibrate_optim): "device"
+    [[bytes, seconds], ...], "host" seconds, "kernels", "transient" and the measured grid."""
 
     gpu: str
     device_name: str
@@ -330,6 +332,7 @@ class Calibration:
     embedding_backward: dict[str, Any] = field(default_factory=dict)
     layer_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    optim8: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -40,9 +40,10 @@ from gobrrr.plan.result import Plan, PlanResult
 MARGIN = 0.0
 
 #: What `--allow` may add beyond the user's numerics: "bf16-states" keeps Adam's moments in
-#: bf16 (the update in fp32); "bf16-weights" trains in pure bf16 (weights, gradients and
-#: states in bf16, no autocast: the forward's and backward's numerics change).
-ALLOW: tuple[str, ...] = ("bf16-states", "bf16-weights")
+#: bf16 (the update in fp32); "8bit-states" keeps them block-wise quantised to 8 bits
+#: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
+#: in bf16, no autocast: the forward's and backward's numerics change).
+ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
 #: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
@@ -125,7 +126,7 @@ class Planner:
         refusal = self.tracer.fused_loss_refusal()
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
-        states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
+        states = ["as-is", *self._states(notes)]
         weights = ["as-is", *(["bf16"] if "bf16-weights" in self.req.allow
                               and self.precision != "bf16" else [])]
         out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
@@ -139,6 +140,21 @@ class Planner:
                          f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
                          f"{self.req.usable / gib:.1f} GiB budget")
         return kept
+
+    def _states(self, notes: list[str]) -> list[str]:
+        """The optimizer-state storages allowed and possible for the workload's optimizer."""
+        out = []
+        for st in ("bf16", "8bit"):
+            if f"{st}-states" not in self.req.allow:
+                continue
+            refusal = self.tracer.states_refusal(st)
+            if refusal:
+                notes.append(f"{st} optimizer states not planned: {refusal}")
+                continue
+            out.append(st)
+            if st == "8bit":
+                notes.extend(_notes_8bit(self.target))
+        return out
 
     @property
     def blocks(self) -> list[str]:
@@ -206,7 +222,8 @@ class _Steps:
 
 def _persistent(g: StepGraph, variant: Variant) -> int:
     """Bytes of parameters, gradients and optimizer states of `variant`, from the base
-    graph `g` (bf16 states: fp32 ones halved; bf16 weights: all halved)."""
+    graph `g` (bf16 states: fp32 ones halved; 8-bit: torchao's layout for each parameter's
+    moments, `optim_trace.state_bytes`; bf16 weights: all halved)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
@@ -215,7 +232,36 @@ def _persistent(g: StepGraph, variant: Variant) -> int:
         return sum(by.values()) // 2
     if variant.optimizer_states == "bf16":
         by["optimizer_state"] //= 2
+    if variant.optimizer_states == "8bit":
+        by["optimizer_state"] = _states_8bit(g)
     return sum(by.values())
+
+
+def _states_8bit(g: StepGraph) -> int:
+    """Bytes of torchao's 8-bit moments for the parameters whose Adam moments `g` holds
+    (the host step counts hold none on the GPU)."""
+    from gobrrr.optim_trace import state_bytes
+
+    size = {t.storage: t.itemsize for n in g.nodes for t in (*n.inputs, *n.outputs)}
+    return sum(state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))
+               for s in g.storages
+               if s.kind == "optimizer_state" and s.label.endswith(".exp_avg"))
+
+
+def _notes_8bit(target: Target) -> list[str]:
+    """What the 8-bit states' cost rests on, where it is not measured."""
+    out = []
+    if not (target.cal and target.cal.optim8):
+        out.append("8-bit optimizer states costed without a measured optim8 calibration "
+                   "section: each update's bytes at the pointwise bandwidth and the eager "
+                   "per-op host cost (measure it: benchmarks/calibrate_sections.py --sections "
+                   "optim8)")
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        out.append("8-bit optimizer states are applied with torchao, not installed here: "
+                   "pip install 'gobrrr[optim]' where the plan runs")
+    return out
 
 
 def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
@@ -361,7 +407,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     if knobs.weights != "as-is":
         out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
-        out.append(f"optimizer states in {knobs.optimizer_states}")
+        out.append({"8bit": "8-bit optimizer states"}.get(
+            knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

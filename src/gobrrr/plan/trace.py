@@ -13,7 +13,7 @@ from gobrrr.estimate import workload_factory
 from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
-from gobrrr.optim import states_optimizer
+from gobrrr.optim_trace import traced_states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
@@ -75,7 +75,8 @@ class Tracer:
 
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
-        and loss, the optimizer keeping its states as planned."""
+        and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
+        one traced op per update, `optim_trace`)."""
         if not self.fused_loss and self.states == "as-is":
             return make
 
@@ -85,10 +86,21 @@ class Tracer:
                 use_fused_loss(w.model)
             if self.states != "as-is":
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-                w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
+                w.optimizer = lambda ps, states=self.states: traced_states_optimizer(
+                    user(ps), states)
             return w
 
         return build
+
+    def states_refusal(self, states: str) -> str | None:
+        """Why the workload's optimizer cannot keep its states as `states` (None: it can)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+            try:
+                traced_states_optimizer(w.make_optimizer(), states)
+            except GobrrrError as e:
+                return str(e)
+        return None
 
     def fused_loss_refusal(self) -> str | None:
         """Why the fused loss does not apply to this model (None: it does)."""

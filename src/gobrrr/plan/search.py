@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
@@ -39,14 +39,21 @@ from gobrrr.plan.result import Plan, PlanResult
 #: (`--margin`) keeps a share of the budget free for steps whose shapes vary.
 MARGIN = 0.0
 
-#: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
-#: the step's forward and backward).
-ALLOW: tuple[str, ...] = ("bf16-states",)
+#: What `--allow` may add beyond the user's numerics: "bf16-states" keeps Adam's moments in
+#: bf16 (the update in fp32); "bf16-weights" trains in pure bf16 (weights, gradients and
+#: states in bf16, no autocast: the forward's and backward's numerics change).
+ALLOW: tuple[str, ...] = ("bf16-states", "bf16-weights")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
-#: ops, not only what is kept): (fused loss, optimizer states).
-Variant = tuple[bool, str]
-BASE: Variant = (False, "as-is")
+#: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
+#: checkpointing, i.e. only the knobs the passes cannot derive (`variant_of`).
+Variant = Knobs
+BASE: Variant = Knobs(micro_batch=1)
+
+
+def variant_of(knobs: Knobs) -> Variant:
+    """The traced variant a configuration is derived from."""
+    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=())
 
 
 @dataclass(frozen=True)
@@ -101,9 +108,9 @@ class Planner:
                             margin)
         if memory_budget is not None:
             _check_state_budget(self.tracer.parameter_bytes(), self.req)
-        self.steps = _Steps(lambda fused, states: Tracer(
-            source, seq=seq, precision=precision, target=self.target, fused_loss=fused,
-            states=states), self.req.global_batch, self.tracer)
+        self.steps = _Steps(lambda variant: Tracer(
+            source, seq=seq, precision=precision, target=self.target, variant=variant),
+            self.req.global_batch, self.tracer)
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
@@ -119,13 +126,17 @@ class Planner:
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
         states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
-        out = [(fused, st) for st in states for fused in (False, True)
-               if (fused, st) != BASE and (not fused or not refusal)]
-        kept = [v for v in out if _persistent(self.base, v[1]) <= self.req.usable]
-        if len(kept) < len(out) or _persistent(self.base, "as-is") > self.req.usable:
+        weights = ["as-is", *(["bf16"] if "bf16-weights" in self.req.allow
+                              and self.precision != "bf16" else [])]
+        out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
+               for w in weights for st in states for fused in (False, True)
+               if w == "as-is" or st == "as-is"]
+        out = [v for v in out if v != BASE and (not v.fused_loss or not refusal)]
+        kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
+        if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
             notes.append(f"parameters, gradients and optimizer states alone need "
-                         f"{_persistent(self.base, 'as-is') / gib:.1f} GiB of the "
+                         f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
                          f"{self.req.usable / gib:.1f} GiB budget")
         return kept
 
@@ -184,7 +195,7 @@ class _Steps:
 
     def at(self, variant: Variant, micro_batch: int) -> StepGraph:
         if variant not in self._at:
-            tracer = self.tracers.setdefault(variant, self.make_tracer(*variant))
+            tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
             self._at[variant] = _graphs(tracer, self.global_batch)
         return self._at[variant](micro_batch)
 
@@ -193,13 +204,16 @@ class _Steps:
         return sum(t.traces for t in self.tracers.values())
 
 
-def _persistent(g: StepGraph, states: str) -> int:
-    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved)."""
+def _persistent(g: StepGraph, variant: Variant) -> int:
+    """Bytes of parameters, gradients and optimizer states of `variant`, from the base
+    graph `g` (bf16 states: fp32 ones halved; bf16 weights: all halved)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
             by[s.kind] += s.nbytes
-    if states == "bf16":
+    if variant.weights == "bf16":  # from fp32 weights (bf16 weights are not offered on bf16)
+        return sum(by.values()) // 2
+    if variant.optimizer_states == "bf16":
         by["optimizer_state"] //= 2
     return sum(by.values())
 
@@ -264,8 +278,7 @@ class _Search:
 
     def at_micro_batch(self, m: int, v: Variant = BASE) -> list[Plan]:
         n = self.req.global_batch // m
-        knobs = functools.partial(Knobs, micro_batch=m, accumulation=n, fused_loss=v[0],
-                                  optimizer_states=v[1])
+        knobs = functools.partial(replace, v, micro_batch=m, accumulation=n)
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
@@ -306,7 +319,7 @@ class _Search:
 
     def graph(self, knobs: Knobs) -> StepGraph:
         """The graph of knobs' variant at knobs' micro-batch (before checkpointing)."""
-        return self.steps.at((knobs.fused_loss, knobs.optimizer_states), knobs.micro_batch)
+        return self.steps.at(variant_of(knobs), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
         g = self.graph(knobs)
@@ -345,6 +358,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
         out.append(f"micro-batch {knobs.micro_batch}, accumulate {knobs.accumulation}")
     if knobs.fused_loss:
         out.append("fused linear + cross-entropy")
+    if knobs.weights != "as-is":
+        out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
         out.append(f"optimizer states in {knobs.optimizer_states}")
     by_policy: dict[str, int] = {}

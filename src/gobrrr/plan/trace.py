@@ -14,6 +14,7 @@ from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
 from gobrrr.optim import states_optimizer
+from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 
@@ -27,9 +28,10 @@ class Tracer:
     """
 
     def __init__(self, source: Any, *, seq: int | None, precision: str,
-                 target: Target, fused_loss: bool = False, states: str = "as-is") -> None:
+                 target: Target, variant: Knobs | None = None) -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
-        self.fused_loss, self.states = fused_loss, states
+        self.variant = variant or Knobs(micro_batch=1)
+        self.fused_loss, self.states = self.variant.fused_loss, self.variant.optimizer_states
         self.traces = 0
         self._fixed: int | None = None
 
@@ -54,7 +56,7 @@ class Tracer:
     def __call__(self, micro_batch: int) -> StepGraph:
         make = self._variant(self._maker(micro_batch))
         self.traces += 1
-        return capture(make, precision=self.precision,
+        return capture(make, precision=self.variant.precision(self.precision),
                        sdpa=target_for(self.target.gpu.full_name))
 
     def _maker(self, m: int):

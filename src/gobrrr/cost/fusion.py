@@ -1,10 +1,15 @@
 """What `torch.compile` (Inductor) does to the step's cost: fuse the ops between matmuls.
 
-Inductor leaves matmuls, convolutions and attention to their libraries and generates fused
-Triton kernels for everything between them. Within a fused group, intermediate tensors stay
-in registers: the group reads each tensor it did not produce once and writes only what is
-used after it (or outlives the step). A reduction ends a kernel, so a group launches one
-kernel per reduction-like op (at least one). Views cost nothing.
+Inductor leaves matmuls, convolutions and attention to their libraries (extern kernels,
+`extern`) and generates fused Triton kernels for everything between them. Within a fused
+group, intermediate tensors stay in registers: the group reads each tensor it did not
+produce once and writes only what is used after it (or outlives the step). A reduction ends
+a kernel, so a group launches one kernel per reduction-like op (at least one). Views cost
+nothing.
+
+On a compiled capture (`gobrrr.capture.compiled`: meta "compiled_regions") the groups are
+cut from the compiled graphs' runs only (the optimizer, and a loss computed outside the
+model, stay eager); on an eager trace, from the forward and backward phases.
 """
 
 from __future__ import annotations
@@ -16,6 +21,19 @@ from gobrrr.graph import OpNode, StepGraph
 
 ANCHORS = ("matmul", "conv", "attention")
 REDUCING = ("reduction", "norm", "softmax", "loss", "embedding")
+#: ATen ops Inductor does not generate code for but calls as they are (its fallbacks): they
+#: run alone, and their inputs and outputs are allocated.
+FALLBACKS = frozenset({"sort", "topk", "_grouped_mm", "nonzero", "randperm", "_fft_r2c",
+                       "_fft_c2r", "_fft_c2c", "native_dropout", "_cudnn_rnn", "_embedding_bag",
+                       "_embedding_bag_backward", "multinomial", "_scaled_mm"})
+
+
+def extern(node: OpNode, cost: OpCost) -> bool:
+    """Whether Inductor runs `node` as an extern kernel (a library call or a fallback), not
+    inside a fused kernel: matmuls, convolutions, attention, custom ops (gobrrr's kernels:
+    namespaces other than aten and prims) and FALLBACKS."""
+    return (cost.kind in ANCHORS or node.op.split(".")[0] not in ("aten", "prims")
+            or node.name in FALLBACKS)
 
 
 @dataclass(frozen=True)
@@ -59,10 +77,31 @@ def group_cost(graph: StepGraph, members: list[OpNode], costs: list[OpCost],
                   + sum(written.values())), math="vector", kind="fused", launches=launches)
 
 
+def regions(graph: StepGraph,
+            phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> list[int]:
+    """Each node's compiled region (an index; -1: runs eagerly): the compiled graphs' runs
+    on a compiled capture, else one region per run of consecutive nodes in `phases`."""
+    runs = graph.meta.get("compiled_regions")
+    out = [-1] * len(graph.nodes)
+    if runs is not None:
+        for r, (_, first, last) in enumerate(runs):
+            out[first:last + 1] = [r] * (last + 1 - first)
+        return out
+    r, prev = -1, None
+    for n in graph.nodes:  # eager trace: each run of one phase is one region
+        if n.phase != prev:
+            r, prev = r + 1, n.phase
+        if n.phase in phases:
+            out[n.index] = r
+    return out
+
+
 def fuse(graph: StepGraph, costs: list[OpCost],
          phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> list[FusedGroup]:
-    """Split the compiled phases' non-anchor ops into fused groups (anchors stay alone)."""
+    """Split the compiled regions' non-extern ops into fused groups (extern ops stay
+    alone); see `regions` for what is compiled."""
     uses = last_uses(graph)
+    region = regions(graph, phases)
     groups: list[FusedGroup] = []
     run: list[OpNode] = []
 
@@ -75,8 +114,8 @@ def fuse(graph: StepGraph, costs: list[OpCost],
 
     for n in graph.nodes:
         c = costs[n.index]
-        fusible = n.phase in phases and c.kind not in ANCHORS
-        if not fusible or (run and run[-1].phase != n.phase):
+        fusible = region[n.index] >= 0 and not extern(n, c)
+        if not fusible or (run and region[run[-1].index] != region[n.index]):
             flush()
         if fusible:
             run.append(n)

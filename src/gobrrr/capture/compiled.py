@@ -113,16 +113,20 @@ def _fqn(path: str) -> str:
 def _partition(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
     """Inductor's partition: its joint-graph passes, then the min-cut partitioner as
     Inductor calls it."""
+    from torch._guards import detect_fake_mode
     from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
 
-    fn = getattr(compile_fx, "partition_fn", None)
-    if fn is not None:
-        return fn(gm, joint_inputs, **kwargs)
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # as Inductor partitions
+        fn = getattr(compile_fx, "partition_fn", None)
+        if fn is not None:
+            return fn(gm, joint_inputs, **kwargs)
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 
-    joint_graph_passes(gm)
-    return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+        joint_graph_passes(gm)
+        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor",
+                                                   **kwargs)
 
 
 def recording_backend(regions: Regions) -> Callable:

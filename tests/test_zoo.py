@@ -37,13 +37,10 @@ TIME_MEDIAN_CLAIMED = 0.06
 
 # Known misses, {case: {"alloc" | "reserved" | "time": cause}}: left out of the per-case
 # bounds, and required to still miss them, so that a fix shows here.
-_COMPILED = ("memory under torch.compile is not modelled: Inductor's partitioner saves fewer "
-             "activations; the eager step's memory is shown as an upper bound")
 _HOST = ("host-bound as predicted; the shipped per-op host cost comes from another H100 host, "
          "and these steps measured 34-57% slower on a second one (zoo_h100_rerun_hostbound.json)")
 _RESERVED = "the allocator replay's reserved peak; not investigated case by case yet"
 KNOWN_MISSES: dict[str, dict[str, str]] = {
-    "gpt2-124m-compiled": {"alloc": _COMPILED, "reserved": _COMPILED},
     "t5-base": {"time": _HOST}, "bart-base": {"time": _HOST}, "swin_t-tv": {"time": _HOST},
     "wav2vec2-base-ctc": {"time": "SpecAugment's numpy work on the host and its blocking copy "
                                   "to the GPU are not modelled"},

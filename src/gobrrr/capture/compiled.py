@@ -23,6 +23,7 @@ graphs' ops when they run.
 from __future__ import annotations
 
 import contextlib
+import re
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -104,8 +105,8 @@ def module_of(n: torch.fx.Node) -> str:
 def _fqn(path: str) -> str:
     """dynamo's module path ("L['self'].transformer.h[0]", "L__self___h_0") as a
     named_modules name ("transformer.h.0")."""
-    p = path.replace("L['self']", "").replace("['", ".").replace("']", "")
-    p = p.replace("[", ".").replace("]", "")
+    p = re.sub(r"^L\['[^']*'\]", "", path)  # the compiled module itself, whatever its name
+    p = p.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
     p = p.replace("._modules.", ".").replace("_modules.", "")
     return p.strip(".")
 

@@ -31,7 +31,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.fused_loss import as_on_cuda
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
-from gobrrr.step import TrainStep, make_scaler
+from gobrrr.step import TrainStep, make_scaler, split_batch
 from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
@@ -386,10 +386,9 @@ def _trace(w: Workload, precision: str, values: assume.Values,
         _register_state(table, w, step.optimizer)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
-            if regions is not None:  # the forward runs the compiled model; its params are w's
-                runner = compiled.compile_model(w.model, regions)
-                driver.names[id(runner)] = ""
-                step.workload = dataclasses.replace(w, model=runner)
+            if regions is not None:  # under the hooks and modes: dynamo guards on them
+                with assume.HostMode(values):
+                    driver.names[id(_compiled_warm_up(step, w, regions))] = ""
             saved = SavedTracker(table)
             rec = step.recorder = Recorder(table, driver.module, driver.current_phase,
                                            on_op=saved.on_op)
@@ -415,6 +414,20 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
                                             AUTOGRAD: saved.meta()})
+
+
+def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:
+    """The step's model under torch.compile as the trace runs it (`compiled.compile_model`),
+    compiled and run once, unrecorded (forward and backward of one micro-batch, its
+    gradients dropped): the recorded step is a steady-state one, as measured steps are."""
+    runner = compiled.compile_model(w.model, regions)
+    step.workload = dataclasses.replace(w, model=runner)
+    first = split_batch(w.batch, step.accumulation)[0]
+    _guarded(lambda: step.backward(step.forward(first)), "compiled model's first step")
+    for p in w.model.parameters():
+        p.grad = None
+    regions.runs.clear()
+    return runner
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

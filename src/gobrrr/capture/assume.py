@@ -33,7 +33,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from gobrrr.capture.compiled import ignore_compile_internals
-
 from gobrrr.capture.facts import INF, Fact, FactTable, exact
 from gobrrr.errors import GobrrrError
 

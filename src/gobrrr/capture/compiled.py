@@ -23,8 +23,8 @@ graphs' ops when they run.
 from __future__ import annotations
 
 import contextlib
-import re
 import contextvars
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,7 +164,9 @@ def compiling() -> Iterator[None]:
     token = _ACTIVE.set(True)
     torch._dynamo.reset()
     try:
-        yield
+        with warnings.catch_warnings():  # the trace's global module hooks are meant
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when")
+            yield
     finally:
         _ACTIVE.reset(token)
         torch._dynamo.reset()

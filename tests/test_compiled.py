@@ -118,14 +118,18 @@ def test_an_mlp_keeps_each_relu_output_but_the_last_layer_s_matmul_output():
     input (weight 1's gradient reads it), the bf16 copies of weights 2 and 3 (the gradients
     of layers 2 and 3's inputs read them; nothing needs layer 1's input gradient, so weight
     1's copy is not kept), and the loss. Nothing else: the MSE's difference and square live
-    in one fused kernel."""
+    in one fused kernel. Each is freed by the backward, once it has used it."""
     g = _mlp(compile=True)
     kept = Counter()
+    optimizer = next(n.index for n in g.nodes if n.phase == "optimizer")
     for kind, first, last in g.meta["compiled_regions"]:
         for n in g.nodes[first:last + 1] if kind == "forward" else ():
             for sid in n.allocs:
-                if g.storages[sid].kind == "activation" and g.storages[sid].nbytes:
-                    kept[(n.name, g.storages[sid].nbytes)] += 1
+                s = g.storages[sid]
+                if s.kind == "activation" and s.nbytes:
+                    kept[(n.name, s.nbytes)] += 1
+                    assert s.freed is not None and s.freed < optimizer
+                    assert g.nodes[s.freed].phase == "backward"
     act, weight = 64 * 256 * 2, 256 * 256 * 2
     assert kept == Counter({("relu", act): 2, ("mm", act): 1,
                             ("convert_element_type", act): 1,

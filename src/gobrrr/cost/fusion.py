@@ -24,7 +24,7 @@ REDUCING = ("reduction", "norm", "softmax", "loss", "embedding")
 #: ATen ops Inductor does not generate code for but calls as they are (its fallbacks): they
 #: run alone, and their inputs and outputs are allocated.
 FALLBACKS = frozenset({"sort", "topk", "_grouped_mm", "nonzero", "randperm", "_fft_r2c",
-                       "_fft_c2r", "_fft_c2c", "native_dropout", "_cudnn_rnn", "_embedding_bag",
+                       "_fft_c2r", "_fft_c2c", "_cudnn_rnn", "_embedding_bag",
                        "_embedding_bag_backward", "multinomial", "_scaled_mm"})
 
 

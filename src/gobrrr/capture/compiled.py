@@ -104,7 +104,7 @@ def module_of(n: torch.fx.Node) -> str:
 
 
 def _fqn(path: str) -> str:
-    """dynamo's module path ("L['self'].transformer.h[0]", "L__self___h_0") as a
+    """dynamo's module path ("L['self'].transformer.h[0]", or with `._modules['h']`) as a
     named_modules name ("transformer.h.0")."""
     p = re.sub(r"^L\['[^']*'\]", "", path)  # the compiled module itself, whatever its name
     p = p.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")

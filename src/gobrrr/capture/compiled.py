@@ -134,6 +134,8 @@ def _partition(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
 def recording_backend(regions: Regions) -> Callable:
     """A torch.compile backend: AOTAutograd with Inductor's decompositions and partition,
     each graph recorded in `regions` and run op by op (`_Runner`)."""
+    import torch._inductor.compile_fx
+    import torch._inductor.lowering  # noqa: F401  Inductor's decompositions consult its lowerings
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 

@@ -58,11 +58,7 @@ def group_cost(graph: StepGraph, members: list[OpNode], costs: list[OpCost],
     """Bytes a fused kernel moves: what it reads from outside plus what others need after it."""
     lo, hi = members[0].index, members[-1].index
     made = {sid for n in members for sid in n.allocs}
-    read = {}
-    for n in members:
-        for t in n.inputs:
-            if t.storage not in made:
-                read.setdefault(t.storage, t.nbytes)
+    read = _reads(members, costs, made)
     written = {}
     for n in members:
         for t in n.outputs:
@@ -73,8 +69,56 @@ def group_cost(graph: StepGraph, members: list[OpNode], costs: list[OpCost],
     launches = max(1, sum(1 for c in costs if c.kind in REDUCING and c.launches))
     if all(c.launches == 0 for c in costs):
         launches = 0
-    return OpCost(flops=sum(c.flops for c in costs), bytes=float(sum(read.values())
+    return OpCost(flops=sum(c.flops for c in costs), bytes=float(read
                   + sum(written.values())), math="vector", kind="fused", launches=launches)
+
+
+#: Inductor keeps a reduction "persistent" (the whole reduced extent in registers, its
+#: pointwise consumers in the same kernel) up to this many reduced elements when they are
+#: contiguous in memory, and up to PERSISTENT_OUTER when they are not
+#: (`torch._inductor.choices.should_use_persistent_reduction`).
+PERSISTENT_INNER, PERSISTENT_OUTER = 1024, 64
+
+
+def looped(node: OpNode, cost: OpCost) -> bool:
+    """Whether a reduction-like op runs as a looped (not persistent) reduction, whose
+    consumers then run in a kernel of their own that reads its sources again."""
+    if cost.kind not in REDUCING or not node.inputs or not node.outputs:
+        return False
+    x = max(node.inputs, key=lambda t: t.numel)
+    rnumel = x.numel // max(1, max(t.numel for t in node.outputs))
+    inner = x.stride[-1:] == (1,) and _reduces_last(node, len(x.shape))
+    return rnumel > (PERSISTENT_INNER if inner else PERSISTENT_OUTER)
+
+
+def _reduces_last(node: OpNode, ndim: int) -> bool:
+    dims = node.arg(1, "dim", None)
+    if not isinstance(dims, (list, tuple)):
+        return dims is None or not isinstance(dims, int) or dims in (-1, ndim - 1)
+    return any(d in (-1, ndim - 1) for d in dims) if dims else True
+
+
+def _reads(members: list[OpNode], costs: list[OpCost], made: set[int]) -> int:
+    """Bytes the group's kernels read from memory. The group is cut into kernels after each
+    looped reduction; each kernel reads what its ops need from outside the group, a pointwise
+    value made by an earlier kernel of the group by reading that value's own sources again
+    (Inductor recomputes it inline), a reduction's result as it is."""
+    sources: dict[int, dict[int, int]] = {}  # storage made in the group -> what it reads
+    total, kernel = 0, {}
+    for n, c in zip(members, costs, strict=True):
+        need: dict[int, int] = {}
+        for t in n.inputs:
+            need.update(sources.get(t.storage, {t.storage: t.nbytes}) if t.storage in made
+                        else {t.storage: t.nbytes})
+        kernel.update(need)
+        for sid in n.allocs:
+            sources[sid] = {sid: 0} if c.kind in REDUCING else need
+        if looped(n, c):
+            total += sum(kernel.values())
+            kernel = {}
+            for sid in n.allocs:
+                sources[sid] = {sid: max(t.nbytes for t in n.outputs)}
+    return total + sum(kernel.values())
 
 
 def regions(graph: StepGraph,

@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,7 +185,6 @@ def tag(graph, regions: Regions):
     "compiled_regions": [[kind, first op, last op], ...], "compiled_graphs": graphs made by
     kind (several forwards: graph breaks)."""
     import dataclasses
-    from collections import Counter
 
     if not regions.runs:
         raise GobrrrError(
@@ -193,7 +193,23 @@ def tag(graph, regions: Regions):
     made = Counter(kind for kind, _ in regions.graphs)
     return dataclasses.replace(graph, meta={**graph.meta, "compiled": True,
                                             "compiled_regions": regions.meta(),
-                                            "compiled_graphs": dict(made)})
+                                            "compiled_graphs": dict(made),
+                                            "sdpa_backends": _backends(graph)})
+
+
+_SDPA = {"_scaled_dot_product_cudnn_attention": "cudnn",
+         "_scaled_dot_product_flash_attention": "flash",
+         "_scaled_dot_product_efficient_attention": "efficient"}
+
+
+def _backends(graph) -> dict[str, int]:
+    """The fused attention calls of the recorded forward, by backend (the choice was made
+    while the graphs were traced; the math path is decomposed into plain ops)."""
+    out: Counter = Counter()
+    for n in graph.nodes:
+        if n.phase == "forward" and n.name in _SDPA:
+            out[_SDPA[n.name]] += 1
+    return dict(out)
 
 
 def ignore_compile_internals(cls) -> bool:

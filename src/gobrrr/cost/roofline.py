@@ -533,12 +533,12 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
               rates: Rates) -> tuple[OpTime, ...]:
     """Replace each fused group by one kernel; compiled code launches kernels from a
     generated wrapper, so no per-op eager dispatch cost remains."""
-    from gobrrr.cost.fusion import ANCHORS, fuse
+    from gobrrr.cost.fusion import extern, fuse, regions
 
     out = list(ops)
-    compiled_phases = ("forward", "backward", "recompute")
+    region = regions(graph)
     for o in ops:
-        if o.phase in compiled_phases and o.kind in ANCHORS:
+        if region[o.index] >= 0 and extern(graph.nodes[o.index], costs[o.index]):
             t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)
             out[o.index] = replace(t, host_s=rates.launch * max(costs[o.index].launches, 1))
     for g in fuse(graph, costs):

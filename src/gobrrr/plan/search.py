@@ -42,8 +42,10 @@ MARGIN = 0.0
 #: What `--allow` may add beyond the user's numerics: "bf16-states" keeps Adam's moments in
 #: bf16 (the update in fp32); "8bit-states" keeps them block-wise quantised to 8 bits
 #: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
-#: in bf16, no autocast: the forward's and backward's numerics change).
-ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights")
+#: in bf16, no autocast: the forward's and backward's numerics change); "compile" runs the
+#: model under torch.compile (Inductor's fused kernels round differently; each variant is
+#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd).
+ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
 #: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
@@ -121,8 +123,8 @@ class Planner:
 
     def _variants(self, notes: list[str]) -> list[Variant]:
         """The variants worth tracing: the fused loss where the model takes it, bf16
-        optimizer states where allowed; none whose parameters, gradients and optimizer
-        states alone exceed the budget."""
+        optimizer states and weights where allowed, each compiled too where allowed; none
+        whose parameters, gradients and optimizer states alone exceed the budget."""
         refusal = self.tracer.fused_loss_refusal()
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
@@ -132,7 +134,10 @@ class Planner:
         out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
                for w in weights for st in states for fused in (False, True)
                if w == "as-is" or st == "as-is"]
-        out = [v for v in out if v != BASE and (not v.fused_loss or not refusal)]
+        out = [v for v in out if not v.fused_loss or not refusal]
+        if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
+            out += [replace(v, compile=True) for v in out]
+        out = [v for v in out if v != BASE]
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
@@ -328,7 +333,7 @@ class _Search:
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
-        if plain.fits or not self.blocks:
+        if plain.fits or not self.blocks or v.compile:  # checkpointing: eager variants only
             return [plain]
         policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
                     every_kth(self.blocks, 2)]
@@ -409,6 +414,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     if knobs.optimizer_states != "as-is":
         out.append({"8bit": "8-bit optimizer states"}.get(
             knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
+    if knobs.compile:
+        out.append("torch.compile(model)")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

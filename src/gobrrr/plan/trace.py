@@ -57,7 +57,7 @@ class Tracer:
         make = self._variant(self._maker(micro_batch))
         self.traces += 1
         return capture(make, precision=self.variant.precision(self.precision),
-                       sdpa=target_for(self.target.gpu.full_name))
+                       sdpa=target_for(self.target.gpu.full_name), compile=self.variant.compile)
 
     def _maker(self, m: int):
         if self._fixed is None:

@@ -5,7 +5,9 @@ on an H100 (benchmarks/zoo_diagnose.py): every alloc and free, tagged with the A
 made it. Here the requests that ops allocate inside themselves (reduction staging buffers,
 LayerNorm's contiguous copies, cuDNN attention's backward workspace) and where the BLAS
 workspaces appear are held against that trace, and the staging-buffer arithmetic against
-requests read off it.
+requests read off it. Convolutions too, call by call: what depthwise ones allocate inside
+(PyTorch's own kernels nothing; cuDNN's channels-last weight gradient its fp32 partials, in
+ConvNeXt's trace, zoo_diagnose_h100_run2.json) and 1x1 weight gradients' partials.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gobrrr.cost.reduce_scratch import reduce_buffers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 TRACES = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100.json"
+TRACES2 = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100_run2.json"  # ConvNeXt-gc
 STEP = 4  # the measured step (3 warm-ups before it)
 
 
@@ -64,16 +67,30 @@ def _rows() -> dict[str, dict]:
 
 
 @functools.cache
-def _steps(name: str):
-    import zoo_allocdiff
+def _rows2() -> dict[str, dict]:
+    if not TRACES2.exists():
+        pytest.skip(f"{TRACES2.name} is not recorded: run benchmarks/zoo_diagnose.py on a GPU")
+    return {r["name"]: r for r in json.loads(TRACES2.read_text())["alloc"] if "error" not in r}
+
+
+@functools.cache
+def _predict(name: str):
     from zoo import compare
     from zoo.cases import get_case
 
     case = get_case(name)
     if importlib.util.find_spec(case.library) is None:
         pytest.skip(f"{case.library} is not installed")
-    row = _rows()[name]
-    return zoo_allocdiff.real_steps(row), zoo_allocdiff.predicted_steps(compare.predict(case))
+    return compare.predict(case)
+
+
+@functools.cache
+def _steps(name: str):
+    import zoo_allocdiff
+
+    row = _rows()[name] if name in _rows() else _rows2()[name]
+    est = _predict(name)
+    return zoo_allocdiff.real_steps(row), zoo_allocdiff.predicted_steps(est)
 
 
 def _requests(step: dict, ops: set[str]) -> Counter:
@@ -118,3 +135,73 @@ def test_autocast_casts_the_weight_before_the_input():
     g = capture(make, precision="bf16-mixed")
     casts = [n for n in g.nodes if n.phase == "forward" and n.name == "_to_copy"]
     assert [tuple(n.outputs[0].shape) for n in casts[:2]] == [(32, 64), (16, 64)]
+
+
+def _op_runs(step: dict, op: str) -> list[list[tuple]]:
+    """The step's allocs and frees made by one ATen op, a list per call (consecutive events
+    with its name; the allocator's segment events left out)."""
+    runs, last = [], False
+    for e in (e for e in step["events"] if e[0] in (0, 1)):
+        mine = e[2].split(" @ ")[0] == op
+        if mine:
+            if not last:
+                runs.append([])
+            runs[-1].append(e)
+        last = mine
+    return runs
+
+
+def _inside(run: list[tuple]) -> Counter:
+    """Sizes of the blocks a call allocates and frees within itself."""
+    freed = {e[3] for e in run if e[0] == 1}
+    return Counter(e[1] for e in run if e[0] == 0 and e[3] in freed)
+
+
+@pytest.mark.parametrize("name,op,calls", [
+    ("efficientnet_b0-timm-fp32", "convolution", 16),  # channels-first tf32: PyTorch's kernels
+    ("efficientnet_b0-timm-fp32", "convolution_backward", 16),
+    ("mobilenet_v3_large-tv", "convolution", 15),  # channels-first bf16: PyTorch's kernels
+    ("mobilenet_v3_large-tv", "convolution_backward", 15),
+    ("convnext_tiny-timm-gc", "convolution_backward", 18),  # channels-last bf16: cuDNN
+])
+def test_depthwise_convolutions_allocate_inside_as_the_trace(name, op, calls):
+    """Every depthwise convolution's blocks allocated and freed inside the call (its scratch
+    and its bias gradient's staging), call by call, are the trace's: nothing for PyTorch's
+    own kernels, cuDNN's fp32 weight-gradient partials for channels-last."""
+    from gobrrr.cost import conv
+
+    real, pred = _steps(name)
+    nodes = [n for n in _predict(name).graph.nodes if n.name == op]
+    r_runs, p_runs = _op_runs(real[1], op), _op_runs(pred[1], op)
+    assert len(r_runs) == len(p_runs) == len(nodes)
+    checked = [(n.module, _inside(r), _inside(p)) for n, r, p in zip(
+        nodes, r_runs, p_runs, strict=True) if conv.depthwise(n)]
+    assert len(checked) == calls
+    assert [c[1] for c in checked] == [c[2] for c in checked], checked[:3]
+
+
+@pytest.mark.parametrize("name,count", [("mobilenet_v3_large-tv", 22), ("resnet50-tv-fp32", 16)])
+def test_1x1_weight_gradients_sum_partials_as_the_trace(name, count):
+    """Where a stride-1 channels-first 1x1 backward is predicted to sum its weight gradient in
+    fp32 partials (bf16 MobileNetV3, tf32 ResNet-50), the largest block it allocates inside
+    is the trace's to within a few hundred bytes (cuDNN's small descriptors ride along)."""
+    from gobrrr.cost import conv
+    from gobrrr.cost._ops_common import tf32_of
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.hardware import find_calibration
+
+    real, _ = _steps(name)
+    est = _predict(name)
+    cal, tf32 = find_calibration(est.gpu), tf32_of(est.graph.meta)
+    nodes = [n for n in est.graph.nodes if n.name == "convolution_backward"]
+    runs = _op_runs(real[1], "convolution_backward")
+    assert len(runs) == len(nodes)
+    got = []
+    for n, run in zip(nodes, runs, strict=True):
+        math = op_cost(n, tf32).math
+        partials = conv.pointwise_wgrad_partials(n, math)
+        cls = conv.class_inside(n, cal, math)
+        if partials is not None and cls is not None and partials < cls:
+            got.append((n.module, max(_inside(run)), partials))
+    assert len(got) == count
+    assert all(abs(r - p) <= 512 for _, r, p in got), [g for g in got if abs(g[1] - g[2]) > 512]

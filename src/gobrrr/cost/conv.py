@@ -23,6 +23,22 @@ at all for others (MobileNetV3's), fp32 1x1 convolutions ask nothing and 3x3s ab
 input. A calibration that measured, per layout and shape class, everything a convolution
 allocates inside the call ("inside:layout:class:direction", `class_inside`) is used in place
 of both where it has the class.
+
+Depthwise convolutions (groups = input channels) take another path in PyTorch
+(ConvParams::use_cudnn_depthwise): channels-first ones in fp32 or bf16 run PyTorch's own
+depthwise kernels, which allocate nothing inside the call (EfficientNet-B0's 16 in tf32 and
+MobileNetV3's 15 in bf16, forward and backward: zoo_diagnose_h100.json); channels-last ones go
+to cuDNN, whose 16-bit weight gradient sums fp32 partials in a buffer of
+`DEPTHWISE_WGRAD_PARTIALS` per weight element, whatever the batch and image (ConvNeXt-T's 18
+7x7 depthwise backwards, 56x56 to 7x7: zoo_diagnose_h100_run2.json). The grid's "grouped"
+class (3x3, 16 groups) measures neither.
+
+A stride-1 channels-first 1x1 convolution's backward over many pixels asks cuDNN for a weight
+gradient that sums fp32 partials, a buffer of `WGRAD_PARTIALS_1X1[math]` per weight element
+whatever the batch and image (MobileNetV3's bf16 1x1s from 14x14 to 112x112, ResNet-50's tf32
+ones from 14x14 to 56x56: each within 400 bytes in zoo_diagnose_h100.json); over few pixels it
+copies the tensors instead. The grid's class fraction scales with the tensors, so it is taken
+where it is smaller (few pixels) and the partials elsewhere.
 """
 
 from __future__ import annotations
@@ -35,6 +51,13 @@ from gobrrr.hardware import Calibration
 FORWARD = ("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable")
 BACKWARD = ("convolution_backward",)
 HALF = ("bfloat16", "float16")
+# fp32 partial sums per weight element that cuDNN's 16-bit channels-last depthwise weight
+# gradient allocates inside the call (the allocator traces of zoo_diagnose_h100_run2.json, the
+# same at each of ConvNeXt-T's four stages; tests/test_alloc_sequence.py holds it to them)
+DEPTHWISE_WGRAD_PARTIALS = 512
+# fp32 partial sums per weight element of a stride-1 channels-first 1x1 convolution's weight
+# gradient, by math mode (the same traces; tests/test_alloc_sequence.py holds them to them)
+WGRAD_PARTIALS_1X1 = {"bf16": 128, "tf32": 64}
 
 
 def _nhwc_bytes(t, pad_channels: bool = False) -> int:
@@ -108,6 +131,49 @@ def class_inside(node: OpNode, cal: Calibration | None, math_mode: str) -> int |
     return None
 
 
+def depthwise(node: OpNode) -> bool:
+    """PyTorch's ConvParams::is_depthwise: a 2-D or 3-D convolution, not transposed, whose
+    groups equal its input channels (over 1), each group making whole output channels."""
+    backward = node.name in BACKWARD
+    x = targ(node, 1 if backward else 0, "input")
+    w = targ(node, 2 if backward else 1, "weight")
+    groups = node.arg(9 if backward else 8, "groups", 1) or 1
+    if x is None or w is None or len(x.shape) not in (4, 5) or node.arg(
+            7 if backward else 6, "transposed", False):
+        return False
+    return groups > 1 and x.shape[1] == groups and w.shape[0] % groups == 0
+
+
+def depthwise_inside(node: OpNode) -> int | None:
+    """Bytes a depthwise convolution allocates inside the call where the allocator traces show
+    it (module docstring): 0 for PyTorch's own kernels (channels-first, fp32 or bf16), the fp32
+    partials of cuDNN's 16-bit channels-last weight gradient; None elsewhere (fp16
+    channels-first may go to cuDNN; the calibration's class then)."""
+    if node.name not in FORWARD and node.name not in BACKWARD or not depthwise(node):
+        return None
+    backward = node.name in BACKWARD
+    x = targ(node, 1 if backward else 0, "input")
+    w = targ(node, 2 if backward else 1, "weight")
+    if conv_layout(node) == "channels_first":
+        return 0 if x.dtype != "float16" else None
+    if x.dtype not in HALF:
+        return None
+    return DEPTHWISE_WGRAD_PARTIALS * w.numel * 4 if backward else None
+
+
+def pointwise_wgrad_partials(node: OpNode, math_mode: str) -> int | None:
+    """Bytes of the fp32 partials a stride-1 channels-first 1x1 convolution's backward sums
+    its weight gradient in (module docstring); None for other convolutions and math modes."""
+    partials = WGRAD_PARTIALS_1X1.get(math_mode)
+    w = targ(node, 2, "weight")
+    stride = node.arg(4, "stride", (1,)) or (1,)
+    if node.name not in BACKWARD or partials is None or w is None or len(w.shape) != 4 or \
+            w.shape[2:] != (1, 1) or any(s != 1 for s in stride) or depthwise(node) or \
+            conv_layout(node) != "channels_first":
+        return None
+    return partials * w.numel * 4
+
+
 def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
     """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
     from gobrrr.cost.flops import op_cost
@@ -118,7 +184,12 @@ def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
         if node.name not in FORWARD and node.name not in BACKWARD:
             continue
         math_mode = op_cost(node, tf32).math
-        inside = class_inside(node, cal, math_mode)
+        inside = depthwise_inside(node)
+        if inside is None:
+            inside = class_inside(node, cal, math_mode)
+            partials = pointwise_wgrad_partials(node, math_mode)
+            if inside is not None and partials is not None:
+                inside = min(inside, partials)
         extra = inside if inside is not None else \
             layout_scratch(node) + workspace(node, cal, math_mode)
         if extra:

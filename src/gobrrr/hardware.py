@@ -295,7 +295,12 @@ class Calibration:
     bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
     `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
     `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
-    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve."""
+    `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve.
+    `offload`: CPU offload of the optimizer (gobrrr.profile.calibrate_offload): "d2h" and
+    "h2d" pinned-copy bytes/s over sizes, [[bytes, bytes/s], ...]; "adamw:fp32" and
+    "adamw:bf16", seconds of one fused AdamW step on the host's CPU over parameter sizes,
+    [[elements, seconds], ...]; "d2h_issue_s", "h2d_issue_s", host seconds to queue one copy;
+    "threads", the CPU threads torch used. Empty: not measured (offload is not planned)."""
 
     gpu: str
     device_name: str
@@ -323,6 +328,7 @@ class Calibration:
     outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     size_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

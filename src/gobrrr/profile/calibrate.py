@@ -90,6 +90,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     name -> fn(device) -> {Calibration field: value}."""
     from gobrrr.profile import calibrate_conv as cc
     from gobrrr.profile import calibrate_host as ch
+    from gobrrr.profile import calibrate_offload as co
     from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
@@ -110,6 +111,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
         "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
+        "offload": co.offload_section,
     }
 
 

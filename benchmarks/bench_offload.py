@@ -74,7 +74,6 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
     from gobrrr.estimate import workload_factory
     from gobrrr.plan.apply import apply
     from gobrrr.plan.knobs import Knobs
-    from gobrrr.profile.runner import time_steps
 
     source, seq, g, knobs = CONFIGS[name]
     row: dict = {}
@@ -83,17 +82,16 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
         with torch.device("cuda"):
             wl = workload_factory(source, g, seq)()
         step = apply(wl, Knobs.from_dict(knobs), precision=PRECISION)
-        opt_s = _time_optimizer_step(step.optimizer)
+        marks = _mark_optimizer_step(step.optimizer)
         batch = wl.batch
         for _ in range(warmup):
             step(batch)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        opt_s.clear()
-        times = time_steps(lambda: step(batch), steps, "cuda")
-        row.update(step_s=statistics.median(times), step_times=times,
-                   optimizer_step_s=statistics.median(opt_s), optimizer_step_times=list(opt_s),
-                   peak_allocated=torch.cuda.max_memory_allocated(),
+        marks.clear()
+        times = [_timed(lambda: step(batch), marks) for _ in range(steps)]
+        row.update({k: statistics.median(t[k] for t in times) for k in times[0]},
+                   steps=times, peak_allocated=torch.cuda.max_memory_allocated(),
                    peak_reserved=torch.cuda.max_memory_reserved(),
                    optimizer=type(step.optimizer).__name__, host=host_bytes(step.optimizer))
     except Exception as e:  # recorded: one configuration must not sink the run
@@ -104,20 +102,41 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
     return row
 
 
-def _time_optimizer_step(opt) -> list[float]:
-    """Wrap opt.step to record its host seconds (the offloaded step() returns once its last
-    copy back has landed)."""
-    times: list[float] = []
+def _timed(fn, marks: list) -> dict[str, float]:
+    """One optimizer step timed with CUDA events on the compute stream: step_s (whole),
+    to_optimizer_s (until optimizer.step() is entered: the forward and backward as the GPU
+    ran them), optimizer_s (from there to the end); optimizer_host_s, the host seconds inside
+    optimizer.step() (the offloaded step returns once its last copy back has landed)."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    entered, host_s = marks.pop()
+    marks.clear()
+    return {"step_s": a.elapsed_time(b) * 1e-3, "to_optimizer_s": a.elapsed_time(entered) * 1e-3,
+            "optimizer_s": entered.elapsed_time(b) * 1e-3, "optimizer_host_s": host_s}
+
+
+def _mark_optimizer_step(opt) -> list:
+    """Wrap opt.step to record (a CUDA event on entry, its host seconds) per call."""
+    import torch
+
+    marks: list = []
     inner = opt.step
 
     def step(*a, **k):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
         t0 = time.perf_counter()
         out = inner(*a, **k)
-        times.append(time.perf_counter() - t0)
+        marks.append((e, time.perf_counter() - t0))
         return out
 
     opt.step = step
-    return times
+    return marks
 
 
 def host_bytes(opt) -> dict:
@@ -222,7 +241,7 @@ def measure(args) -> dict:
                                                "message": f"past --budget {args.budget} s"}}
             continue
         out["measured"][name] = row = child(args, ["--one", name])
-        print(name, "->", {k: row.get(k) for k in ("step_s", "optimizer_step_s",
+        print(name, "->", {k: row.get(k) for k in ("step_s", "optimizer_s",
                                                     "peak_allocated", "error")}, flush=True)
         save()
     return out

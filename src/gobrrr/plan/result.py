@@ -20,6 +20,8 @@ class Plan:
     max_memory_allocated; reserved_bytes: predicted max_memory_reserved, what "fits" is judged
     on; headroom_bytes: the budget left at the reserved peak (negative: short by that much).
     changes: what differs from the user's step, one phrase each; why: the reason in a line.
+    host_bytes: host memory the step needs beyond the user's (CPU offload: pinned parameter
+    and gradient copies, and the optimizer states); host_pinned_bytes: the pinned part.
     """
 
     knobs: Knobs
@@ -33,6 +35,8 @@ class Plan:
     changes: tuple[str, ...]
     why: str
     recompute_s: float = 0.0
+    host_bytes: int = 0
+    host_pinned_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"knobs": self.knobs.to_dict(), "unit": self.unit,
@@ -41,6 +45,8 @@ class Plan:
                                "reserved_bytes": self.reserved_bytes, "fits": self.fits,
                                "headroom_bytes": self.headroom_bytes,
                                "recompute_s": self.recompute_s,
+                               "host_bytes": self.host_bytes,
+                               "host_pinned_bytes": self.host_pinned_bytes,
                                "changes": list(self.changes), "why": self.why}
         return out
 

@@ -23,6 +23,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
 from gobrrr.graph import StepGraph
 from gobrrr.memory import process_budget
+from gobrrr.offload import host_bytes
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
@@ -41,10 +42,11 @@ MARGIN = 0.0
 
 #: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
 #: the step's forward and backward).
-ALLOW: tuple[str, ...] = ("bf16-states",)
+ALLOW: tuple[str, ...] = ("bf16-states", "offload")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
-#: ops, not only what is kept): (fused loss, optimizer states).
+#: ops, not only what is kept): (fused loss, optimizer states), states "offload" standing
+#: for the user's states offloaded to the host (Knobs(offload=True)).
 Variant = tuple[bool, str]
 BASE: Variant = (False, "as-is")
 
@@ -119,6 +121,8 @@ class Planner:
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
         states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
+        if "offload" in self.req.allow:
+            states += _offload_states(self.target, self.tracer, notes)
         out = [(fused, st) for st in states for fused in (False, True)
                if (fused, st) != BASE and (not fused or not refusal)]
         kept = [v for v in out if _persistent(self.base, v[1]) <= self.req.usable]
@@ -193,14 +197,36 @@ class _Steps:
         return sum(t.traces for t in self.tracers.values())
 
 
+def _offload_states(target: Target, tracer, notes: list[str]) -> list[str]:
+    """["offload"] where it can be costed: a calibration with the offload section (the host
+    link and the CPU's AdamW step), and the user's AdamW (the CPU step measured); else a
+    note saying why not."""
+    from gobrrr.cost.offload import NOT_CALIBRATED
+
+    section = target.cal.offload if target.cal else {}
+    if not section.get("d2h") or not section.get("adamw:fp32"):
+        notes.append("offload not planned: " + NOT_CALIBRATED.format(
+            what=f"{target.gpu.name}'s calibration"))
+        return []
+    refusal = tracer.offload_refusal()
+    if refusal:
+        notes.append(f"offload not planned: {refusal}")
+        return []
+    return ["offload"]
+
+
 def _persistent(g: StepGraph, states: str) -> int:
-    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved)."""
+    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved;
+    offload: the states on the host, those of the few small parameters left on the GPU not
+    counted)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
             by[s.kind] += s.nbytes
     if states == "bf16":
         by["optimizer_state"] //= 2
+    if states == "offload":
+        by["optimizer_state"] = 0
     return sum(by.values())
 
 
@@ -265,7 +291,7 @@ class _Search:
     def at_micro_batch(self, m: int, v: Variant = BASE) -> list[Plan]:
         n = self.req.global_batch // m
         knobs = functools.partial(Knobs, micro_batch=m, accumulation=n, fused_loss=v[0],
-                                  optimizer_states=v[1])
+                                  **_states_knobs(v[1]))
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
@@ -306,7 +332,13 @@ class _Search:
 
     def graph(self, knobs: Knobs) -> StepGraph:
         """The graph of knobs' variant at knobs' micro-batch (before checkpointing)."""
-        return self.steps.at((knobs.fused_loss, knobs.optimizer_states), knobs.micro_batch)
+        states = knobs.optimizer_states
+        if knobs.offload:
+            if states != "as-is":
+                raise GobrrrError(f"offload with optimizer_states={states!r} is not planned: "
+                                  "offload keeps the optimizer's own states (as-is)")
+            states = "offload"
+        return self.steps.at((knobs.fused_loss, states), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
         g = self.graph(knobs)
@@ -316,6 +348,13 @@ class _Search:
         est = evaluate(g, self.target)
         self.evaluated += 1
         return _plan(knobs, est, self.req, self.blocks)
+
+
+def _states_knobs(states: str) -> dict:
+    """The Knobs fields of a variant's optimizer states."""
+    if states == "offload":
+        return {"optimizer_states": "as-is", "offload": True}
+    return {"optimizer_states": states}
 
 
 def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
@@ -331,11 +370,16 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
                                 "margin)" if req.margin else ""))
     if recompute:
         why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
+    host = host_bytes(est.graph)
+    if host["total"]:
+        why += (f"; needs {host['total'] / gib:.1f} GiB of host memory "
+                f"({host['pinned'] / gib:.1f} GiB pinned)")
     return Plan(knobs=knobs, unit=throughput_unit(est.graph),
                 units_per_s=est.time.tokens_per_s, step_s=est.time.step_s,
                 peak_bytes=m.peak, reserved_bytes=reserved, fits=fits,
                 headroom_bytes=req.budget - reserved, changes=tuple(changes), why=why,
-                recompute_s=recompute)
+                recompute_s=recompute, host_bytes=host["total"],
+                host_pinned_bytes=host["pinned"])
 
 
 def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
@@ -347,6 +391,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
         out.append("fused linear + cross-entropy")
     if knobs.optimizer_states != "as-is":
         out.append(f"optimizer states in {knobs.optimizer_states}")
+    if knobs.offload:
+        out.append("optimizer states and update on the CPU (offload)")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

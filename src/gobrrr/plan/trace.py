@@ -13,7 +13,8 @@ from gobrrr.estimate import workload_factory
 from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
-from gobrrr.optim import states_optimizer
+from gobrrr.offload import stand_in
+from gobrrr.optim import adam_hyper, states_optimizer
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 
@@ -73,7 +74,8 @@ class Tracer:
 
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
-        and loss, the optimizer keeping its states as planned."""
+        and loss, the optimizer keeping its states as planned ("offload": torchao's
+        CPUOffloadOptimizer, traced as gobrrr.offload's stand-in)."""
         if not self.fused_loss and self.states == "as-is":
             return make
 
@@ -81,12 +83,31 @@ class Tracer:
             w = make()
             if self.fused_loss:
                 use_fused_loss(w.model)
-            if self.states != "as-is":
+            if self.states == "offload":
+                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+                w.optimizer = lambda ps: stand_in(user(ps))
+            elif self.states != "as-is":
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
                 w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
             return w
 
         return build
+
+    def offload_refusal(self) -> str | None:
+        """Why the optimizer cannot be offloaded as planned (None: it can): offload is
+        costed for AdamW (torchao runs torch's fused AdamW on the CPU, the step calibrated)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        opt = w.make_optimizer()
+        if type(opt) is not torch.optim.AdamW:
+            return (f"the workload's optimizer is {type(opt).__name__}; offload is costed "
+                    "for torch.optim.AdamW (its fused CPU step is what the calibration "
+                    "measures)")
+        try:
+            adam_hyper(opt)  # an option the offloaded optimizer lacks (amsgrad, maximize)
+        except GobrrrError as e:
+            return str(e)
+        return None
 
     def fused_loss_refusal(self) -> str | None:
         """Why the fused loss does not apply to this model (None: it does)."""

@@ -44,10 +44,11 @@ SECTION = {"d2h": [[65536.0, LINK], [2.0**30, LINK]], "h2d": [[65536.0, LINK], [
 
 
 def tiny_gpt2(batch_size: int = 4, seq_len: int = 32):
-    """Parameters both sides of torchao's 4096 elements: 64-wide norms and biases stay on the
-    GPU, the matrices and embeddings are offloaded."""
-    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=64,
-                        n_head=4, vocab_size=512)
+    """Parameters both sides of torchao's 4096 elements: norms, biases, the attention's
+    matrices (32 x 96, 32 x 32) stay on the GPU; the MLP's (32 x 128: 4096 exactly), the
+    embeddings (200 x 32, 1024 x 32) are offloaded."""
+    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=32,
+                        n_head=4, vocab_size=200)
 
 
 def offloaded_workload(batch_size: int = 4, seq_len: int = 32):
@@ -153,7 +154,7 @@ def test_gpu_memory_of_the_offloaded_step_by_hand(traced, target):
     assert kind(g, "optimizer_state") == sum(2 * p.nbytes + 4 for p in small)
     saved = evaluate(plain, target).memory.peak - evaluate(g, target).memory.peak
     offloaded = sum(2 * p.nbytes for p in params if p.numel() >= MINIMAL_SIZE)
-    assert saved == pytest.approx(offloaded, rel=0.02)
+    assert saved == pytest.approx(offloaded, rel=0.05)  # the peaks fall at different ops
 
 
 def test_host_bytes_are_what_torchao_holds(traced, torchao_step):

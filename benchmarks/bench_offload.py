@@ -247,6 +247,58 @@ def measure(args) -> dict:
     return out
 
 
+# -- the prediction, on any CPU -----------------------------------------------------------------
+def predicted(results: dict, calibration=None) -> dict:
+    """Each configuration's prediction on the shipped H100 calibration with the offload
+    section measured in `results` (or `calibration`'s own), beside what was measured:
+    {name: {"predicted": {...}, "measured": {...}, "errors": {...}}}."""
+    import dataclasses
+
+    from gobrrr.evaluate import Target
+    from gobrrr.hardware import find_calibration, get_gpu
+    from gobrrr.plan.knobs import Knobs
+    from gobrrr.plan.search import Planner
+
+    gpu = get_gpu("h100")
+    cal = calibration or find_calibration(gpu)
+    section = (results.get("section") or {}).get("offload")
+    if section:
+        cal = dataclasses.replace(cal, offload=section)
+    target, out, planners = Target(gpu, cal), {}, {}
+    for name, m in results["measured"].items():
+        source, seq, g, knobs = CONFIGS[name]
+        key = (source, seq, g)
+        if key not in planners:
+            planners[key] = Planner(source, target, global_batch=g, seq=seq,
+                                    precision=PRECISION, allow=["offload"])
+        p = planners[key].cost(Knobs.from_dict(knobs))
+        pred = {"step_s": p.step_s, "peak_allocated": p.peak_bytes,
+                "peak_reserved": p.reserved_bytes, "host_bytes": p.host_bytes,
+                "host_pinned_bytes": p.host_pinned_bytes}
+        row = {"predicted": pred, "measured": {k: m.get(k) for k in (
+            "step_s", "to_optimizer_s", "optimizer_s", "peak_allocated", "peak_reserved",
+            "error")}}
+        host = m.get("host") or {}
+        if host:
+            row["measured"]["host_bytes"] = host["pinned_tensor_bytes"] + host["state_bytes"]
+        row["errors"] = {k: pred[k] / row["measured"][k] - 1 for k in pred
+                         if row["measured"].get(k)}
+        out[name] = row
+    return out
+
+
+def compare(path: str) -> None:
+    """Print and store (beside `path`, "_predicted") each configuration's prediction."""
+    results = json.loads(Path(path).read_text())
+    rows = predicted(results)
+    for name, r in rows.items():
+        print(f"{name:20s}", {k: round(v, 4) for k, v in r["errors"].items()})
+    dest = Path(path).with_name(Path(path).stem + "_predicted.json")
+    dest.write_text(json.dumps({"version": VERSION, "from": Path(path).name, "rows": rows},
+                               indent=1))
+    print("wrote", dest)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="results JSON to write")
@@ -259,8 +311,13 @@ def main(argv=None) -> None:
     ap.add_argument("--one", choices=sorted(CONFIGS))
     ap.add_argument("--section", action="store_true")
     ap.add_argument("--env", action="store_true")
+    ap.add_argument("--compare", metavar="RESULTS.json",
+                    help="predict each measured configuration (on this CPU) beside the "
+                    "measurement")
     args = ap.parse_args(argv)
-    if args.env:
+    if args.compare:
+        compare(args.compare)
+    elif args.env:
         print("ENV " + json.dumps(_env()))
     elif args.section:
         try:

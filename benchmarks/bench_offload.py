@@ -83,13 +83,21 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
             wl = workload_factory(source, g, seq)()
         step = apply(wl, Knobs.from_dict(knobs), precision=PRECISION)
         marks = _mark_optimizer_step(step.optimizer)
+        cpu = _time_cpu_steps(step.optimizer)
         batch = wl.batch
         for _ in range(warmup):
             step(batch)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         marks.clear()
-        times = [_timed(lambda: step(batch), marks) for _ in range(steps)]
+        cpu.clear()
+        times = []
+        for _ in range(steps):
+            times.append(_timed(lambda: step(batch), marks))
+            if cpu:  # the CPU steps' host seconds inside this optimizer step
+                times[-1]["cpu_steps_s"] = sum(t for _, t in cpu)
+                row["cpu_steps"] = [[n, t] for n, t in cpu]  # (elements, s), the last step's
+                cpu.clear()
         row.update({k: statistics.median(t[k] for t in times) for k in times[0]},
                    steps=times, peak_allocated=torch.cuda.max_memory_allocated(),
                    peak_reserved=torch.cuda.max_memory_reserved(),
@@ -118,6 +126,23 @@ def _timed(fn, marks: list) -> dict[str, float]:
     marks.clear()
     return {"step_s": a.elapsed_time(b) * 1e-3, "to_optimizer_s": a.elapsed_time(entered) * 1e-3,
             "optimizer_s": entered.elapsed_time(b) * 1e-3, "optimizer_host_s": host_s}
+
+
+def _time_cpu_steps(opt) -> list:
+    """Wrap each offloaded parameter's CPU optimizer step to record (elements, seconds)."""
+    times: list = []
+
+    def timed(f, n: int):
+        def step():
+            t0 = time.perf_counter()
+            out = f()
+            times.append((n, time.perf_counter() - t0))
+            return out
+        return step
+
+    for p, o in getattr(opt, "optim_dict", {}).items():
+        o.step = timed(o.step, p.numel())
+    return times
 
 
 def _mark_optimizer_step(opt) -> list:

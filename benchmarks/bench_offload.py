@@ -45,6 +45,7 @@ CONFIGS = {
     "llama3-1b-plain": ("llama3-1b", 1024, 4, {"micro_batch": 4}),
 }
 PRECISION = "bf16-mixed"
+DEVICE = "cuda"
 
 
 # -- children ----------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
     row: dict = {}
     try:
         torch.manual_seed(0)
-        with torch.device("cuda"):
+        with torch.device(DEVICE):
             wl = workload_factory(source, g, seq)()
         step = apply(wl, Knobs.from_dict(knobs), precision=PRECISION)
         marks = _mark_optimizer_step(step.optimizer)

@@ -31,6 +31,7 @@ from gobrrr.offload import (
 )
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.result import no_fit_message
 from gobrrr.plan.search import Planner
 from gobrrr.step import TrainStep
 
@@ -257,7 +258,14 @@ def test_planner_offloads_when_only_offload_fits(squeezed, target):
     d = json.loads(json.dumps(r.to_dict()))["best"]
     assert d["host_bytes"] == r.best.host_bytes and d["knobs"]["offload"] is True
     without = Planner(tiny_gpt2, target, global_batch=4, seq=32, memory_budget=budget).run()
-    assert without.best is None
+    assert without.best is None and "(--allow offload)" in no_fit_message(without)
+
+
+def test_no_fit_says_when_offloaded_plans_were_tried(target):
+    r = Planner(tiny_gpt2, target, global_batch=2, seq=32, memory_budget=2**20,
+                allow=["offload"]).run()
+    assert r.best is None and any(p.knobs.offload for p in r.plans)
+    assert "offloaded plans did not fit either" in no_fit_message(r)
 
 
 def test_planned_offload_matches_a_fresh_trace(squeezed, target):

@@ -98,8 +98,10 @@ def no_fit_message(r: PlanResult) -> str:
     """One line: nothing fits, the smallest reserved peak found, and what would make it fit."""
     gib = 2**30
     low = min(r.plans, key=lambda p: p.reserved_bytes) if r.plans else r.user
+    host = ("offloaded plans did not fit either" if any(p.knobs.offload for p in r.plans)
+            else "optimizer states on the host (--allow offload)")
     return (f"no configuration of {r.workload} at global batch {r.global_batch} fits "
             f"{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
             f"{low.reserved_bytes / gib:.1f} GiB ({', '.join(low.changes) or 'as given'}); "
             "to fit: more GPUs (shard parameters, gradients and optimizer states), optimizer "
-            "states in 8 bits or on the host, or a smaller model or sequence")
+            f"states in 8 bits, {host}, or a smaller model or sequence")

@@ -33,14 +33,19 @@ sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
 VERSION = 1
 
-#: name -> (workload source, seq, global batch, precision). Sources are built-in names or
-#: "file.py:function" specs taking batch_size (and seq_len).
-SCENARIOS = {
+#: name -> (workload source, seq, global batch, precision[, allow, grid]). Sources are
+#: built-in names or "file.py:function" specs taking batch_size (and seq_len). allow: what
+#: `--allow` gives the planner; grid: "all" (default) or "least" (only the grid's
+#: least-memory point, micro-batch 1 with every block checkpointed: where the prediction says
+#: the whole grid runs out of memory, one run shows it).
+SCENARIOS: dict[str, tuple] = {
     "llama3-1b-seq16k": ("llama3-1b", 16384, 4, "bf16-mixed"),
     "llama3-3b-seq4k": ("llama3-3b", 4096, 8, "bf16-mixed"),
     "resnet50-cl-b2048": (f"{HERE.parent / 'plan_scenarios.py'}:resnet50", None, 2048,
                           "bf16-mixed"),
     "gpt2-xl-seq1k": ("gpt2-xl", 1024, 32, "bf16-mixed"),
+    "llama-5b-seq4k-states": (f"{HERE.parent / 'plan_scenarios.py'}:llama_5b", 4096, 8,
+                              "bf16-mixed", ("8bit-states", "offload"), "least"),
 }
 
 
@@ -131,16 +136,22 @@ def child_environment() -> dict:
 def scenario(args, name: str, out: dict, save) -> None:
     from gobrrr.plan.search import Planner
 
-    source, seq, g, precision = SCENARIOS[name]
+    source, seq, g, precision, *rest = SCENARIOS[name]
+    allow, grid_mode = (list(rest) + [(), "all"][len(rest):])[:2]
     t = time.perf_counter()
-    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision)
+    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
+                      allow=allow)
     result = planner.run()
     rec = {"source": Path(source).name if "/" in source else source, "seq": seq,
-           "global_batch": g, "precision": precision, "plan_s": time.perf_counter() - t,
+           "global_batch": g, "precision": precision, "allow": list(allow),
+           "grid": grid_mode, "plan_s": time.perf_counter() - t,
            "plan": result.to_dict(top=5), "configs": []}
     out["scenarios"][name] = rec
     chosen = [p.knobs for p in result.plans[:3] if p.fits]
-    configs = [(k, "grid") for k in grid(planner)]
+    points = grid(planner)
+    if grid_mode == "least":
+        points = [min(points, key=lambda k: (k.micro_batch, not k.checkpoint))]
+    configs = [(k, "grid") for k in points]
     configs += [(k, f"plan#{i + 1}") for i, k in enumerate(chosen)]
     measured: dict = {}  # a configuration the grid and the plan share runs once
     for knobs, role in configs:

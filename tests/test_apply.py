@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gobrrr.errors import GobrrrError
 from gobrrr.models.registry import get_workload
-from gobrrr.plan.apply import _takes_policies, apply
+from gobrrr.plan.apply import apply
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.transforms import repeated_blocks
 from gobrrr.workload import Workload
@@ -180,8 +180,6 @@ PATTERNS = {"every": lambda names: every_kth(names, 1),
 @pytest.mark.parametrize("name", list(BUILD))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_checkpointing_is_the_same_step(name, pattern):
-    if pattern != "every" and not _takes_policies():
-        pytest.skip("per-block policies need apply_checkpointing(model, policies) (ckpt-pass)")
     plan = PATTERNS[pattern](_block_names(make(name)))
     knobs = Knobs(micro_batch=B, checkpoint=plan)
     loss, grads, _ = applied(name, knobs)
@@ -196,18 +194,6 @@ def _ops(name: str, knobs: Knobs) -> collections.Counter:
     with Ops() as rec:
         step()
     return collections.Counter(op.split(".")[1] for op, _ in rec.ops)
-
-
-def test_checkpoint_plans_this_gobrrr_cannot_run_are_refused():
-    if _takes_policies():
-        pytest.skip("apply_checkpointing takes per-block policies: nothing is refused")
-    wl = make("gpt2")
-    with pytest.raises(GobrrrError, match="every repeated block in full") as e:
-        apply(wl, Knobs(micro_batch=B, checkpoint=every_kth(_block_names(wl), 2)))
-    assert "\n" not in str(e.value)
-
-
-# -- optimizer states -----------------------------------------------------------------------
 
 
 def _train(name: str, states: str, steps: int = 5, precision: str = "fp32"):
@@ -428,3 +414,23 @@ def test_knobs_that_do_not_exist():
               "checkpoint block 'layers.9' is not a module of DeepMLP")
     _one_line(lambda: apply(make("mlp"), Knobs(micro_batch=4), precision="fp8"),
               "unknown precision 'fp8'")
+
+
+# -- weights in bf16 --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "hf-llama"])
+def test_bf16_weights_is_the_pure_bf16_step(name):
+    """weights="bf16" on a bf16-mixed workload runs the step as precision "bf16" does: the
+    model's parameters (and so its gradients) in bfloat16, no autocast. Reference: the model
+    cast by hand, its loss computed without autocast."""
+    loss, grads, step = applied(name, Knobs(micro_batch=B, weights="bf16"), "bf16-mixed")
+    assert step.precision == "bf16"
+    assert {p.dtype for p in step.model.parameters()} == {torch.bfloat16}
+    wl = make(name)
+    wl.model.to(torch.bfloat16)
+    ref = wl.compute_loss(wl.batch)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in wl.model.named_parameters()}
+    assert {g.dtype for g in grads.values()} == {torch.bfloat16}
+    assert_same_step((loss, grads), (ref.detach(), want), 1e-6)

@@ -223,6 +223,23 @@ def test_bf16_states_are_planned_only_when_allowed():
     assert b.peak_bytes < a.peak_bytes
 
 
+def test_bf16_weights_are_the_pure_bf16_step_and_only_when_allowed():
+    """The bf16-weights variant is the step traced at precision "bf16": its predicted peak is
+    a fresh "bf16" trace's, its parameters take half the bytes of the user's fp32 ones."""
+    p = Planner(tiny_gpt2, "h100", global_batch=4, seq=64, allow=["bf16-weights"])
+    r = p.run()
+    assert {pl.knobs.weights for pl in r.plans} == {"as-is", "bf16"}
+    knobs = Knobs(micro_batch=4, weights="bf16")
+    fresh = evaluate(capture(lambda: tiny_gpt2(4, 64), precision="bf16"), p.target)
+    assert p.cost(knobs).peak_bytes == fresh.memory.peak
+    params = {k: sum(s.nbytes for s in p.search.graph(k).storages if s.kind == "parameter")
+              for k in (Knobs(micro_batch=4), knobs)}
+    assert params[knobs] * 2 == params[Knobs(micro_batch=4)]
+    assert "weights, gradients and states in bf16 (pure bf16)" in p.cost(knobs).changes
+    assert {pl.knobs.weights for pl in plan(tiny_gpt2, "h100", global_batch=4, seq=64).plans} \
+        == {"as-is"}
+
+
 def test_plan_json_round_trips_its_knobs(planned):
     _, r, _ = planned
     d = json.loads(json.dumps(r.to_dict()))

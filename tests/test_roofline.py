@@ -151,6 +151,20 @@ def test_attention_rate_by_direction_where_measured_apart(make_cal):
     assert new.attention("bf16", 1024) == pytest.approx(200e12)
 
 
+def test_attention_rate_by_kernel_variant_where_measured(make_cal):
+    # a variant's own curve where the calibration has it; the same mask at the nearest
+    # measured head dim where it has only another; the direction's base curve otherwise
+    curves = {"forward:bf16": [[256.0, 100e12], [4096.0, 100e12]],
+              "forward:bf16:causal+dropout:d64": [[256.0, 50e12], [4096.0, 50e12]],
+              "forward:bf16:full:d128": [[256.0, 70e12], [4096.0, 70e12]]}
+    r = Rates(H100, make_cal(attention_curve=curves))
+    assert r.attention("bf16", 1024, "forward", "causal+dropout:d64") == pytest.approx(50e12)
+    assert r.attention("bf16", 1024, "forward", "causal+dropout:d128") == pytest.approx(50e12)
+    assert r.attention("bf16", 1024, "forward", "full:d64") == pytest.approx(70e12)
+    assert r.attention("bf16", 1024, "forward", "mask:d64") == pytest.approx(100e12)
+    assert r.attention("bf16", 1024, "backward", "full:d64") == r.attention("bf16", 1024)
+
+
 def test_a_sum_over_tokens_costs_the_measured_outer_reduction_bandwidth(make_cal):
     # a bias gradient sums over leading dims (its kernel strides across rows, and its output
     # size sets its parallelism); a sum over the last dim is an ordinary reduction

@@ -195,3 +195,35 @@ def test_grouped_query_attention_traces_on_every_backend():
         fwd = [n for n in g.nodes if n.phase == "forward" and "attention" in n.op]
         # the kernel's K: repeated to 4 heads for the efficient kernel, 2 (native GQA) for cuDNN
         assert {n.inputs[1].shape[1] for n in fwd} == {4 if backend == "efficient" else 2}
+
+
+@pytest.mark.parametrize("dropout, mask, want", [
+    (0.0, False, "full:d64"), (0.1, False, "full+dropout:d64"),
+    (0.0, True, "mask:d64"), (0.1, True, "mask+dropout:d64")])
+def test_attention_ops_name_the_kernel_variant_they_run(dropout, mask, want):
+    """The cost model reads each traced attention op's mask, dropout and head dim (_Attn: 4
+    heads of 16, the nearest measured head dim is 64), forward and backward alike."""
+    from gobrrr.cost._ops_attention import variant
+
+    ops = [n for n in _graph(dropout, mask).nodes if "cudnn_attention" in n.op]
+    assert len(ops) == 2 and {variant(n) for n in ops} == {want}
+
+
+def test_a_causal_call_at_head_dim_128_is_its_own_variant():
+    from gobrrr.cost._ops_attention import variant
+
+    q = torch.randn(1, 2, 32, 128, requires_grad=True)
+
+    def make():
+        class Causal(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Parameter(q.detach().clone())
+
+            def forward(self, x):
+                return F.scaled_dot_product_attention(self.q * x, self.q, self.q,
+                                                      is_causal=True).sum()
+        return gobrrr.Workload(model=Causal(), batch=(torch.ones(1),), loss=None)
+
+    g = capture(make, precision="bf16-mixed", sdpa=H100)
+    assert {variant(n) for n in g.nodes if "cudnn_attention" in n.op} == {"causal:d128"}

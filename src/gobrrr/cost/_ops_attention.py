@@ -13,7 +13,10 @@ out, lse and writes dq, dk, dv. The Sq×Sk score matrix never reaches HBM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import torch
 
 from gobrrr.cost._ops_common import CostFn, OpCost, matmul_math, refs, sum_read
 from gobrrr.graph import OpNode
@@ -94,6 +97,50 @@ def attention(node: OpNode, tf32: bool) -> OpCost:
     nbytes = sum_read(node.inputs) + sum_read(outs)
     return OpCost(float(flops), float(nbytes), matmul_math(q.dtype, tf32), "attention",
                   spec.launches)
+
+
+#: Head dims the calibration's attention variants are measured at.
+VARIANT_HEAD_DIMS = (64, 128)
+
+
+def variant(node: OpNode) -> str | None:
+    """The kernel variant an attention op runs, as the calibration keys it:
+    "<mask>[+dropout]:d<head dim>", mask one of "causal", "mask" (an attention bias / mask
+    tensor), "full" (neither); the head dim is the nearest of VARIANT_HEAD_DIMS. The fused
+    kernels' speed differs by these: a causal kernel skips masked tiles, a bias is read per
+    tile, dropout draws a random number per (query, key) pair in forward and again in
+    backward. None for an op this module does not cost."""
+    spec = _SPECS.get(_packet(node.op))
+    if spec is None:
+        return None
+    first = 1 if spec.backward else 0
+    q = _qkv(node, first, "query")
+    causal = bool(node.arg(*spec.causal, 0))
+    bias = _named(node, "attn_bias")
+    if bias is None:
+        bias = _named(node, "bias")
+    mask = "causal" if causal else ("mask" if node.tensor(bias) is not None else "full")
+    p = _named(node, "dropout_p") or 0.0
+    d = min(VARIANT_HEAD_DIMS, key=lambda h: abs(h - q.shape[-1]))
+    return f"{mask}{'+dropout' if p else ''}:d{d}"
+
+
+def _named(node: OpNode, name: str):
+    """The argument `name` of the op's ATen schema, wherever it was passed (None if the op
+    has no such argument or it was left at its default)."""
+    i = _arg_index(node.op, name)
+    return None if i is None else node.arg(i, name)
+
+
+@functools.cache
+def _arg_index(op: str, name: str) -> int | None:
+    ns, packet, overload = (op.split(".") + ["default"])[:3]
+    try:
+        schema = getattr(getattr(getattr(torch.ops, ns), packet), overload)._schema
+    except (AttributeError, RuntimeError):
+        return None
+    names = [a.name for a in schema.arguments]
+    return names.index(name) if name in names else None
 
 
 def _qkv(node: OpNode, i: int, name: str):

@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from gobrrr.cost import conv
+from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
@@ -248,19 +249,24 @@ class Rates:
         return MISALIGNED_FRACTION
 
     def attention(self, math_mode: str, seq: int | None = None,
-                  direction: str | None = None) -> float:
+                  direction: str | None = None, variant: str | None = None) -> float:
         """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count), in this
-        direction ("forward" / "backward") where the calibration measured it apart."""
+        direction ("forward" / "backward") where the calibration measured it apart, for this
+        kernel variant (`_ops_attention.variant`: mask, dropout, head dim) where it measured
+        that variant (at another head dim when not at this one)."""
         key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
-        if self.cal and seq and direction and self.cal.attention_curve.get(f"{direction}:{key}"):
-            key = f"{direction}:{key}"
-        if self.cal and seq and self.cal.attention_curve.get(key):
-            pts = self.cal.attention_curve[key]
+        curves = self.cal.attention_curve if self.cal else {}
+        pts = None
+        if seq and direction and variant:
+            pts = _variant_curve(curves, f"{direction}:{key}", variant)
+        if pts is None and seq and direction and curves.get(f"{direction}:{key}"):
+            pts = curves[f"{direction}:{key}"]
+        if pts is None and seq and curves.get(key):
+            pts = curves[key]
+        if pts:
             return interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
-        if self.cal and self.cal.attention_flops:
-            key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
-            if key in self.cal.attention_flops:
-                return self.cal.attention_flops[key]
+        if self.cal and self.cal.attention_flops and key in self.cal.attention_flops:
+            return self.cal.attention_flops[key]
         return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
 
     def host(self, phase: str, launches: int, op: str = "", math_mode: str = "") -> float:
@@ -340,7 +346,8 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         q = node.inputs[0] if node.inputs else None
         backward = "backward" in node.name or node.name.endswith("_bwd")
         rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
-                               else None, "backward" if backward else "forward")
+                               else None, "backward" if backward else "forward",
+                               attention_variant(node))
     elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
@@ -392,6 +399,19 @@ def fused_loss_fraction(node: OpNode, cost: OpCost, rates: Rates) -> float:
     f_nt = rates.misaligned_fraction(cost.math, True, align)
     f = rates.misaligned_fraction(cost.math, False, align)
     return cost.flops / (fwd / f_nt + grads / f)
+
+
+def _variant_curve(curves: dict, prefix: str, variant: str) -> list | None:
+    """The calibrated curve of `variant` ("<mask>:d<D>") under `prefix` ("<direction>:<dtype>"),
+    else the same mask's curve at the nearest measured head dim, else None."""
+    if f"{prefix}:{variant}" in curves:
+        return curves[f"{prefix}:{variant}"]
+    mask, d = variant.rsplit(":d", 1)
+    dims = [int(k.rsplit(":d", 1)[1]) for k in curves
+            if k.startswith(f"{prefix}:{mask}:d")]
+    if not dims:
+        return None
+    return curves[f"{prefix}:{mask}:d{min(dims, key=lambda x: abs(x - int(d)))}"]
 
 
 def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,

@@ -6,8 +6,8 @@
         loss = step(batch)        # one optimizer step; the loss of the whole batch
 
 What each knob does to the real model (in the order applied, and why that order):
-    1. precision "bf16": the model is cast to bfloat16 first, so the optimizer and its
-       states are made for the weights as they will train.
+    1. precision "bf16" (the user's, or weights="bf16"): the model is cast to bfloat16
+       first, so the optimizer and its states are made for the weights as they will train.
     2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
        cross-entropy (gobrrr.fused_loss); a change of the forward, so before compile.
     3. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +37,7 @@ from gobrrr.optim import states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.precision import check_precision
 from gobrrr.step import TrainStep, batch_size, cast_batch, make_scaler
-from gobrrr.transforms import apply_checkpointing, repeated_blocks
+from gobrrr.transforms import apply_checkpointing
 from gobrrr.workload import Batch, Workload, map_tensors
 
 
@@ -98,6 +97,7 @@ def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
     device it is on. Every error is one GobrrrError line naming the value and the fix."""
     knobs = as_knobs(knobs)
     check_precision(precision)
+    precision = knobs.precision(precision)
     model = workload.model
     changes = []
     if precision == "bf16":
@@ -153,36 +153,16 @@ def _fused_loss(workload: Workload) -> str:
 
 def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
     """Wrap the named blocks in activation checkpointing with their policies, through
-    gobrrr.transforms.apply_checkpointing(model, policies). Where that function takes no
-    policies yet (it checkpoints every repeated block in full), only that plan is accepted."""
+    gobrrr.transforms.apply_checkpointing(model, policies)."""
     names = dict(model.named_modules())
     for block in policies:
         if block not in names:
             raise GobrrrError(f"checkpoint block {block!r} is not a module of "
                               f"{type(model).__name__}{did_you_mean(block, names)}: name blocks "
                               "as model.named_modules() does (e.g. 'transformer.h.3')")
-    if _takes_policies():
-        apply_checkpointing(model, policies)
-    else:
-        _every_block_full(model, policies)
+    apply_checkpointing(model, policies)
     counts = {p: sum(1 for v in policies.values() if v == p) for p in set(policies.values())}
     return "checkpoint " + ", ".join(f"{n} block(s) {p}" for p, n in sorted(counts.items()))
-
-
-def _takes_policies() -> bool:
-    return len(inspect.signature(apply_checkpointing).parameters) >= 2
-
-
-def _every_block_full(model: nn.Module, policies: dict[str, str]) -> None:
-    ids = {id(m) for m in repeated_blocks(model)}
-    every = {n for n, m in model.named_modules() if id(m) in ids}
-    if set(policies) != every or set(policies.values()) != {"full"}:
-        raise GobrrrError(
-            f"this gobrrr checkpoints every repeated block in full, nothing else "
-            f"({len(every)} blocks in {type(model).__name__}); the plan asks for "
-            f"{len(policies)} block(s) with policies {sorted(set(policies.values()))}: "
-            "plan with every block full, or update gobrrr")
-    apply_checkpointing(model)
 
 
 def _device_of(model: nn.Module) -> torch.device:

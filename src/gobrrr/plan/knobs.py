@@ -23,6 +23,11 @@ CHECKPOINT_POLICIES = ("full", "selective")
 #: quantised moments (torchao's AdamW8bit).
 OPTIMIZER_STATES = ("as-is", "bf16", "8bit")
 
+#: Weight storage. "as-is": the user's numerics. "bf16": the model's parameters (and so its
+#: gradients and torch's optimizer states) in bfloat16, the step run in pure bf16 without
+#: autocast (gobrrr precision "bf16"); a change of numerics, planned only when allowed.
+WEIGHTS = ("as-is", "bf16")
+
 
 @dataclass(frozen=True)
 class Knobs:
@@ -40,6 +45,7 @@ class Knobs:
         fused_loss: the model's output projection and cross-entropy run as gobrrr's fused
             linear + cross-entropy kernel (no logits tensor).
         compile: the model runs under torch.compile (the optimizer stays eager).
+        weights: one of WEIGHTS.
     """
 
     micro_batch: int
@@ -49,6 +55,7 @@ class Knobs:
     offload: bool = False
     fused_loss: bool = False
     compile: bool = False
+    weights: str = "as-is"
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.accumulation < 1:
@@ -61,10 +68,16 @@ class Knobs:
         if self.optimizer_states not in OPTIMIZER_STATES:
             raise GobrrrError(f"unknown optimizer_states {self.optimizer_states!r}: choose "
                               f"{', '.join(OPTIMIZER_STATES)}")
+        if self.weights not in WEIGHTS:
+            raise GobrrrError(f"unknown weights {self.weights!r}: choose {', '.join(WEIGHTS)}")
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accumulation
+
+    def precision(self, user: str) -> str:
+        """The precision the step runs in: the user's, or pure bf16 with bf16 weights."""
+        return "bf16" if self.weights == "bf16" else user
 
     def policy(self, block: str) -> str:
         """The checkpoint policy of `block`: "full", "selective" or "none"."""
@@ -89,4 +102,4 @@ def every_kth(blocks: list[str], k: int, policy: str = "full") -> tuple[tuple[st
     return tuple((b, policy) for i, b in enumerate(blocks) if i % k == 0)
 
 
-__all__ = ["CHECKPOINT_POLICIES", "OPTIMIZER_STATES", "Knobs", "every_kth"]
+__all__ = ["CHECKPOINT_POLICIES", "OPTIMIZER_STATES", "WEIGHTS", "Knobs", "every_kth"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
@@ -40,15 +40,23 @@ from gobrrr.plan.result import Plan, PlanResult
 #: (`--margin`) keeps a share of the budget free for steps whose shapes vary.
 MARGIN = 0.0
 
-#: What `--allow` may add beyond the user's numerics (none of them changes the numerics of
-#: the step's forward and backward).
-ALLOW: tuple[str, ...] = ("bf16-states", "offload")
+#: What `--allow` may add beyond the user's numerics: "bf16-states" keeps Adam's moments in
+#: bf16 (the update in fp32); "bf16-weights" trains in pure bf16 (weights, gradients and
+#: states in bf16, no autocast: the forward's and backward's numerics change); "offload"
+#: keeps AdamW's states on the host and runs its update on the CPU (torchao's
+#: CPUOffloadOptimizer: the same numerics).
+ALLOW: tuple[str, ...] = ("bf16-states", "bf16-weights", "offload")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
-#: ops, not only what is kept): (fused loss, optimizer states), states "offload" standing
-#: for the user's states offloaded to the host (Knobs(offload=True)).
-Variant = tuple[bool, str]
-BASE: Variant = (False, "as-is")
+#: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
+#: checkpointing, i.e. only the knobs the passes cannot derive (`variant_of`).
+Variant = Knobs
+BASE: Variant = Knobs(micro_batch=1)
+
+
+def variant_of(knobs: Knobs) -> Variant:
+    """The traced variant a configuration is derived from."""
+    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=())
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,9 @@ class Planner:
                             margin)
         if memory_budget is not None:
             _check_state_budget(self.tracer.parameter_bytes(), self.req)
-        self.steps = _Steps(lambda fused, states: Tracer(
-            source, seq=seq, precision=precision, target=self.target, fused_loss=fused,
-            states=states), self.req.global_batch, self.tracer)
+        self.steps = _Steps(lambda variant: Tracer(
+            source, seq=seq, precision=precision, target=self.target, variant=variant),
+            self.req.global_batch, self.tracer)
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
@@ -121,15 +129,19 @@ class Planner:
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
         states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
-        if "offload" in self.req.allow:
-            states += _offload_states(self.target, self.tracer, notes)
-        out = [(fused, st) for st in states for fused in (False, True)
-               if (fused, st) != BASE and (not fused or not refusal)]
-        kept = [v for v in out if _persistent(self.base, v[1]) <= self.req.usable]
-        if len(kept) < len(out) or _persistent(self.base, "as-is") > self.req.usable:
+        weights = ["as-is", *(["bf16"] if "bf16-weights" in self.req.allow
+                              and self.precision != "bf16" else [])]
+        out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
+               for w in weights for st in states for fused in (False, True)
+               if w == "as-is" or st == "as-is"]
+        if "offload" in self.req.allow and _offload_allowed(self.target, self.tracer, notes):
+            out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
+        out = [v for v in out if v != BASE and (not v.fused_loss or not refusal)]
+        kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
+        if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
             notes.append(f"parameters, gradients and optimizer states alone need "
-                         f"{_persistent(self.base, 'as-is') / gib:.1f} GiB of the "
+                         f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
                          f"{self.req.usable / gib:.1f} GiB budget")
         return kept
 
@@ -188,7 +200,7 @@ class _Steps:
 
     def at(self, variant: Variant, micro_batch: int) -> StepGraph:
         if variant not in self._at:
-            tracer = self.tracers.setdefault(variant, self.make_tracer(*variant))
+            tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
             self._at[variant] = _graphs(tracer, self.global_batch)
         return self._at[variant](micro_batch)
 
@@ -197,35 +209,36 @@ class _Steps:
         return sum(t.traces for t in self.tracers.values())
 
 
-def _offload_states(target: Target, tracer, notes: list[str]) -> list[str]:
-    """["offload"] where it can be costed: a calibration with the offload section (the host
-    link and the CPU's AdamW step), and the user's AdamW (the CPU step measured); else a
-    note saying why not."""
+def _offload_allowed(target: Target, tracer, notes: list[str]) -> bool:
+    """Whether offload can be costed: a calibration with the offload section (the host link
+    and the CPU's AdamW step), and the user's AdamW (the CPU step measured); else a note
+    saying why not."""
     from gobrrr.cost.offload import NOT_CALIBRATED
 
     section = target.cal.offload if target.cal else {}
     if not section.get("d2h") or not section.get("adamw:fp32"):
         notes.append("offload not planned: " + NOT_CALIBRATED.format(
             what=f"{target.gpu.name}'s calibration"))
-        return []
+        return False
     refusal = tracer.offload_refusal()
     if refusal:
         notes.append(f"offload not planned: {refusal}")
-        return []
-    return ["offload"]
+    return not refusal
 
 
-def _persistent(g: StepGraph, states: str) -> int:
-    """Bytes of parameters, gradients and optimizer states (bf16 states: fp32 ones halved;
-    offload: the states on the host, those of the few small parameters left on the GPU not
-    counted)."""
+def _persistent(g: StepGraph, variant: Variant) -> int:
+    """Bytes of parameters, gradients and optimizer states of `variant`, from the base
+    graph `g` (bf16 states: fp32 ones halved; bf16 weights: all halved; offload: the
+    states on the host, the few of the small parameters left on the GPU not counted)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
             by[s.kind] += s.nbytes
-    if states == "bf16":
+    if variant.weights == "bf16":  # from fp32 weights (bf16 weights are not offered on bf16)
+        return sum(by.values()) // 2
+    if variant.optimizer_states == "bf16":
         by["optimizer_state"] //= 2
-    if states == "offload":
+    if variant.offload:
         by["optimizer_state"] = 0
     return sum(by.values())
 
@@ -290,8 +303,7 @@ class _Search:
 
     def at_micro_batch(self, m: int, v: Variant = BASE) -> list[Plan]:
         n = self.req.global_batch // m
-        knobs = functools.partial(Knobs, micro_batch=m, accumulation=n, fused_loss=v[0],
-                                  **_states_knobs(v[1]))
+        knobs = functools.partial(replace, v, micro_batch=m, accumulation=n)
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
@@ -332,13 +344,7 @@ class _Search:
 
     def graph(self, knobs: Knobs) -> StepGraph:
         """The graph of knobs' variant at knobs' micro-batch (before checkpointing)."""
-        states = knobs.optimizer_states
-        if knobs.offload:
-            if states != "as-is":
-                raise GobrrrError(f"offload with optimizer_states={states!r} is not planned: "
-                                  "offload keeps the optimizer's own states (as-is)")
-            states = "offload"
-        return self.steps.at((knobs.fused_loss, states), knobs.micro_batch)
+        return self.steps.at(variant_of(knobs), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
         g = self.graph(knobs)
@@ -348,13 +354,6 @@ class _Search:
         est = evaluate(g, self.target)
         self.evaluated += 1
         return _plan(knobs, est, self.req, self.blocks)
-
-
-def _states_knobs(states: str) -> dict:
-    """The Knobs fields of a variant's optimizer states."""
-    if states == "offload":
-        return {"optimizer_states": "as-is", "offload": True}
-    return {"optimizer_states": states}
 
 
 def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
@@ -389,6 +388,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
         out.append(f"micro-batch {knobs.micro_batch}, accumulate {knobs.accumulation}")
     if knobs.fused_loss:
         out.append("fused linear + cross-entropy")
+    if knobs.weights != "as-is":
+        out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
         out.append(f"optimizer states in {knobs.optimizer_states}")
     if knobs.offload:

@@ -15,6 +15,7 @@ from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
 from gobrrr.offload import stand_in
 from gobrrr.optim import adam_hyper, states_optimizer
+from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 
@@ -28,9 +29,11 @@ class Tracer:
     """
 
     def __init__(self, source: Any, *, seq: int | None, precision: str,
-                 target: Target, fused_loss: bool = False, states: str = "as-is") -> None:
+                 target: Target, variant: Knobs | None = None) -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
-        self.fused_loss, self.states = fused_loss, states
+        self.variant = variant or Knobs(micro_batch=1)
+        self.fused_loss, self.states = self.variant.fused_loss, self.variant.optimizer_states
+        self.offload = self.variant.offload
         self.traces = 0
         self._fixed: int | None = None
 
@@ -55,7 +58,7 @@ class Tracer:
     def __call__(self, micro_batch: int) -> StepGraph:
         make = self._variant(self._maker(micro_batch))
         self.traces += 1
-        return capture(make, precision=self.precision,
+        return capture(make, precision=self.variant.precision(self.precision),
                        sdpa=target_for(self.target.gpu.full_name))
 
     def _maker(self, m: int):
@@ -74,16 +77,19 @@ class Tracer:
 
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
-        and loss, the optimizer keeping its states as planned ("offload": torchao's
+        and loss, the optimizer keeping its states as planned, offloaded (torchao's
         CPUOffloadOptimizer, traced as gobrrr.offload's stand-in)."""
-        if not self.fused_loss and self.states == "as-is":
+        if not self.fused_loss and self.states == "as-is" and not self.offload:
             return make
+        if self.offload and self.states != "as-is":
+            raise GobrrrError(f"offload with optimizer_states={self.states!r} is not planned: "
+                              "offload keeps the optimizer's own states (as-is)")
 
         def build() -> Workload:
             w = make()
             if self.fused_loss:
                 use_fused_loss(w.model)
-            if self.states == "offload":
+            if self.offload:
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
                 w.optimizer = lambda ps: stand_in(user(ps))
             elif self.states != "as-is":

@@ -105,7 +105,8 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "matmul_misaligned": lambda d: {"matmul_misaligned": {
             **cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}},
         "size_bandwidth": lambda d: {"size_bandwidth": csh.size_bandwidths(d)},
-        "attention_curve": lambda d: {"attention_curve": cs.attention_rate(d)},
+        "attention_curve": lambda d: {"attention_curve": {**cs.attention_rate(d),
+                                                          **cs.attention_variants(d)}},
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
         "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},

@@ -88,6 +88,57 @@ def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
     return out
 
 
+def attention_variants(dev: torch.device, tokens: int = 16384,
+                       seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict[str, list[list[float]]]:
+    """Achieved FLOP/s of F.scaled_dot_product_attention (default backend, as a step calls it)
+    for each kernel variant `cost._ops_attention.variant` names: mask "causal" (is_causal),
+    "full" (no mask) or "mask" (a boolean (B, 1, S, S) mask hiding the last eighth of the
+    keys, as a padded batch has), without and with dropout 0.1, at head dims 64 and 128
+    (1024 model width), over sequence lengths at B·S = `tokens`; forward and backward apart:
+    {"<direction>:<dtype>:<variant>": [[S, FLOP/s], ...]}. fp32 at head dim 64 only. FLOPs
+    by FlashAttention's count (causal halved, a mask tensor counted in full, as the cost
+    model counts them)."""
+    from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
+    from gobrrr.profile.calibrate import time_op
+
+    out: dict[str, list[list[float]]] = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for d in VARIANT_HEAD_DIMS if name == "bf16" else VARIANT_HEAD_DIMS[:1]:
+            for mask in ("causal", "full", "mask"):
+                for p in (0.0, 0.1):
+                    label = f"{name}:{mask}{'+dropout' if p else ''}:d{d}"
+                    for s in seqs:
+                        rates = _attention_point(dev, time_op, dtype, tokens, s, d, mask, p)
+                        for direction, rate in zip(("forward", "backward"), rates, strict=True):
+                            out.setdefault(f"{direction}:{label}", []).append([float(s), rate])
+    return out
+
+
+def _attention_point(dev, time_op, dtype, tokens: int, s: int, d: int, mask: str,
+                     p: float) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of one attention variant at sequence length s."""
+    b, h = max(tokens // s, 1), 1024 // d
+    q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
+    kw: dict = {"is_causal": mask == "causal", "dropout_p": p}
+    if mask == "mask":
+        keep = torch.ones(b, 1, s, s, device=dev, dtype=torch.bool)
+        keep[..., s - s // 8:] = False
+        kw["attn_mask"] = keep
+
+    def fwd():
+        return [F.scaled_dot_product_attention(q, k, v, **kw) for _ in range(ATTENTION_REPS)]
+
+    def fwd_bwd():
+        for o in fwd():
+            torch.autograd.grad(o, (q, k, v), g)
+
+    flops = 4 * b * h * s * s * d * (0.5 if mask == "causal" else 1.0) * ATTENTION_REPS
+    t_fwd, t_both = time_op(fwd, dev, 10), time_op(fwd_bwd, dev, 10)
+    return flops / t_fwd, 2.5 * flops / max(t_both - t_fwd, 1e-9)
+
+
 GRID_MAX_FLOP = 2.0**41  # the largest matmul the grid times (~3 ms in bf16, ~45 ms in fp32)
 
 

@@ -9,7 +9,9 @@ Measured:
 - "adamw:fp32", "adamw:bf16": seconds of one `torch.optim.AdamW(fused=True).step()` on the CPU
   over one parameter of a size, [[elements, seconds], ...] (the parameter and its gradient in
   pinned memory, the moments in ordinary memory, as the offloaded optimizer keeps them; the
-  call's own overhead included, as each offloaded parameter has its own optimizer);
+  call's own overhead included, as each offloaded parameter has its own optimizer; stepped in
+  turn with others of its size, so that its memory is not in the CPU's caches, as in a real
+  step where each parameter is touched once);
 - "d2h_issue_s", "h2d_issue_s": host seconds to queue one copy on a side stream as the
   offloaded optimizer does (its gradient hook: wait for the compute stream, copy, record an
   event; its step: copy back);
@@ -25,8 +27,10 @@ import torch
 
 #: bytes of the host-link copies measured: 64 KiB .. 1 GiB
 LINK_SIZES = tuple(2**k for k in range(16, 31, 2))
-#: elements of the CPU AdamW steps measured: 4096 (the smallest offloaded parameter) .. 64 Mi
-ADAM_SIZES = tuple(2**k for k in range(12, 27, 2))
+#: elements of the CPU AdamW steps measured: 4096 (the smallest offloaded parameter) .. 256 Mi
+ADAM_SIZES = tuple(2**k for k in range(12, 29, 2))
+#: bytes of parameters, gradients and moments stepped in turn: beyond the CPU's caches
+WORKING_SET = 2**29
 ADAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -52,32 +56,41 @@ def link_bandwidths(dev: torch.device, reps: int = 7) -> dict[str, list[list[flo
     return out
 
 
-def cpu_adamw_times(reps: int = 5, dtypes=tuple(ADAM_DTYPES)) -> dict[str, list[list[float]]]:
-    """{"adamw:fp32": [[elements, seconds per step], ...], "adamw:bf16": ...}: the median
-    of `reps` steps after two (the first creates the moments)."""
+def cpu_adamw_times(reps: int = 3, dtypes=tuple(ADAM_DTYPES)) -> dict[str, list[list[float]]]:
+    """{"adamw:fp32": [[elements, seconds per step], ...], "adamw:bf16": ...}: one
+    parameter's step as the offloaded step runs them, one parameter after another, each
+    touched once per optimizer step: the parameters of a size are stepped in turn, as many as
+    make WORKING_SET bytes (more than the CPU's caches hold), the median per step over `reps`
+    passes after one (which creates the moments)."""
     out: dict[str, list[list[float]]] = {}
     pin = torch.cuda.is_available()
     for key in dtypes:
         dtype = ADAM_DTYPES[key]
         points = []
         for n in ADAM_SIZES:
-            p = torch.rand(n, dtype=dtype, pin_memory=pin)
-            p.grad = torch.rand(n, dtype=dtype, pin_memory=pin)
-            opt = torch.optim.AdamW([p], lr=3e-4, weight_decay=0.01, fused=True)
-            points.append([float(n), _median_call(opt.step, reps)])
-            del opt, p
+            per = 4 * n * dtype.itemsize  # parameter, gradient and two moments
+            opts = [_one_param_adamw(n, dtype, pin) for _ in range(max(1, WORKING_SET // per))]
+            points.append([float(n), _median_pass(opts, reps)])
+            del opts
         out[f"adamw:{key}"] = points
     return out
 
 
-def _median_call(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
+def _one_param_adamw(n: int, dtype: torch.dtype, pin: bool) -> torch.optim.Optimizer:
+    p = torch.rand(n, dtype=dtype, pin_memory=pin)
+    p.grad = torch.rand(n, dtype=dtype, pin_memory=pin)
+    return torch.optim.AdamW([p], lr=3e-4, weight_decay=0.01, fused=True)
+
+
+def _median_pass(opts: list, reps: int) -> float:
+    """Median seconds of one opt.step() over `reps` passes through `opts` (after one)."""
     times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    for r in range(reps + 1):
+        for opt in opts:
+            t0 = time.perf_counter()
+            opt.step()
+            if r:
+                times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

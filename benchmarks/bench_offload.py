@@ -309,8 +309,11 @@ def predicted(results: dict, calibration=None) -> dict:
             "step_s", "to_optimizer_s", "optimizer_s", "peak_allocated", "peak_reserved",
             "error")}}
         host = m.get("host") or {}
-        if host:
-            row["measured"]["host_bytes"] = host["pinned_tensor_bytes"] + host["state_bytes"]
+        if host:  # pinned: the host allocator's count (its power-of-two blocks) where known
+            pinned = (host.get("host_allocator") or {}).get("allocated_bytes.current",
+                                                            host["pinned_tensor_bytes"])
+            row["measured"].update(host_bytes=pinned + host["state_bytes"],
+                                   host_pinned_bytes=pinned)
         row["errors"] = {k: pred[k] / row["measured"][k] - 1 for k in pred
                          if row["measured"].get(k)}
         out[name] = row

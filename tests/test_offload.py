@@ -262,6 +262,17 @@ def test_planner_offloads_when_only_offload_fits(squeezed, target):
     assert without.best is None and "(--allow offload)" in no_fit_message(without)
 
 
+def test_the_printout_says_the_host_memory_an_offloaded_plan_needs(squeezed, capsys):
+    from gobrrr.report.plan import print_plan
+
+    r, _ = squeezed
+    print_plan(r)
+    out = " ".join(capsys.readouterr().out.split())
+    gib = 2**30
+    assert (f"host memory: {r.best.host_bytes / gib:.2f} GiB "
+            f"({r.best.host_pinned_bytes / gib:.2f} GiB pinned)") in out
+
+
 def test_no_fit_says_when_offloaded_plans_were_tried(target):
     r = Planner(tiny_gpt2, target, global_batch=2, seq=32, memory_budget=2**20,
                 allow=["offload"]).run()

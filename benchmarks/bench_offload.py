@@ -320,6 +320,23 @@ def predicted(results: dict, calibration=None) -> dict:
     return out
 
 
+def merge(path: str, into: str) -> None:
+    """Set the calibration file `into`'s offload section to the one measured in results
+    `path`, recording the run's environment in its meta."""
+    import dataclasses
+
+    from gobrrr.hardware import Calibration
+
+    results = json.loads(Path(path).read_text())
+    section = (results.get("section") or {}).get("offload")
+    if not section or (results["section"].get("errors") or {}):
+        raise SystemExit(f"{path}: no complete offload section to merge")
+    cal = Calibration.load(into)
+    meta = {**cal.meta, "offload": {**results["environment"], "from": Path(path).name}}
+    dataclasses.replace(cal, offload=section, meta=meta).save(into)
+    print(f"merged the offload section of {path} into {into}")
+
+
 def compare(path: str) -> None:
     """Print and store (beside `path`, "_predicted") each configuration's prediction."""
     results = json.loads(Path(path).read_text())
@@ -347,8 +364,12 @@ def main(argv=None) -> None:
     ap.add_argument("--compare", metavar="RESULTS.json",
                     help="predict each measured configuration (on this CPU) beside the "
                     "measurement")
+    ap.add_argument("--merge", nargs=2, metavar=("RESULTS.json", "CALIBRATION.json"),
+                    help="set the calibration's offload section to the one measured")
     args = ap.parse_args(argv)
-    if args.compare:
+    if args.merge:
+        merge(*args.merge)
+    elif args.compare:
         compare(args.compare)
     elif args.env:
         print("ENV " + json.dumps(_env()))

@@ -211,6 +211,19 @@ def test_accumulation_copies_every_micro_batch_and_the_last_copies_feed_the_step
     assert host == pytest.approx(16.1)
 
 
+def test_copy_and_cpu_step_times_read_their_curves():
+    from gobrrr.cost.offload import copy_seconds, step_seconds
+
+    link = [[1e3, 1e9], [1e5, 3e9]]  # bytes, bytes/s
+    assert copy_seconds(link, 10.0) == pytest.approx(1e-6)  # below: the smallest copy's time
+    assert copy_seconds(link, 1e4) == pytest.approx(1e4 / 2e9)  # halfway in log size
+    assert copy_seconds(link, 1e7) == pytest.approx(1e7 / 3e9)  # above: the largest's rate
+    adam = [[1e3, 1e-4], [1e5, 1e-3]]  # elements, seconds: 1e-7 and 1e-8 s per element
+    assert step_seconds(adam, 10.0) == pytest.approx(1e-4)  # the call's own overhead
+    assert step_seconds(adam, 1e4) == pytest.approx(1e4 * 5.5e-8)
+    assert step_seconds(adam, 1e7) == pytest.approx(1e7 * 1e-8)
+
+
 # -- costed on a calibration ----------------------------------------------------------------
 def test_step_time_is_the_link_and_cpu_work_where_they_dominate(traced, target):
     """A calibration whose link is slow enough to dominate: the step lasts the D2H copies

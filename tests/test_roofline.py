@@ -233,3 +233,47 @@ def test_odd_output_of_a_transposed_weight_has_its_own_misaligned_rate(make_cal)
     cost = OpCost(2 * 16384 * 768 * 50257, 1e9, "bf16", "matmul", 1)
     slow, plain = time_op(fwd, cost, rates), time_op(dx, cost, rates)
     assert slow.compute_s / plain.compute_s == pytest.approx(2.0, rel=0.05)
+
+
+def test_embedding_backward_costs_the_fitted_fill_and_tokens(make_cal):
+    from gobrrr.profile.calibrate_step import fit_embedding_backward
+
+    # seconds = V·D·s / 2e12 + T·D / 1e11 + 20 µs, recovered from its own grid
+    truth = {"fill_Bps": 2e12, "token_values_per_s": 1e11, "fixed_s": 20e-6}
+    pts = [[v, t, d, s, v * d * s / 2e12 + t * d / 1e11 + 20e-6]
+           for v in (32000, 128256) for t in (4096, 32768) for d in (1024, 4096) for s in (2, 4)]
+    fit = fit_embedding_backward(pts)
+    for k, want in truth.items():
+        assert fit[k] == pytest.approx(want, rel=1e-6)
+    node = OpNode(index=0, op="aten.embedding_dense_backward.default", phase="backward",
+                  module="wte", inputs=(t((16384, 2048), "float32", 0), t((16384,), "int64", 1)),
+                  outputs=(t((128256, 2048), "float32", 2),),
+                  args=({"t": 0}, {"t": 1}, 128256, -1, False))
+    r = Rates(H100, make_cal(embedding_backward=fit))
+    want = 128256 * 2048 * 4 / 2e12 + 16384 * 2048 / 1e11 + 20e-6
+    assert r.embedding_backward(node) == pytest.approx(want)
+    assert time_op(node, op_cost(node), r).memory_s == pytest.approx(want)
+    assert Rates(H100, make_cal()).embedding_backward(node) is None
+
+
+def test_layer_norm_reads_the_grid_at_its_width_rows_and_dtype(make_cal):
+    grid = {"native_layer_norm:fp32": [[768.0, 2048.0, 1e12], [768.0, 32768.0, 2e12],
+                                       [4096.0, 2048.0, 2e12], [4096.0, 32768.0, 3e12]],
+            "native_layer_norm_backward:bf16": [[768.0, 8192.0, 5e11]]}
+    r = Rates(H100, make_cal(layer_norm_grid=grid, op_bandwidth={"native_layer_norm": 9e12}))
+
+    def ln(rows, width, dtype, backward=False):
+        x = t((rows, width), dtype, 0)
+        if backward:
+            return OpNode(index=0, op="aten.native_layer_norm_backward.default",
+                          phase="backward", module="ln", inputs=(t((rows, width), dtype, 1), x),
+                          outputs=(t((rows, width), dtype, 2),))
+        return OpNode(index=0, op="aten.native_layer_norm.default", phase="forward",
+                      module="ln", inputs=(x,), outputs=(t((rows, width), dtype, 2),))
+
+    assert r.layer_norm(ln(2048, 768, "float32")) == pytest.approx(1e12)
+    assert r.layer_norm(ln(8192, 768, "float32")) == pytest.approx(1.5e12)  # halfway, log rows
+    assert r.layer_norm(ln(8192, 768, "bfloat16", True)) == pytest.approx(5e11)
+    assert r.layer_norm(ln(8192, 768, "bfloat16")) is None  # not measured: op_bandwidth
+    node = ln(2048, 768, "float32")
+    assert time_op(node, op_cost(node), r).memory_s == pytest.approx(op_cost(node).bytes / 1e12)

@@ -79,3 +79,4 @@ def test_batch_norm_reads_its_grid_over_channels_and_rows(make_cal):
     assert rates.batch_norm(bn(1024, 64, cl=True)) == pytest.approx(1e12)  # 50176 rows
     assert rates.batch_norm(bn(64, 16, cl=True)) == pytest.approx(6e11)  # halfway in log rows
     assert rates.batch_norm(bn(1024, 64, cl=False)) == pytest.approx(5e10)  # no grid: the curve
+

@@ -291,6 +291,11 @@ class Calibration:
     them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's.
     `outer_sum_bandwidth`: achieved bytes/s of a sum over a tensor's leading dims (a bias
     gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}.
+    `layer_norm_grid`: bytes/s of native_layer_norm(_backward) over width and rows, per input
+    dtype, {"<op>:<fp32|bf16>": [[width, rows, bytes/s], ...]}; read before `op_bandwidth`.
+    `embedding_backward`: embedding_dense_backward's time as fill + tokens + fixed,
+    {"fill_Bps", "token_values_per_s", "fixed_s", "points"}
+    (`calibrate_step.embedding_backward_fit`).
     `size_bandwidth`: achieved bytes/s of copies (dtype casts) and pointwise kernels over the
     bytes they move, less the kernel latency, {"copy" | "pointwise": [[bytes, bytes/s], ...]}.
     `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
@@ -327,6 +332,8 @@ class Calibration:
     kernel_host: dict[str, float] = field(default_factory=dict)
     outer_sum_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     size_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    embedding_backward: dict[str, Any] = field(default_factory=dict)
+    layer_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)

@@ -99,6 +99,28 @@ def attention(node: OpNode, tf32: bool) -> OpCost:
                   spec.launches)
 
 
+#: Fused attention kernels work on (query, key) tiles of this many positions: a sequence
+#: length that is not a multiple costs what the next multiple costs. Measured on an H100
+#: (benchmarks/results/attention_tiles_h100.json, cuDNN, head dims 64 and 128): forward at
+#: S = 192 / 197 / 256 took 15.7 / 15.7 / 14.9 µs, 320 / 384 27.2 / 29.5, 448 / 512 43.3 /
+#: 39.3, 577 / 640 65.2 / 58.0; the rate over the padded lengths is smooth in S.
+TILE = 128
+
+
+def padded(node: OpNode) -> tuple[int | None, float]:
+    """(the query length rounded up to TILE, the factor the kernel's time grows by for the
+    padding of both the query and the key lengths) of a fused attention op; (None, 1.0)
+    for an op this module does not cost."""
+    spec = _SPECS.get(_packet(node.op))
+    if spec is None:
+        return None, 1.0
+    first = 1 if spec.backward else 0
+    q, k, v = (_qkv(node, first + i, name) for i, name in enumerate(("query", "key", "value")))
+    _, _, sq, sk, _, _ = _dims(node, spec, q, k, v)
+    pq, pk = -(-sq // TILE) * TILE, -(-sk // TILE) * TILE
+    return pq, (pq / max(sq, 1)) * (pk / max(sk, 1))
+
+
 #: Head dims the calibration's attention variants are measured at.
 VARIANT_HEAD_DIMS = (64, 128)
 

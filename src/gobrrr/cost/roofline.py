@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from gobrrr.cost import conv
+from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
@@ -224,6 +225,32 @@ class Rates:
         return interp([math.log(p[0]) for p in points], [p[1] for p in points],
                        math.log(nbytes))
 
+    def layer_norm(self, node: OpNode) -> float | None:
+        """Measured bytes/s of native_layer_norm or its backward at its width, rows and input
+        dtype (the calibration's grid), or None."""
+        if node.name not in ("native_layer_norm", "native_layer_norm_backward") or \
+                not self.cal or not node.inputs:
+            return None
+        x = node.inputs[1 if node.name.endswith("backward") else 0]
+        key = "bf16" if x.dtype in ("bfloat16", "float16") else "fp32"
+        points = self.cal.layer_norm_grid.get(f"{node.name}:{key}")
+        if not points or not x.shape:
+            return None
+        return grid_value(points, x.shape[-1], x.numel / x.shape[-1])
+
+    def embedding_backward(self, node: OpNode) -> float | None:
+        """Seconds of embedding_dense_backward(grad (.., D), indices, V, ...) from the
+        calibration's fit (the (V, D) gradient written, the T tokens' D values summed into
+        their rows, a fixed part), or None."""
+        fit = self.cal.embedding_backward if self.cal else None
+        if node.name != "embedding_dense_backward" or not fit or not node.inputs:
+            return None
+        g = node.inputs[0]
+        d, s = g.shape[-1] if g.shape else 1, g.itemsize
+        v = int(node.arg(2, "num_weights", 0))
+        return (v * d * s / fit["fill_Bps"] + g.numel / fit["token_values_per_s"] +
+                fit["fixed_s"])
+
     def outer_sum(self, node: OpNode) -> float | None:
         """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
         calibration's curve), or None."""
@@ -343,11 +370,10 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     if dw_bw is not None:  # CUDA-core kernels bound by memory and latency: its bandwidth
         rate = math.inf
     elif cost.kind == "attention":
-        q = node.inputs[0] if node.inputs else None
         backward = "backward" in node.name or node.name.endswith("_bwd")
-        rate = rates.attention(cost.math, q.shape[-2] if q is not None and len(q.shape) >= 2
-                               else None, "backward" if backward else "forward",
-                               attention_variant(node))
+        seq, pad = attention_padded(node)  # the kernel works on whole tiles of positions
+        rate = rates.attention(cost.math, seq, "backward" if backward else "forward",
+                               attention_variant(node)) / pad
     elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
@@ -361,7 +387,9 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     else:
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
-    memory = cost.bytes / (dw_bw or rates.batch_norm(node) or rates.outer_sum(node) or
+    memory = rates.embedding_backward(node)
+    memory = memory if memory is not None else cost.bytes / (
+        dw_bw or rates.batch_norm(node) or rates.layer_norm(node) or rates.outer_sum(node) or
                            rates.sized(cost.kind, node.name, cost.bytes) or
                            rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches

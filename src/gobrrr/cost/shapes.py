@@ -264,3 +264,4 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
         return 0.0  # already channels-last
     weight = min(acts, key=lambda t: t.numel) if len(acts) > 1 else None
     return 2.0 * sum(t.nbytes for t in acts if t is not weight)
+

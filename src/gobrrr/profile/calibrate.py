@@ -100,11 +100,13 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
                                         strict=True)),
         "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
         "batch_norm_grid": lambda d: {"batch_norm_grid": cs.batch_norm_grid(d)},
+        "layer_norm_grid": lambda d: {"layer_norm_grid": cs.layer_norm_grid(d)},
         "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cc.depthwise_bandwidths(d)},
         "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
         "matmul_misaligned": lambda d: {"matmul_misaligned": {
             **cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}},
         "size_bandwidth": lambda d: {"size_bandwidth": csh.size_bandwidths(d)},
+        "embedding_backward": lambda d: {"embedding_backward": cs.embedding_backward_fit(d)},
         "attention_curve": lambda d: {"attention_curve": {**cs.attention_rate(d),
                                                           **cs.attention_variants(d)}},
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},

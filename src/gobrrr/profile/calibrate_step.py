@@ -295,6 +295,43 @@ def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
     return out
 
 
+LN_GRID_WIDTHS = (256, 512, 768, 1024, 2048, 4096, 8192)
+LN_GRID_ROWS = (2048, 8192, 32768)
+
+
+def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
+    """Achieved bytes/s of native_layer_norm and its backward over the normalised width and
+    the rows, per input dtype (fp32: as autocast runs it; bf16: pure bf16), bytes counted as
+    the cost model counts them: {"native_layer_norm:fp32" | "native_layer_norm_backward:bf16"
+    | ...: [[width, rows, B/s], ...]}. The width sets the kernel's block shape and the rows
+    its parallelism: one point at 16384 x 1024 cannot stand for ViT's 768 or a 4096-wide LM."""
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.profile.calibrate import time_op
+
+    aten = torch.ops.aten
+    out: dict[str, list[list[float]]] = {}
+    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        fwd, bwd = out.setdefault(f"native_layer_norm:{key}", []), out.setdefault(
+            f"native_layer_norm_backward:{key}", [])
+        for w in LN_GRID_WIDTHS:
+            for rows in LN_GRID_ROWS:
+                h = torch.randn(rows, w, device=dev, dtype=dtype)
+                lw, lb = (torch.ones(w, device=dev, dtype=dtype),
+                          torch.zeros(w, device=dev, dtype=dtype))
+                _, mean, rstd = aten.native_layer_norm(h, [w], lw, lb, 1e-5)
+                gh = torch.randn_like(h)
+                f = lambda h=h, w=w, lw=lw, lb=lb: aten.native_layer_norm(  # noqa: E731
+                    h, [w], lw, lb, 1e-5)
+                b = lambda h=h, w=w, lw=lw, lb=lb, m=mean, r=rstd, g=gh: (  # noqa: E731
+                    aten.native_layer_norm_backward(g, h, [w], m, r, lw, lb,
+                                                    [True, True, True]))
+                fwd.append([float(w), float(rows), op_cost(_record(f, "native_layer_norm"))
+                            .bytes / time_op(f, dev, 10)])
+                bwd.append([float(w), float(rows), op_cost(_record(
+                    b, "native_layer_norm_backward")).bytes / time_op(b, dev, 10)])
+    return out
+
+
 def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype,
                      channels_last: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored
@@ -332,6 +369,45 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
 
     return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
             for name, fn in _op_cases(dev)}
+
+
+def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
+    """embedding_dense_backward's time as fill + tokens: the (V, D) gradient written (a
+    zero-fill and the rows' sums) at a bandwidth, the tokens' T·D gradient values summed
+    into their rows at a rate per value (in fp32 whatever the dtype: bf16 and fp32 take
+    about the same time), plus a fixed part (the index sort's kernels), fitted by least
+    squares to a grid over vocabulary V, tokens T, width D and dtype (max error 16% on the
+    H100's grid; with the tokens' bytes in place of their values, 58%):
+    {"fill_Bps", "token_values_per_s", "fixed_s", "points": [[V, T, D, itemsize, s], ...]}."""
+    from gobrrr.profile.calibrate import time_op
+
+    aten = torch.ops.aten
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev)
+    points = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for v in (32000, 128256):
+            for t in (4096, 32768):
+                for d in (1024, 4096):
+                    idx = torch.randint(0, v, (t,), device=dev)
+                    g = torch.randn(t, d, device=dev, dtype=dtype)
+                    sec = time_op(lambda g=g, idx=idx, v=v: aten.embedding_dense_backward(
+                        g, idx, v, -1, False), dev, 5, flush)
+                    points.append([v, t, d, g.element_size(), sec])
+                    del g, idx
+    return {**fit_embedding_backward(points), "points": points}
+
+
+def fit_embedding_backward(points: list[list[float]]) -> dict[str, float]:
+    """Least-squares (1/fill_Bps, 1/token_values_per_s, fixed_s) of seconds = V·D·s /
+    fill_Bps + T·D / token_values_per_s + fixed_s over [[V, T, D, itemsize s, seconds], ...]."""
+    import numpy as np
+
+    a = np.array([[v * d * s, t * d, 1.0] for v, t, d, s, _ in points])
+    y = np.array([p[4] for p in points])
+    (inv_fill, inv_tok, fixed), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return {"fill_Bps": float(1.0 / max(inv_fill, 1e-15)),
+            "token_values_per_s": float(1.0 / max(inv_tok, 1e-15)),
+            "fixed_s": max(float(fixed), 0.0)}
 
 
 def outer_sum_bandwidths(dev: torch.device, rows: int = 16384,

@@ -47,6 +47,7 @@ def rows() -> list[dict]:
                 "ran": len({tuple(e["changes"]) for e in errs}),
                 "fit_but_oom": len(s["predicted_fit_but_oom"]),
                 "device": data["environment"].get("device"),
+                "allow": sc.get("allow") or [], "grid_mode": sc.get("grid", "all"),
             })
     return out
 
@@ -57,9 +58,14 @@ def table(rs: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in rs:
         unit = "tok/s" if "resnet" not in r["name"] else "img/s"
+        best = (f"{r['grid_best']:,.0f} {unit}" if r["grid_best"] else
+                "none ran" + (" (its least-memory point only)" if r["grid_mode"] == "least"
+                              else ""))
+        ratio = f"**{r['ratio']:.3f}x**" if r["ratio"] else "only the plan runs"
+        allow = f" with --allow {','.join(r['allow'])}" if r["allow"] else ""
         lines.append(
             f"| {r['name']} ({r['global_batch']}) | {r['grid_oom']} / {r['grid_points']}, "
-            f"{r['grid_best']:,.0f} {unit} | {r['plan']} | **{r['ratio']:.3f}x** | "
+            f"{best} | {r['plan']}{allow} | {ratio} | "
             f"{r['plan_tput_err']:+.1%}, {r['plan_peak_err']:+.2%} | "
             f"{r['worst_tput']['throughput_error']:+.1%}, {r['worst_peak']['peak_error']:+.2%} "
             f"({r['ran']} configurations) |")

@@ -15,7 +15,7 @@ from gobrrr.capture import capture
 from gobrrr.cost import conv
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.roofline import Rates, time_op
-from gobrrr.cost.shapes import gemm_dims
+from gobrrr.cost.shapes import conv_class, gemm_dims
 from gobrrr.graph import OpNode, StepGraph, StorageInfo
 from gobrrr.hardware import get_gpu
 from gobrrr.memory import simulate
@@ -109,6 +109,26 @@ def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch(make_
     bwd, = _convs(g, "convolution_backward")
     assert sc == {bwd.index: int(1.5 * conv.io_bytes(bwd))}
     assert conv.scratch(g, None) == {}
+
+
+def test_a_class_fraction_of_everything_inside_replaces_copies_and_workspace(make_cal):
+    """Where the calibration measured what convolutions of a shape class allocate inside the
+    call (copies and workspace together), that fraction of the op's bytes is its scratch (a
+    stem falls back to the 3x3-s2 class); a class it did not measure keeps the layout copies +
+    typical workspace."""
+    g = _convnet_graph("bf16-mixed")
+    convs = [n for n in g.nodes if n.name in conv.FORWARD + conv.BACKWARD]
+    assert {conv_class(n) for n in convs} == {"stem"}
+
+    def cal(cls):
+        return make_cal(conv_workspace={"bf16": {
+            "forward": 0.0, "backward": 0.0, f"inside:channels_first:{cls}:forward": 2.0,
+            f"inside:channels_first:{cls}:backward": 0.0}})
+    sc = conv.scratch(g, cal("3x3-s2"))
+    assert {n.index: 2 * conv.io_bytes(n) for n in convs if n.name in conv.FORWARD} == sc
+    sc = conv.scratch(g, cal("1x1"))
+    assert sc == {n.index: conv.layout_scratch(n) for n in convs if conv.layout_scratch(n)}
+    assert sc
 
 
 def test_conv_time_uses_the_measured_grid_for_its_direction(make_cal):

@@ -262,7 +262,9 @@ def test_a_measured_grid_is_read_by_the_lookup(make_cal):
     assert set(grid["bf16"]) == {f"{lay}:3x3:{d}" for lay in cc.LAYOUTS for d in (
         "forward", "backward_input", "backward_weight", "backward")}
     assert set(spaces["bf16"]) == {"forward", "backward", "channels_last:forward",
-                                   "channels_last:backward"}
+                                   "channels_last:backward", *(
+                                       f"inside:{lay}:3x3:{d}" for lay in cc.LAYOUTS
+                                       for d in ("forward", "backward"))}
     rates = Rates(H100, make_cal(conv_grid=grid))
     for channels_last in (False, True):
         node = _convs(_graph(channels_last))[4]  # 2^13 outputs, depth 144: on the grid's row

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gobrrr.cost import attention_scratch, conv
+from gobrrr.cost import attention_scratch, conv, norm_scratch, reduce_scratch
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
@@ -107,9 +107,12 @@ class MemoryResult:
 
 
 Scratch = dict[int, int | Sequence[int]]
+# BLAS workspaces: bytes allocated before step 1, or (bytes, op index) allocated by that op in
+# step 1 (after its outputs) and kept
+Workspaces = Sequence[int | tuple[int, int]]
 
 
-def simulate(graph: StepGraph, workspace: int | Sequence[int] = 0,
+def simulate(graph: StepGraph, workspace: int | Workspaces = 0,
              scratch: Scratch | None = None, budget: int | None = None) -> MemoryResult:
     """Replay allocations in op order. `workspace`: bytes the BLAS library keeps allocated
     (the GPU spec or calibration says how much), one allocation or one per handle.
@@ -118,7 +121,8 @@ def simulate(graph: StepGraph, workspace: int | Sequence[int] = 0,
     `gobrrr.cost.conv.scratch`); they count while the op runs, with its outputs. `budget`:
     bytes the allocator's segments may take (`process_budget`); None = unlimited."""
     scratch = scratch or {}
-    ws = tuple(b for b in _blocks(workspace) if b > 0)
+    ws = tuple(w for w in _blocks(workspace) if _ws_size(w) > 0)
+    ws_sizes = tuple(_ws_size(w) for w in ws)
     run = replay(graph, ws, scratch, budget)
     sizes = [run.sizes.get(s.id, round_alloc(s.nbytes)) for s in graph.storages]
     at_peak, by_module = _alive_at(graph, sizes, run.peak_index)
@@ -133,7 +137,7 @@ def simulate(graph: StepGraph, workspace: int | Sequence[int] = 0,
         peak_op=node.op if node else "", peak_module=node.module if node else "",
         peak_phase=node.phase if node else "start", at_peak=dict(at_peak),
         by_module=dict(by_module), persistent=dict(persistent), timeline=run.timeline,
-        workspace=sum(ws), peak_rounded=rounded_peak(graph, ws, scratch),
+        workspace=sum(ws_sizes), peak_rounded=rounded_peak(graph, ws_sizes, scratch),
         reserved=run.stats.reserved_peak, allocator=run.stats, budget=budget,
         oom_index=run.oom_index,
     )
@@ -160,6 +164,10 @@ def _blocks(v: int | Sequence[int]) -> tuple[int, ...]:
     return (v,) if isinstance(v, int) else tuple(v)
 
 
+def _ws_size(w: int | tuple[int, int]) -> int:
+    return w if isinstance(w, int) else w[0]
+
+
 # ------------------------------------------------------------------------- the allocator replay
 @dataclass(frozen=True)
 class Replayed:
@@ -179,7 +187,7 @@ class Replayed:
     oom_index: int | None = None
 
 
-def replay(graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | None = None,
+def replay(graph: StepGraph, workspace: Workspaces = (), scratch: Scratch | None = None,
            budget: int | None = None, steps: int = STEPS) -> Replayed:
     """Replay the process through the caching allocator (see the module docstring). Where the
     unlimited replay stays within `budget`, that is the answer; otherwise the replay runs
@@ -194,7 +202,7 @@ def replay(graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | N
     return dataclasses.replace(free, oom_index=limited.oom_index)
 
 
-def replay_reserved(graph: StepGraph, workspace: Sequence[int] = (),
+def replay_reserved(graph: StepGraph, workspace: Workspaces = (),
                     scratch: Scratch | None = None, budget: int | None = None,
                     steps: int = STEPS) -> tuple[AllocatorStats, int | None]:
     """The allocator's counters of `replay`, and the op whose request fails (None: none)."""
@@ -205,9 +213,16 @@ def replay_reserved(graph: StepGraph, workspace: Sequence[int] = (),
 class _Process:
     """A training process as the allocator sees it: the state, the workspaces, then steps."""
 
-    def __init__(self, graph: StepGraph, workspace: Sequence[int], scratch: Scratch,
+    def __init__(self, graph: StepGraph, workspace: Workspaces, scratch: Scratch,
                  budget: int | None) -> None:
-        self.graph, self.workspace, self.scratch = graph, workspace, scratch
+        self.graph, self.scratch = graph, scratch
+        # workspaces made up front, and those made when an op first asks for them (step 1)
+        self.workspace = [w for w in workspace if isinstance(w, int)]
+        self.ws_at: dict[int, list[int]] = {}
+        for w in workspace:
+            if not isinstance(w, int):
+                self.ws_at.setdefault(w[1], []).append(w[0])
+        self.ws_bytes, self.first_step = 0, False
         self.alloc = CachingAllocator(budget)
         self.handles: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
@@ -221,13 +236,15 @@ class _Process:
         self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
 
     def run(self, steps: int) -> Replayed:
-        at, ws, timeline, scratch = -1, 0, [], {}
+        at, timeline, scratch = -1, [], {}
         try:
             for sid in self.start:
                 if sid not in self.lazy:
                     self._malloc(sid)
-            ws = sum(self.alloc.block_size(self.alloc.malloc(b)) for b in self.workspace)
+            self.ws_bytes = sum(self.alloc.block_size(self.alloc.malloc(b))
+                                for b in self.workspace)
             for step in range(steps):
+                self.first_step = step == 0
                 last = step == steps - 1
                 if last:
                     self.alloc.reset_peaks()
@@ -244,7 +261,8 @@ class _Process:
         peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
         if peak_index >= 0 and timeline[peak_index] < self.alloc.allocated_peak:
             peak_index = -1  # the step never tops what it started with
-        return Replayed(self.alloc.stats(), tuple(timeline), peak_index, self.sizes, ws, scratch)
+        return Replayed(self.alloc.stats(), tuple(timeline), peak_index, self.sizes,
+                        self.ws_bytes, scratch)
 
     def _malloc(self, sid: int) -> None:
         if self.graph.storages[sid].nbytes > 0:
@@ -259,6 +277,9 @@ class _Process:
             if sid in self.survivors and sid in self.handles:
                 self.alloc.free(self.handles.pop(sid))
             self._malloc(sid)
+        if self.first_step:  # a BLAS handle's workspace, made by its first matmul, kept
+            for b in self.ws_at.get(node.index, ()):
+                self.ws_bytes += self.alloc.block_size(self.alloc.malloc(b))
         scratch = [self.alloc.malloc(b) for b in _blocks(self.scratch.get(node.index, 0)) if b > 0]
         during = self.alloc.allocated
         scratch_bytes = sum(self.alloc.block_size(h) for h in scratch)
@@ -305,12 +326,27 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
-    convolutions and attention kernels allocate inside themselves (their sizes per op come
-    from `cost.conv` and `cost.attention_scratch`), replayed through the caching allocator
-    against the memory CUDA leaves the process."""
-    return simulate(graph, workspace=blas_workspaces(graph, gpu, cal),
-                    scratch=conv.scratch(graph, cal) | attention_scratch.scratch(graph),
-                    budget=process_budget(gpu, cal))
+    convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
+    (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
+    and `cost.norm_scratch`),
+    replayed through the caching allocator against the memory CUDA leaves the process."""
+    return simulate(graph, workspace=blas_workspace_ops(graph, gpu, cal),
+                    scratch=step_scratch(graph, cal), budget=process_budget(gpu, cal))
+
+
+def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[int, ...]]:
+    """{op index: blocks} every op of the step allocates and frees inside itself."""
+    return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
+                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph))
+
+
+def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:
+    """{op index: blocks} of several scratch tables, an op's blocks in the order given."""
+    out: dict[int, tuple[int, ...]] = {}
+    for part in parts:
+        for i, v in part.items():
+            out[i] = out.get(i, ()) + _blocks(v)
+    return out
 
 
 def blas_workspace(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> int:
@@ -330,3 +366,25 @@ def blas_workspaces(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> 
     engine = {n.name for n in graph.nodes if n.phase in ("backward", "recompute")}
     return tuple(b for b, used in ((blas, main & _MATMULS), (blas, engine & _MATMULS),
                                    (lt, "addmm" in main | engine)) if used and b)
+
+
+def blas_workspace_ops(graph: StepGraph, gpu: GpuSpec,
+                       cal: Calibration | None) -> tuple[tuple[int, int], ...]:
+    """`blas_workspaces` as (bytes, op index): each is allocated by the first op that needs it,
+    in step 1, right after that op's outputs (cuBLAS creates a handle's workspace lazily; the
+    allocator traces of the zoo's steps show the main thread's at the forward's first matmul,
+    cuBLASLt's at the first addmm, the autograd engine's at the backward's first matmul)."""
+    blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
+    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
+        gpu.blaslt_workspace
+    first: dict[str, int] = {}
+    for n in graph.nodes:
+        main = n.phase in ("forward", "optimizer")
+        for key, hit in (("main", main and n.name in _MATMULS),
+                         ("engine", not main and n.name in _MATMULS),
+                         ("lt", n.name == "addmm")):
+            if hit:
+                first.setdefault(key, n.index)
+    size = {"main": blas, "engine": blas, "lt": lt}
+    return tuple(sorted(((size[k], first[k]) for k in ("main", "engine", "lt")
+                         if k in first and size[k]), key=lambda w: w[1]))

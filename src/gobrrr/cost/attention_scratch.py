@@ -6,13 +6,17 @@ kernel allocates and frees within the call go through PyTorch's caching allocato
 (torch 2.11, cuDNN 9.19) in `benchmarks/results/sdpa_backends_h100.json`, checked by
 `tests/test_sdpa.py`:
 
-- cuDNN forward and backward: nothing, except that the backward of grouped-query attention
-  (fewer KV heads than query heads) computes dK and dV at the query heads in fp32 and sums
-  them after: 2 x 4 bytes x B x Hq x Sk x D.
-- memory-efficient (CUTLASS) backward: its row terms (delta, 4 bytes x B x Hq x Sq) and, for
-  16-bit inputs, dQ accumulated across key blocks in fp32 (4 x B x Hq x Sq x D; from the
-  kernel's source: fp32 outputs are accumulated in place). In the fp32 record the rest of the
-  peak is autograd's copy of a leaf's gradient into the leaf's layout, which the trace sees.
+- cuDNN forward: nothing. cuDNN backward: dQ accumulated in fp32 and the row terms
+  (4 x B x Hq x Sq x (D + 1) bytes, plus 256) in one block, seen request by request in the
+  allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`: ViT-B/16 at
+  S=197, Whisper at Sq=1500 and 128, exact to the byte); with grouped-query attention (fewer
+  KV heads than query heads) it computes dK and dV at the query heads in fp32 and sums them
+  after instead: 2 x 4 bytes x B x Hq x Sk x D.
+- memory-efficient (CUTLASS) backward: its row terms (delta, 4 bytes x B x Hq x Sq) and its
+  workspace, dQ accumulated across key blocks in fp32 per 64-query block and 64 head columns
+  with a 4-float lock each (`_efficient_workspace`), in fp32 as in 16-bit: BERT-base in fp32
+  (B=16, H=12, S=512, D=64) requests 25,190,400 bytes in the allocator trace of its step
+  (`zoo_diagnose_h100.json`), the formula's figure.
 - FlashAttention-2 backward (taken before cuDNN on GPUs older than Hopper; not measured
   here, from its source, flash_api.cpp `mha_bwd`): dQ accumulated in fp32 at
   (B, Sq rounded up to 128, H, D rounded up to 32, or 64 past 128) and softmax_d
@@ -34,6 +38,14 @@ def _round(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _efficient_workspace(b: int, h: int, sq: int, d: int) -> int:
+    """The CUTLASS backward's workspace (kernel_backward.h `workspace_size`): per batch and
+    head, dQ accumulated per 64-query block and 64-column slice of the head dim
+    (`GradQTempStorage`: 64 x 64 floats and a 4-float lock), rounded to 4 floats."""
+    per_bh = _round(-(-sq // 64) * -(-d // 64) * (64 * 64 + 4), 4)
+    return 4 * b * h * per_bh
+
+
 def op_scratch(node: OpNode) -> int:
     """Bytes an attention op allocates and frees inside itself (0 for other ops)."""
     name = node.op.rsplit(".", 1)[0]
@@ -45,10 +57,9 @@ def op_scratch(node: OpNode) -> int:
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     if name == _CUDNN_BWD:
-        return 2 * 4 * b * hq * sk * d if hk != hq else 0
+        return 2 * 4 * b * hq * sk * d if hk != hq else 4 * b * hq * sq * (d + 1) + 256
     if name == _EFFICIENT_BWD:
-        accum = 4 * b * hq * sq * d if q.itemsize < 4 else 0
-        return accum + 4 * b * hq * sq
+        return _efficient_workspace(b, hq, sq, d) + 4 * b * hq * sq
     sq_r = _round(sq, 128)
     dq_accum = 4 * b * sq_r * hq * _round(d, 32 if d <= 128 else 64)
     expanded = 2 * b * sk * hq * d * q.itemsize if hk != hq else 0

@@ -15,12 +15,20 @@ frees within the op (through PyTorch's caching allocator, so they count in
   few). It is not derivable from the shapes; a calibration measures it over a grid of
   convolutions and keeps the typical (median) fraction of the op's input + output bytes, per
   math mode and direction (`conv_workspace`).
+
+The allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`) show
+both vary by shape: the NHWC copies happen inside cuDNN's workspace for some convolutions
+(ViT's 16x16 patches, Whisper's 1-D convolutions: the workspace is exactly the copies) and not
+at all for others (MobileNetV3's), fp32 1x1 convolutions ask nothing and 3x3s about twice their
+input. A calibration that measured, per layout and shape class, everything a convolution
+allocates inside the call ("inside:layout:class:direction", `class_inside`) is used in place
+of both where it has the class.
 """
 
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
-from gobrrr.cost.shapes import conv_layout
+from gobrrr.cost.shapes import CONV_FALLBACK, conv_class, conv_layout
 from gobrrr.graph import OpNode, StepGraph
 from gobrrr.hardware import Calibration
 
@@ -82,6 +90,24 @@ def workspace(node: OpNode, cal: Calibration | None, math_mode: str) -> int:
     return int(fractions.get(direction, 0.0) * io_bytes(node))
 
 
+def class_inside(node: OpNode, cal: Calibration | None, math_mode: str) -> int | None:
+    """Bytes this convolution allocates inside the call (NHWC copies and workspace alike) from
+    the calibration's fraction for its layout, shape class (or the nearest measured class) and
+    direction; None where the calibration has no such fraction (older calibrations: then
+    `layout_scratch` + `workspace`)."""
+    if cal is None:
+        return None
+    mode = "bf16" if math_mode == "fp16" and "fp16" not in cal.conv_workspace else math_mode
+    fractions = cal.conv_workspace.get(mode, {})
+    cls = conv_class(node)
+    direction = "backward" if node.name in BACKWARD else "forward"
+    for c in (cls, *CONV_FALLBACK.get(cls, ())) if cls else ():
+        frac = fractions.get(f"inside:{conv_layout(node)}:{c}:{direction}")
+        if frac is not None:
+            return int(frac * io_bytes(node))
+    return None
+
+
 def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
     """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
     from gobrrr.cost.flops import op_cost
@@ -92,7 +118,9 @@ def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
         if node.name not in FORWARD and node.name not in BACKWARD:
             continue
         math_mode = op_cost(node, tf32).math
-        extra = layout_scratch(node) + workspace(node, cal, math_mode)
+        inside = class_inside(node, cal, math_mode)
+        extra = inside if inside is not None else \
+            layout_scratch(node) + workspace(node, cal, math_mode)
         if extra:
             out[node.index] = extra
     return out

@@ -32,6 +32,10 @@ OUTPUTS = (2**19, 2**21, 2**23, 2**25, 2**27)  # output elements N·Ho·Wo·C_ou
 BACKWARD_MASKS = {"backward_input": [True, False, False],
                   "backward_weight": [False, True, False]}
 REPS = 10  # timed runs per point (the median is kept)
+# conv_workspace keys "inside:<layout>:<class>:<direction>": all the bytes a convolution of that
+# class allocates inside the call (cuDNN's workspace, with any NHWC copies it makes in it), as a
+# fraction of the op's input + output bytes, the median over the class's grid points
+INSIDE = "inside:"
 DEPTHWISE_BATCHES = (1, 4, 16, 64)
 DEPTHWISE_CLASSES = {"3x3": (3, 1), "5x5": (5, 1), "7x7": (7, 1), "3x3-s2": (3, 2),
                      "5x5-s2": (5, 2)}
@@ -132,9 +136,9 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
     for direction, (name, fn) in _calls(x, w, gy, args).items():
         node = _record(fn, name)
         if direction in ("forward", "backward"):
-            inside = _allocated_inside(fn, dev) - conv.layout_scratch(node) \
-                if dev.type == "cuda" else 0
-            spaces[direction] = max(inside, 0) / conv.io_bytes(node)
+            total = _allocated_inside(fn, dev) if dev.type == "cuda" else 0
+            spaces[direction] = max(total - conv.layout_scratch(node), 0) / conv.io_bytes(node)
+            spaces[f"{INSIDE}{direction}"] = total / conv.io_bytes(node)
         mn, k = gemm_dims(node)
         flops = op_cost(node, mode == "tf32").flops
         rates[direction] = [mn, k, flops / time_op(fn, dev, REPS)]
@@ -151,8 +155,12 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
     "channels_last:backward": fraction}}: the bytes cuDNN
     allocated and freed inside the call beyond the 16-bit layout copies
     `gobrrr.cost.conv.layout_scratch` models, over the op's input + output bytes, the median
-    over the grid. The workspace depends on the algorithm cuDNN's heuristics pick, which
-    jumps between neighbouring shapes, so only the typical fraction is kept."""
+    over the grid; and "inside:layout:class:direction": everything allocated inside the call
+    over the input + output bytes, the median over each shape class (the allocator traces of
+    the zoo's steps show the NHWC copies inside cuDNN's workspace for some shapes and none for
+    others, and fp32 1x1 convolutions asking nothing where 3x3s ask about twice their input).
+    The workspace depends on the algorithm cuDNN's heuristics pick, which jumps between
+    neighbouring shapes, so only the typical fractions are kept."""
     rates: dict[str, dict[str, list[list[float]]]] = {}
     spaces: dict[str, dict[str, float]] = {}
     shapes = shapes or tuple(conv_shapes())
@@ -169,7 +177,12 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
                             rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(row)
                         prefix = "" if layout == "channels_first" else f"{layout}:"
                         for direction, frac in w.items():
-                            ws.setdefault(prefix + direction, []).append(frac)
+                            if direction.startswith(INSIDE):  # by layout and class
+                                key = f"{direction}".replace(
+                                    INSIDE, f"{INSIDE}{layout}:{s.cls}:")
+                                ws.setdefault(key, []).append(frac)
+                            else:
+                                ws.setdefault(prefix + direction, []).append(frac)
                         _free(dev)
             spaces[mode] = {k: statistics.median(v) for k, v in ws.items()}
     finally:

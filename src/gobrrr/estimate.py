@@ -53,9 +53,10 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
              calibration: Calibration | None | bool = True, compile: bool = False) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
 
-    compile: the model runs under torch.compile: ops between matmuls fuse into one kernel
-    each and misaligned matmuls are padded (the optimizer stays eager). Memory is the eager
-    step's, an upper bound: compiled graphs save fewer activations.
+    compile: the model runs under torch.compile (the optimizer stays eager): the step is
+    traced as AOTAutograd partitions it, with Inductor's fusion (`gobrrr.capture.compiled`,
+    `gobrrr.passes.compile`); ops between matmuls fuse into one kernel each and misaligned
+    matmuls are padded.
 
     calibration: True = use a saved calibration for this GPU if one exists; False/None = the
     datasheet with default efficiencies; or a Calibration to use.
@@ -66,5 +67,6 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
     graph = capture(workload_factory(source, batch, seq), precision=precision,
-                    checkpoint=checkpoint, sdpa=target_for(target.gpu.full_name))
-    return evaluate(graph, target, compiled=compile, capture_s=time.perf_counter() - t0)
+                    checkpoint=checkpoint, sdpa=target_for(target.gpu.full_name),
+                    compile=compile)
+    return evaluate(graph, target, capture_s=time.perf_counter() - t0)

@@ -40,10 +40,15 @@ class Target:
 
 
 def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
-             compiled: bool = False, capture_s: float = 0.0) -> Estimate:
+             compiled: bool | None = None, capture_s: float = 0.0) -> Estimate:
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
-    `target`. compiled: the model's forward and backward run under torch.compile."""
+    `target`. compiled: the model's forward and backward run under torch.compile; None =
+    as the graph was captured (meta "compiled": `capture(compile=True)`, whose graph holds
+    the compiled step's own tensors). True on an eager trace: the eager step's memory (an
+    upper bound) with the compiled time model."""
+    if compiled is None:
+        compiled = bool(graph.meta.get("compiled"))
     t = Target.resolve(target)
     return Estimate(graph=graph, gpu=t.gpu, memory=step_memory(graph, t.gpu, t.cal),
                     time=predict(graph, t.gpu, t.cal, compiled=compiled), cal=t.cal,

@@ -301,6 +301,8 @@ class Calibration:
     `matmul_misaligned` may also hold fractions by alignment, "<mode>@<bytes>" (2, 4, 8).
     `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
     `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve.
+    `optim8`: torchao's 8-bit AdamW per parameter update (profile.calibrate_optim): "device"
+    [[bytes, seconds], ...], "host" seconds, "kernels", "transient" and the measured grid.
     `offload`: CPU offload of the optimizer (gobrrr.profile.calibrate_offload): "d2h" and
     "h2d" pinned-copy bytes/s over sizes, [[bytes, bytes/s], ...]; "adamw:fp32" and
     "adamw:bf16", seconds of one fused AdamW step on the host's CPU over parameter sizes,
@@ -335,6 +337,7 @@ class Calibration:
     embedding_backward: dict[str, Any] = field(default_factory=dict)
     layer_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    optim8: dict[str, Any] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from gobrrr.capture import assume
+from gobrrr.capture import assume, compiled
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.recorder import Recorder, StorageTable
@@ -31,7 +31,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.fused_loss import as_on_cuda
 from gobrrr.graph import StepGraph
 from gobrrr.precision import autocast_dtype, check_precision
-from gobrrr.step import TrainStep, make_scaler
+from gobrrr.step import TrainStep, make_scaler, split_batch
 from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
@@ -56,6 +56,9 @@ class _Driver:
         self.backward_module = ""
 
     def module(self) -> str:
+        inner = compiled.current_module()
+        if inner is not None:  # an op of a compiled graph: the module that made its node
+            return inner
         if self.stack:  # inside a forward (or a recomputed forward during backward)
             return self.stack[-1]
         return self.backward_module if self.phase == "backward" else ""
@@ -72,9 +75,13 @@ class _Driver:
         return hook
 
     def pre(self, mod, args) -> None:
+        if torch.compiler.is_compiling():  # dynamo traces the model: not a module call
+            return
         self.stack.append(self.names.get(id(mod), type(mod).__name__))
 
     def post(self, mod, args, out) -> None:
+        if torch.compiler.is_compiling():
+            return
         name = self.stack.pop() if self.stack else ""
         if self.phase != "forward" or not torch.is_grad_enabled():
             return
@@ -302,13 +309,17 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
 
 def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
             checkpoint: str | Mapping[str, str] = "none",
-            sdpa: SdpaTarget | None = None, accumulation: int = 1) -> StepGraph:
+            sdpa: SdpaTarget | None = None, accumulation: int = 1,
+            compile: bool = False) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
     one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
     (every repeated block) or {block name: "full" | "selective"}. `sdpa`: the GPU whose
     attention backends F.scaled_dot_product_attention takes in the trace (default: Hopper's).
     `accumulation`: the workload's batch runs as this many micro-batches before the optimizer
-    step (the planner derives this from a one-micro-batch trace: `passes.accumulate`)."""
+    step (the planner derives this from a one-micro-batch trace: `passes.accumulate`).
+    `compile`: the model runs under torch.compile (the optimizer eager): the forward and
+    backward are the graphs AOTAutograd partitions (`gobrrr.capture.compiled`), and what
+    Inductor fuses is not allocated (`gobrrr.passes.compile.inductor`)."""
     check_precision(precision)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
@@ -316,20 +327,27 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
     values = assume.Values()
+    regions = compiled.Regions() if compile else None
     with mode, assume.ValueMode(values), rules, cuda_dropout(), as_on_cuda(), \
-            cuda_sdpa(sdpa or SdpaTarget()) as chosen:
+            cuda_sdpa(sdpa or SdpaTarget()) as chosen, \
+            compiled.compiling() if compile else contextlib.nullcontext():
         w = _prepare(_build(source, mode, values), precision)
         names = block_names(w.model)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
         graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
-                       accumulation=accumulation)
+                       accumulation=accumulation, regions=regions)
     meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
                 checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
                 sdpa_backends=dict(chosen.chosen),
                 assumptions=[a.to_dict() for a in values.assumptions()],
                 syncs=sorted({*graph.meta["syncs"], *values.syncs}))
-    return dataclasses.replace(graph, meta=meta)
+    graph = dataclasses.replace(graph, meta=meta)
+    if regions is None:
+        return graph
+    from gobrrr.passes.compile import inductor
+
+    return inductor(compiled.tag(graph, regions))
 
 
 def _checkpoint(model: torch.nn.Module, checkpoint: str | Mapping[str, str]) -> list:
@@ -356,7 +374,8 @@ def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
 
 
 def _trace(w: Workload, precision: str, values: assume.Values,
-           on_step: Callable[[], None] = lambda: None, accumulation: int = 1) -> StepGraph:
+           on_step: Callable[[], None] = lambda: None, accumulation: int = 1,
+           regions: compiled.Regions | None = None) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
         step = _Step(w, precision, accumulation=accumulation)
@@ -367,16 +386,22 @@ def _trace(w: Workload, precision: str, values: assume.Values,
         _register_state(table, w, step.optimizer)
         with _module_hooks(driver := _Driver(w.model)):
             step.driver = driver
+            if regions is not None:  # under the hooks and modes: dynamo guards on them
+                with assume.HostMode(values):
+                    driver.names[id(_compiled_warm_up(step, w, regions))] = ""
             saved = SavedTracker(table)
             rec = step.recorder = Recorder(table, driver.module, driver.current_phase,
                                            on_op=saved.on_op)
             values.where = lambda: (driver.module(), driver.current_phase(), len(rec.nodes))
+            if regions is not None:
+                regions.clock = lambda: len(rec.nodes)
 
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
             hooks = [step.optimizer.register_step_pre_hook(grab_grads),
-                     *saved.watch_blocks(w.model, block_names(w.model))]
+                     *([] if regions is not None else
+                       saved.watch_blocks(w.model, block_names(w.model)))]
             try:
                 with rec, assume.HostMode(values):
                     _guarded(step, "traced step", rec)
@@ -389,6 +414,20 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
                                             AUTOGRAD: saved.meta()})
+
+
+def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:
+    """The step's model under torch.compile as the trace runs it (`compiled.compile_model`),
+    compiled and run once, unrecorded (forward and backward of one micro-batch, its
+    gradients dropped): the recorded step is a steady-state one, as measured steps are."""
+    runner = compiled.compile_model(w.model, regions)
+    step.workload = dataclasses.replace(w, model=runner)
+    first = split_batch(w.batch, step.accumulation)[0]
+    _guarded(lambda: step.backward(step.forward(first)), "compiled model's first step")
+    for p in w.model.parameters():
+        p.grad = None
+    regions.runs.clear()
+    return runner
 
 
 def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:

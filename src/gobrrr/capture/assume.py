@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from gobrrr.capture.compiled import ignore_compile_internals
 from gobrrr.capture.facts import INF, Fact, FactTable, exact
 from gobrrr.errors import GobrrrError
 
@@ -194,6 +195,8 @@ class ValueMode(TorchDispatchMode):
     """Answers data-dependent ops on fake tensors (Values) and keeps the facts current.
 
     Sits just above FakeTensorMode: gobrrr's recorder, above it, records what it answers."""
+
+    ignore_compile_internals = classmethod(ignore_compile_internals)
 
     def __init__(self, values: Values) -> None:
         super().__init__()

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gobrrr.capture.compiled import ignore_compile_internals
 from gobrrr.graph import OpNode, StorageInfo, TensorInfo
 
 # Ops that only read metadata; they produce no tensor and cost nothing.
@@ -99,6 +100,8 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 class Recorder(TorchDispatchMode):
     """Records each ATen op as an OpNode. `phase` and `module` are set by the driver."""
+
+    ignore_compile_internals = classmethod(ignore_compile_internals)
 
     def __init__(self, table: StorageTable, module_of, phase_of, on_op=None) -> None:
         super().__init__()

@@ -116,7 +116,46 @@ def fused_sgd(node: OpNode, tf32: bool) -> OpCost:
     return vector(per * sum(numels), nbytes, "optimizer", mta_launches(numels, 2 + momentum))
 
 
+#: torchao's 8-bit Adam: moments quantised in blocks of BLOCK elements, for tensors of at least
+#: MIN_QUANTIZED elements whose size BLOCK divides (bitsandbytes' rule); a 256-entry fp32 code
+#: book (qmap) per moment.
+BLOCK, MIN_QUANTIZED, QMAP = 256, 4096, 256
+ADAM8_PER_ELEM = 30  # see adam8bit_update
+
+
+def quantized(numel: int) -> bool:
+    """Whether torchao's 8-bit Adam keeps this tensor's moments in 8 bits (else in the
+    parameter's dtype)."""
+    return numel >= MIN_QUANTIZED and numel % BLOCK == 0
+
+
+def adam8bit_bytes(numel: int, param_itemsize: int, grad_itemsize: int) -> int:
+    """Bytes one update of a parameter of `numel` elements must move: the parameter read and
+    written, the gradient read, and each moment read and written — 8-bit codes, one fp32 scale
+    per block and the code book read, or (small tensors) the moment in the parameter's dtype."""
+    if quantized(numel):
+        state = 2 * (numel + 4 * (numel // BLOCK)) + 4 * QMAP
+    else:
+        state = 2 * numel * param_itemsize
+    return numel * (2 * param_itemsize + grad_itemsize) + 2 * state
+
+
+def adam8bit_update(node: OpNode, tf32: bool) -> OpCost:
+    """gobrrr::adam8bit_update(param, grad, step, exp_avg, exp_avg_scale?, exp_avg_qmap?,
+    exp_avg_sq, exp_avg_sq_scale?, exp_avg_sq_qmap?, ...): one parameter's torchao 8-bit
+    Adam(W) update (its compiled `single_param_adam`), one fused kernel that moves the
+    minimal bytes (`adam8bit_bytes`). FLOPs per element: Adam's 14, dequantisation (2 per
+    moment), the block absmax and division (2 per moment) and the 8-step code search with its
+    rounding (10 per moment, counted as 5): 30. A calibration's `optim8` section replaces
+    this op's device and host time with what was measured on the GPU (see
+    cost.roofline.Rates.adam8bit)."""
+    p, g = node.inputs[0], node.inputs[1]
+    return vector(ADAM8_PER_ELEM * p.numel, adam8bit_bytes(p.numel, p.itemsize, g.itemsize),
+                  "optimizer", 1)
+
+
 COSTS: dict[str, CostFn] = {
+    "gobrrr.adam8bit_update": adam8bit_update,
     "aten._fused_adam_": fused_adam, "aten._fused_adamw_": fused_adam,
     "aten._fused_adam": fused_adam, "aten._fused_adamw": fused_adam,
     "aten._fused_sgd_": fused_sgd, "aten._fused_sgd": fused_sgd,

@@ -18,6 +18,7 @@ from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
+from gobrrr.cost._ops_optim import quantized
 from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.offload import offload_times
@@ -317,6 +318,30 @@ class Rates:
             return self.launch * VIEW_HOST_FRACTION
         return self.launch * launches
 
+    def adam8bit(self, node: OpNode, nbytes: float) -> tuple[float, float] | None:
+        """(device s, host s) of one torchao 8-bit Adam update moving `nbytes`, from the
+        calibration's `optim8` section: the device time over bytes interpolated log-log (past
+        the grid, at its last point's bytes/s; under it, its first point's time); the host's
+        per update as measured with parameters of distinct shapes (a model's: each call's
+        guards are checked against the other shapes' compiled entries first), else of one
+        shape; None without the section (the op is then costed as any other: its bytes at
+        the pointwise bandwidth, the eager per-op host cost)."""
+        sec = self.cal.optim8 if self.cal else None
+        if not sec or node.name != "adam8bit_update" or not node.inputs:
+            return None
+        small = not quantized(node.inputs[0].numel)
+        pts = sec.get("device_small" if small else "device") or sec.get("device")
+        if not pts:
+            return None
+        if nbytes >= pts[-1][0]:
+            device = nbytes * pts[-1][1] / pts[-1][0]
+        elif nbytes <= pts[0][0]:
+            device = pts[0][1]
+        else:
+            device = math.exp(interp([math.log(p[0]) for p in pts],
+                                     [math.log(p[1]) for p in pts], math.log(nbytes)))
+        return device, sec.get("host_distinct") or sec["host"]
+
     def bandwidth(self, kind: str, name: str = "") -> float:
         """Achieved bytes/s for an op of this kind: the op's own measured bandwidth where the
         calibration has it, else the kind's."""
@@ -362,6 +387,11 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, cost.bytes, 0.0, 0.0, 0.0, 0.0, host, "none", side)
     host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
+    if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
+        device, host = measured8
+        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
+                      cost.flops, cost.bytes, cost.flops / max(cost.bytes, 1.0), 0.0, device,
+                      device, host, "overhead" if host >= device else "memory")
     if cost.launches == 0:
         return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
                       0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
@@ -537,12 +567,12 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
               rates: Rates) -> tuple[OpTime, ...]:
     """Replace each fused group by one kernel; compiled code launches kernels from a
     generated wrapper, so no per-op eager dispatch cost remains."""
-    from gobrrr.cost.fusion import ANCHORS, fuse
+    from gobrrr.cost.fusion import extern, fuse, regions
 
     out = list(ops)
-    compiled_phases = ("forward", "backward", "recompute")
+    region = regions(graph)
     for o in ops:
-        if o.phase in compiled_phases and o.kind in ANCHORS:
+        if region[o.index] >= 0 and extern(graph.nodes[o.index], costs[o.index]):
             t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)
             out[o.index] = replace(t, host_s=rates.launch * max(costs[o.index].launches, 1))
     for g in fuse(graph, costs):

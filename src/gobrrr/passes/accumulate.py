@@ -63,6 +63,10 @@ def accumulate(graph: StepGraph, n: int) -> StepGraph:
                 tokens=int(graph.meta.get("tokens") or 0) * n,
                 syncs=_syncs(graph.meta.get("syncs") or (), split, shift),
                 passes=[*graph.meta.get("passes", ()), {"pass": "accumulate", "n": n}])
+    if graph.meta.get("compiled_regions"):  # micro-batch 2 runs the same compiled graphs
+        meta["compiled_regions"] = [*graph.meta["compiled_regions"],
+                                    *([k, pos[a], pos[b]] for k, a, b in
+                                      graph.meta["compiled_regions"] if b < split)]
     return StepGraph(nodes=(*graph.nodes[:split], *second, *rest), storages=tuple(storages),
                      meta=meta)
 

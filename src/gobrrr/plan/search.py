@@ -41,11 +41,14 @@ from gobrrr.plan.result import Plan, PlanResult
 MARGIN = 0.0
 
 #: What `--allow` may add beyond the user's numerics: "bf16-states" keeps Adam's moments in
-#: bf16 (the update in fp32); "bf16-weights" trains in pure bf16 (weights, gradients and
-#: states in bf16, no autocast: the forward's and backward's numerics change); "offload"
+#: bf16 (the update in fp32); "8bit-states" keeps them block-wise quantised to 8 bits
+#: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
+#: in bf16, no autocast: the forward's and backward's numerics change); "compile" runs the
+#: model under torch.compile (Inductor's fused kernels round differently; each variant is
+#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd); "offload"
 #: keeps AdamW's states on the host and runs its update on the CPU (torchao's
 #: CPUOffloadOptimizer: the same numerics).
-ALLOW: tuple[str, ...] = ("bf16-states", "bf16-weights", "offload")
+ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile", "offload")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
 #: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
@@ -123,12 +126,12 @@ class Planner:
 
     def _variants(self, notes: list[str]) -> list[Variant]:
         """The variants worth tracing: the fused loss where the model takes it, bf16
-        optimizer states where allowed; none whose parameters, gradients and optimizer
-        states alone exceed the budget."""
+        optimizer states and weights where allowed, each compiled too where allowed; none
+        whose parameters, gradients and optimizer states alone exceed the budget."""
         refusal = self.tracer.fused_loss_refusal()
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
-        states = ["as-is", *(["bf16"] if "bf16-states" in self.req.allow else [])]
+        states = ["as-is", *self._states(notes)]
         weights = ["as-is", *(["bf16"] if "bf16-weights" in self.req.allow
                               and self.precision != "bf16" else [])]
         out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
@@ -136,7 +139,10 @@ class Planner:
                if w == "as-is" or st == "as-is"]
         if "offload" in self.req.allow and _offload_allowed(self.target, self.tracer, notes):
             out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
-        out = [v for v in out if v != BASE and (not v.fused_loss or not refusal)]
+        out = [v for v in out if not v.fused_loss or not refusal]
+        if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
+            out += [replace(v, compile=True) for v in out]
+        out = [v for v in out if v != BASE]
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
@@ -144,6 +150,21 @@ class Planner:
                          f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
                          f"{self.req.usable / gib:.1f} GiB budget")
         return kept
+
+    def _states(self, notes: list[str]) -> list[str]:
+        """The optimizer-state storages allowed and possible for the workload's optimizer."""
+        out = []
+        for st in ("bf16", "8bit"):
+            if f"{st}-states" not in self.req.allow:
+                continue
+            refusal = self.tracer.states_refusal(st)
+            if refusal:
+                notes.append(f"{st} optimizer states not planned: {refusal}")
+                continue
+            out.append(st)
+            if st == "8bit":
+                notes.extend(_notes_8bit(self.target))
+        return out
 
     @property
     def blocks(self) -> list[str]:
@@ -228,8 +249,9 @@ def _offload_allowed(target: Target, tracer, notes: list[str]) -> bool:
 
 def _persistent(g: StepGraph, variant: Variant) -> int:
     """Bytes of parameters, gradients and optimizer states of `variant`, from the base
-    graph `g` (bf16 states: fp32 ones halved; bf16 weights: all halved; offload: the
-    states on the host, the few of the small parameters left on the GPU not counted)."""
+    graph `g` (bf16 states: fp32 ones halved; 8-bit: torchao's layout for each parameter's
+    moments, `optim_trace.state_bytes`; bf16 weights: all halved; offload: the states on the
+    host, the few of the small parameters left on the GPU not counted)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
@@ -238,9 +260,38 @@ def _persistent(g: StepGraph, variant: Variant) -> int:
         return sum(by.values()) // 2
     if variant.optimizer_states == "bf16":
         by["optimizer_state"] //= 2
+    if variant.optimizer_states == "8bit":
+        by["optimizer_state"] = _states_8bit(g)
     if variant.offload:
         by["optimizer_state"] = 0
     return sum(by.values())
+
+
+def _states_8bit(g: StepGraph) -> int:
+    """Bytes of torchao's 8-bit moments for the parameters whose Adam moments `g` holds
+    (the host step counts hold none on the GPU)."""
+    from gobrrr.optim_trace import state_bytes
+
+    size = {t.storage: t.itemsize for n in g.nodes for t in (*n.inputs, *n.outputs)}
+    return sum(state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))
+               for s in g.storages
+               if s.kind == "optimizer_state" and s.label.endswith(".exp_avg"))
+
+
+def _notes_8bit(target: Target) -> list[str]:
+    """What the 8-bit states' cost rests on, where it is not measured."""
+    out = []
+    if not (target.cal and target.cal.optim8):
+        out.append("8-bit optimizer states costed without a measured optim8 calibration "
+                   "section: each update's bytes at the pointwise bandwidth and the eager "
+                   "per-op host cost (measure it: benchmarks/calibrate_sections.py --sections "
+                   "optim8)")
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        out.append("8-bit optimizer states are applied with torchao, not installed here: "
+                   "pip install 'gobrrr[optim]' where the plan runs")
+    return out
 
 
 def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
@@ -307,7 +358,7 @@ class _Search:
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
-        if plain.fits or not self.blocks:
+        if plain.fits or not self.blocks or v.compile:  # checkpointing: eager variants only
             return [plain]
         policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
                     every_kth(self.blocks, 2)]
@@ -391,7 +442,10 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     if knobs.weights != "as-is":
         out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
-        out.append(f"optimizer states in {knobs.optimizer_states}")
+        out.append({"8bit": "8-bit optimizer states"}.get(
+            knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
+    if knobs.compile:
+        out.append("torch.compile(model)")
     if knobs.offload:
         out.append("optimizer states and update on the CPU (offload)")
     by_policy: dict[str, int] = {}

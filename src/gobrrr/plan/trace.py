@@ -14,7 +14,8 @@ from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
 from gobrrr.offload import stand_in
-from gobrrr.optim import adam_hyper, states_optimizer
+from gobrrr.optim import adam_hyper
+from gobrrr.optim_trace import traced_states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
@@ -59,7 +60,7 @@ class Tracer:
         make = self._variant(self._maker(micro_batch))
         self.traces += 1
         return capture(make, precision=self.variant.precision(self.precision),
-                       sdpa=target_for(self.target.gpu.full_name))
+                       sdpa=target_for(self.target.gpu.full_name), compile=self.variant.compile)
 
     def _maker(self, m: int):
         if self._fixed is None:
@@ -77,8 +78,9 @@ class Tracer:
 
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
-        and loss, the optimizer keeping its states as planned, offloaded (torchao's
-        CPUOffloadOptimizer, traced as gobrrr.offload's stand-in)."""
+        and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
+        one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
+        traced as gobrrr.offload's stand-in)."""
         if not self.fused_loss and self.states == "as-is" and not self.offload:
             return make
         if self.offload and self.states != "as-is":
@@ -94,7 +96,8 @@ class Tracer:
                 w.optimizer = lambda ps: stand_in(user(ps))
             elif self.states != "as-is":
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-                w.optimizer = lambda ps, states=self.states: states_optimizer(user(ps), states)
+                w.optimizer = lambda ps, states=self.states: traced_states_optimizer(
+                    user(ps), states)
             return w
 
         return build
@@ -113,6 +116,16 @@ class Tracer:
             adam_hyper(opt)  # an option the offloaded optimizer lacks (amsgrad, maximize)
         except GobrrrError as e:
             return str(e)
+        return None
+
+    def states_refusal(self, states: str) -> str | None:
+        """Why the workload's optimizer cannot keep its states as `states` (None: it can)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+            try:
+                traced_states_optimizer(w.make_optimizer(), states)
+            except GobrrrError as e:
+                return str(e)
         return None
 
     def fused_loss_refusal(self) -> str | None:

@@ -94,6 +94,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
+    from gobrrr.profile.calibrate_optim import optim8_section
 
     return {
         "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),
@@ -114,6 +115,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
         "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
+        "optim8": optim8_section,
         "offload": co.offload_section,
     }
 

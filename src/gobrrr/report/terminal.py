@@ -95,7 +95,7 @@ def summary_lines(est: Estimate) -> list[Text]:
                          f"{human_count(meta.get('params', 0))} params · on ",
                          (est.gpu.name, "bold"), f" ({cal})")
     verdict = Text("fits", "green") if est.fits else Text("does NOT fit", "red")
-    if est.compiled:
+    if est.compiled and not meta.get("compiled"):  # an eager trace costed as compiled
         verdict.append(" (eager step's memory: compiled graphs save less, so this is an upper "
                        "bound)")
     room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"

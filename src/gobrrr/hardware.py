@@ -302,7 +302,12 @@ class Calibration:
     `batch_norm_grid`: batch norm's bytes/s over channels and rows (N·H·W), keyed as
     `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve.
     `optim8`: torchao's 8-bit AdamW per parameter update (profile.calibrate_optim): "device"
-    [[bytes, seconds], ...], "host" seconds, "kernels", "transient" and the measured grid."""
+    [[bytes, seconds], ...], "host" seconds, "kernels", "transient" and the measured grid.
+    `offload`: CPU offload of the optimizer (gobrrr.profile.calibrate_offload): "d2h" and
+    "h2d" pinned-copy bytes/s over sizes, [[bytes, bytes/s], ...]; "adamw:fp32" and
+    "adamw:bf16", seconds of one fused AdamW step on the host's CPU over parameter sizes,
+    [[elements, seconds], ...]; "d2h_issue_s", "h2d_issue_s", host seconds to queue one copy;
+    "threads", the CPU threads torch used. Empty: not measured (offload is not planned)."""
 
     gpu: str
     device_name: str
@@ -333,6 +338,7 @@ class Calibration:
     layer_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     optim8: dict[str, Any] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

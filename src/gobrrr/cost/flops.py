@@ -8,7 +8,8 @@ launches. Conventions are documented next to each family:
   attention: _ops_attention (FlashAttention convention, causal halved),
   pointwise, reductions, copies and views: _ops_pointwise,
   norms, softmax, embedding, losses, scatter: _ops_norm,
-  optimizer (foreach and fused): _ops_optim,  gobrrr's kernels: _ops_gobrrr.
+  optimizer (foreach and fused): _ops_optim,  gobrrr's kernels: _ops_gobrrr,
+  CPU offload's copies and CPU steps: _ops_offload.
 An op nobody knows gets a conservative pointwise-like default and its name lands in
 UNKNOWN_OPS, so reports can list what was guessed.
 """
@@ -20,6 +21,7 @@ from gobrrr.cost import (
     _ops_gobrrr,
     _ops_matmul,
     _ops_norm,
+    _ops_offload,
     _ops_optim,
     _ops_pointwise,
 )
@@ -31,7 +33,8 @@ __all__ = ["OpCost", "UNKNOWN_OPS", "graph_costs", "op_cost", "register_cost"]
 UNKNOWN_OPS: set[str] = set()  # ops costed by the default (unknown, or their formula failed)
 
 _REGISTRY: dict[str, CostFn] = {}
-for _module in (_ops_pointwise, _ops_norm, _ops_matmul, _ops_attention, _ops_optim, _ops_gobrrr):
+for _module in (_ops_pointwise, _ops_norm, _ops_matmul, _ops_attention, _ops_optim, _ops_gobrrr,
+                _ops_offload):
     _REGISTRY.update(_module.COSTS)
 
 

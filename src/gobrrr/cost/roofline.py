@@ -17,9 +17,11 @@ from gobrrr.cost import conv
 from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_common import tf32_of
+from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost._ops_optim import quantized
 from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.cost.offload import offload_times
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
     alignment,
@@ -72,6 +74,7 @@ class OpTime:
     device_s: float
     host_s: float
     regime: str  # "compute" | "memory" | "overhead" | "none" (views: no kernel)
+    side_s: float = 0.0  # on the side stream of the host link (CPU offload's copies)
 
 
 @dataclass(frozen=True)
@@ -379,6 +382,10 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     alignment first (Inductor's pad_mm does this under torch.compile). `host_phase`: the
     host-cost key in place of the op's phase ("checkpointed": a forward op under
     checkpointing)."""
+    if cost.kind in OFFLOAD_KINDS:  # the host's CPU and the host link, not the compute stream
+        host, side = offload_times(node, cost, rates.cal)
+        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
+                      0.0, cost.bytes, 0.0, 0.0, 0.0, 0.0, host, "none", side)
     host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
     if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
         device, host = measured8
@@ -477,7 +484,8 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
                 for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
-    host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat)
+    host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat,
+                                 _offloaded(graph, ops))
     step = max(host_t, device_t)
     weights = graph.weights()
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
@@ -499,34 +507,60 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
 
 
 def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
-              repeat: tuple[int, int, int] | None) -> tuple[float, float]:
+              repeat: tuple[int, int, int] | None,
+              param_of: dict[int, int] | None = None) -> tuple[float, float]:
     """When the host has issued the last op and when the device has run it (s). Two queues:
     the host issues each op in turn; the device runs it once issued and free. A repeated
     segment (`StepGraph.repeat`) runs twice, and its second run, the steady state, stands
-    for the runs after it."""
-    host_t = device_t = 0.0
+    for the runs after it.
+
+    CPU offload (gobrrr.offload) adds a third, the side stream of the host link (`link_t`),
+    whose copies run one after another: a gradient's copy to the host (d2h) once the compute
+    stream has run what was issued before it; the CPU step (on the host) once that
+    parameter's gradient has landed (`param_of`: op index -> its parameter's storage); the
+    parameter's copy back (h2d) once the host has queued it. The optimizer's step returns
+    when the last copy has landed: the host waits for the link at the end."""
+    host_t = device_t = link_t = 0.0
+    param_of = param_of or {}
+    landed: dict[int, float] = {}  # parameter -> when its gradient's latest copy landed
 
     def run(part) -> None:
-        nonlocal host_t, device_t
+        nonlocal host_t, device_t, link_t
         for o in part:
+            if o.kind == "cpu_step":  # the host waits for the gradient, then steps
+                host_t = max(host_t, landed.get(param_of.get(o.index), 0.0))
             host_t += o.host_s
             if o.device_s > 0:
                 device_t = max(device_t, host_t) + o.device_s
+            if o.kind == "d2h":  # behind the compute stream's work issued so far
+                link_t = max(link_t, device_t, host_t) + o.side_s
+                landed[param_of.get(o.index)] = link_t
+            elif o.kind == "h2d":
+                link_t = max(link_t, host_t) + o.side_s
             if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
                 host_t = max(host_t, device_t)
 
     if repeat is None:
         run(ops)
-        return host_t, device_t
+        return max(host_t, link_t), device_t
     start, end, times = repeat
     run(ops[:end])
     if times > 1:
-        before = (host_t, device_t)
+        before = (host_t, device_t, link_t)
         run(ops[start:end])
         host_t += (times - 2) * (host_t - before[0])
         device_t += (times - 2) * (device_t - before[1])
+        shift = (times - 2) * (link_t - before[2])
+        link_t += shift
+        landed.update((p, t + shift) for p, t in landed.items())
     run(ops[end:])
-    return host_t, device_t
+    return max(host_t, link_t), device_t
+
+
+def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
+    """{op index: its parameter's storage} for CPU offload's ops (their first input)."""
+    return {o.index: graph.nodes[o.index].inputs[0].storage for o in ops
+            if o.kind in OFFLOAD_KINDS and graph.nodes[o.index].inputs}
 
 
 def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],

@@ -20,6 +20,8 @@ class Plan:
     max_memory_allocated; reserved_bytes: predicted max_memory_reserved, what "fits" is judged
     on; headroom_bytes: the budget left at the reserved peak (negative: short by that much).
     changes: what differs from the user's step, one phrase each; why: the reason in a line.
+    host_bytes: host memory the step needs beyond the user's (CPU offload: pinned parameter
+    and gradient copies, and the optimizer states); host_pinned_bytes: the pinned part.
     """
 
     knobs: Knobs
@@ -33,6 +35,8 @@ class Plan:
     changes: tuple[str, ...]
     why: str
     recompute_s: float = 0.0
+    host_bytes: int = 0
+    host_pinned_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"knobs": self.knobs.to_dict(), "unit": self.unit,
@@ -41,6 +45,8 @@ class Plan:
                                "reserved_bytes": self.reserved_bytes, "fits": self.fits,
                                "headroom_bytes": self.headroom_bytes,
                                "recompute_s": self.recompute_s,
+                               "host_bytes": self.host_bytes,
+                               "host_pinned_bytes": self.host_pinned_bytes,
                                "changes": list(self.changes), "why": self.why}
         return out
 
@@ -92,8 +98,10 @@ def no_fit_message(r: PlanResult) -> str:
     """One line: nothing fits, the smallest reserved peak found, and what would make it fit."""
     gib = 2**30
     low = min(r.plans, key=lambda p: p.reserved_bytes) if r.plans else r.user
+    host = ("offloaded plans did not fit either" if any(p.knobs.offload for p in r.plans)
+            else "optimizer states on the host (--allow offload)")
     return (f"no configuration of {r.workload} at global batch {r.global_batch} fits "
             f"{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
             f"{low.reserved_bytes / gib:.1f} GiB ({', '.join(low.changes) or 'as given'}); "
             "to fit: more GPUs (shard parameters, gradients and optimizer states), optimizer "
-            "states in 8 bits or on the host, or a smaller model or sequence")
+            f"states in 8 bits, {host}, or a smaller model or sequence")

@@ -23,6 +23,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
 from gobrrr.graph import StepGraph
 from gobrrr.memory import process_budget
+from gobrrr.offload import host_bytes
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
@@ -44,8 +45,10 @@ MARGIN = 0.0
 #: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
 #: in bf16, no autocast: the forward's and backward's numerics change); "compile" runs the
 #: model under torch.compile (Inductor's fused kernels round differently; each variant is
-#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd).
-ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile")
+#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd); "offload"
+#: keeps AdamW's states on the host and runs its update on the CPU (torchao's
+#: CPUOffloadOptimizer: the same numerics).
+ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile", "offload")
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
 #: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
@@ -134,6 +137,8 @@ class Planner:
         out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
                for w in weights for st in states for fused in (False, True)
                if w == "as-is" or st == "as-is"]
+        if "offload" in self.req.allow and _offload_allowed(self.target, self.tracer, notes):
+            out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
         out = [v for v in out if not v.fused_loss or not refusal]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
             out += [replace(v, compile=True) for v in out]
@@ -225,10 +230,28 @@ class _Steps:
         return sum(t.traces for t in self.tracers.values())
 
 
+def _offload_allowed(target: Target, tracer, notes: list[str]) -> bool:
+    """Whether offload can be costed: a calibration with the offload section (the host link
+    and the CPU's AdamW step), and the user's AdamW (the CPU step measured); else a note
+    saying why not."""
+    from gobrrr.cost.offload import NOT_CALIBRATED
+
+    section = target.cal.offload if target.cal else {}
+    if not section.get("d2h") or not section.get("adamw:fp32"):
+        notes.append("offload not planned: " + NOT_CALIBRATED.format(
+            what=f"{target.gpu.name}'s calibration"))
+        return False
+    refusal = tracer.offload_refusal()
+    if refusal:
+        notes.append(f"offload not planned: {refusal}")
+    return not refusal
+
+
 def _persistent(g: StepGraph, variant: Variant) -> int:
     """Bytes of parameters, gradients and optimizer states of `variant`, from the base
     graph `g` (bf16 states: fp32 ones halved; 8-bit: torchao's layout for each parameter's
-    moments, `optim_trace.state_bytes`; bf16 weights: all halved)."""
+    moments, `optim_trace.state_bytes`; bf16 weights: all halved; offload: the states on the
+    host, the few of the small parameters left on the GPU not counted)."""
     by = {"parameter": 0, "gradient": 0, "optimizer_state": 0}
     for s in g.storages:
         if s.kind in by:
@@ -239,6 +262,8 @@ def _persistent(g: StepGraph, variant: Variant) -> int:
         by["optimizer_state"] //= 2
     if variant.optimizer_states == "8bit":
         by["optimizer_state"] = _states_8bit(g)
+    if variant.offload:
+        by["optimizer_state"] = 0
     return sum(by.values())
 
 
@@ -395,11 +420,16 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
                                 "margin)" if req.margin else ""))
     if recompute:
         why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
+    host = host_bytes(est.graph)
+    if host["total"]:
+        why += (f"; needs {host['total'] / gib:.1f} GiB of host memory "
+                f"({host['pinned'] / gib:.1f} GiB pinned)")
     return Plan(knobs=knobs, unit=throughput_unit(est.graph),
                 units_per_s=est.time.tokens_per_s, step_s=est.time.step_s,
                 peak_bytes=m.peak, reserved_bytes=reserved, fits=fits,
                 headroom_bytes=req.budget - reserved, changes=tuple(changes), why=why,
-                recompute_s=recompute)
+                recompute_s=recompute, host_bytes=host["total"],
+                host_pinned_bytes=host["pinned"])
 
 
 def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
@@ -416,6 +446,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
             knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
     if knobs.compile:
         out.append("torch.compile(model)")
+    if knobs.offload:
+        out.append("optimizer states and update on the CPU (offload)")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

@@ -13,6 +13,8 @@ from gobrrr.estimate import workload_factory
 from gobrrr.evaluate import Target
 from gobrrr.fused_loss import use_fused_loss
 from gobrrr.graph import StepGraph
+from gobrrr.offload import stand_in
+from gobrrr.optim import adam_hyper
 from gobrrr.optim_trace import traced_states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
@@ -32,6 +34,7 @@ class Tracer:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
         self.variant = variant or Knobs(micro_batch=1)
         self.fused_loss, self.states = self.variant.fused_loss, self.variant.optimizer_states
+        self.offload = self.variant.offload
         self.traces = 0
         self._fixed: int | None = None
 
@@ -76,21 +79,44 @@ class Tracer:
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
         and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
-        one traced op per update, `optim_trace`)."""
-        if not self.fused_loss and self.states == "as-is":
+        one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
+        traced as gobrrr.offload's stand-in)."""
+        if not self.fused_loss and self.states == "as-is" and not self.offload:
             return make
+        if self.offload and self.states != "as-is":
+            raise GobrrrError(f"offload with optimizer_states={self.states!r} is not planned: "
+                              "offload keeps the optimizer's own states (as-is)")
 
         def build() -> Workload:
             w = make()
             if self.fused_loss:
                 use_fused_loss(w.model)
-            if self.states != "as-is":
+            if self.offload:
+                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+                w.optimizer = lambda ps: stand_in(user(ps))
+            elif self.states != "as-is":
                 user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
                 w.optimizer = lambda ps, states=self.states: traced_states_optimizer(
                     user(ps), states)
             return w
 
         return build
+
+    def offload_refusal(self) -> str | None:
+        """Why the optimizer cannot be offloaded as planned (None: it can): offload is
+        costed for AdamW (torchao runs torch's fused AdamW on the CPU, the step calibrated)."""
+        with torch.device("meta"):
+            w = workload_factory(self.source, 1, self.seq)()
+        opt = w.make_optimizer()
+        if type(opt) is not torch.optim.AdamW:
+            return (f"the workload's optimizer is {type(opt).__name__}; offload is costed "
+                    "for torch.optim.AdamW (its fused CPU step is what the calibration "
+                    "measures)")
+        try:
+            adam_hyper(opt)  # an option the offloaded optimizer lacks (amsgrad, maximize)
+        except GobrrrError as e:
+            return str(e)
+        return None
 
     def states_refusal(self, states: str) -> str | None:
         """Why the workload's optimizer cannot keep its states as `states` (None: it can)."""

@@ -90,6 +90,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     name -> fn(device) -> {Calibration field: value}."""
     from gobrrr.profile import calibrate_conv as cc
     from gobrrr.profile import calibrate_host as ch
+    from gobrrr.profile import calibrate_offload as co
     from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
@@ -115,6 +116,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
         "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
         "optim8": optim8_section,
+        "offload": co.offload_section,
     }
 
 

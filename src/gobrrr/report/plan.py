@@ -42,6 +42,9 @@ def print_plan(r: PlanResult, top: int = 8) -> None:
     gain = f", {b.units_per_s / u.units_per_s:.2f}x the step as given" if u.fits else ""
     c.print(f"[bold]chosen:[/bold] {', '.join(b.changes) or 'the step as given'}: {rate(b)}"
             f"{gain}; {b.why}")
+    if b.host_bytes:
+        c.print(f"host memory: {gib(b.host_bytes)} ({gib(b.host_pinned_bytes)} pinned): the "
+                "machine's RAM must hold it besides the data loader and the process")
 
 
 def print_verified(rows) -> None:

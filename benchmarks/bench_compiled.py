@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -225,22 +224,7 @@ def run_case(case: ZooCase, device: str, warmup: int, steps: int) -> dict:
 def run_child(args, case: ZooCase) -> dict:
     cmd = [sys.executable, str(HERE), "--out", args.out, "--one", case.name, "--device",
            args.device, "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=measure._child_env())
-    except subprocess.TimeoutExpired as e:
-        return {"name": case.name, "spec": case.spec(), "wall_s": time.perf_counter() - t0,
-                "error": {"type": "Timeout", "message": f"no result in {args.timeout} s",
-                          "oom": False,
-                          "traceback": measure._text(e.stderr or b"")[-1500:].splitlines()}}
-    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-    if rows:
-        return json.loads(rows[-1])
-    return {"name": case.name, "spec": case.spec(), "wall_s": time.perf_counter() - t0,
-            "error": {"type": "ProcessDied", "message": f"exit code {proc.returncode}",
-                      "oom": "out of memory" in proc.stderr,
-                      "traceback": proc.stderr.splitlines()[-12:]}}
+    return measure.run_command(cmd, case, args.timeout)
 
 
 def run_all(args) -> None:

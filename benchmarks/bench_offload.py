@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -33,6 +32,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+
+from child_rows import env_row, run_row  # noqa: E402
 
 VERSION = 1
 
@@ -208,25 +209,12 @@ def _status_bytes(key: str) -> int | None:
 
 # -- the parent --------------------------------------------------------------------------------
 def child(args, flag: list[str]) -> dict:
-    cmd = [sys.executable, str(HERE), *flag, "--warmup", str(args.warmup),
-           "--steps", str(args.steps)]
-    t = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": {"type": "timeout", "oom": False}, "wall_s": args.timeout}
-    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash", "oom": False,
-                                                       "message": proc.stderr[-1500:]}}
-    row["wall_s"] = time.perf_counter() - t
-    return row
+    return run_row([sys.executable, str(HERE), *flag, "--warmup", str(args.warmup),
+                    "--steps", str(args.steps)], args.timeout)
 
 
 def environment() -> dict:
-    proc = subprocess.run([sys.executable, str(HERE), "--env"], capture_output=True, text=True,
-                          timeout=120)
-    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
-    return json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}
+    return env_row(str(HERE))
 
 
 def _env() -> dict:

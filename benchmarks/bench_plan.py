@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+
+from child_rows import env_row, run_row  # noqa: E402
 
 VERSION = 1
 
@@ -106,25 +107,13 @@ def measure(args, source, seq, g, precision, knobs) -> dict:
     cmd = [sys.executable, str(HERE), "--one", json.dumps([source, seq, g, precision,
                                                           knobs.to_dict()]),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
-    t = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": {"type": "timeout", "oom": False}, "wall_s": args.timeout}
-    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash", "oom": False,
-                                                       "message": proc.stderr[-1500:]}}
-    row["wall_s"] = time.perf_counter() - t
-    return row
+    return run_row(cmd, args.timeout)
 
 
 def child_environment() -> dict:
-    """Device and versions, read in a fresh process: this one never holds a CUDA context
-    (it would take memory from the configurations it measures)."""
-    proc = subprocess.run([sys.executable, str(HERE), "--env"], capture_output=True,
-                          text=True, timeout=120)
-    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
-    env = json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}
+    """Device and versions, read in a fresh process (`child_rows.env_row`), with the model
+    libraries' versions."""
+    env = env_row(str(HERE))
     for lib in ("transformers", "torchvision"):
         try:
             env[lib] = __import__(lib).__version__

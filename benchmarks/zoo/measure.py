@@ -200,14 +200,20 @@ def child_command(args, name: str) -> list[str]:
 
 def run_child(args, case: ZooCase) -> dict:
     """One case in a fresh process; its row, or a row saying how the process died."""
+    return run_command(child_command(args, case.name), case, args.timeout)
+
+
+def run_command(cmd: list[str], case: ZooCase, timeout: float) -> dict:
+    """Run `cmd` (a child printing "ROW <json>") in a fresh process: its last row, or a row
+    for `case` saying how the process died (timeout, exit code, out of memory)."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(child_command(args, case.name), capture_output=True, text=True,
-                              timeout=args.timeout, env=_child_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=_child_env())
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-1500:]
         return {"name": case.name, "spec": case.spec(), "wall_s": time.perf_counter() - t0,
-                "error": {"type": "Timeout", "message": f"no result in {args.timeout} s",
+                "error": {"type": "Timeout", "message": f"no result in {timeout} s",
                           "oom": False, "traceback": _text(tail).splitlines()[-12:]}}
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
     if rows:

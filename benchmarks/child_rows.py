@@ -1,0 +1,34 @@
+"""A benchmark's configurations each in a fresh process: the child prints one line
+"ROW <json>" (or "ENV <json>"), the parent reads the last one or records how the child died.
+Used by bench_plan.py and bench_offload.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+
+def run_row(cmd: list[str], timeout: float) -> dict:
+    """The last "ROW" of `cmd` run in a fresh process, with its wall seconds; a row with an
+    error ("timeout", or "crash" and the end of stderr) when it printed none."""
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": {"type": "timeout", "oom": False}, "wall_s": timeout}
+    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash", "oom": False,
+                                                       "message": proc.stderr[-1500:]}}
+    row["wall_s"] = time.perf_counter() - t
+    return row
+
+
+def env_row(script: str) -> dict:
+    """Device and versions as `script --env` prints them in a fresh process (the parent
+    never holds a CUDA context: it would take memory from what it measures)."""
+    proc = subprocess.run([sys.executable, script, "--env"], capture_output=True, text=True,
+                          timeout=120)
+    rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
+    return json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}

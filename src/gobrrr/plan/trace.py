@@ -33,8 +33,6 @@ class Tracer:
                  target: Target, variant: Knobs | None = None) -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
         self.variant = variant or Knobs(micro_batch=1)
-        self.fused_loss, self.states = self.variant.fused_loss, self.variant.optimizer_states
-        self.offload = self.variant.offload
         self.traces = 0
         self._fixed: int | None = None
 
@@ -75,29 +73,27 @@ class Tracer:
         inner = workload_factory(self.source, None, self.seq)
         return lambda: _cut(inner(), m)
 
-
     def _variant(self, make):
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
         and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
         one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
         traced as gobrrr.offload's stand-in)."""
-        if not self.fused_loss and self.states == "as-is" and not self.offload:
+        v = self.variant
+        if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload:
             return make
-        if self.offload and self.states != "as-is":
-            raise GobrrrError(f"offload with optimizer_states={self.states!r} is not planned: "
-                              "offload keeps the optimizer's own states (as-is)")
+        if v.offload and v.optimizer_states != "as-is":
+            raise GobrrrError(f"offload with optimizer_states={v.optimizer_states!r} is not "
+                              "planned: offload keeps the optimizer's own states (as-is)")
 
         def build() -> Workload:
             w = make()
-            if self.fused_loss:
+            if v.fused_loss:
                 use_fused_loss(w.model)
-            if self.offload:
-                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+            user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+            if v.offload:
                 w.optimizer = lambda ps: stand_in(user(ps))
-            elif self.states != "as-is":
-                user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-                w.optimizer = lambda ps, states=self.states: traced_states_optimizer(
-                    user(ps), states)
+            elif v.optimizer_states != "as-is":
+                w.optimizer = lambda ps: traced_states_optimizer(user(ps), v.optimizer_states)
             return w
 
         return build

@@ -227,3 +227,15 @@ def test_a_causal_call_at_head_dim_128_is_its_own_variant():
 
     g = capture(make, precision="bf16-mixed", sdpa=H100)
     assert {variant(n) for n in g.nodes if "cudnn_attention" in n.op} == {"causal:d128"}
+
+
+def test_attention_costs_whole_128_position_tiles():
+    """A fused kernel works on 128-position tiles (attention_tiles_h100.json: S=197 took what
+    S=256 did): the op at 197 positions is read at 256, its time grown by (256/197)^2; a
+    length that is a multiple of 128 is not padded."""
+    from gobrrr.cost._ops_attention import padded
+
+    ops = [n for n in _graph(0.0, False, s=197).nodes if "cudnn_attention" in n.op]
+    assert ops and all(padded(n) == (256, pytest.approx((256 / 197) ** 2)) for n in ops)
+    ops = [n for n in _graph(0.0, False, s=512).nodes if "cudnn_attention" in n.op]
+    assert all(padded(n) == (512, 1.0) for n in ops)

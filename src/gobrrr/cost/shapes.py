@@ -265,3 +265,100 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
     weight = min(acts, key=lambda t: t.numel) if len(acts) > 1 else None
     return 2.0 * sum(t.nbytes for t in acts if t is not weight)
 
+
+
+# Elementwise kernels by the path CUDA's TensorIterator takes (ATen's CUDALoops.cuh):
+# operands all dense in one layout and of one dtype run the vectorized kernel; a dtype that
+# differs (an input cast on the fly: bf16 + fp32, a bf16 -> fp32 copy) runs the unrolled kernel
+# with per-element casts; any other layout runs the generic kernel that computes every
+# operand's offset per element. fp32 -> bf16/fp16 copies have a vectorized kernel of their own.
+ELEMENTWISE_COPIES = frozenset(("clone", "_to_copy", "copy", "copy_", "_copy_from"))
+_OWN_KERNELS = frozenset(("native_dropout", "_fused_dropout", "bernoulli", "normal",
+                          "rrelu_with_noise", "isin", "bucketize", "polar", "complex"))
+_CAST_DOWN = (("float32", "bfloat16"), ("float32", "float16"))
+
+
+def elementwise_path(node: OpNode, kind: str) -> str | None:
+    """The kernel path of a TensorIterator copy or pointwise op, or None for any other op:
+    "vector" (dense operands of one layout and dtype), "cast_down" (a dense fp32 -> bf16/fp16
+    copy), "dyncast" (dense, one layout, dtypes that differ), "bcast" (an input broadcast
+    along leading dims: a bias), "bcast_inner" (an input broadcast along the output's fastest
+    dim: a per-row scale), "strided" (layouts that differ, every operand read in runs along
+    the output's fastest dim: a head transpose), "transposed" (an operand strided along it).
+    Inputs of one element travel as scalars and do not count."""
+    base = node.name.rstrip("_") if node.name != "copy_" else "copy"
+    if kind == "copy":
+        if node.name not in ELEMENTWISE_COPIES:
+            return None
+    elif kind != "pointwise" or base in _OWN_KERNELS or not node.outputs:
+        return None
+    out = node.outputs[0]
+    if out.numel <= 1:
+        return None
+    ins = [t for t in node.inputs if t.numel > 1]
+    if kind == "copy":
+        ins = ins[-1:]  # copy_(self, src): the source
+    dims = [d for d, s in enumerate(out.shape) if s > 1]
+    inner = min(dims, key=lambda d: out.stride[d]) if dims else None
+    if inner is None or out.stride[inner] != 1 or not _dense(out):
+        return "transposed"
+    layouts, bcast, bcast_inner = [], False, False
+    for t in ins:
+        strides = _aligned_strides(t, out.shape)
+        if strides is None:
+            return None  # shapes that do not broadcast: not an elementwise op as recorded
+        if any(s == 0 for d, s in enumerate(strides) if out.shape[d] > 1):
+            bcast = True
+            if strides[inner] == 0:
+                bcast_inner = True
+            elif strides[inner] != 1:
+                return "transposed"
+            continue
+        if strides[inner] != 1:
+            return "transposed"
+        layouts.append(tuple(strides[d] for d in dims))
+    if bcast:
+        return "bcast_inner" if bcast_inner else "bcast"
+    if any(lay != tuple(out.stride[d] for d in dims) for lay in layouts):
+        return "strided"
+    dtypes = {t.dtype for t in ins}
+    if kind == "copy":
+        src = ins[0].dtype if ins else out.dtype
+        if src == out.dtype:
+            return "vector"
+        return "cast_down" if (src, out.dtype) in _CAST_DOWN else "dyncast"
+    if len(dtypes) > 1 or (dtypes and out.dtype not in dtypes and out.dtype != "bool"):
+        return "dyncast"
+    return "vector"
+
+
+def _dense(t) -> bool:
+    """The tensor's elements fill its span with no gaps or overlaps, in some dim order."""
+    pairs = sorted((st, sz) for sz, st in zip(t.shape, t.stride, strict=False) if sz > 1)
+    expected = 1
+    for st, sz in pairs:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _aligned_strides(t, shape: tuple[int, ...]) -> list[int] | None:
+    """t's strides over the dims of `shape` it broadcasts to (0 where it is broadcast), or
+    None when it does not broadcast to `shape`."""
+    pad = len(shape) - len(t.shape)
+    if pad < 0:
+        return None
+    out = []
+    for d, size in enumerate(shape):
+        if d < pad:
+            out.append(0)
+            continue
+        ts, st = t.shape[d - pad], t.stride[d - pad]
+        if ts == size:
+            out.append(st if size > 1 else 0)
+        elif ts == 1:
+            out.append(0)
+        else:
+            return None
+    return out

@@ -1,0 +1,132 @@
+"""Do memory-bound kernels run slower inside a training step than alone? The same kernels
+(a bf16 add, a bf16 -> fp32 cast, AdamW's `_foreach_lerp_` over a 1B model's fp32 lists)
+timed by the profiler's kernel durations in four settings:
+
+- alone: as the calibration times them, the GPU idle (a spin kernel) and L2 flushed before;
+- burst: 20 back to back on the same buffers;
+- rotate: back to back, each on buffers of its own (up to 20 sets, half the free memory);
+- after_matmul: each right after a 8192^3 bf16 matmul (the GPU at full power).
+
+Also the kernel each case runs, as the evidence for the calibration's kernel paths
+(`calibrate_paths`): one short profile of every path case.
+
+    PYTHONPATH=src python benchmarks/instep_bandwidth.py OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gobrrr.kernels.bench import env_info, write_json
+
+N = 2**26  # elements (128 MiB bf16)
+REPS = 20
+
+
+def kernels(fn, reps: int = 1) -> list[tuple[str, float]]:
+    """(name, seconds) of every CUDA kernel fn() runs."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def durations(fn, match: str, reps: int = 1) -> list[float]:
+    return [s for name, s in kernels(fn, reps) if match in name]
+
+
+def settings(name: str, make, match: str, footprint: int) -> dict:
+    """`make()` -> (fn, bytes held): timed in the four settings."""
+    dev = torch.device("cuda")
+    fn, _ = make()
+    fn()
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev)
+
+    def alone():
+        for _ in range(REPS):
+            flush.zero_()
+            torch.cuda._sleep(2_000_000)
+            fn()
+
+    row = {"case": name}
+    row["alone"] = statistics.median(durations(alone, match))
+    row["burst"] = statistics.median(durations(lambda: [fn() for _ in range(REPS)], match))
+    copies = max(2, min(REPS, footprint))
+    fns = [make()[0] for _ in range(copies)]
+    row["rotate_buffers"] = copies
+    row["rotate"] = statistics.median(durations(lambda: [f() for f in fns], match))
+    del fns
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def after():
+        for _ in range(REPS):
+            a @ a
+            fn()
+
+    row["after_matmul"] = statistics.median(durations(after, match))
+    row["kernel"] = next(n for n, _ in kernels(fn) if match in n)
+    for k in ("burst", "rotate", "after_matmul"):
+        row[f"{k}_over_alone"] = row[k] / row["alone"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("instep_bandwidth: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    free = torch.cuda.mem_get_info()[0]
+
+    def add():
+        a, b = (torch.randn(N, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        return (lambda: a + b), 6 * N
+
+    def upcast():
+        a = torch.randn(N, device=dev, dtype=torch.bfloat16)
+        return (lambda: a.float()), 6 * N
+
+    def lerp():
+        d, layers = 2048, 16
+        shapes = ([(d, d)] * 4 + [(4 * d, d)] * 3 + [(d,)] * 2) * layers
+        m, p = ([torch.randn(s, device=dev) for s in shapes] for _ in range(2))
+        return (lambda: torch._foreach_lerp_(m, p, 0.1)), 12 * sum(t.numel() for t in m)
+
+    rows = []
+    for name, make, match in (("add bf16", add, "add"),
+                              ("cast bf16->fp32", upcast, "direct_copy"),
+                              ("foreach_lerp_ fp32", lerp, "multi_tensor_apply")):
+        held = make()[1]
+        rows.append(settings(name, make, match, int(0.5 * free // held)))
+        print(rows[-1], flush=True)
+
+    from gobrrr.profile.calibrate_paths import _foreach_cases, _path_cases
+    paths = []
+    for n in (2**20, 2**26):
+        for key, op, fn in _path_cases(dev, n):
+            fn()
+            ks = kernels(fn)
+            paths.append({"path": key, "op": op, "elements": n,
+                          "kernels": [[k, s] for k, s in ks]})
+    for key, op, fn in _foreach_cases(dev):
+        ks = kernels(fn)
+        paths.append({"path": key, "op": op, "kernels": sorted({k for k, _ in ks})})
+        break
+    write_json(args.out, {"benchmark": "in-step bandwidth", "settings": rows,
+                          "paths": paths, "env_check": env_info()["device"]})
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,8 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost import conv
 from gobrrr.cost.flops import op_cost
-from gobrrr.cost.roofline import Rates, time_op
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, gemm_dims
 from gobrrr.graph import OpNode, StepGraph, StorageInfo
 from gobrrr.hardware import get_gpu

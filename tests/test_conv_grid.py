@@ -15,7 +15,8 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost import conv
 from gobrrr.cost.flops import op_cost
-from gobrrr.cost.roofline import Rates, time_op
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, conv_directions, conv_layout, gemm_dims
 from gobrrr.hardware import Calibration, get_gpu
 from gobrrr.profile import calibrate_conv as cc

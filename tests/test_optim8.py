@@ -13,7 +13,7 @@ import torch
 from gobrrr.cli import main
 from gobrrr.cost._ops_optim import adam8bit_bytes
 from gobrrr.cost.flops import op_cost
-from gobrrr.cost.roofline import Rates
+from gobrrr.cost.rates import Rates
 from gobrrr.evaluate import Target, evaluate
 from gobrrr.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
 from gobrrr.plan.knobs import Knobs

@@ -3,7 +3,8 @@ curve over size) and matmuls by the alignment of their leading dimensions."""
 
 import pytest
 
-from gobrrr.cost.roofline import Rates, time_op
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import alignment
 from gobrrr.graph import OpNode, TensorInfo
 from gobrrr.hardware import get_gpu

@@ -185,7 +185,7 @@ def checkpointing(graph: StepGraph) -> tuple[str, int]:
 
 def hints(est: Estimate) -> list[str]:
     """What the prediction says to change, with the time it would save."""
-    from gobrrr.cost.roofline import Rates
+    from gobrrr.cost.rates import Rates
     from gobrrr.cost.shapes import misaligned, misaligned_nt
 
     out = []

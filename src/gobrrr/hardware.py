@@ -307,7 +307,13 @@ class Calibration:
     "h2d" pinned-copy bytes/s over sizes, [[bytes, bytes/s], ...]; "adamw:fp32" and
     "adamw:bf16", seconds of one fused AdamW step on the host's CPU over parameter sizes,
     [[elements, seconds], ...]; "d2h_issue_s", "h2d_issue_s", host seconds to queue one copy;
-    "threads", the CPU threads torch used. Empty: not measured (offload is not planned)."""
+    "threads", the CPU threads torch used. Empty: not measured (offload is not planned).
+    `path_bandwidth`: bytes/s of elementwise kernels by the path they take
+    (`cost.shapes.elementwise_path`), over the bytes they move less the kernel latency,
+    {"<copy|pointwise>:<path>": [[bytes, bytes/s], ...]}, and of torch's `_foreach_*` list
+    kernels over the lists' bytes, "foreach" (`profile.calibrate_paths`).
+    `softmax_grid`: bytes/s of _log_softmax, _softmax and their backwards over the row width
+    and the rows, {"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]}."""
 
     gpu: str
     device_name: str
@@ -339,6 +345,8 @@ class Calibration:
     batch_norm_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     optim8: dict[str, Any] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
+    path_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
+    softmax_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

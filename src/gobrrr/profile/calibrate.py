@@ -91,6 +91,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     from gobrrr.profile import calibrate_conv as cc
     from gobrrr.profile import calibrate_host as ch
     from gobrrr.profile import calibrate_offload as co
+    from gobrrr.profile import calibrate_paths as cpa
     from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
@@ -107,6 +108,8 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "matmul_misaligned": lambda d: {"matmul_misaligned": {
             **cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}},
         "size_bandwidth": lambda d: {"size_bandwidth": csh.size_bandwidths(d)},
+        "path_bandwidth": lambda d: {"path_bandwidth": cpa.path_bandwidths(d)},
+        "softmax_grid": lambda d: {"softmax_grid": cpa.softmax_grid(d)},
         "embedding_backward": lambda d: {"embedding_backward": cs.embedding_backward_fit(d)},
         "attention_curve": lambda d: {"attention_curve": {**cs.attention_rate(d),
                                                           **cs.attention_variants(d)}},

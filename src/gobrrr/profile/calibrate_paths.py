@@ -25,9 +25,11 @@ SOFTMAX_ELEMENTS = (2**22, 2**25, 2**28)  # rows = elements / width
 
 def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
                     ) -> dict[str, list[list[float]]]:
-    """{"<kind>:<path>" | "foreach": [[bytes, bytes/s], ...]} (bytes as the cost model
-    counts them, the kernel latency taken off as for `size_bandwidth`), L2 flushed before
-    each run. Raises if a case does not take the path it stands for."""
+    """{"<kind>:<path>:<bf16|fp32>" | "foreach": [[bytes, bytes/s], ...]} (bytes as the
+    cost model counts them, the kernel latency taken off as for `size_bandwidth`; keyed by
+    the output's dtype, 16-bit or not: the generic kernel's time follows its elements more
+    than its bytes), L2 flushed before each run. Raises if a case does not take the path it
+    stands for."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import elementwise_path
     from gobrrr.profile.calibrate import time_op
@@ -46,8 +48,10 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
             if (cost.kind, got) != (kind, path):
                 raise AssertionError(f"{key} case ran {op} as {cost.kind}:{got}")
             t = time_op(fn, dev, 10, flush)
-            out.setdefault(key, []).append([cost.bytes, cost.bytes / max(t - lat, 0.5 * t)])
-    for key, op, fn in _foreach_cases(dev):
+            dtype = "bf16" if node.outputs[0].itemsize == 2 else "fp32"
+            out.setdefault(f"{key}:{dtype}", []).append(
+                [cost.bytes, cost.bytes / max(t - lat, 0.5 * t)])
+    for _key, op, fn in _foreach_cases(dev):
         nbytes = op_cost(_record(fn, op)).bytes
         t = time_op(fn, dev, 5, flush)
         out.setdefault("foreach", []).append([nbytes, nbytes / t])

@@ -1,0 +1,282 @@
+"""Achieved rates of one GPU: FLOP/s and bytes/s by kernel class and shape, read from a
+calibration (the microbenchmarks of `gobrrr.profile.calibrate*`) or, without one, from the
+GPU's datasheet at default efficiencies. `roofline.time_op` turns them into an op's time."""
+
+from __future__ import annotations
+
+import math
+
+from gobrrr.cost._ops_optim import quantized
+from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
+from gobrrr.cost.flops import OpCost
+from gobrrr.cost.shapes import (
+    CHECKPOINT_PHASES,
+    channels_last_strides,
+    conv_class,
+    conv_directions,
+    conv_layout,
+    conv_points,
+    depthwise,
+    depthwise_class,
+    gemm_dims,
+    outer_sum_columns,
+)
+from gobrrr.graph import OpNode
+from gobrrr.hardware import Calibration, GpuSpec
+
+# Fraction of the dense matmul rate fused attention kernels reach without a calibration
+# (FlashAttention-2 on an H100: ~35-55% of peak for fwd+bwd).
+ATTENTION_EFFICIENCY = 0.45
+# Achieved fraction of the aligned tensor-core rate with a misaligned leading dimension, when
+# no calibration measured it (cuBLAS falls back to 1-element-aligned kernels).
+MISALIGNED_FRACTION = 0.2
+VIEW_HOST_FRACTION = 0.3  # a metadata-only op costs this share of a launch in host time
+
+
+class Rates:
+    """Achieved FLOP/s and bytes/s on one GPU, from a calibration or the spec."""
+
+    def __init__(self, gpu: GpuSpec, cal: Calibration | None) -> None:
+        self.gpu, self.cal = gpu, cal
+        eff_bw = gpu.bandwidth * gpu.bandwidth_efficiency
+        self.copy_bw = cal.copy_bandwidth if cal else eff_bw
+        self.pointwise_bw = cal.pointwise_bandwidth if cal else eff_bw
+        self.reduction_bw = cal.reduction_bandwidth if cal else eff_bw
+        self.launch = cal.launch_overhead if cal else gpu.launch_overhead
+        self.latency = cal.kernel_latency if cal else gpu.kernel_latency
+
+    def matmul(self, math_mode: str, flops: float, dims: tuple[float, float] | None = None
+               ) -> float:
+        """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`; `dims` =
+        (output elements, depth k) when known, looked up in the calibration's grid."""
+        if self.cal and dims and self.cal.matmul_grid.get(math_mode):
+            return grid(self.cal.matmul_grid[math_mode], *dims)
+        if self.cal and dims and math_mode == "fp16" and self.cal.matmul_grid.get("bf16"):
+            # the same tensor cores: bf16's shape dependence, at fp16's measured rate
+            scale = self.cal.matmul_flops.get("fp16", 1.0) / self.cal.matmul_flops.get("bf16", 1.0)
+            return grid(self.cal.matmul_grid["bf16"], *dims) * scale
+        if self.cal and math_mode in self.cal.matmul_flops:
+            rate = self.cal.matmul_flops[math_mode]
+            return rate * curve(self.cal.matmul_curve.get(math_mode), flops)
+        return self.gpu.peak(math_mode) * self.gpu.matmul_efficiency
+
+    def conv(self, node: OpNode, cost: OpCost) -> float | None:
+        """Measured FLOP/s of a cuDNN convolution at its implicit-GEMM dims, for its layout,
+        shape class and direction (a backward asking for both gradients at the rate measured
+        so, else each gradient at its own rate, summed as times), transposes included where
+        the layout needs them; None without a convolution grid. A grid without layouts
+        (calibrations before them, measured on channels-first tensors over all shapes, both
+        gradients together) is read as it always was."""
+        dims = gemm_dims(node)
+        by_mode = self.cal.conv_grid if self.cal and dims else {}
+        mode = cost.math
+        if mode == "fp16" and "fp16" not in by_mode and "bf16" in by_mode:
+            mode = "bf16"  # the same tensor cores and kernels
+        table = by_mode.get(mode)
+        if not table:
+            return None
+        layout, cls = conv_layout(node), conv_class(node)
+        parts = conv_directions(node, cost.flops)
+        if len(parts) == 2 and (both := conv_points(table, layout, cls, "backward")):
+            return grid(both, *dims)  # both gradients, measured in one call as they run
+        seconds = 0.0
+        for direction, flops in parts.items():
+            points = conv_points(table, layout, cls, direction)
+            if points is None:
+                break
+            seconds += flops / grid(points, *dims)
+        else:
+            if seconds > 0:
+                return sum(parts.values()) / seconds
+        old = table.get("backward" if node.name.endswith("backward") else "forward")
+        return grid(old, *dims) if old else None
+
+    def depthwise(self, node: OpNode, nbytes: float) -> float | None:
+        """Measured bytes/s of a depthwise convolution this size, for its layout and kernel
+        class where measured, or None (not depthwise, or no measurement)."""
+        if not self.cal or not depthwise(node):
+            return None
+        direction = "backward" if node.name.endswith("backward") else "forward"
+        layout, cls = conv_layout(node), depthwise_class(node)
+        return measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
+                         (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
+
+    def batch_norm(self, node: OpNode) -> float | None:
+        """Measured bytes/s of a training-mode batch norm at its channel count, rows (N·H·W),
+        dtype and layout (the calibration's grid; else its curve over channels), or None."""
+        direction = BATCH_NORMS.get(node.name)
+        if not direction or not self.cal or not node.inputs:
+            return None
+        x = node.inputs[0] if direction == "forward" else (node.inputs[1:2] or node.inputs)[0]
+        if len(x.shape) < 2:
+            return None
+        layout = ("channels_last",) if channels_last_strides(x) else ()
+        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
+        points = self.cal.batch_norm_grid.get(":".join((key, *layout)))
+        if points:
+            return grid_value(points, x.shape[1], x.numel / x.shape[1])
+        return measured(self.cal.batch_norm_bandwidth, direction, x.dtype, x.shape[1], layout)
+
+    def sized(self, kind: str, name: str, nbytes: float) -> float | None:
+        """Measured bytes/s of a copy or pointwise kernel moving `nbytes` (the calibration's
+        curve over size), unless the op has a bandwidth of its own; else None."""
+        if not self.cal or kind not in ("copy", "pointwise") or name in self.cal.op_bandwidth:
+            return None
+        points = self.cal.size_bandwidth.get(kind)
+        if not points or nbytes <= 0:
+            return None
+        return interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                       math.log(nbytes))
+
+    def layer_norm(self, node: OpNode) -> float | None:
+        """Measured bytes/s of native_layer_norm or its backward at its width, rows and input
+        dtype (the calibration's grid), or None."""
+        if node.name not in ("native_layer_norm", "native_layer_norm_backward") or \
+                not self.cal or not node.inputs:
+            return None
+        x = node.inputs[1 if node.name.endswith("backward") else 0]
+        key = "bf16" if x.dtype in ("bfloat16", "float16") else "fp32"
+        points = self.cal.layer_norm_grid.get(f"{node.name}:{key}")
+        if not points or not x.shape:
+            return None
+        return grid_value(points, x.shape[-1], x.numel / x.shape[-1])
+
+    def embedding_backward(self, node: OpNode) -> float | None:
+        """Seconds of embedding_dense_backward(grad (.., D), indices, V, ...) from the
+        calibration's fit (the (V, D) gradient written, the T tokens' D values summed into
+        their rows, a fixed part), or None."""
+        fit = self.cal.embedding_backward if self.cal else None
+        if node.name != "embedding_dense_backward" or not fit or not node.inputs:
+            return None
+        g = node.inputs[0]
+        d, s = g.shape[-1] if g.shape else 1, g.itemsize
+        v = int(node.arg(2, "num_weights", 0))
+        return (v * d * s / fit["fill_Bps"] + g.numel / fit["token_values_per_s"] +
+                fit["fixed_s"])
+
+    def outer_sum(self, node: OpNode) -> float | None:
+        """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
+        calibration's curve), or None."""
+        cols = outer_sum_columns(node)
+        if cols is None or not self.cal:
+            return None
+        return measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
+
+    def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
+                            ) -> float:
+        """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
+        aligned (tensor-core modes only; CUDA-core fp32 kernels do not care). `nt`: the odd
+        dimension is the output's and the second operand a transposed weight (a linear
+        layer's forward), measured apart where calibrated."""
+        by_align = self.cal.matmul_misaligned if self.cal else {}
+        key = f"{'nt:' if nt else ''}{math_mode}@{align}"
+        if align and key in by_align:  # measured at this alignment (2, 4 or 8 bytes)
+            return by_align[key]
+        if self.cal and nt and f"nt:{math_mode}" in self.cal.matmul_misaligned:
+            return self.cal.matmul_misaligned[f"nt:{math_mode}"]
+        if self.cal and math_mode in self.cal.matmul_misaligned:
+            return self.cal.matmul_misaligned[math_mode]
+        return MISALIGNED_FRACTION
+
+    def attention(self, math_mode: str, seq: int | None = None,
+                  direction: str | None = None, variant: str | None = None) -> float:
+        """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count), in this
+        direction ("forward" / "backward") where the calibration measured it apart, for this
+        kernel variant (`_ops_attention.variant`: mask, dropout, head dim) where it measured
+        that variant (at another head dim when not at this one)."""
+        key = "fp32" if math_mode in ("fp32", "tf32") else "bf16"
+        curves = self.cal.attention_curve if self.cal else {}
+        pts = None
+        if seq and direction and variant:
+            pts = _variant_curve(curves, f"{direction}:{key}", variant)
+        if pts is None and seq and direction and curves.get(f"{direction}:{key}"):
+            pts = curves[f"{direction}:{key}"]
+        if pts is None and seq and curves.get(key):
+            pts = curves[key]
+        if pts:
+            return interp([math.log(p[0]) for p in pts], [p[1] for p in pts], math.log(seq))
+        if self.cal and self.cal.attention_flops and key in self.cal.attention_flops:
+            return self.cal.attention_flops[key]
+        return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
+
+    def host(self, phase: str, launches: int, op: str = "", math_mode: str = "") -> float:
+        """Host seconds to issue one op: the measured per-op cost of an eager training step in
+        this phase (calibrated), plus a launch for each kernel past the first, plus what this
+        op costs the host beyond an ordinary one where that was measured (cuDNN's
+        convolutions and batch norm: `op_host`, keyed "name:dtype"). gobrrr's own kernel ops
+        cost what was measured for them (`kernel_host`) instead."""
+        if self.cal and op in self.cal.kernel_host:
+            return self.cal.kernel_host[op]
+        per_op = self.cal.op_overhead if self.cal else {}
+        key = phase
+        if key.endswith("_selective") and key not in per_op:  # not measured: as full
+            key = key.removesuffix("_selective")
+        if key in CHECKPOINT_PHASES and key not in per_op:
+            key = "forward"
+        if key in per_op:
+            extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
+            return per_op[key] + self.launch * max(launches - 1, 0) + extra
+        if launches == 0:
+            return self.launch * VIEW_HOST_FRACTION
+        return self.launch * launches
+
+    def adam8bit(self, node: OpNode, nbytes: float) -> tuple[float, float] | None:
+        """(device s, host s) of one torchao 8-bit Adam update moving `nbytes`, from the
+        calibration's `optim8` section: the device time over bytes interpolated log-log (past
+        the grid, at its last point's bytes/s; under it, its first point's time); the host's
+        per update as measured with parameters of distinct shapes (a model's: each call's
+        guards are checked against the other shapes' compiled entries first), else of one
+        shape; None without the section (the op is then costed as any other: its bytes at
+        the pointwise bandwidth, the eager per-op host cost)."""
+        sec = self.cal.optim8 if self.cal else None
+        if not sec or node.name != "adam8bit_update" or not node.inputs:
+            return None
+        small = not quantized(node.inputs[0].numel)
+        pts = sec.get("device_small" if small else "device") or sec.get("device")
+        if not pts:
+            return None
+        if nbytes >= pts[-1][0]:
+            device = nbytes * pts[-1][1] / pts[-1][0]
+        elif nbytes <= pts[0][0]:
+            device = pts[0][1]
+        else:
+            device = math.exp(interp([math.log(p[0]) for p in pts],
+                                     [math.log(p[1]) for p in pts], math.log(nbytes)))
+        return device, sec.get("host_distinct") or sec["host"]
+
+    def bandwidth(self, kind: str, name: str = "") -> float:
+        """Achieved bytes/s for an op of this kind: the op's own measured bandwidth where the
+        calibration has it, else the kind's."""
+        if self.cal and name in self.cal.op_bandwidth:
+            return self.cal.op_bandwidth[name]
+        if kind in ("reduction", "norm", "softmax", "loss"):
+            return self.reduction_bw
+        if kind in ("copy",):
+            return self.copy_bw
+        return self.pointwise_bw
+
+
+BATCH_NORMS = {
+    "native_batch_norm": "forward", "_native_batch_norm_legit": "forward",
+    "_native_batch_norm_legit_functional": "forward", "cudnn_batch_norm": "forward",
+    "_batch_norm_with_update": "forward", "native_batch_norm_backward": "backward",
+    "cudnn_batch_norm_backward": "backward", "batch_norm_backward": "backward",
+}
+
+
+def _variant_curve(curves: dict, prefix: str, variant: str) -> list | None:
+    """The calibrated curve of `variant` ("<mask>:d<D>") under `prefix` ("<direction>:<dtype>"),
+    else the same mask's curve at the nearest measured head dim, else None."""
+    if f"{prefix}:{variant}" in curves:
+        return curves[f"{prefix}:{variant}"]
+    mask, d = variant.rsplit(":d", 1)
+    dims = [int(k.rsplit(":d", 1)[1]) for k in curves
+            if k.startswith(f"{prefix}:{mask}:d")]
+    if not dims:
+        return None
+    return curves[f"{prefix}:{mask}:d{min(dims, key=lambda x: abs(x - int(d)))}"]
+
+
+def _host_dtype(math_mode: str) -> str:
+    """The dtype key of `op_host`: 16-bit math as measured in bf16, everything else fp32."""
+    return "bf16" if math_mode in ("bf16", "fp16") else "fp32"

@@ -18,6 +18,7 @@ from gobrrr.cost.shapes import (
     conv_points,
     depthwise,
     depthwise_class,
+    elementwise_path,
     gemm_dims,
     outer_sum_columns,
 )
@@ -31,6 +32,7 @@ ATTENTION_EFFICIENCY = 0.45
 # no calibration measured it (cuBLAS falls back to 1-element-aligned kernels).
 MISALIGNED_FRACTION = 0.2
 VIEW_HOST_FRACTION = 0.3  # a metadata-only op costs this share of a launch in host time
+SOFTMAXES = ("_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data")
 
 
 class Rates:
@@ -127,6 +129,43 @@ class Rates:
             return None
         return interp([math.log(p[0]) for p in points], [p[1] for p in points],
                        math.log(nbytes))
+
+    def path(self, node: OpNode, kind: str, nbytes: float) -> float | None:
+        """Measured bytes/s of a TensorIterator copy or pointwise kernel on the path it
+        takes (`shapes.elementwise_path`) at its output's dtype, over the bytes it moves;
+        None on the vectorized paths (the `size_bandwidth` curves) or without a measurement.
+        A torch `_foreach_*` list op: its own curve over the lists' bytes."""
+        table = self.cal.path_bandwidth if self.cal else None
+        if not table or nbytes <= 0:
+            return None
+        if kind == "optimizer" and node.name.startswith("_foreach_"):
+            points = table.get("foreach")
+        else:
+            path = elementwise_path(node, kind)
+            if path is None or path in ("vector", "cast_down"):
+                return None
+            bits = "bf16" if node.outputs[0].itemsize == 2 else "fp32"
+            other = "fp32" if bits == "bf16" else "bf16"
+            points = table.get(f"{kind}:{path}:{bits}") or table.get(f"{kind}:{path}:{other}")
+        if not points:
+            return None
+        return interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                      math.log(nbytes))
+
+    def softmax(self, node: OpNode) -> float | None:
+        """Measured bytes/s of (log-)softmax or its backward at its row width and rows, per
+        input dtype (the calibration's grid), or None."""
+        grid_ = self.cal.softmax_grid if self.cal else None
+        if not grid_ or node.name not in SOFTMAXES or not node.inputs:
+            return None
+        x = node.inputs[0]
+        key = "bf16" if x.dtype in ("bfloat16", "float16") else "fp32"
+        points = grid_.get(f"{node.name}:{key}")
+        if not points or not x.shape:
+            return None
+        dim = int(node.arg(1 if node.name in SOFTMAXES[:2] else 2, "dim", -1)) % len(x.shape)
+        width = x.shape[dim]
+        return grid_value(points, width, x.numel / max(width, 1))
 
     def layer_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of native_layer_norm or its backward at its width, rows and input

@@ -168,8 +168,9 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     memory = rates.embedding_backward(node)
     memory = memory if memory is not None else cost.bytes / (
         dw_bw or rates.batch_norm(node) or rates.layer_norm(node) or rates.outer_sum(node) or
-                           rates.sized(cost.kind, node.name, cost.bytes) or
-                           rates.bandwidth(cost.kind, node.name))
+        rates.softmax(node) or rates.path(node, cost.kind, cost.bytes) or
+        rates.sized(cost.kind, node.name, cost.bytes) or
+        rates.bandwidth(cost.kind, node.name))
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
     measured = conv_rate is not None or dw_bw is not None  # transposes included

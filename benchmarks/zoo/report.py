@@ -67,9 +67,10 @@ def run(results: Path, predictions: Path, markdown: Path | None,
         readme: Path | None = None) -> None:
     doc = load(results)
     rows = compare.measured_rows(doc)
+    reruns = compare.rerun_steps(results.parent)
     errors = []
     for row in rows:
-        errors.append(compare.compare_row(row))
+        errors.append(compare.compare_row(row, reruns=reruns))
         e = errors[-1]
         print(f"predicted {e.name}: " + (e.trace_error or f"{e.capture_s:.1f} s trace"),
               file=sys.stderr, flush=True)

@@ -144,7 +144,8 @@ STEM_WINDOW = 49  # ... with a kernel window over 1x1 and up to 7x7 (a squeeze-a
 
 
 def conv_class(node: OpNode) -> str | None:
-    """The calibration's shape class of a convolution: "grouped" (groups > 1), "stem" (under
+    """The calibration's shape class of a convolution: "grouped-1d" (a 1-D one with groups >
+    1), "grouped" (groups > 1), "stem" (under
     8 input channels, kernel over 1x1 and up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand"
     (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel,
     strided), "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
@@ -153,7 +154,7 @@ def conv_class(node: OpNode) -> str | None:
     if not _conv_node(node) or w is None or len(w.shape) < 3:
         return None
     if (node.arg(9 if backward else 8, "groups", 1) or 1) > 1:
-        return "grouped"
+        return "grouped-1d" if len(w.shape) == 3 else "grouped"
     window = math.prod(w.shape[2:])
     if w.shape[1] < STEM_CHANNELS and 1 < window <= STEM_WINDOW:
         return "stem"
@@ -166,7 +167,7 @@ def conv_class(node: OpNode) -> str | None:
 
 # where a convolution's shape class was not measured, the class whose kernels come closest
 CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
-                 "stem": ("3x3-s2", "3x3")}
+                 "stem": ("3x3-s2", "3x3"), "grouped-1d": ("grouped",)}
 
 
 def conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,

@@ -36,6 +36,9 @@ REPS = 10  # timed runs per point (the median is kept)
 # class allocates inside the call (cuDNN's workspace, with any NHWC copies it makes in it), as a
 # fraction of the op's input + output bytes, the median over the class's grid points
 INSIDE = "inside:"
+# the largest output row measured per class where below OUTPUTS' (a 128-wide grouped 1-D
+# kernel runs at a few TFLOP/s: the top rows would take minutes)
+ROW_CAP = {"grouped-1d": 2**23}
 DEPTHWISE_BATCHES = (1, 4, 16, 64)
 DEPTHWISE_CLASSES = {"3x3": (3, 1), "5x5": (5, 1), "7x7": (7, 1), "3x3-s2": (3, 2),
                      "5x5-s2": (5, 2)}
@@ -51,13 +54,14 @@ class ConvShape:
     kernel: int
     stride: int
     groups: int
-    plane: int  # output height = width
+    plane: int  # output height = width (the length, 1-D)
+    dims: int = 2  # spatial dims: 2 (images), 1 (sequences: speech models' Conv1d)
 
     def batch(self, outputs: int) -> int:
-        """The largest power-of-two batch N with N · plane² · C_out <= outputs (0 when one
-        image is more): shapes whose per-image outputs differ by powers of two land on the
-        same grid rows."""
-        n = outputs // (self.c_out * self.plane * self.plane)
+        """The largest power-of-two batch N with N · plane^dims · C_out <= outputs (0 when
+        one sample is more): shapes whose per-sample outputs differ by powers of two land on
+        the same grid rows."""
+        n = outputs // (self.c_out * self.plane ** self.dims)
         return 1 << (n.bit_length() - 1) if n else 0
 
 
@@ -71,7 +75,9 @@ def conv_shapes() -> Iterator[ConvShape]:
     "1x1-reduce" and "1x1-expand" (C_out = C_in / 4 and 4 · C_in: a bottleneck's 1x1s),
     "3x3" (stride 1, 32..512 channels), "3x3-s2" (stride 2: the downsampling 3x3 of a stage),
     "stem" (3 input channels: a 3x3 and a 7x7, both stride 2), "grouped" (3x3, 16 groups of
-    4..64 channels each)."""
+    4..64 channels each), "grouped-1d" (1-D, kernel 128, 16 groups of 16..64 channels over
+    512 positions: the convolutional position embedding of wav2vec2, HuBERT, WavLM and
+    data2vec-audio, which cuDNN runs at a few TFLOP/s)."""
     for c in (64, 128, 256, 512, 1024, 2048):
         yield ConvShape("1x1", c, c, 1, 1, 1, _plane(8192, c))
     for c in (256, 512, 1024, 2048):  # a bottleneck's way in (or an inverted one's way out)
@@ -89,20 +95,24 @@ def conv_shapes() -> Iterator[ConvShape]:
     yield ConvShape("stem", 3, 64, 7, 2, 1, 112)
     for width in (4, 8, 16, 32, 64):
         yield ConvShape("grouped", 16 * width, 16 * width, 3, 1, 16, _plane(4096, 16 * width))
+    for c in (256, 512, 768, 1024):
+        yield ConvShape("grouped-1d", c, c, 128, 1, 16, 512, dims=1)
 
 
 def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.device):
     """(input, weight, grad_output, convolution args after the bias) of shape s at batch n."""
     g = torch.Generator(device=dev).manual_seed(s.c_in * 7919 + s.kernel * 31 + n)
-    x = torch.randn(n, s.c_in, s.plane * s.stride, s.plane * s.stride, device=dev,
-                    dtype=dtype, generator=g)
-    w = torch.randn(s.c_out, s.c_in // s.groups, s.kernel, s.kernel, device=dev, dtype=dtype,
-                    generator=g) * 0.05
+    pad = s.kernel // 2
+    # an even kernel with `pad` each side gives one output more than inputs (models drop it):
+    # one input fewer keeps the output at `plane`
+    size = s.plane * s.stride - (1 - s.kernel % 2)
+    x = torch.randn(n, s.c_in, *[size] * s.dims, device=dev, dtype=dtype, generator=g)
+    w = torch.randn(s.c_out, s.c_in // s.groups, *[s.kernel] * s.dims, device=dev,
+                    dtype=dtype, generator=g) * 0.05
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)
-    pad = s.kernel // 2
-    args = ([s.stride] * 2, [pad, pad], [1, 1], False, [0, 0], s.groups)
+    args = ([s.stride] * s.dims, [pad] * s.dims, [1] * s.dims, False, [0] * s.dims, s.groups)
     y = torch.ops.aten.convolution(x, w, None, *args)
     assert y.shape[-1] == s.plane, (s, y.shape)
     return x, w, torch.randn_like(y), args  # randn_like keeps y's memory format
@@ -171,10 +181,13 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
             rates[mode], ws = {}, {}
             for layout in LAYOUTS:
                 for s in shapes:
+                    if s.dims != 2 and layout == "channels_last":
+                        continue  # PyTorch runs 1-D convolutions channels-first only
                     for out in _rows(s, shapes, outputs):
                         r, w = _point(s, s.batch(out), mode, dtype, layout, dev)
                         for direction, row in r.items():
-                            rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(row)
+                            rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(
+                                [snap(row[0], outputs), *row[1:]])
                         prefix = "" if layout == "channels_first" else f"{layout}:"
                         for direction, frac in w.items():
                             if direction.startswith(INSIDE):  # by layout and class
@@ -190,9 +203,19 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
     return rates, spaces
 
 
+def snap(mn: float, outputs: tuple[int, ...] = OUTPUTS) -> float:
+    """A point's output elements put on its grid row: the smallest row at or over them. A
+    shape whose per-sample outputs are no power of two (768 channels) lands between rows,
+    at 1/2 to 1 of its row's; the grid is read by rows (`cost.curves.grid_value`), so a
+    point off its row would form a row of its own."""
+    return float(min((o for o in outputs if o >= mn), default=mn))
+
+
 def _rows(s: ConvShape, shapes: tuple[ConvShape, ...], outputs: tuple[int, ...]) -> list[int]:
-    """The outputs at which every shape of s's class fits a batch: complete grid rows."""
-    return [o for o in outputs if all(t.batch(o) for t in shapes if t.cls == s.cls)]
+    """The outputs at which every shape of s's class fits a batch: complete grid rows (up to
+    the class's ROW_CAP)."""
+    return [o for o in outputs if all(t.batch(o) for t in shapes if t.cls == s.cls)
+            and o <= ROW_CAP.get(s.cls, o)]
 
 
 def _free(dev: torch.device) -> None:

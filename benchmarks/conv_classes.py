@@ -28,6 +28,7 @@ from gobrrr.profile.calibrate_conv import (
     INSIDE,
     _calls,
     _tensors,
+    class_rows,
     conv_grid,
     conv_shapes,
     snap,
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
         import json
 
         doc = json.loads(Path(args.from_results).read_text())
-        rates = {mode: {k: [[snap(p[0]), *p[1:]] for p in pts] for k, pts in table.items()}
+        rates = {mode: {k: [[snap(p[0], class_rows(k.split(":")[1])), *p[1:]] for p in pts]
+                        for k, pts in table.items()}
                  for mode, table in doc["conv_grid"].items()}
         merge(Calibration.load(args.into), rates, doc["conv_workspace"], args.classes,
               doc["env"]).save(args.into)

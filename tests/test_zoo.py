@@ -70,12 +70,7 @@ KNOWN_MISSES: dict[str, dict[str, str]] = {
     "wav2vec2-base-ctc": {"reserved": ("the feature encoder's Conv1d's (bf16, channels-first, "
                                        "1-D: the conv grid's 2-D classes) ask less inside "
                                        "than the classes measured, so its peak is "
-                                       "over-predicted (the safe side); not traced yet"),
-                          "time": "the positional convolution (Conv1d 768->768, kernel 128, "
-                                  "16 groups, bf16) runs 38.8 ms on the GPU against 1.6 ms "
-                                  "predicted (zoo_diagnose_h100.json): cuDNN's kernel for a "
-                                  "128-wide grouped 1-D kernel is outside the conv grid's "
-                                  "classes (3x3, 16 groups)"},
+                                       "over-predicted (the safe side); not traced yet")},
     "resnet50-tv-cl": {"reserved": _RUN_TO_RUN},
     "resnet50d-timm-cl": {"reserved": _RUN_TO_RUN.replace("6.35", "6.83").replace(
         "6.69", "7.16")},

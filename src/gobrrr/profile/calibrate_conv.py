@@ -187,7 +187,7 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
                         r, w = _point(s, s.batch(out), mode, dtype, layout, dev)
                         for direction, row in r.items():
                             rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(
-                                [snap(row[0], outputs), *row[1:]])
+                                [snap(row[0], class_rows(s.cls, shapes, outputs)), *row[1:]])
                         prefix = "" if layout == "channels_first" else f"{layout}:"
                         for direction, frac in w.items():
                             if direction.startswith(INSIDE):  # by layout and class
@@ -203,12 +203,22 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
     return rates, spaces
 
 
-def snap(mn: float, outputs: tuple[int, ...] = OUTPUTS) -> float:
-    """A point's output elements put on its grid row: the smallest row at or over them. A
-    shape whose per-sample outputs are no power of two (768 channels) lands between rows,
-    at 1/2 to 1 of its row's; the grid is read by rows (`cost.curves.grid_value`), so a
-    point off its row would form a row of its own."""
-    return float(min((o for o in outputs if o >= mn), default=mn))
+def class_rows(cls: str, shapes: tuple[ConvShape, ...] | None = None,
+               outputs: tuple[int, ...] = OUTPUTS) -> list[float]:
+    """The output elements of a class's grid rows: its first shape's at each row."""
+    shapes = shapes or tuple(conv_shapes())
+    ref = next(s for s in shapes if s.cls == cls)
+    return [float(ref.batch(o) * ref.plane ** ref.dims * ref.c_out)
+            for o in _rows(ref, shapes, outputs)]
+
+
+def snap(mn: float, rows: list[float]) -> float:
+    """A point's output elements put on its class's grid row: the smallest row at or over
+    them. A shape whose per-sample outputs are no power of two times the class's first
+    shape's (768 channels beside 256) lands between rows, at 1/2 to 1 of its row's; the grid
+    is read by rows (`cost.curves.grid_value`), so a point off its row would form a row of
+    its own."""
+    return min((r for r in rows if r >= mn), default=mn)
 
 
 def _rows(s: ConvShape, shapes: tuple[ConvShape, ...], outputs: tuple[int, ...]) -> list[int]:

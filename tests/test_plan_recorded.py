@@ -1,0 +1,25 @@
+"""The planner's predictions against its H100 runs (benchmarks/results/plan_h100_*.json,
+written by bench_plan.py): every configuration that ran in two scenarios, costed again here
+with the shipped calibration as `Planner.cost` costs it (benchmarks/plan_repredict.py):
+throughput within 10% and the allocated peak within 1% of what was measured."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from plan_repredict import RESULTS, repredict  # noqa: E402
+
+
+@pytest.mark.parametrize("file, scenario", [("plan_h100_llama1b.json", "llama3-1b-seq16k"),
+                                            ("plan_h100_resnet50.json", "resnet50-cl-b2048")])
+def test_every_configuration_that_ran_is_predicted_within_bounds(file, scenario):
+    rows = repredict(RESULTS / file, [scenario])
+    assert len(rows) >= 5  # the grid's points that ran and the plans
+    bad = [f"{r['role']} {'; '.join(r['changes'])}: tokens/s {r['units_per_s_err']:+.1%}, "
+           f"allocated {r['alloc_err']:+.2%}" for r in rows
+           if abs(r["units_per_s_err"]) > 0.10 or abs(r["alloc_err"]) > 0.01]
+    assert not bad, "\n".join(bad)

@@ -291,7 +291,9 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
     if kind == "copy":
         if node.name not in ELEMENTWISE_COPIES:
             return None
-    elif kind != "pointwise" or base in _OWN_KERNELS or not node.outputs:
+    elif kind != "pointwise" or base in _OWN_KERNELS:
+        return None
+    if not node.outputs:
         return None
     out = node.outputs[0]
     if out.numel <= 1:

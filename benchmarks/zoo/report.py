@@ -52,15 +52,27 @@ START = "<!-- zoo-table: start (benchmarks/zoo/report.py --readme) -->"
 END = "<!-- zoo-table: end -->"
 
 
-def write_readme(readme: Path, text: str, summary: list[str]) -> None:
-    """Replace the README's block between START and END by the table and its summary."""
+def markers(results: Path) -> tuple[str, str]:
+    """The README markers of this results file's table: the zoo's, or for another file
+    (zoo_h100_holdout.json) its own, named by the file ("zoo-holdout-table")."""
+    if results.name == RESULTS.name:
+        return START, END
+    name = results.stem.replace("_h100", "").replace("_", "-")
+    return (f"<!-- {name}-table: start (benchmarks/zoo/report.py {results.name} --readme) -->",
+            f"<!-- {name}-table: end -->")
+
+
+def write_readme(readme: Path, text: str, summary: list[str],
+                 marks: tuple[str, str] = (START, END)) -> None:
+    """Replace the README's block between the markers by the table and its summary."""
     doc = readme.read_text()
-    if START not in doc or END not in doc:
-        raise GobrrrError(f"{readme} has no zoo-table markers ({START} ... {END})")
-    head, rest = doc.split(START, 1)
-    tail = rest.split(END, 1)[1]
+    start, end = marks
+    if start not in doc or end not in doc:
+        raise GobrrrError(f"{readme} has no table markers ({start} ... {end})")
+    head, rest = doc.split(start, 1)
+    tail = rest.split(end, 1)[1]
     body = "\n".join(["", text, "", *(f"- {line}" for line in summary), ""])
-    readme.write_text(head + START + body + END + tail)
+    readme.write_text(head + start + body + end + tail)
 
 
 def run(results: Path, predictions: Path, markdown: Path | None,
@@ -85,7 +97,7 @@ def run(results: Path, predictions: Path, markdown: Path | None,
     if markdown:
         markdown.write_text(text + "\n")
     if readme:
-        write_readme(readme, text, compare.summary(errors))
+        write_readme(readme, text, compare.summary(errors), markers(results))
     out = {"version": VERSION, "results": results.name, "gpu": compare.GPU,
            "gobrrr_commit": _commit(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -10,6 +10,7 @@ any configuration: the command exits 1, listing the closest.)
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -31,8 +32,10 @@ COMMANDS = [
 ]
 
 
-def main() -> None:
-    out_path = Path(sys.argv[1])
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="the results JSON to write")
+    out_path = Path(ap.parse_args(argv).out)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     rows = []
     for name, args, target in COMMANDS:

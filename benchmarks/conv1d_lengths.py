@@ -13,7 +13,7 @@ import sys
 import torch
 
 from gobrrr.kernels.bench import write_json
-from gobrrr.profile.calibrate import time_op
+from gobrrr.profile.timing import time_op
 
 LENGTHS = (496, 499, 500, 511, 512, 999, 1000, 1024)
 

@@ -15,7 +15,6 @@ The whole run takes well under a minute on an H100.
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, calibration_dirs, match_device_name
-from gobrrr.profile.runner import time_steps
+from gobrrr.profile.timing import _sync, time_op
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -130,34 +129,6 @@ def default_path(key: str) -> Path:
 
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-SPIN_CYCLES = 2_000_000  # ~1 ms of GPU clock: longer than the host takes to queue a timed op
-
-
-def time_op(fn, dev: torch.device, reps: int, flush: torch.Tensor | None = None) -> float:
-    """Median GPU seconds of fn() over `reps` runs after 2 warm-ups. On a GPU each run starts
-    behind a ~1 ms spin kernel, so the host has queued fn() before the timed region begins:
-    the time is the GPU's, without the host's launch latency, as in a training step where the
-    host runs ahead (timed from an idle GPU, a 100 µs matmul measured 13-30% slower on the
-    H100 host). `flush` is zeroed before each run (outside the timed region) to evict L2."""
-    for _ in range(2):
-        fn()
-    _sync(dev)
-    spin = getattr(torch.cuda, "_sleep", None) if dev.type == "cuda" else None
-
-    def before():
-        if flush is not None:
-            flush.zero_()
-        if spin is not None:
-            spin(SPIN_CYCLES)
-
-    return statistics.median(time_steps(fn, reps, dev.type, before=before))
 
 
 def matmul_rate(dev: torch.device, dtype: str, sizes) -> tuple[float, list[list[float]]]:

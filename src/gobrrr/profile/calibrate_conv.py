@@ -139,7 +139,7 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
     from gobrrr.cost import conv
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import gemm_dims
-    from gobrrr.profile.calibrate import time_op
+    from gobrrr.profile.timing import time_op
 
     rates, spaces = {}, {}
     x, w, gy, args = _tensors(s, n, dtype, layout, dev)
@@ -243,7 +243,7 @@ def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56
     input channel per output channel a depthwise convolution is no GEMM (cuDNN runs it on
     CUDA cores, bound by memory and latency), so the dense grid says nothing about it."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.calibrate import time_op
+    from gobrrr.profile.timing import time_op
 
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

@@ -42,7 +42,7 @@ def offload_section(dev: torch.device) -> dict:
 
 def link_bandwidths(dev: torch.device, reps: int = 7) -> dict[str, list[list[float]]]:
     """{"d2h": [[bytes, bytes/s], ...], "h2d": [...]} over LINK_SIZES (pinned host memory)."""
-    from gobrrr.profile.calibrate import time_op
+    from gobrrr.profile.timing import time_op
 
     out: dict[str, list[list[float]]] = {"d2h": [], "h2d": []}
     for nbytes in LINK_SIZES:

@@ -5,7 +5,7 @@ torchao's AdamW8bit updates one parameter at a time through a torch.compile'd
 training step pays for it, per parameter update:
   device: seconds of the update's kernels, over the bytes the update must move
     (`cost._ops_optim.adam8bit_bytes`), measured on a GPU kept busy (the host queues the
-    updates behind a spin kernel, `calibrate.time_op`);
+    updates behind a spin kernel, `timing.time_op`);
   host: seconds the host spends per update (the optimizer's Python, dynamo's guards, the
     compiled wrapper and its launches), timed with the host's clock;
   kernels: CUDA kernels (and copies) per update, counted by the profiler;
@@ -79,7 +79,7 @@ def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
 
 def _point(ao, dev: torch.device, numel: int, count: int) -> dict:
     """One grid point: `count` parameters of (numel/256, 256) elements."""
-    from gobrrr.profile.calibrate import time_op
+    from gobrrr.profile.timing import time_op
 
     params = _params(dev, [(numel // 256, 256)] * count)
     opt = ao.AdamW8bit(params, lr=1e-3)

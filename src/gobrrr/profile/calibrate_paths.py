@@ -32,9 +32,9 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     stands for."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import elementwise_path
-    from gobrrr.profile.calibrate import time_op
     from gobrrr.profile.calibrate_shapes import kernel_latency
     from gobrrr.profile.calibrate_step import _record
+    from gobrrr.profile.timing import time_op
 
     flush = _flush(dev)
     lat = kernel_latency(dev)
@@ -116,8 +116,8 @@ def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     """{"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]} for _log_softmax, _softmax and
     their backwards over the row width and the rows, bytes as the cost model counts them."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.calibrate import time_op
     from gobrrr.profile.calibrate_step import _record
+    from gobrrr.profile.timing import time_op
 
     aten, flush = torch.ops.aten, _flush(dev)
     out: dict[str, list[list[float]]] = {}

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from gobrrr.capture import assume, compiled
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
+from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
 from gobrrr.capture.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
@@ -335,8 +336,9 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
         names = block_names(w.model)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
-        graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
-                       accumulation=accumulation, regions=regions)
+        with real_to_libraries(values.answerable):
+            graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
+                           accumulation=accumulation, regions=regions)
     meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
                 checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
                 sdpa_backends=dict(chosen.chosen),

@@ -144,6 +144,17 @@ class Values:
             f"sound: {why}. Make the value known when the workload is built (a Python number, "
             "or a tensor computed from constants), or move the read out of the training step")
 
+    def answerable(self, t: Any) -> bool:
+        """Whether reads of `t`'s values can be answered as the GPU's run would answer them:
+        its fact gives every element, or an expected value (exact, or under the fact's named
+        basis), or bounds from the ops the step made it with (checks of such a tensor take
+        their common branch, named). A tensor with no fact, or bounds alone from the user's
+        batch, is not."""
+        f = self.table.get(t) if isinstance(t, torch.Tensor) else None
+        if f is None:
+            return False
+        return f.exact or f.mean is not None or f.origin != "a real tensor"
+
     # -- what a read answers ----------------------------------------------------------------
 
     def read(self, func: Any, t: torch.Tensor) -> bool | int | float:

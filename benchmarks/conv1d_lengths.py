@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from gobrrr.kernels.bench import write_json
+from gobrrr.kernels.bench import cuda_kernels, write_json
 from gobrrr.profile.timing import time_op
 
 LENGTHS = (496, 499, 500, 511, 512, 999, 1000, 1024)
@@ -25,8 +25,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("conv1d_lengths: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from torch.profiler import ProfilerActivity, profile
-
     dev, aten, rows = torch.device("cuda"), torch.ops.aten, []
     w = torch.randn(768, 48, 128, device=dev, dtype=torch.bfloat16) * 0.05
     args_ = ([1], [64], [1], False, [0], 16)
@@ -41,11 +39,7 @@ def main(argv=None) -> int:
             row = {"batch": n, "length": length, "forward_s": time_op(fwd, dev, 10),
                    "backward_s": time_op(bwd, dev, 10),
                    "flops_forward": 2.0 * y.numel() * 48 * 128}
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fwd()
-                torch.cuda.synchronize()
-            row["forward_kernels"] = sorted({e.name[:120] for e in prof.events()
-                                             if e.device_type == torch.autograd.DeviceType.CUDA})
+            row["forward_kernels"] = sorted({name[:120] for name, _ in cuda_kernels(fwd)})
             row["forward_tflops"] = row["flops_forward"] / row["forward_s"] / 1e12
             rows.append(row)
             print({k: v for k, v in row.items() if k != "forward_kernels"}, flush=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gobrrr.hardware import Calibration
-from gobrrr.kernels.bench import env_info, write_json
+from gobrrr.kernels.bench import cuda_kernels, env_info, write_json
 from gobrrr.profile.calibrate_conv import (
     INSIDE,
     _calls,
@@ -37,18 +37,11 @@ from gobrrr.profile.calibrate_conv import (
 
 def kernels_of(shape, dev) -> dict[str, list[str]]:
     """direction -> the CUDA kernels one bf16 call of this shape ran (batch 1)."""
-    from torch.profiler import ProfilerActivity, profile
-
     out = {}
     for direction, (_, fn) in _calls(*_tensors(shape, 1, torch.bfloat16, "channels_first",
                                                dev)).items():
         fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        out[direction] = sorted({e.name[:160] for e in prof.events()
-                                 if e.device_type == torch.autograd.DeviceType.CUDA})
+        out[direction] = sorted({name[:160] for name, _ in cuda_kernels(fn)})
     return out
 
 

@@ -20,27 +20,16 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from gobrrr.kernels.bench import write_json
+from gobrrr.kernels.bench import cuda_kernels, write_json
+from gobrrr.profile.timing import flush_buffer
 
 N = 2**26  # elements (128 MiB bf16)
 REPS = 20
 
 
-def kernels(fn, reps: int = 1) -> list[tuple[str, float]]:
-    """(name, seconds) of every CUDA kernel fn() runs."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def durations(fn, match: str, reps: int = 1) -> list[float]:
-    return [s for name, s in kernels(fn, reps) if match in name]
+    return [s for name, s in cuda_kernels(fn, reps) if match in name]
 
 
 def settings(name: str, make, match: str, footprint: int) -> dict:
@@ -48,7 +37,7 @@ def settings(name: str, make, match: str, footprint: int) -> dict:
     dev = torch.device("cuda")
     fn, _ = make()
     fn()
-    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev)
+    flush = flush_buffer(dev)
 
     def alone():
         for _ in range(REPS):
@@ -72,7 +61,7 @@ def settings(name: str, make, match: str, footprint: int) -> dict:
             fn()
 
     row["after_matmul"] = statistics.median(durations(after, match))
-    row["kernel"] = next(n for n, _ in kernels(fn) if match in n)
+    row["kernel"] = next(n for n, _ in cuda_kernels(fn) if match in n)
     for k in ("burst", "rotate", "after_matmul"):
         row[f"{k}_over_alone"] = row[k] / row["alone"]
     return row
@@ -115,11 +104,11 @@ def main(argv=None) -> int:
     for n in (2**20, 2**26):
         for key, op, fn in _path_cases(dev, n):
             fn()
-            ks = kernels(fn)
+            ks = cuda_kernels(fn)
             paths.append({"path": key, "op": op, "elements": n,
                           "kernels": [[k, s] for k, s in ks]})
     for key, op, fn in _foreach_cases(dev):  # the first case is enough
-        ks = kernels(fn)
+        ks = cuda_kernels(fn)
         paths.append({"path": key, "op": op, "kernels": sorted({k for k, _ in ks})})
         break
     write_json(args.out, {"benchmark": "in-step bandwidth", "settings": rows,

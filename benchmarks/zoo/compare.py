@@ -6,8 +6,10 @@ predicted / measured - 1: positive = predicted too high, negative = too low.
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zoo.cases import ZooCase, get_case
@@ -103,9 +105,6 @@ def failed_rows(doc: dict) -> list[dict]:
 def rerun_steps(results_dir) -> dict[str, list[float]]:
     """{case: [step seconds, ...]} of every rerun (RERUNS) in results_dir that measured the
     case as it is defined now."""
-    import json
-    from pathlib import Path
-
     out: dict[str, list[float]] = {}
     for name in RERUNS:
         path = Path(results_dir) / name

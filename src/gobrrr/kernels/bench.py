@@ -29,6 +29,19 @@ SCRIPTS = {
 GiB = 1024**3
 
 
+def cuda_kernels(fn: Callable[[], object], reps: int = 1) -> list[tuple[str, float]]:
+    """(name, seconds) of every CUDA kernel `reps` calls of fn() run, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def env_info() -> dict:
     """Device, memory, driver, CUDA, torch, triton versions and the UTC date of this run."""
     import triton

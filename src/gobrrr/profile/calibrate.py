@@ -23,7 +23,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, calibration_dirs, match_device_name
-from gobrrr.profile.timing import _sync, time_op
+from gobrrr.profile.timing import _sync, flush_buffer, time_op
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -136,7 +136,7 @@ def matmul_rate(dev: torch.device, dtype: str, sizes) -> tuple[float, list[list[
     The large-shape rate is the best over the shapes measured."""
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev) if dev.type == "cuda" else None
+    flush = flush_buffer(dev)
     points = []
     try:
         for n in sizes:

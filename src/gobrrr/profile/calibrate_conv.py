@@ -183,11 +183,12 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
                 for s in shapes:
                     if s.dims != 2 and layout == "channels_last":
                         continue  # PyTorch runs 1-D convolutions channels-first only
+                    rows = class_rows(s.cls, shapes, outputs)
                     for out in _rows(s, shapes, outputs):
                         r, w = _point(s, s.batch(out), mode, dtype, layout, dev)
                         for direction, row in r.items():
                             rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(
-                                [snap(row[0], class_rows(s.cls, shapes, outputs)), *row[1:]])
+                                [snap(row[0], rows), *row[1:]])
                         prefix = "" if layout == "channels_first" else f"{layout}:"
                         for direction, frac in w.items():
                             if direction.startswith(INSIDE):  # by layout and class

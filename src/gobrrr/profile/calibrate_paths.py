@@ -34,9 +34,9 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     from gobrrr.cost.shapes import elementwise_path
     from gobrrr.profile.calibrate_shapes import kernel_latency
     from gobrrr.profile.calibrate_step import _record
-    from gobrrr.profile.timing import time_op
+    from gobrrr.profile.timing import flush_buffer, time_op
 
-    flush = _flush(dev)
+    flush = flush_buffer(dev)
     lat = kernel_latency(dev)
     out: dict[str, list[list[float]]] = {}
     for n in sizes:
@@ -117,9 +117,9 @@ def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     their backwards over the row width and the rows, bytes as the cost model counts them."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.profile.calibrate_step import _record
-    from gobrrr.profile.timing import time_op
+    from gobrrr.profile.timing import flush_buffer, time_op
 
-    aten, flush = torch.ops.aten, _flush(dev)
+    aten, flush = torch.ops.aten, flush_buffer(dev)
     out: dict[str, list[list[float]]] = {}
     for key, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for width in SOFTMAX_WIDTHS:
@@ -139,7 +139,3 @@ def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
                     del y
                 del x
     return out
-
-
-def _flush(dev: torch.device) -> torch.Tensor | None:
-    return torch.empty(64 * 2**20, dtype=torch.int32, device=dev) if dev.type == "cuda" else None

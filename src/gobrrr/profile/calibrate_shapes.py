@@ -32,9 +32,9 @@ def size_bandwidths(dev: torch.device, sizes: tuple[int, ...] = SIZE_ELEMENTS
     """{"copy" | "pointwise": [[bytes moved, bytes/s], ...]}: an fp32 -> bf16 cast and a bf16
     add over sizes, L2 flushed before each run (a step's tensors come from HBM), bytes/s
     over the time less the kernel latency."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.profile.timing import flush_buffer, time_op
 
-    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev) if dev.type == "cuda" else None
+    flush = flush_buffer(dev)
     lat = kernel_latency(dev)
     out: dict[str, list[list[float]]] = {"copy": [], "pointwise": []}
     for n in sizes:

@@ -379,10 +379,10 @@ def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
     squares to a grid over vocabulary V, tokens T, width D and dtype (max error 16% on the
     H100's grid; with the tokens' bytes in place of their values, 58%):
     {"fill_Bps", "token_values_per_s", "fixed_s", "points": [[V, T, D, itemsize, s], ...]}."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.profile.timing import flush_buffer, time_op
 
     aten = torch.ops.aten
-    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev)
+    flush = flush_buffer(dev)
     points = []
     for dtype in (torch.bfloat16, torch.float32):
         for v in (32000, 128256):

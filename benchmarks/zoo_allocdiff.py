@@ -8,7 +8,8 @@ gobrrr.allocator (a check that the replay itself is exact on them: its reserved 
 peaks against the GPU's), the case is predicted on the CPU and its process replayed as
 gobrrr.memory does, recording the same kind of events. Printed: per step, the segments each
 side obtained (bytes, pool) and the op that asked; the allocated bytes by op name; and the
-first runs where the request sequences of one step differ (difflib over (op, bytes)).
+first runs where the request sequences of one step differ (difflib over (op, bytes); over
+bytes alone for a trace recorded with zoo_diagnose.py --plain, whose events carry no op).
 """
 
 from __future__ import annotations
@@ -158,16 +159,17 @@ def by_op(step: dict) -> Counter:
     return c
 
 
-def _key(e) -> tuple:
-    return (e[2].split(" @ ")[0], e[1] if e[0] == 0 else -1)
+def _key(e, plain: bool = False) -> tuple:
+    return (e[1],) if plain else (e[2].split(" @ ")[0], e[1] if e[0] == 0 else -1)
 
 
-def sequence_diff(real: dict, pred: dict, show: int) -> list[str]:
-    """The runs where the two steps' alloc sequences differ, up to `show` lines."""
+def sequence_diff(real: dict, pred: dict, show: int, plain: bool = False) -> list[str]:
+    """The runs where the two steps' alloc sequences differ, up to `show` lines; `plain`:
+    compared by bytes alone (the real events carry no op)."""
     ra = [e for e in real["events"] if e[0] == 0]
     pa = [e for e in pred["events"] if e[0] == 0]
-    sm = difflib.SequenceMatcher(None, [_key(e) for e in ra], [_key(e) for e in pa],
-                                 autojunk=False)
+    sm = difflib.SequenceMatcher(None, [_key(e, plain) for e in ra],
+                                 [_key(e, plain) for e in pa], autojunk=False)
     out = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal":
@@ -223,6 +225,13 @@ def report(row: dict, step: int, show: int) -> list[str]:
                    f" MiB); allocs real {sum(e[0] == 0 for e in r['events'])} predicted "
                    f"{sum(e[0] == 0 for e in p['events'])}")
     r, p = real[step], pred[step]
+    plain = bool(row.get("plain"))
+    if plain:  # no op labels on the real side: segments and the bytes sequence only
+        for name, s in (("real", r), ("predicted", p)):
+            out.append(f"  step {step} {name} segments:")
+            out += ["    " + x for x in segments(s)[:30]]
+        out.append(f"  step {step} first differences (bytes):")
+        return out + sequence_diff(r, p, show, plain=True)
     rb, pb = by_op(r), by_op(p)
     out.append(f"  step {step} bytes requested by op (MiB, real / predicted), largest gaps:")
     gaps = sorted(set(rb) | set(pb), key=lambda k: -abs(rb[k] - pb[k]))[:15]

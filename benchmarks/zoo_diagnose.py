@@ -16,6 +16,9 @@ and the device time per kernel kind, recorded on a GPU.
    ops that own an event ([op, module, phase, autograd node]; the module in forward, the
    autograd node in backward), where each phase starts, the counters after each step, the
    peaks of the last step (reset at its start) and the segments at the end.
+   With `--plain`, neither the dispatch mode nor the module hooks run: the events are those of
+   the step exactly as measure.py runs it, without op labels (a Python dispatch mode can change
+   which kernels, and so which workspaces, an op takes), and zoo_allocdiff.py compares bytes.
 2. Per-kernel comparisons (`--profile-cases`): as zoo/profile_compare.py (gobrrr's prediction
    beside gobrrr.profile of the same step, joined kernel by kernel: per kernel kind, module,
    phase), plus per ATen op, the single ops with the largest gaps and the measured ops joined
@@ -182,8 +185,15 @@ def segments_now() -> list[list]:
             for s in segs]
 
 
-def trace_case(name: str, device: str, batch: int | None) -> dict:
-    """One case's allocator trace, from the build through STEPS steps (see the docstring)."""
+class _NoMarks(contextlib.nullcontext):
+    """`--plain`: no dispatch mode; no op marks."""
+
+    marks: list = []
+
+
+def trace_case(name: str, device: str, batch: int | None, plain: bool = False) -> dict:
+    """One case's allocator trace, from the build through STEPS steps (see the docstring).
+    `plain`: no dispatch mode and no module hooks (the events carry no op labels)."""
     from zoo.cases import get_case
 
     from gobrrr.profile.runner import prepare
@@ -212,8 +222,9 @@ def trace_case(name: str, device: str, batch: int | None) -> dict:
         yield
 
     after = []
-    marks = OpMarks(idx, names, where)
-    with module_names(wl.model, where), marks:
+    marks = _NoMarks() if plain else OpMarks(idx, names, where)
+    hooks = contextlib.nullcontext() if plain else module_names(wl.model, where)
+    with hooks, marks:
         for s in range(1, STEPS + 1):
             where["step"] = s
             if s == STEPS and cuda:
@@ -227,7 +238,7 @@ def trace_case(name: str, device: str, batch: int | None) -> dict:
                               "reserved": torch.cuda.memory_reserved()})
     out = {"name": name, "batch": batch or case.batch, "seq": case.seq,
            "precision": case.precision, "steps": STEPS, "after_step": after,
-           "counts": [counts0, _counts(idx)], "op_marks": len(marks.marks)}
+           "counts": [counts0, _counts(idx)], "op_marks": len(marks.marks), "plain": plain}
     if not cuda:  # a dry run: the tagging ran, there is no allocator to read
         return {**out, **compact_trace([], marks.marks, phases), "strings": names.table()}
     out.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
@@ -344,7 +355,7 @@ def environment(device: str) -> dict:
 def child(args, what: str, name: str) -> dict:
     """One item in a fresh process; its row, or a row saying how the process failed."""
     cmd = [sys.executable, str(HERE), "--out", args.out, f"--one-{what}", name,
-           "--device", args.device]
+           "--device", args.device] + (["--plain"] if args.plain else [])
     if args.batch:
         cmd += ["--batch", str(args.batch)]
     t0 = time.perf_counter()
@@ -365,10 +376,10 @@ def child(args, what: str, name: str) -> dict:
     return row
 
 
-def one(what: str, name: str, device: str, batch: int | None) -> dict:
+def one(what: str, name: str, device: str, batch: int | None, plain: bool = False) -> dict:
     try:
         if what == "alloc":
-            return trace_case(name, device, batch)
+            return trace_case(name, device, batch, plain)
         return profile_case(name, device, batch)
     except Exception as e:  # recorded, not fatal
         return {"name": name, "error": f"{type(e).__name__}: {str(e)[:1500]}",
@@ -389,7 +400,8 @@ def summary(what: str, row: dict) -> str:
 
 def run_all(args) -> None:
     doc = {"version": VERSION, "environment": environment(args.device),
-           "settings": {"steps": STEPS, "device": args.device, "batch_override": args.batch},
+           "settings": {"steps": STEPS, "device": args.device, "batch_override": args.batch,
+                        "plain": args.plain},
            "alloc": [], "profile": []}
     lock, t0 = threading.Lock(), time.perf_counter()
 
@@ -427,13 +439,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=None, help="override the batch (dry runs)")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per item")
+    ap.add_argument("--plain", action="store_true",
+                    help="allocator traces without the dispatch mode and hooks (no op labels)")
     ap.add_argument("--one-alloc", help=argparse.SUPPRESS)
     ap.add_argument("--one-profile", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for what in ("alloc", "profile"):
         name = getattr(args, f"one_{what}")
         if name:
-            print("ROW " + json.dumps(one(what, name, args.device, args.batch),
+            print("ROW " + json.dumps(one(what, name, args.device, args.batch, args.plain),
                                       separators=(",", ":")))
             return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():

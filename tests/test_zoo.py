@@ -43,38 +43,20 @@ _COMPILED = ("traced as AOTAutograd partitions it (gobrrr.capture.compiled): the
              "trace whose compile happens inside the recorded step (no warm-up) keeps the "
              "823 MB logits to that point and lands at +2.3%: which reference holds them on "
              "the GPU is not found yet")
-# Reserved peaks: causes found in the allocator traces of the steps (zoo_diagnose_h100.json,
-# benchmarks/zoo_allocdiff.py shows the two sequences side by side)
-_CONV_SCRATCH = ("cuDNN's buffers inside each convolution come from the conv grid's per-class "
-                 "fractions (calibration_sections_h100_run14.json), and where the allocator "
-                 "traces show more from their mechanisms: nothing inside PyTorch's own "
-                 "depthwise kernels, fp32 weight-gradient partials for 1x1s over many pixels "
-                 "(tests/test_alloc_sequence.py; EfficientNet fp32 +9.8% -> -0.7%, MobileNetV3 "
-                 "+1.0% -> +0.1%, this case +10.8% -> +6.5%). Left: its tf32 backward "
-                 "convolutions allocate inside in two phases freed in between (data gradient, "
-                 "then weight gradient) where the prediction holds one block, and step 1 ends "
-                 "with 116 segments (7004 MiB) predicted against 104 (6566 MiB) in the trace")
-_RUN_TO_RUN = ("the measured reserved peak moves between runs of this same step: 6.35 GiB in "
-               "zoo_h100.json, 6.69 GiB in zoo_diagnose_h100.json (3 more segments, 0.34 GiB; "
-               "the prediction is within 0.5% of that run)")
-
 KNOWN_MISSES: dict[str, dict[str, str]] = {
     "gpt2-124m-compiled": {"alloc": _COMPILED, "reserved": _COMPILED},
     "convnext_tiny-timm-gc": {
-        "reserved": ("its depthwise backwards' fp32 weight-gradient partials now match the "
-                     "allocator trace call by call (zoo_diagnose_h100_run2.json), which leaves "
-                     "1884 MiB predicted against 1960 MiB there: the real step 2 still obtains "
-                     "two segments (74 MiB at a MulBackward0, 148 MiB at an AddmmBackward0) that "
-                     "the predicted one finds in its cache; why its step-1 cache differs is "
-                     "not found yet")},
+        "reserved": ("under the measured protocol's allocator trace (zoo_diagnose_plain_h100."
+                     "json, no dispatch mode) step 1 matches: 32 segments, 1644 MiB predicted "
+                     "against 33 and 1646 MiB; the real step 2 then obtains two more (74 and "
+                     "148 MiB, in stage 0's backward) that the predicted one finds in its cache. "
+                     "The stem's convolution_backward asks 38.5 MB + 102 MB inside where the "
+                     "conv grid's class predicts one 69 MB block, which leaves the cache laid "
+                     "out differently; not confirmed")},
     "wav2vec2-base-ctc": {"reserved": ("the feature encoder's Conv1d's (bf16, channels-first, "
                                        "1-D: the conv grid's 2-D classes) ask less inside "
                                        "than the classes measured, so its peak is "
                                        "over-predicted (the safe side); not traced yet")},
-    "resnet50-tv-cl": {"reserved": _RUN_TO_RUN},
-    "resnet50d-timm-cl": {"reserved": _RUN_TO_RUN.replace("6.35", "6.83").replace(
-        "6.69", "7.16")},
-    "resnet50-tv-fp32": {"reserved": _CONV_SCRATCH},
 }
 
 RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from gobrrr.capture import assume, compiled
+from gobrrr.capture import accumulate, assume, compiled
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
@@ -252,6 +252,18 @@ class _Step(TrainStep):
             self.driver.phase = name
         return contextlib.nullcontext()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """TrainStep.backward; while recording, the engine's gradient sums are flagged
+        (`accumulate.watch`)."""
+        handles = accumulate.watch(loss, self.recorder) if self.recorder is not None else []
+        try:
+            super().backward(loss)
+        finally:
+            for h in handles:
+                h.remove()
+            if self.recorder is not None:
+                self.recorder.after_node = None
+
     def init_optimizer_state(self) -> None:
         """What a warm-up step leaves behind, without its forward and backward: the optimizer
         state (created lazily by the first step). Gradients of zeros stand in for real ones."""
@@ -412,10 +424,12 @@ def _trace(w: Workload, precision: str, values: assume.Values,
                     h.remove()
         table.clock = len(rec.nodes) - 1
         table.close()
+    in_place = accumulate.in_place(table.records, rec.nodes, rec.engine_sums)
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
-                                            AUTOGRAD: saved.meta()})
+                                            AUTOGRAD: saved.meta(),
+                                            "gradient_sums_in_place": in_place})
 
 
 def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:

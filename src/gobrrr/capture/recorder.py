@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gobrrr.capture.accumulate import is_engine_sum
 from gobrrr.capture.compiled import ignore_compile_internals
 from gobrrr.graph import OpNode, StorageInfo, TensorInfo
 
@@ -111,6 +112,8 @@ class Recorder(TorchDispatchMode):
         self._module_of = module_of
         self._phase_of = phase_of
         self._names: dict = {}
+        self.after_node: Any = None  # the backward node whose formula ran last (accumulate)
+        self.engine_sums: list[int] = []  # ops where the engine summed two gradients
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,6 +124,8 @@ class Recorder(TorchDispatchMode):
             if name.rsplit(".", 1)[0] in _SKIP:
                 self._names[func] = name = ""
         if name:
+            if self.after_node is not None and is_engine_sum(self, name, args):
+                self.engine_sums.append(len(self.nodes))
             self._record(name, args, kwargs, out)
         return out
 

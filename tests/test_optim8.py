@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from gobrrr.cli import main
-from gobrrr.cost._ops_optim import adam8bit_bytes
+from gobrrr.cost._ops_optim import adam8bit_bytes, adam8bit_scratch
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.evaluate import Target, evaluate
+from gobrrr.graph import OpNode, TensorInfo
 from gobrrr.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import BASE, Planner, _persistent, plan
@@ -23,6 +24,8 @@ from gobrrr.workload import Workload
 MiB = 2**20
 EIGHT = Knobs(micro_batch=1, optimizer_states="8bit")  # the traced 8-bit variant
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/optim8_h100.json"
+# the optim8 section as shipped: measured over both layouts (profile.calibrate_optim)
+SECTION = RESULTS.parent / "calibration_sections_h100_run18.json"
 SHAPES = [(64, 256), (100,), (4100,)]  # quantised; small; >= 4096 but not a multiple of 256
 
 
@@ -123,13 +126,31 @@ def test_the_trace_has_one_update_per_parameter_and_torchaos_states(planner):
     assert all(not n.outputs for n in ups)
 
 
-def test_the_recorded_updates_allocated_nothing():
-    """torchao's compiled update on the H100: the allocated peak over a step of updates stayed
-    at the bytes allocated before it, at every size measured (the trace's op allocates
-    nothing, above)."""
-    rec = json.loads(RESULTS.read_text())["section"]["optim8"]
+def test_the_recorded_updates_allocate_by_layout():
+    """torchao's compiled update on the H100: for rows of one 256-element block, the allocated
+    peak over a step of updates stayed at the bytes allocated before it at every size (the
+    trace's op allocates nothing, above); for any other row width, the update allocated and
+    freed exactly adam8bit_scratch's blocks (two fp32 buffers of the block count, two of the
+    parameter's size; each at least the allocator's 512 bytes), to the byte where the width
+    divides 2**22 and within 2 KiB at 768."""
+    from gobrrr.allocator import round_size
+
+    rec = json.loads(SECTION.read_text())["sections"]["optim8"]
     assert [n for n, _ in rec["transient"]] == [1024, 4096, 65536, 2**20, 2**22, 2**24, 2**26]
     assert all(b == 0 for _, b in rec["transient"])
+
+    def rule(shape):
+        node = OpNode(index=0, op="gobrrr.adam8bit_update.default", phase="optimizer",
+                      module="", inputs=(TensorInfo(shape, (shape[-1], 1), "float32", 0),),
+                      outputs=(), args=(), kwargs={}, allocs=())
+        return sum(round_size(b) for b in adam8bit_scratch(node))
+
+    assert len(rec["transient_rows"]) == 6
+    for n, measured in rec["transient_rows"]:
+        assert rule((n // 4096, 4096)) == measured
+    for width, measured in rec["row_widths"]:  # 768 rows: measured 2 KiB over the rule
+        assert rule((2**22 // width, width)) == pytest.approx(measured, abs=4096)
+    assert rule((2**22 // 256, 256)) == 0
 
 
 def test_update_cost_is_the_bytes_it_must_move(planner):
@@ -219,8 +240,9 @@ def test_knobs_with_8bit_states_are_costed(planner):
 def test_the_shipped_section_is_the_recordings():
     from gobrrr.profile.calibrate_optim import summarize
 
-    rec = json.loads(RESULTS.read_text())["section"]["optim8"]
-    assert Target.resolve("h100").cal.optim8 == summarize(rec["points"], rec["host_distinct"])
+    rec = json.loads(SECTION.read_text())["sections"]["optim8"]
+    assert Target.resolve("h100").cal.optim8 == summarize(rec["points"], rec["host_distinct"],
+                                                          rec["row_widths"])
 
 
 def test_a_gpt2_step_with_8bit_states_as_recorded_on_the_h100():

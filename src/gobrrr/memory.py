@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
 from gobrrr.cost import attention_scratch, conv, norm_scratch, reduce_scratch
+from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
@@ -336,8 +337,9 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
 
 def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[int, ...]]:
     """{op index: blocks} every op of the step allocates and frees inside itself."""
+    optim = {n.index: b for n in graph.nodes if (b := adam8bit_scratch(n))}
     return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
-                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph))
+                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph), optim)
 
 
 def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:

@@ -13,13 +13,16 @@ Here the codes, scales and code books are plain tensors in the state under "exp_
 optimizer state. The update's arithmetic is torchao's (fp32, the moments re-quantised with
 its absmax scaling and code search).
 
-The update allocates nothing on a GPU. Inductor compiles `single_param_adam` for CUDA into one
-Triton kernel per parameter shape (a persistent reduction over the 256-element blocks up to
-1M elements, a looped one above) whose wrapper allocates no buffer; measured on an H100
-(torch 2.11, triton 3.6), the allocated peak of a step of such updates stayed at the bytes
-allocated before it for parameters of 1024 to 64M elements (benchmarks/results/
-optim8_h100.json, "transient"). (Inductor's CPU code does allocate: two fp32 buffers the size
-of the parameter and two of its block count; the trace is of the GPU's step.)
+What the update allocates on a GPU depends on the parameter's layout. Inductor compiles
+`single_param_adam` for CUDA per parameter shape; for rows of one quantisation block
+((n, 256)) it is one Triton kernel whose wrapper allocates no buffer (measured on an H100,
+torch 2.11, triton 3.6: the allocated peak of a step of such updates stayed at the bytes
+allocated before it for 1024 to 64M elements); for any other row width it splits the update
+and keeps the new moments in fp32 between the kernels: two buffers of the parameter's size
+and two of its block count, freed before the update returns (benchmarks/results/
+calibration_sections_h100_run18.json and optim8_transient_h100.json; a GPT-2 step's
+allocated peak is the (50257, 768) embedding's update). The trace's op allocates nothing;
+memory.step_scratch adds those blocks (cost._ops_optim.adam8bit_scratch).
 """
 
 from __future__ import annotations

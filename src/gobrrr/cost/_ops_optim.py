@@ -123,6 +123,28 @@ BLOCK, MIN_QUANTIZED, QMAP = 256, 4096, 256
 ADAM8_PER_ELEM = 30  # see adam8bit_update
 
 
+def block_rows(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter's rows are one quantisation block wide ((n, 256)): Inductor then
+    makes torchao's update one fused kernel; any other layout takes several kernels with the
+    new moments in fp32 in between (profile.calibrate_optim)."""
+    return bool(shape) and shape[-1] == BLOCK
+
+
+def adam8bit_scratch(node: OpNode) -> tuple[int, ...]:
+    """Blocks a torchao 8-bit update allocates and frees inside itself, in order: for a
+    quantised parameter whose rows are not one block, two fp32 buffers of its block count
+    then two of its size (the fp32 moments between Inductor's kernels:
+    benchmarks/results/optim8_transient_h100.json, e.g. a (50257, 768) embedding's
+    603084 x 2 and 154389504 x 2 bytes); () otherwise."""
+    if node.name != "adam8bit_update" or not node.inputs:
+        return ()
+    p = node.inputs[0]
+    if not quantized(p.numel) or block_rows(p.shape):
+        return ()
+    blocks = p.numel // BLOCK
+    return (4 * blocks, 4 * blocks, 4 * p.numel, 4 * p.numel)
+
+
 def quantized(numel: int) -> bool:
     """Whether torchao's 8-bit Adam keeps this tensor's moments in 8 bits (else in the
     parameter's dtype)."""

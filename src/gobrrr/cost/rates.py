@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from gobrrr.cost._ops_optim import quantized
+from gobrrr.cost._ops_optim import block_rows, quantized
 from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.shapes import (
@@ -261,7 +261,8 @@ class Rates:
 
     def adam8bit(self, node: OpNode, nbytes: float) -> tuple[float, float] | None:
         """(device s, host s) of one torchao 8-bit Adam update moving `nbytes`, from the
-        calibration's `optim8` section: the device time over bytes interpolated log-log (past
+        calibration's `optim8` section, by the parameter's layout (rows of one quantisation
+        block, or wider: `device_rows`): the device time over bytes interpolated log-log (past
         the grid, at its last point's bytes/s; under it, its first point's time); the host's
         per update as measured with parameters of distinct shapes (a model's: each call's
         guards are checked against the other shapes' compiled entries first), else of one
@@ -270,8 +271,10 @@ class Rates:
         sec = self.cal.optim8 if self.cal else None
         if not sec or node.name != "adam8bit_update" or not node.inputs:
             return None
-        small = not quantized(node.inputs[0].numel)
-        pts = sec.get("device_small" if small else "device") or sec.get("device")
+        p = node.inputs[0]
+        small = not quantized(p.numel)
+        curve = "device_small" if small else "device" if block_rows(p.shape) else "device_rows"
+        pts = sec.get(curve) or sec.get("device")
         if not pts:
             return None
         if nbytes >= pts[-1][0]:

@@ -13,6 +13,15 @@ training step pays for it, per parameter update:
     the step's allocated bytes before it.
 Over a grid of parameter sizes x parameters per step, fp32 parameters and gradients (what a
 bf16-mixed step holds); sizes under 4096 elements keep fp32 moments (torchao's rule).
+
+The layout matters. torchao quantises its moments in blocks of 256 consecutive elements; for a
+parameter whose rows are one block wide ((n, 256)) Inductor makes the update one fused kernel
+that allocates nothing, but for any other row width (a (50257, 768) embedding, a (4096, 4096)
+projection) it splits it and keeps the new moments in fp32 in global memory between the
+kernels: two fp32 buffers of the parameter's size and two of its block count, allocated and
+freed inside the update (`benchmarks/results/optim8_transient_h100.json`), and more bytes
+moved. So the grid is measured twice: rows of one block (`BLOCK`) and rows of `ROW_WIDTH`
+(a model's hidden size); `row_widths` checks the rule at other widths.
 """
 
 from __future__ import annotations
@@ -22,13 +31,16 @@ import time
 
 import torch
 
-from gobrrr.cost._ops_optim import adam8bit_bytes, quantized
+from gobrrr.cost._ops_optim import BLOCK, adam8bit_bytes, quantized
 
 SIZES = (1024, 4096, 65536, 2**20, 2**22, 2**24, 2**26)  # elements per parameter
 COUNTS = (1, 8, 64)  # parameters per step
 MAX_STEP_ELEMENTS = 2**28  # skip grid points holding more (1 GiB of fp32 parameters)
 DISTINCT = 8  # parameters of as many distinct shapes: one compiled entry each behind the guards
 REPS = 10
+ROW_WIDTH = 4096  # the rows of the second layout: a hidden size, not one 256-element block
+WIDTHS = (128, 512, 768, 1024, 4096)  # row widths `row_widths` measures at WIDTH_NUMEL
+WIDTH_NUMEL = 2**22
 
 
 def optim8_section(dev: torch.device) -> dict:
@@ -41,10 +53,20 @@ def optim8_section(dev: torch.device) -> dict:
         return {"optim8": {}}
     points = [_point(ao, dev, n, k) for n in SIZES for k in COUNTS
               if n * k <= MAX_STEP_ELEMENTS]
-    return {"optim8": summarize(points, _distinct_host(ao, dev))}
+    points += [_point(ao, dev, n, 1, ROW_WIDTH) for n in SIZES
+               if quantized(n) and n >= ROW_WIDTH]
+    return {"optim8": summarize(points, _distinct_host(ao, dev), row_widths(ao, dev))}
 
 
-def summarize(points: list[dict], host_distinct: float) -> dict:
+def row_widths(ao, dev: torch.device) -> list[list[int]]:
+    """[[row width, bytes the update allocates inside]] for a parameter of WIDTH_NUMEL
+    elements in rows of each of WIDTHS (and of one block)."""
+    return [[w, _point(ao, dev, WIDTH_NUMEL, 1, w, timed=False)["transient"]]
+            for w in (256, *WIDTHS)]
+
+
+def summarize(points: list[dict], host_distinct: float,
+              widths: list[list[int]] | None = None) -> dict:
     """What the cost model reads from the grid: "device" [[bytes per update, seconds], ...]
     for quantised moments ("device_small": the fp32-moment path), from the one-parameter
     points — with more, the host is what the timed loop waits on (measured on an H100 it
@@ -52,8 +74,11 @@ def summarize(points: list[dict], host_distinct: float) -> dict:
     `time_op` time the GPU alone); "host" (the median seconds per update over the
     64-parameter points, one shape), "host_distinct" (per update when the parameters have
     DISTINCT shapes, as a model's do); "kernels" per update (the profiler's GPU events less
-    the optimizer's own annotation); "transient" [[elements, bytes], ...]; and the points."""
-    one = [p for p in points if p["count"] == 1]
+    the optimizer's own annotation); "transient" [[elements, bytes], ...]; the same device
+    curve and transient bytes for parameters whose rows are not one block ("device_rows",
+    "transient_rows"); "row_widths" [[width, transient bytes]]; and the points."""
+    one = [p for p in points if p["count"] == 1 and p.get("width", BLOCK) == BLOCK]
+    rows = [p for p in points if p["count"] == 1 and p.get("width", BLOCK) != BLOCK]
 
     def kernels(p):
         return p["kernels"] - sum("#" in n for n in p["kernel_names"]) / p["count"]
@@ -63,8 +88,12 @@ def summarize(points: list[dict], host_distinct: float) -> dict:
         "device_small": [[p["bytes"], p["device_s"]] for p in one if not p["quantized"]],
         "host": statistics.median(p["host_s"] for p in points if p["count"] == max(COUNTS)),
         "host_distinct": host_distinct,
-        "kernels": statistics.median(kernels(p) for p in points),
+        "kernels": statistics.median(kernels(p) for p in points
+                                     if p.get("width", BLOCK) == BLOCK),
         "transient": [[p["numel"], p["transient"]] for p in one],
+        "device_rows": [[p["bytes"], p["device_s"]] for p in rows],
+        "transient_rows": [[p["numel"], p["transient"]] for p in rows],
+        "row_widths": widths or [],
         "points": points}
 
 
@@ -77,17 +106,18 @@ def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
     return out
 
 
-def _point(ao, dev: torch.device, numel: int, count: int) -> dict:
-    """One grid point: `count` parameters of (numel/256, 256) elements."""
+def _point(ao, dev: torch.device, numel: int, count: int, width: int = BLOCK,
+           timed: bool = True) -> dict:
+    """One grid point: `count` parameters of (numel/width, width) elements."""
     from gobrrr.profile.timing import time_op
 
-    params = _params(dev, [(numel // 256, 256)] * count)
+    params = _params(dev, [(numel // width, width)] * count)
     opt = ao.AdamW8bit(params, lr=1e-3)
     for _ in range(3):  # the first compiles this shape
         opt.step()
     torch.cuda.synchronize(dev)
-    device_s = time_op(opt.step, dev, REPS) / count
-    host_s = _host_per_update(opt.step, dev, count)
+    device_s = time_op(opt.step, dev, REPS) / count if timed else 0.0
+    host_s = _host_per_update(opt.step, dev, count) if timed else 0.0
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     opt.step()
@@ -96,7 +126,7 @@ def _point(ao, dev: torch.device, numel: int, count: int) -> dict:
     kernels, names = _kernels(opt.step)
     del opt, params
     torch.cuda.empty_cache()
-    return {"numel": numel, "count": count, "quantized": quantized(numel),
+    return {"numel": numel, "count": count, "width": width, "quantized": quantized(numel),
             "bytes": adam8bit_bytes(numel, 4, 4), "device_s": device_s, "host_s": host_s,
             "transient": transient, "kernels": kernels / count, "kernel_names": names}
 

@@ -1,0 +1,125 @@
+"""How long the host takes to issue each phase of a zoo step, on a GPU, beside the prediction.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/host_phases.py OUT.json \
+        [--cases NAME,NAME]                      # on the GPU machine
+    python benchmarks/host_phases.py OUT.json --compare  # on any machine: the predictions
+
+Each case in a fresh process, as benchmarks/zoo/measure.py runs it (built on the GPU,
+prepared, 3 warm-up steps); then 7 steps, each with the host's clock read around its forward
+and loss, its backward and its optimizer step and zero_grad, without synchronising in between
+(the GPU's queue never blocks the host while the host is the slower side), and the whole step
+to the end of its GPU work. The medians per phase. A phase's issue time is what the host
+spends on it (the Python, the dispatcher, the launches; for backward the autograd engine's
+thread) as long as the GPU keeps up. `--compare` adds gobrrr's per-phase host seconds (the sum
+of its ops' predicted host time, `OpTime.host_s`) and step time for each case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+
+VERSION = 1
+CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "distilbert-mlm", "pythia-410m",
+         "t5-base", "gpt2-124m", "resnet50-tv-cl", "vit_small-timm")
+PHASES = ("forward", "backward", "optimizer")
+
+
+def one(name: str) -> dict:
+    import torch
+    from zoo.cases import get_case
+
+    from gobrrr.profile.runner import prepare
+    from gobrrr.step import autocast_for
+
+    case = get_case(name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        wl = case.build(case.batch, case.seq)
+    wl, opt, scaler = prepare(wl, "cuda", case.precision, "none", case.compile)
+
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        with autocast_for(case.precision, "cuda"):
+            loss = wl.compute_loss(wl.batch)
+        t1 = time.perf_counter()
+        (scaler.scale(loss) if scaler else loss).backward()
+        t2 = time.perf_counter()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
+                "issue": t3 - t0, "step": t4 - t0}
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    runs = [step() for _ in range(7)]
+    return {"name": name, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+
+
+def compare(path: Path) -> None:
+    from zoo import compare as zc
+    from zoo.cases import get_case
+
+    doc = json.loads(path.read_text())
+    for row in doc["rows"]:
+        if "error" in row:
+            continue
+        est = zc.predict(get_case(row["name"]))
+        host = dict.fromkeys(PHASES, 0.0)
+        for o in est.time.ops:
+            key = "forward" if o.phase == "recompute" else o.phase
+            host[key] = host.get(key, 0.0) + o.host_s
+        row["predicted"] = {**host, "step": est.time.step_s, "device": est.time.device_s}
+        print(f"{row['name']:26s} " + "  ".join(
+            f"{k} {row[k] * 1e3:6.1f}/{host[k] * 1e3:6.1f}" for k in PHASES)
+            + f"  step {row['step'] * 1e3:6.1f}/{est.time.step_s * 1e3:6.1f} ms "
+            "(measured/predicted)", flush=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.compare:
+        compare(Path(args.out))
+        return 0
+    if args.one:
+        print("ROW " + json.dumps(one(args.one)))
+        return 0
+    from bench_estimate_suite import environment
+
+    doc = {"version": VERSION, "environment": environment(), "rows": []}
+    for name in args.cases.split(","):
+        proc = subprocess.run([sys.executable, str(HERE), args.out, "--one", name],
+                              capture_output=True, text=True, timeout=300)
+        rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(rows[-1]) if rows else {"name": name, "error": proc.stderr[-1500:]}
+        doc["rows"].append(row)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(name, row.get("error") or {k: round(v * 1e3, 1) for k, v in row.items()
+                                          if isinstance(v, float)}, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,3 +32,21 @@ def env_row(script: str) -> dict:
                           timeout=120)
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
     return json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}
+
+
+def run_cases(script: str, out: str, names: list[str], version: int, report) -> dict:
+    """Each of `names` run as `script out --one NAME` in a fresh process, its row (with its
+    name) appended to {"version", "environment", "rows"}, which is rewritten to `out` after
+    each; `report(row)` prints it. Returns the document."""
+    from pathlib import Path
+
+    from bench_estimate_suite import environment
+
+    doc = {"version": version, "environment": environment(), "rows": []}
+    for name in names:
+        row = {"name": name, **run_row([sys.executable, script, out, "--one", name],
+                                       timeout=300)}
+        doc["rows"].append(row)
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+        report(row)
+    return doc

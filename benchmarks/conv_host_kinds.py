@@ -51,8 +51,8 @@ def cases(torch, dev):
 
 def main(argv=None) -> int:
     import torch
-
     from bench_estimate_suite import environment
+
     from gobrrr.profile.calibrate_host import per_call
 
     out_path = (argv or sys.argv[1:])[0]

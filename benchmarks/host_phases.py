@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+
+from child_rows import run_cases  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "distilbert-mlm", "pythia-410m",
@@ -35,16 +36,11 @@ PHASES = ("forward", "backward", "optimizer")
 
 def one(name: str) -> dict:
     import torch
-    from zoo.cases import get_case
+    from zoo.cases import prepared
 
-    from gobrrr.profile.runner import prepare
     from gobrrr.step import autocast_for
 
-    case = get_case(name)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        wl = case.build(case.batch, case.seq)
-    wl, opt, scaler = prepare(wl, "cuda", case.precision, "none", case.compile)
+    case, wl, opt, scaler = prepared(name)
 
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -106,18 +102,9 @@ def main(argv=None) -> int:
     if args.one:
         print("ROW " + json.dumps(one(args.one)))
         return 0
-    from bench_estimate_suite import environment
-
-    doc = {"version": VERSION, "environment": environment(), "rows": []}
-    for name in args.cases.split(","):
-        proc = subprocess.run([sys.executable, str(HERE), args.out, "--one", name],
-                              capture_output=True, text=True, timeout=300)
-        rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-        row = json.loads(rows[-1]) if rows else {"name": name, "error": proc.stderr[-1500:]}
-        doc["rows"].append(row)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-        print(name, row.get("error") or {k: round(v * 1e3, 1) for k, v in row.items()
-                                          if isinstance(v, float)}, flush=True)
+    run_cases(str(HERE), args.out, args.cases.split(","), VERSION, lambda row: print(
+        row["name"], row.get("error") or {k: round(v * 1e3, 1) for k, v in row.items()
+                                          if isinstance(v, float)}, flush=True))
     return 0
 
 

@@ -273,3 +273,38 @@ def test_layer_norm_reads_the_grid_at_its_width_rows_and_dtype(make_cal):
     assert r.layer_norm(ln(8192, 768, "bfloat16")) is None  # not measured: op_bandwidth
     node = ln(2048, 768, "float32")
     assert time_op(node, op_cost(node), r).memory_s == pytest.approx(op_cost(node).bytes / 1e12)
+
+
+def test_the_optimizer_step_host_is_per_parameter_tensor():
+    """With the calibration's `optimizer_host` for the traced optimizer, the optimizer phase's
+    host seconds are, by hand: small tensors x the small size's seconds per tensor at that
+    count + large ones x the large size's (interpolated in the count), shared among the
+    phase's ops as their per-op costs were."""
+    import dataclasses
+
+    from gobrrr.capture import capture
+    from gobrrr.hardware import find_calibration
+    from gobrrr.models.registry import get_workload
+
+    g = capture(lambda: get_workload("gpt2", batch_size=1, seq_len=16, n_layer=2),
+                precision="fp32")
+    info = g.meta["optimizer"]
+    assert info == {"key": "AdamW:foreach", "tensors": 28, "large": 10}  # wte, wpe, 4 x 2
+    gpu = get_gpu("h100")
+    cal = find_calibration(gpu)
+    curves = {"64": [[16.0, 16 * 10e-6], [64.0, 64 * 6e-6]],
+              "1048576": [[16.0, 16 * 20e-6], [64.0, 64 * 12e-6]]}
+    with_curve = dataclasses.replace(cal, optimizer_host={"AdamW:foreach": curves})
+    without = dataclasses.replace(cal, optimizer_host={})
+    t = (28 - 16) / (64 - 16)
+    small, large = 10e-6 + t * (6e-6 - 10e-6), 20e-6 + t * (12e-6 - 20e-6)
+    want = 18 * small + 10 * large
+
+    def host(c):
+        p = predict(g, gpu, c)
+        return [o.host_s for o in p.ops if o.phase == "optimizer"]
+
+    got, before = host(with_curve), host(without)
+    assert sum(got) == pytest.approx(want, rel=1e-9)
+    assert [a / b for a, b in zip(got, before, strict=True)] == pytest.approx(
+        [want / sum(before)] * len(got))

@@ -310,3 +310,17 @@ def get_case(name: str) -> ZooCase:
     except KeyError:
         raise GobrrrError(f"unknown zoo case {name!r}: choose one of "
                           f"{', '.join(_BY_NAME)}") from None
+
+
+def prepared(name: str, device: str = "cuda"):
+    """(case, workload, optimizer, scaler): the case built on `device` (seeded) and prepared
+    as measure.py prepares it."""
+    import torch
+
+    from gobrrr.profile.runner import prepare
+
+    case = get_case(name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        wl = case.build(case.batch, case.seq)
+    return (case, *prepare(wl, device, case.precision, "none", case.compile))

@@ -313,7 +313,10 @@ class Calibration:
     {"<copy|pointwise>:<path>": [[bytes, bytes/s], ...]}, and of torch's `_foreach_*` list
     kernels over the lists' bytes, "foreach" (`profile.calibrate_paths`).
     `softmax_grid`: bytes/s of _log_softmax, _softmax and their backwards over the row width
-    and the rows, {"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]}."""
+    and the rows, {"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]}.
+    `optimizer_host`: host seconds to issue a whole optimizer step (and zero_grad) over its
+    number of parameter tensors, by parameter size, {"AdamW:foreach" | ...: {"<elements>":
+    [[tensors, seconds], ...]}} (`profile.calibrate_host.optimizer_host`)."""
 
     gpu: str
     device_name: str
@@ -347,6 +350,7 @@ class Calibration:
     offload: dict[str, Any] = field(default_factory=dict)
     path_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     softmax_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    optimizer_host: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -16,6 +16,29 @@ import torch
 
 from gobrrr.errors import GobrrrError
 
+
+def optimizer_key(opt: torch.optim.Optimizer) -> str:
+    """How the calibration keys an optimizer's host cost (`Calibration.optimizer_host`): its
+    class and implementation, and what changes its code path: Adam's and SGD's weight decay
+    (added to the gradients out of place, ":wd"), SGD without momentum (":plain"); e.g.
+    "AdamW:foreach", "SGD:foreach:wd"."""
+    groups = opt.param_groups
+    impl = ("fused" if all(bool(g.get("fused")) for g in groups) else
+            "foreach" if all(bool(g.get("foreach")) for g in groups) else "for-loop")
+    name = type(opt).__name__
+    key = f"{name}:{impl}"
+    if name in ("Adam", "SGD") and any(g.get("weight_decay") for g in groups):
+        key += ":wd"
+    if name == "SGD" and not any(g.get("momentum") for g in groups):
+        key += ":plain"
+    return key
+
+
+#: a parameter whose bytes exceed this is served by the caching allocator's large pool (its
+#: per-step host cost in a foreach optimizer is measured apart: `Calibration.optimizer_host`)
+LARGE_TENSOR_BYTES = 2**20
+
+
 #: Hyper-parameters carried from the user's Adam/AdamW to the optimizer that replaces it.
 HYPER = ("lr", "betas", "eps", "weight_decay")
 

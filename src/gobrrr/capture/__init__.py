@@ -31,6 +31,7 @@ from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.fused_loss import as_on_cuda
 from gobrrr.graph import StepGraph
+from gobrrr.optim import LARGE_TENSOR_BYTES, optimizer_key
 from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.step import TrainStep, make_scaler, split_batch
 from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
@@ -286,6 +287,16 @@ class _Step(TrainStep):
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer as the time model looks its host cost up (`Calibration.optimizer_host`):
+    its class and implementation, the parameter tensors it steps and how many of those are
+    large (over LARGE_TENSOR_BYTES)."""
+    groups = opt.param_groups
+    params = [p for g in groups for p in g["params"] if p.requires_grad]
+    return {"key": optimizer_key(opt), "tensors": len(params),
+            "large": sum(1 for p in params if p.numel() * p.element_size() > LARGE_TENSOR_BYTES)}
+
+
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     for n, p in w.model.named_parameters():
@@ -429,7 +440,8 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
                                             AUTOGRAD: saved.meta(),
-                                            "gradient_sums_in_place": in_place})
+                                            "gradient_sums_in_place": in_place,
+                                            "optimizer": _optimizer_meta(step.optimizer)})
 
 
 def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:

@@ -18,6 +18,7 @@ from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
+from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
@@ -220,6 +221,7 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
                 for n, c in zip(graph.nodes, costs, strict=True))
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
+    ops = _optimizer_host(graph, ops, rates)
     host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat,
                                  _offloaded(graph, ops))
     step = max(host_t, device_t)
@@ -291,6 +293,40 @@ def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
         landed.update((p, t + shift) for p, t in landed.items())
     run(ops[end:])
     return max(host_t, link_t), device_t
+
+
+def _per_tensor(points: list[list[float]], tensors: int) -> float:
+    """Host seconds per parameter tensor of an optimizer step over `tensors` of them, from
+    [[tensors, seconds], ...]: seconds per tensor interpolated in the count, held at the
+    ends."""
+    return interp([p[0] for p in points], [p[1] / p[0] for p in points], tensors)
+
+
+def _optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
+                    ) -> tuple[OpTime, ...]:
+    """The optimizer step's host seconds as measured for its optimizer, by its number of
+    parameter tensors and how many are large (the calibration's `optimizer_host`: per tensor
+    at that count, the small and the large ones each at their own size's curve), in place of
+    its ops' per-op costs, shared among them as those were. Unchanged where the graph does not
+    name its optimizer or the calibration did not measure it."""
+    info = graph.meta.get("optimizer") or {}
+    curves = (rates.cal.optimizer_host if rates.cal else {}).get(info.get("key", ""))
+    idx = [o.index for o in ops if o.phase == "optimizer"]
+    tensors, large = info.get("tensors") or 0, info.get("large") or 0
+    if not curves or not idx or tensors <= 0:
+        return ops
+    by_size = sorted((int(k), v) for k, v in curves.items())
+    small_pts, large_pts = by_size[0][1], by_size[-1][1]
+    total = ((tensors - large) * _per_tensor(small_pts, tensors)
+             + large * _per_tensor(large_pts, tensors))
+    weights = graph.weights()
+    before = sum(ops[i].host_s * weights[i] for i in idx)
+    if before <= 0:
+        return ops
+    out = list(ops)
+    for i in idx:
+        out[i] = replace(ops[i], host_s=ops[i].host_s * total / before)
+    return tuple(out)
 
 
 def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:

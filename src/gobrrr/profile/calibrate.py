@@ -115,6 +115,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
         "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
+        "optimizer_host": lambda d: {"optimizer_host": ch.optimizer_host(d)},
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
         "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
         "optim8": optim8_section,

@@ -143,6 +143,60 @@ def _host_cases(dev: torch.device):
     yield "add", lambda: aten.add(a, a)
 
 
+#: optimizers whose whole step's host cost is measured, by gobrrr.optim.optimizer_key
+OPTIMIZERS = (
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True),
+)
+OPTIMIZER_PARAMS = (16, 64, 256, 1024)  # parameter tensors per step
+#: parameter elements: served by the caching allocator's small pool, and by its large one
+OPTIMIZER_SIZES = (64, 2**20)
+
+
+def optimizer_host(dev: torch.device, reps: int = 15) -> dict[str, dict[str, list[list[float]]]]:
+    """{key: {"<elements>": [[parameter tensors, host seconds], ...]}}: the host's time to
+    issue `optimizer.step()` then `zero_grad(set_to_none=True)`, as a training step runs them,
+    over OPTIMIZER_PARAMS fp32 parameters of each of OPTIMIZER_SIZES elements (the GPU
+    synchronised outside the timed call); the median over `reps` steps after 3 (the first
+    makes the state). A foreach optimizer costs the host per parameter tensor: its Python
+    (the state's lists, the bias corrections read from host step counters) and the
+    allocations of its list ops' outputs, dearer for large-pool tensors (measured on an H100
+    in benchmarks/results/optimizer_host_profile_h100.json: AdamW's step ~25 us of Python
+    per tensor, 7 us per large output allocated)."""
+    from gobrrr.optim import optimizer_key
+
+    out: dict[str, dict[str, list[list[float]]]] = {}
+    for make in OPTIMIZERS:
+        key = optimizer_key(make([torch.zeros(1, device=dev, requires_grad=True)]))
+        out[key] = {}
+        for size in OPTIMIZER_SIZES:
+            points = []
+            for n in OPTIMIZER_PARAMS:
+                params = [torch.zeros(size, device=dev, requires_grad=True) for _ in range(n)]
+                grads = [torch.ones(size, device=dev) for _ in range(n)]
+                opt = make(params)
+                times = []
+                for r in range(reps + 3):
+                    for p, g in zip(params, grads, strict=True):
+                        p.grad = g
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    t = time.perf_counter() - t0
+                    _sync(dev)
+                    if r >= 3:
+                        times.append(t)
+                points.append([float(n), statistics.median(times)])
+                del opt, params, grads
+                torch.cuda.empty_cache()
+            out[key][str(size)] = points
+    return out
+
+
 def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
     """Host seconds per call that ops heavier on the host than a plain kernel launch add over
     an elementwise add (keys "op:dtype"): cuDNN convolutions (forward, backward) and batch

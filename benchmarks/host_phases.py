@@ -5,13 +5,15 @@
     python benchmarks/host_phases.py OUT.json --compare  # on any machine: the predictions
 
 Each case in a fresh process, as benchmarks/zoo/measure.py runs it (built on the GPU,
-prepared, 3 warm-up steps); then 7 steps, each with the host's clock read around its forward
-and loss, its backward and its optimizer step and zero_grad, without synchronising in between
-(the GPU's queue never blocks the host while the host is the slower side), and the whole step
-to the end of its GPU work. The medians per phase. A phase's issue time is what the host
-spends on it (the Python, the dispatcher, the launches; for backward the autograd engine's
-thread) as long as the GPU keeps up. `--compare` adds gobrrr's per-phase host seconds (the sum
-of its ops' predicted host time, `OpTime.host_s`) and step time for each case.
+prepared, 3 warm-up steps; a zoo case by name, a built-in model as
+"model:batch:seq:checkpoint", e.g. "gpt2-xl:4:1024:full", in bf16-mixed); then 7 steps, each
+with the host's clock read around its forward and loss, its backward and its optimizer step
+and zero_grad, without synchronising in between (the GPU's queue never blocks the host while
+the host is the slower side), and the whole step to the end of its GPU work. The medians per
+phase. A phase's issue time is what the host spends on it (the Python, the dispatcher, the
+launches; for backward the autograd engine's thread) as long as the GPU keeps up.
+`--compare` adds gobrrr's per-phase host seconds (the sum of its ops' predicted host time,
+`OpTime.host_s`) and step time for each case.
 """
 
 from __future__ import annotations
@@ -34,17 +36,62 @@ CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "distilbert-mlm", "
 PHASES = ("forward", "backward", "optimizer")
 
 
+BUILTIN_PRECISION = "bf16-mixed"
+
+
+def _builtin(name: str) -> tuple[str, int, int, str] | None:
+    """A built-in model's case, "model:batch:seq:checkpoint" (e.g. "gpt2-xl:4:1024:full"):
+    (model, batch, seq, checkpoint); None for a zoo case's name."""
+    if ":" not in name:
+        return None
+    model, batch, seq, ckpt = name.split(":")
+    return model, int(batch), int(seq), ckpt
+
+
+def _prepared(name: str):
+    """(precision, workload, optimizer, scaler) of a zoo case or a built-in model's case."""
+    spec = _builtin(name)
+    if spec is None:
+        from zoo.cases import prepared
+
+        case, wl, opt, scaler = prepared(name)
+        return case.precision, wl, opt, scaler
+    import torch
+
+    from gobrrr.models.registry import get_workload
+    from gobrrr.profile.runner import prepare
+
+    model, batch, seq, ckpt = spec
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        wl = get_workload(model, batch_size=batch, seq_len=seq)
+    return (BUILTIN_PRECISION, *prepare(wl, "cuda", BUILTIN_PRECISION, ckpt))
+
+
+def _predicted(name: str):
+    spec = _builtin(name)
+    if spec is None:
+        from zoo import compare as zc
+        from zoo.cases import get_case
+
+        return zc.predict(get_case(name))
+    import gobrrr
+
+    model, batch, seq, ckpt = spec
+    return gobrrr.estimate(model, gpu="h100", batch=batch, seq=seq,
+                           precision=BUILTIN_PRECISION, checkpoint=ckpt)
+
+
 def one(name: str) -> dict:
     import torch
-    from zoo.cases import prepared
 
     from gobrrr.step import autocast_for
 
-    case, wl, opt, scaler = prepared(name)
+    precision, wl, opt, scaler = _prepared(name)
 
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
-        with autocast_for(case.precision, "cuda"):
+        with autocast_for(precision, "cuda"):
             loss = wl.compute_loss(wl.batch)
         t1 = time.perf_counter()
         (scaler.scale(loss) if scaler else loss).backward()
@@ -69,17 +116,14 @@ def one(name: str) -> dict:
 
 
 def compare(path: Path) -> None:
-    from zoo import compare as zc
-    from zoo.cases import get_case
-
     doc = json.loads(path.read_text())
     for row in doc["rows"]:
         if "error" in row:
             continue
-        est = zc.predict(get_case(row["name"]))
+        est = _predicted(row["name"])
         host = dict.fromkeys(PHASES, 0.0)
         for o in est.time.ops:
-            key = "forward" if o.phase == "recompute" else o.phase
+            key = "backward" if o.phase == "recompute" else o.phase  # runs inside backward
             host[key] = host.get(key, 0.0) + o.host_s
         row["predicted"] = {**host, "step": est.time.step_s, "device": est.time.device_s}
         print(f"{row['name']:26s} " + "  ".join(

@@ -7,23 +7,17 @@ backward at batch 8 over lengths around 500 and 1000, with the kernels cuDNN ran
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
-from gobrrr.kernels.bench import cuda_kernels, write_json
+from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 from gobrrr.profile.timing import time_op
 
 LENGTHS = (496, 499, 500, 511, 512, 999, 1000, 1024)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("conv1d_lengths: needs a CUDA GPU", file=sys.stderr)
+    out = gpu_out_arg(__doc__, "conv1d_lengths", argv)
+    if out is None:
         return 2
     dev, aten, rows = torch.device("cuda"), torch.ops.aten, []
     w = torch.randn(768, 48, 128, device=dev, dtype=torch.bfloat16) * 0.05
@@ -43,7 +37,7 @@ def main(argv=None) -> int:
             row["forward_tflops"] = row["flops_forward"] / row["forward_s"] / 1e12
             rows.append(row)
             print({k: v for k, v in row.items() if k != "forward_kernels"}, flush=True)
-    write_json(args.out, {"benchmark": "grouped conv1d lengths", "rows": rows})
+    write_json(out, {"benchmark": "grouped conv1d lengths", "rows": rows})
     return 0
 
 

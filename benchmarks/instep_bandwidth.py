@@ -15,13 +15,11 @@ Also the kernel each case runs, as the evidence for the calibration's kernel pat
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 
 import torch
 
-from gobrrr.kernels.bench import cuda_kernels, write_json
+from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 from gobrrr.profile.timing import flush_buffer
 
 N = 2**26  # elements (128 MiB bf16)
@@ -68,11 +66,8 @@ def settings(name: str, make, match: str, footprint: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("instep_bandwidth: needs a CUDA GPU", file=sys.stderr)
+    out = gpu_out_arg(__doc__, "instep_bandwidth", argv)
+    if out is None:
         return 2
     dev = torch.device("cuda")
     free = torch.cuda.mem_get_info()[0]
@@ -111,9 +106,9 @@ def main(argv=None) -> int:
         ks = cuda_kernels(fn)
         paths.append({"path": key, "op": op, "kernels": sorted({k for k, _ in ks})})
         break
-    write_json(args.out, {"benchmark": "in-step bandwidth", "settings": rows,
+    write_json(out, {"benchmark": "in-step bandwidth", "settings": rows,
                           "paths": paths})
-    print(args.out)
+    print(out)
     return 0
 
 

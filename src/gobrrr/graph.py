@@ -71,6 +71,17 @@ class TensorInfo:
         """Bytes of the elements this view covers (what a kernel reading it once moves)."""
         return self.numel * self.itemsize
 
+    def is_dense(self) -> bool:
+        """Non-overlapping and dense (torch's is_non_overlapping_and_dense): the strides,
+        sorted, step through every element exactly once (in some order of the dims)."""
+        expected = 1
+        for st, sz in sorted((st, sz) for sz, st in zip(self.shape, self.stride, strict=False)
+                             if sz > 1):
+            if st != expected:
+                return False
+            expected *= sz
+        return True
+
     def is_contiguous(self) -> bool:
         expected = 1
         for size, stride in reversed(list(zip(self.shape, self.stride, strict=False))):

@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gobrrr.graph import TensorInfo
-
 if TYPE_CHECKING:
     from gobrrr.capture.recorder import Recorder, _Storage
     from gobrrr.graph import OpNode
@@ -64,18 +62,6 @@ def is_engine_sum(recorder: Recorder, name: str, args: tuple) -> bool:
             and isinstance(args[0], torch.Tensor) and not args[0]._is_view())
 
 
-def dense(t: TensorInfo) -> bool:
-    """Non-overlapping and dense (torch's is_non_overlapping_and_dense): the strides, sorted,
-    step through every element exactly once."""
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride, strict=True) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
 def in_place(records: list[_Storage], nodes: list[OpNode], sums: list[int]) -> int:
     """Rewrite the trace for the engine's sums at op indices `sums` that the GPU makes in
     place (see the module docstring): the sum's storage is the first gradient's block, so
@@ -93,7 +79,7 @@ def in_place(records: list[_Storage], nodes: list[OpNode], sums: list[int]) -> i
         old, new = first.storage, out.storage
         if (records[old].freed != i or new == old or new not in node.allocs
                 or old not in made_by or first.dtype != out.dtype or first.shape != out.shape
-                or not dense(first)):
+                or not first.is_dense()):
             continue
         maker = nodes[made_by[old]]
         nodes[maker.index] = dataclasses.replace(

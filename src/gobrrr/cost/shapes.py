@@ -303,7 +303,7 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
         ins = ins[-1:]  # copy_(self, src): the source
     dims = [d for d, s in enumerate(out.shape) if s > 1]
     inner = min(dims, key=lambda d: out.stride[d]) if dims else None
-    if inner is None or out.stride[inner] != 1 or not _dense(out):
+    if inner is None or out.stride[inner] != 1 or not out.is_dense():
         return "transposed"
     layouts, bcast, bcast_inner = [], False, False
     for t in ins:
@@ -333,17 +333,6 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
     if len(dtypes) > 1 or (dtypes and out.dtype not in dtypes and out.dtype != "bool"):
         return "dyncast"
     return "vector"
-
-
-def _dense(t) -> bool:
-    """The tensor's elements fill its span with no gaps or overlaps, in some dim order."""
-    pairs = sorted((st, sz) for sz, st in zip(t.shape, t.stride, strict=False) if sz > 1)
-    expected = 1
-    for st, sz in pairs:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 def _aligned_strides(t, shape: tuple[int, ...]) -> list[int] | None:

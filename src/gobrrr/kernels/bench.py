@@ -131,6 +131,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
+def gpu_out_arg(doc: str, name: str, argv: Sequence[str] | None = None) -> str | None:
+    """The OUT.json path of a GPU benchmark's command line (its only argument; `doc`, the
+    script's docstring, describes it); None, after one line on stderr, without a CUDA GPU."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    return args.out
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write payload (plus version and environment) as indented JSON; returns the path."""
     path = Path(path)

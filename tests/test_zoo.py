@@ -37,17 +37,7 @@ TIME_EVERY_MAX = 0.15  # every case's |error| of the step time
 
 # Known misses, {case: {"alloc" | "reserved" | "time": cause}}: left out of the per-case
 # bounds, and required to still miss them, so that a fix shows here.
-_COMPILED = ("traced as AOTAutograd partitions it (gobrrr.capture.compiled). The H100's "
-             "allocator trace (zoo_diagnose_plain_h100.json) has two ~786 MiB blocks alive at "
-             "the peak, early in backward: the logits in a padded-stride buffer (824180656 "
-             "bytes, rows of 50304: Inductor pads the LM head's output, which leaves the "
-             "compiled region at the graph break before Hugging Face's loss) and their "
-             "823410688-byte gradient; the trace holds one at a time. Holding a fused "
-             "kernel's inputs until its output is made gives -4.5% here but +12% on gobrrr's "
-             "GPT-2 compiled whole (compiled_h100_run1.json, -1.1% as it is), where Inductor "
-             "writes the gradient into the logits' buffer; when Inductor pads is not modelled")
 KNOWN_MISSES: dict[str, dict[str, str]] = {
-    "gpt2-124m-compiled": {"alloc": _COMPILED, "reserved": _COMPILED},
     "convnext_tiny-timm-gc": {
         "reserved": ("under the measured protocol's allocator trace (zoo_diagnose_plain_h100."
                      "json, no dispatch mode) step 1 matches: 32 segments, 1644 MiB predicted "

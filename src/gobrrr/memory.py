@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gobrrr.cost import attention_scratch, conv, norm_scratch, reduce_scratch
+from gobrrr.cost import attention_scratch, conv, norm_scratch, pad_scratch, reduce_scratch
 from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
@@ -329,7 +329,7 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
     convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
     (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
-    and `cost.norm_scratch`),
+    and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_scratch`),
     replayed through the caching allocator against the memory CUDA leaves the process."""
     return simulate(graph, workspace=blas_workspace_ops(graph, gpu, cal),
                     scratch=step_scratch(graph, cal), budget=process_budget(gpu, cal))
@@ -339,7 +339,8 @@ def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[i
     """{op index: blocks} every op of the step allocates and frees inside itself."""
     optim = {n.index: b for n in graph.nodes if (b := adam8bit_scratch(n))}
     return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
-                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph), optim)
+                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph),
+                         pad_scratch.scratch(graph), optim)
 
 
 def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:

@@ -9,6 +9,8 @@ Hugging Face's GPT-2 allocated on an H100.
 
 from __future__ import annotations
 
+import math
+
 from gobrrr.cost import pad_scratch
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.memory import simulate
@@ -216,3 +218,36 @@ def test_pad_copies_are_a_compiled_matmul_s_scratch_and_free_an_operand_it_reads
         assert planned.meta["inductor"]["padded"] == 1
         assert g.storages[2].freed == 1
         assert planned.storages[2].freed == (0 if made_in_forward else 1)
+
+
+def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
+    # the same misaligned (4096 x 1001) @ (1001 x 1024) bf16 matmul, compiled: at the aligned
+    # rate, plus two copy kernels that read each operand and write its padded copy
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.cost.rates import Rates
+    from gobrrr.cost.roofline import predict, time_op
+    from gobrrr.hardware import get_gpu
+
+    m, k, n = 4096, 1001, 1024
+    a = TensorInfo((m, k), (k, 1), "bfloat16", 0)
+    b = TensorInfo((k, n), (n, 1), "bfloat16", 1)
+    node = OpNode(0, "aten.mm.default", "forward", "m", (a, b),
+                  (TensorInfo((m, n), (n, 1), "bfloat16", 2),), args=({"t": 0}, {"t": 1}),
+                  allocs=(2,))
+    storages = (StorageInfo(0, a.nbytes, "activation", -1, None),
+                StorageInfo(1, b.nbytes, "parameter", -1, None),
+                StorageInfo(2, m * n * 2, "activation", 0, None))
+    gpu = get_gpu("h100")
+    eager = StepGraph((node,), storages, {"tokens": 1, "precision": "bf16-mixed"})
+    compiled = StepGraph((node,), storages, {**eager.meta, "compiled_regions": [
+        ["forward", 0, 0]]})
+    copies = pad_scratch.copies(node)
+    assert [c for _, c in copies] == [m * 1008 * 2, 1008 * n * 2]
+    moved = a.nbytes + b.nbytes + sum(c for _, c in copies)
+    rates = Rates(gpu, None)
+    cost = op_cost(node, False)
+    aligned = time_op(node, cost, rates, padded=True).device_s  # no misalignment penalty
+    padded = predict(compiled, gpu, compiled=True).ops[0]
+    expect = aligned + moved / rates.bandwidth("copy") + 2 * rates.latency
+    assert math.isclose(padded.device_s, expect, rel_tol=1e-9)
+    assert padded.device_s < predict(eager, gpu).ops[0].device_s  # misaligned is slower

@@ -338,15 +338,24 @@ def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
 def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
               rates: Rates) -> tuple[OpTime, ...]:
     """Replace each fused group by one kernel; compiled code launches kernels from a
-    generated wrapper, so no per-op eager dispatch cost remains."""
+    generated wrapper, so no per-op eager dispatch cost remains. A misaligned 16-bit matmul
+    runs at the aligned rate on padded copies of its operands (pad_mm), whose copy kernels
+    (each reads its operand and writes the padded copy: `cost.pad_scratch`) it pays for."""
+    from gobrrr.cost import pad_scratch
     from gobrrr.cost.fusion import extern, fuse, regions
 
     out = list(ops)
     region = regions(graph)
+    pads = pad_scratch.by_op(graph)
     for o in ops:
         if region[o.index] >= 0 and extern(graph.nodes[o.index], costs[o.index]):
             t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)
-            out[o.index] = replace(t, host_s=rates.launch * max(costs[o.index].launches, 1))
+            if copies := pads.get(o.index):
+                moved = sum(src.nbytes + nbytes for src, nbytes in copies)
+                copy_s = moved / rates.bandwidth("copy") + rates.latency * len(copies)
+                t = replace(t, bytes=t.bytes + moved, device_s=t.device_s + copy_s)
+            launches = max(costs[o.index].launches, 1) + len(copies or ())
+            out[o.index] = replace(t, host_s=rates.launch * launches)
     for g in fuse(graph, costs):
         first = graph.nodes[g.nodes[0]]
         t = time_op(first, g.cost, rates)

@@ -139,7 +139,8 @@ def main(argv=None) -> int:
             return
         pr = row["profiled"]
         print(row["name"], " ".join(
-            f"{p} {row[p] * 1e3:.1f}ms/{pr[p]['ops']:.0f} ops (profiled {pr[p]['span_us'] / 1e3:.1f})"
+            f"{p} {row[p] * 1e3:.1f}ms/{pr[p]['ops']:.0f} ops "
+            f"(profiled {pr[p]['span_us'] / 1e3:.1f})"
             for p in PHASES if p in pr), flush=True)
 
     run_cases(str(HERE), args.out, args.cases.split(","), VERSION, report)

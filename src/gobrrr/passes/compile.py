@@ -133,7 +133,7 @@ class _Planner:
                         self._take_over(sid, out)
                         in_place += 1
                         break
-        for r, (_, first, last) in enumerate(self.runs):
+        for _, first, last in self.runs:
             reused += self._pool(first, last)
         return {"in_place": in_place, "reused": reused, "padded": self._padded()}
 

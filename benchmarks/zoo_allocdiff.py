@@ -69,13 +69,15 @@ def _label(strings: list[str], op: list[int]) -> str:
 
 
 def replay_real(row: dict) -> dict:
-    """The real events through gobrrr's allocator, with cudaMalloc's addresses; the peaks of
-    the last step (reset at its start, as on the GPU) beside the GPU's own."""
+    """The real events through gobrrr's allocator, with cudaMalloc's addresses (and with the
+    modelled ones, which differ where equal-size free blocks compete); the peaks beside the
+    GPU's own."""
     evs = [("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])
            for s in real_steps(row) for e in s["events"] if e[0] in (0, 1)]
     addrs = [e[3] for s in real_steps(row) for e in s["events"] if e[0] == 2]
     full = replay(evs, addresses=addrs)
     return {"reserved_replayed": full.stats.reserved_peak, "segments": full.stats.segments_peak,
+            "reserved_modelled_addresses": replay(evs).stats.reserved_peak,
             "reserved_gpu": row["max_memory_reserved"],
             "segments_gpu": row["stats"].get("segment.all.peak")}
 

@@ -10,6 +10,13 @@ Hugging Face's GPT-2 allocated on an H100.
 from __future__ import annotations
 
 import math
+import re
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 from gobrrr.cost import pad_scratch
 from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
@@ -251,3 +258,75 @@ def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
     expect = aligned + moved / rates.bandwidth("copy") + 2 * rates.latency
     assert math.isclose(padded.device_s, expect, rel_tol=1e-9)
     assert padded.device_s < predict(eager, gpu).ops[0].device_s  # misaligned is slower
+
+
+class _LNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.ln = nn.Linear(64, 256), nn.LayerNorm(256)
+        self.fc, self.out = nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(torch.nn.functional.silu(self.fc(self.ln(h)))) + h
+
+
+_MODELS = {
+    "mlp-gelu": lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256),
+                                      nn.GELU(), nn.Linear(256, 64)),
+    "mlp-tanh": lambda: nn.Sequential(nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 256),
+                                      nn.Tanh(), nn.Linear(256, 64)),
+    "ln-block": _LNBlock,
+}
+_REUSE = re.compile(r"^buf\d+ = (buf\d+); del buf\d+  # reuse$")
+_CALL = re.compile(r"^[\w.]+\(")
+
+
+def _written_into(code: str) -> int:
+    """Lines "bufA = bufB; del bufB  # reuse" of a generated wrapper whose bufB a kernel had
+    written (a buffer aliased right after it is allocated, before any kernel, is one buffer)."""
+    called: set[str] = set()
+    count = 0
+    for line in code[code.index("def call("):].splitlines():
+        line = line.strip()
+        if m := _REUSE.match(line):
+            count += m.group(1) in called
+        elif _CALL.match(line):
+            called.update(re.findall(r"\bbuf\d+\b", line))
+    return count
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="Inductor's CPU code generation needs a C++ compiler")
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
+    # Inductor compiles the step on the CPU (its wrapper plans memory as on a GPU); each line
+    # "bufA = bufB; del bufB  # reuse" of its code is an output written into another buffer
+    # (in place, or from the planner's pool). The pass makes as many, and prefers a buffer made
+    # in the graph to a donated one (in the MLPs' backward both are read last by the kernel
+    # of the activation's gradient; Inductor wrote into the matmul's output).
+    import gobrrr
+    from gobrrr.capture import capture
+
+    torch.manual_seed(0)
+    model, x = _MODELS[name](), torch.randn(128, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+
+    def step():
+        out = compiled(x)
+        (out * out).mean().backward()
+
+    step()
+    _, codes = run_and_get_code(step)
+    torch._dynamo.reset()
+    written = sum(_written_into(c) for c in codes)
+
+    def make():
+        torch.manual_seed(0)
+        return gobrrr.Workload(model=_MODELS[name](), batch=(torch.randn(128, 64),),
+                               loss=lambda y, b: (y * y).mean(),
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+    done = capture(make, precision="fp32", compile=True).meta["inductor"]
+    assert done["in_place"] + done["reused"] == written == 3

@@ -23,7 +23,9 @@ What is allocated, Inductor's generated code allocates and frees as its wrapper 
   (`decide_inplace_update`): same dtype, the output's size 95-100% of the input's, and the
   input made inside this graph, or a tensor the forward saved for backward that is neither an
   input nor an output of the forward (a donated buffer, AOTAutograd's
-  `collect_bw_donated_buffer_idxs`); a graph's own inputs are never reused;
+  `collect_bw_donated_buffer_idxs`), a buffer made in the graph before a donated one (as
+  Inductor's code chose where both were read last: tests/test_inductor_memory.py); a graph's
+  own inputs are never reused;
 - an allocation takes the buffer of a dead tensor made inside the same graph run with the
   same dtype and size (`AllocateLine.plan`, the memory planner's pool), which then stays
   allocated from that tensor's death to its reuse;
@@ -127,6 +129,7 @@ class _Planner:
             free = [sid for sid in held.get(hi, ())
                     if self.storages[sid].nbytes > 0 and
                     (self.storages[sid].created >= first or sid in donated)]
+            free.sort(key=lambda sid: self.storages[sid].created < first)  # donated last
             for out in self._outputs(lo, hi):
                 for sid in free:
                     if sid not in self.handed and self._fits_in_place(sid, out):

@@ -278,6 +278,8 @@ _MODELS = {
                                       nn.Tanh(), nn.Linear(256, 64)),
     "ln-block": _LNBlock,
 }
+#: outputs written into other buffers in Inductor's code (in place or from the pool)
+_WRITTEN = {"mlp-gelu": 3, "mlp-tanh": 3, "ln-block": 3}
 _REUSE = re.compile(r"^buf\d+ = (buf\d+); del buf\d+  # reuse$")
 _CALL = re.compile(r"^[\w.]+\(")
 
@@ -304,7 +306,13 @@ def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
     # "bufA = bufB; del bufB  # reuse" of its code is an output written into another buffer
     # (in place, or from the planner's pool). The pass makes as many, and prefers a buffer made
     # in the graph to a donated one (in the MLPs' backward both are read last by the kernel
-    # of the activation's gradient; Inductor wrote into the matmul's output).
+    # of the activation's gradient; Inductor wrote into the matmul's output). Not modelled:
+    # a LayerNorm backward with no residual gradient added to it (Linear-LayerNorm-Linear)
+    # that Inductor writes into a new buffer, where the pass writes it into the matmul
+    # output it reads last (5 against 4 on such a stack); with a residual add, as in
+    # "ln-block", Inductor writes it in place too. And Inductor moves the weight gradients'
+    # matmuls late in its backward, which changes which dead buffers its pool can hand out:
+    # on a five-layer MLP 7 against 6.
     import gobrrr
     from gobrrr.capture import capture
 
@@ -329,4 +337,4 @@ def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
                                optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 
     done = capture(make, precision="fp32", compile=True).meta["inductor"]
-    assert done["in_place"] + done["reused"] == written == 3
+    assert done["in_place"] + done["reused"] == written == _WRITTEN[name]

@@ -50,3 +50,30 @@ def run_cases(script: str, out: str, names: list[str], version: int, report) -> 
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
         report(row)
     return doc
+
+
+def cases_main(argv, doc: str, script: str, cases, version: int, one, report,
+               actions: dict | None = None) -> int:
+    """The command line of a benchmark whose cases each run in a fresh process: `OUT
+    [--cases NAME,NAME]` runs `cases` (or those named) through `run_cases`, `--one NAME` (the
+    child) prints one(NAME)'s row; `actions` ({"--flag": fn(OUT)}) adds flags that each do
+    their own work on OUT instead. `doc`: the script's docstring."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--cases", default=",".join(cases))
+    for flag in actions or {}:
+        ap.add_argument(flag, action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for flag, fn in (actions or {}).items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            fn(Path(args.out))
+            return 0
+    if args.one:
+        print("ROW " + json.dumps(one(args.one)))
+        return 0
+    run_cases(script, args.out, args.cases.split(","), version, report)
+    return 0

@@ -16,18 +16,16 @@ per event is part of what it shows; the unprofiled phase times are beside it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import run_cases  # noqa: E402
-from host_phases import PHASES, _prepared  # noqa: E402
+from child_rows import cases_main  # noqa: E402
+from host_phases import PHASES, _prepared, timed_step  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "resnet50-tv-cl", "gpt2-124m",
@@ -60,32 +58,12 @@ def one(name: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from gobrrr.step import autocast_for
-
-    precision, wl, opt, scaler = _prepared(name)
+    prepared = _prepared(name)
 
     def step(mark: bool) -> dict[str, float]:
-        def region(phase):
-            return record_function(MARK + phase) if mark else _null()
-
-        t0 = time.perf_counter()
-        with region("forward"), autocast_for(precision, "cuda"):
-            loss = wl.compute_loss(wl.batch)
-        t1 = time.perf_counter()
-        with region("backward"):
-            (scaler.scale(loss) if scaler else loss).backward()
-        t2 = time.perf_counter()
-        with region("optimizer"):
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                "step": time.perf_counter() - t0}
+        if not mark:
+            return timed_step(*prepared)
+        return timed_step(*prepared, region=lambda phase: record_function(MARK + phase))
 
     for _ in range(3):
         step(False)
@@ -108,43 +86,24 @@ def one(name: str) -> dict:
             "tail_us": statistics.median(r["tail_us"] for r in runs),
             "by_op": {n: {k: statistics.median(r["by_op"].get(n, {}).get(k, 0.0) for r in runs)
                           for k in ("count", "op_us", "gap_us")} for n in sorted(names)}}
-    return {"name": name, "precision": precision,
+    return {"name": name, "precision": prepared[0],
             **{k: statistics.median(r[k] for r in plain) for k in (*PHASES, "step")},
             "profiled": profiled}
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def report(row: dict) -> None:
+    if "error" in row:
+        print(row["name"], row["error"], flush=True)
+        return
+    pr = row["profiled"]
+    print(row["name"], " ".join(
+        f"{p} {row[p] * 1e3:.1f}ms/{pr[p]['ops']:.0f} ops "
+        f"(profiled {pr[p]['span_us'] / 1e3:.1f})"
+        for p in PHASES if p in pr), flush=True)
 
 
 def main(argv=None) -> int:
-    import json
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.one:
-        print("ROW " + json.dumps(one(args.one)))
-        return 0
-
-    def report(row):
-        if "error" in row:
-            print(row["name"], row["error"], flush=True)
-            return
-        pr = row["profiled"]
-        print(row["name"], " ".join(
-            f"{p} {row[p] * 1e3:.1f}ms/{pr[p]['ops']:.0f} ops "
-            f"(profiled {pr[p]['span_us'] / 1e3:.1f})"
-            for p in PHASES if p in pr), flush=True)
-
-    run_cases(str(HERE), args.out, args.cases.split(","), VERSION, report)
-    return 0
+    return cases_main(argv, __doc__, str(HERE), CASES, VERSION, one, report)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ launches; for backward the autograd engine's thread) as long as the GPU keeps up
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import run_cases  # noqa: E402
+from child_rows import cases_main  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "distilbert-mlm", "pythia-410m",
@@ -82,36 +82,45 @@ def _predicted(name: str):
                            precision=BUILTIN_PRECISION, checkpoint=ckpt)
 
 
-def one(name: str) -> dict:
+def timed_step(precision: str, wl, opt, scaler,
+               region=lambda phase: contextlib.nullcontext()) -> dict[str, float]:
+    """One training step with the host's clock read around each phase (forward and loss,
+    backward, optimizer step and zero_grad; each inside `region(phase)`), not synchronising
+    in between: the host's seconds per phase, to its last issue ("issue") and to the end of
+    its GPU work ("step")."""
     import torch
 
     from gobrrr.step import autocast_for
 
-    precision, wl, opt, scaler = _prepared(name)
-
-    def step() -> dict[str, float]:
-        t0 = time.perf_counter()
-        with autocast_for(precision, "cuda"):
-            loss = wl.compute_loss(wl.batch)
-        t1 = time.perf_counter()
+    t0 = time.perf_counter()
+    with region("forward"), autocast_for(precision, "cuda"):
+        loss = wl.compute_loss(wl.batch)
+    t1 = time.perf_counter()
+    with region("backward"):
         (scaler.scale(loss) if scaler else loss).backward()
-        t2 = time.perf_counter()
+    t2 = time.perf_counter()
+    with region("optimizer"):
         if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                "issue": t3 - t0, "step": t4 - t0}
-
-    for _ in range(3):
-        step()
+    t3 = time.perf_counter()
     torch.cuda.synchronize()
-    runs = [step() for _ in range(7)]
+    t4 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
+            "issue": t3 - t0, "step": t4 - t0}
+
+
+def one(name: str) -> dict:
+    import torch
+
+    prepared = _prepared(name)
+    for _ in range(3):
+        timed_step(*prepared)
+    torch.cuda.synchronize()
+    runs = [timed_step(*prepared) for _ in range(7)]
     return {"name": name, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
 
 
@@ -134,22 +143,10 @@ def compare(path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--compare", action="store_true")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.compare:
-        compare(Path(args.out))
-        return 0
-    if args.one:
-        print("ROW " + json.dumps(one(args.one)))
-        return 0
-    run_cases(str(HERE), args.out, args.cases.split(","), VERSION, lambda row: print(
+    return cases_main(argv, __doc__, str(HERE), CASES, VERSION, one, lambda row: print(
         row["name"], row.get("error") or {k: round(v * 1e3, 1) for k, v in row.items()
-                                          if isinstance(v, float)}, flush=True))
-    return 0
+                                          if isinstance(v, float)}, flush=True),
+        actions={"--compare": compare})
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ profiled step, the CPU ops by self time (name, calls, self and total seconds).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import run_cases  # noqa: E402
+from child_rows import cases_main  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "resnet50-tv-cl", "gpt2-124m")
@@ -83,16 +81,7 @@ def report(row: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.one:
-        print("ROW " + json.dumps(one(args.one)))
-        return 0
-    run_cases(str(HERE), args.out, args.cases.split(","), VERSION, report)
-    return 0
+    return cases_main(argv, __doc__, str(HERE), CASES, VERSION, one, report)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,10 @@ class StepGraph:
     def phase_nodes(self, phase: str) -> list[OpNode]:
         return [n for n in self.nodes if n.phase == phase]
 
+    def allocated_by(self) -> dict[int, int]:
+        """Storage id -> index of the op that allocates it (its `allocs`)."""
+        return {sid: n.index for n in self.nodes for sid in n.allocs}
+
     @property
     def repeat(self) -> tuple[int, int, int] | None:
         """(start, end, times): nodes[start:end] stand for `times` identical runs of

@@ -70,16 +70,17 @@ def copies(node: OpNode, planned=lambda t: False) -> list[tuple[TensorInfo, int]
     return out
 
 
-def by_op(graph: StepGraph):
-    """{op index: [(operand, copy bytes)]} of the matmuls in a compiled capture's regions."""
+def by_op(graph: StepGraph, costs: list | None = None):
+    """{op index: [(operand, copy bytes)]} of the matmuls in a compiled capture's regions.
+    `costs`: the graph's `graph_costs`, where the caller has them."""
     runs = graph.meta.get("compiled_regions")
     if not runs:
         return {}
     from gobrrr.cost.flops import graph_costs
     from gobrrr.cost.fusion import extern
 
-    costs = graph_costs(graph)
-    made_by = {sid: n.index for n in graph.nodes for sid in n.allocs}
+    costs = graph_costs(graph) if costs is None else costs
+    made_by = graph.allocated_by()
     out: dict[int, list[tuple[TensorInfo, int]]] = {}
     for _, first, last in runs:
         def planned(t, first=first, last=last) -> bool:

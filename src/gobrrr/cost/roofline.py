@@ -346,7 +346,7 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
 
     out = list(ops)
     region = regions(graph)
-    pads = pad_scratch.by_op(graph)
+    pads = pad_scratch.by_op(graph, costs)
     for o in ops:
         if region[o.index] >= 0 and extern(graph.nodes[o.index], costs[o.index]):
             t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)

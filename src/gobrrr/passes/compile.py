@@ -101,7 +101,8 @@ class _Planner:
         self.nodes = list(graph.nodes)
         self.region = regions(graph)
         self.runs = graph.meta["compiled_regions"]
-        self.made_by = {sid: n.index for n in graph.nodes for sid in n.allocs}
+        self.costs = graph_costs(graph)
+        self.made_by = graph.allocated_by()
         self.dtype: dict[int, str] = {}
         for n in graph.nodes:
             for t in (*n.outputs, *n.inputs):
@@ -113,7 +114,7 @@ class _Planner:
         self.handed: set[int] = set()  # storages whose block another took over
 
     def run(self) -> dict[str, int]:
-        groups = fuse(self.graph, graph_costs(self.graph))
+        groups = fuse(self.graph, self.costs)
         donated = self._donated()
         in_place = reused = 0
         held: dict[int, list[int]] = {}  # group's last op -> storages it freed late
@@ -144,7 +145,7 @@ class _Planner:
         """A matmul operand that pad_mm copies and nothing reads after the matmul is freed
         once its copy is made, before the matmul runs (`cost.pad_scratch`: the copies are the
         matmul's scratch). Returns how many matmuls pad."""
-        made = pad_scratch.by_op(self.graph)
+        made = pad_scratch.by_op(self.graph, self.costs)
         for i, copies in made.items():
             for t, _ in copies:
                 s = self.storages[t.storage]

@@ -189,12 +189,14 @@ def test_zoo_against_h100():
 
 
 HOLDOUT_RESULTS = RESULTS.with_name("zoo_h100_holdout.json")
-# the held-out step times' median misses the 5% target (5.2%): what is claimed for them
-HOLDOUT_TIME_MEDIAN_CLAIMED = 0.06
+# the held-out step times' median misses the 5% target: 6.4% with every case's step the median
+# of two hosts' runs (zoo_h100_holdout.json, zoo_h100_holdout_run2.json): what is claimed
+HOLDOUT_TIME_MEDIAN_CLAIMED = 0.065
 # held-out cases (zoo.cases.HOLDOUT, measured after the model was fixed) that miss a bound
 HOLDOUT_MISSES: dict[str, dict[str, str]] = {
     "efficientnet_v2_s-tv-cl": {"time": (
-        "host-bound: its timed steps spread from 81 to 123 ms (zoo_h100_holdout.json); "
+        "host-bound: its timed steps spread from 81 to 123 ms on one host "
+        "(zoo_h100_holdout.json) and from 95 to 133 ms on another (zoo_h100_holdout_run2.json); "
         "profiled, its device phases are within 12% (zoo_profile_holdout_h100.json) and the "
         "host's per-op cost is the rest")},
 }

@@ -316,7 +316,12 @@ class Calibration:
     and the rows, {"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]}.
     `optimizer_host`: host seconds to issue a whole optimizer step (and zero_grad) over its
     number of parameter tensors, by parameter size, {"AdamW:foreach" | ...: {"<elements>":
-    [[tensors, seconds], ...]}} (`profile.calibrate_host.optimizer_host`)."""
+    [[tensors, seconds], ...]}} (`profile.calibrate_host.optimizer_host`).
+    `power_duty`: the power limit's hold on compute-bound kernels, {"bf16": [[duty, fraction],
+    ...]}: bf16 matmuls' achieved share of their burst rate (the rate every compute curve
+    above is measured at) when they take `duty` of the GPU's time, in a steady pattern with
+    memory-bound copies; "copy": the copies' share of theirs (`profile.calibrate_power`).
+    Empty: not measured (compute runs at the burst rates)."""
 
     gpu: str
     device_name: str
@@ -351,6 +356,7 @@ class Calibration:
     path_bandwidth: dict[str, list[list[float]]] = field(default_factory=dict)
     softmax_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     optimizer_host: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
 

@@ -78,6 +78,8 @@ class Prediction:
     peak_flops: float
     phase_s: dict[str, float]
     regime_s: dict[str, float]
+    #: compute-bound kernels' share of their burst rate under the power limit (`_power_limited`)
+    clock_fraction: float = 1.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,8 +224,12 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
     if compiled:
         ops = _compiled(graph, costs, ops, rates)
     ops = _optimizer_host(graph, ops, rates)
-    host_t, device_t = _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat,
-                                 _offloaded(graph, ops))
+
+    def schedule(ops):
+        return _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat,
+                         _offloaded(graph, ops))
+
+    ops, fraction, (host_t, device_t) = _power_limited(ops, graph.weights(), rates, schedule)
     step = max(host_t, device_t)
     weights = graph.weights()
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
@@ -240,8 +246,64 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
         model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.get("tokens") or 0),
         peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
-        phase_s=dict(phase_s), regime_s=dict(regime_s),
+        phase_s=dict(phase_s), regime_s=dict(regime_s), clock_fraction=fraction,
     )
+
+
+#: math modes whose compute-bound kernels run on the tensor cores (the power limit's hold on
+#: them is calibrated on bf16 matmuls; CUDA-core fp32 is left at its burst rate)
+TENSOR_CORE_MATH = ("bf16", "fp16", "fp8", "tf32")
+
+
+def _power_limited(ops: tuple[OpTime, ...], weights, rates: Rates, schedule
+                   ) -> tuple[tuple[OpTime, ...], float, tuple[float, float]]:
+    """The ops with their compute-bound tensor-core kernels slowed to the rate the power limit
+    leaves them, the fraction of the burst rate they run at, and `schedule`'s (host, device)
+    end times of those ops.
+
+    Every compute rate is calibrated in bursts; a GPU at its power limit lowers its clock
+    once compute-bound kernels take most of its time (`calibrate_power`). Their duty here is
+    their share of the step's time (idle time included: the board cools while the host is the
+    bottleneck), read off the step as scheduled; the calibrated curve gives the fraction
+    their rate keeps at that duty, and the fraction, applied, gives a new duty. Repeated to a
+    fixed point (a few rounds: the duty grows as the kernels slow, so the fraction settles
+    from above). Without `power_duty` in the calibration, the ops as they are."""
+    curve = rates.cal.power_duty.get("bf16") if rates.cal else None
+    if not curve:
+        return ops, 1.0, schedule(ops)
+    xs, ys = [0.0, *(p[0] for p in curve)], [1.0, *(min(p[1], 1.0) for p in curve)]
+    hot = [i for i, o in enumerate(ops) if o.math in TENSOR_CORE_MATH and o.compute_s > 0
+           and o.compute_s >= o.memory_s and o.device_s > 0]
+    fraction, out = 1.0, ops
+    for _ in range(8):
+        out = _slowed(ops, hot, fraction)
+        host_t, device_t = schedule(out)
+        step = max(host_t, device_t)
+        busy = sum(out[i].device_s * weights[i] for i in hot)
+        new = interp(xs, ys, busy / step) if step > 0 else 1.0
+        if abs(new - fraction) < 1e-4:
+            break
+        fraction = new
+    else:
+        out = _slowed(ops, hot, fraction)
+        host_t, device_t = schedule(out)
+    return out, fraction, (host_t, device_t)
+
+
+def _slowed(ops: tuple[OpTime, ...], hot: list[int], fraction: float) -> tuple[OpTime, ...]:
+    """`ops` with the compute time of those at `hot` over `fraction` (their device time
+    follows: the larger of compute and memory, plus what else it holds)."""
+    if fraction >= 1.0:
+        return ops
+    out = list(ops)
+    for i in hot:
+        o = ops[i]
+        compute = o.compute_s / fraction
+        rest = o.device_s - max(o.compute_s, o.memory_s)  # launch latency, layout copies
+        device = max(compute, o.memory_s) + rest
+        out[i] = replace(o, compute_s=compute, device_s=device,
+                         regime="overhead" if o.host_s >= device else "compute")
+    return tuple(out)
 
 
 def _schedule(ops: tuple[OpTime, ...], syncs: set[int],

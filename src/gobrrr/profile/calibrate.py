@@ -91,6 +91,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     from gobrrr.profile import calibrate_host as ch
     from gobrrr.profile import calibrate_offload as co
     from gobrrr.profile import calibrate_paths as cpa
+    from gobrrr.profile import calibrate_power as cpw
     from gobrrr.profile import calibrate_shapes as csh
     from gobrrr.profile import calibrate_step as cs
     from gobrrr.profile.calibrate_kernels import kernel_host_costs
@@ -119,6 +120,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},
         "blaslt_workspace": lambda d: {"blaslt_workspace": cs.blaslt_workspace(d)},
         "optim8": optim8_section,
+        "power_duty": lambda d: {"power_duty": cpw.power_duty(d)},
         "offload": co.offload_section,
     }
 

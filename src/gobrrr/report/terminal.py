@@ -112,6 +112,8 @@ def summary_lines(est: Estimate) -> list[Text]:
                 f" / memory {share.get('memory', 0):.0%} / overhead "
                 f"{share.get('overhead', 0):.0%} · bwd/fwd FLOPs "
                 f"{t.backward_forward_ratio():.2f}")
+    if t.clock_fraction < 1.0:
+        step.append(f" · power-limited: compute at {t.clock_fraction:.0%} of its burst rate")
     note = Text("MFU counts the FLOPs of the traced forward and backward (no recompute), HFU "
                 "every FLOP the step runs, both over the precision's dense matmul peak", "dim")
     return [head, peak, step, note]

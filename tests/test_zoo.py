@@ -189,16 +189,21 @@ def test_zoo_against_h100():
 
 
 HOLDOUT_RESULTS = RESULTS.with_name("zoo_h100_holdout.json")
-# the held-out step times' median misses the 5% target: 6.4% with every case's step the median
-# of two hosts' runs (zoo_h100_holdout.json, zoo_h100_holdout_run2.json): what is claimed
-HOLDOUT_TIME_MEDIAN_CLAIMED = 0.065
+# the held-out step times' median misses the 5% target: 5.3% with every case's step the median
+# of three hosts' runs (zoo_h100_holdout.json, _run2, _run3): what is claimed
+HOLDOUT_TIME_MEDIAN_CLAIMED = 0.055
 # held-out cases (zoo.cases.HOLDOUT, measured after the model was fixed) that miss a bound
 HOLDOUT_MISSES: dict[str, dict[str, str]] = {
     "efficientnet_v2_s-tv-cl": {"time": (
-        "host-bound: its timed steps spread from 81 to 123 ms on one host "
-        "(zoo_h100_holdout.json) and from 95 to 133 ms on another (zoo_h100_holdout_run2.json); "
-        "profiled, its device phases are within 12% (zoo_profile_holdout_h100.json) and the "
-        "host's per-op cost is the rest")},
+        "host-bound: its step measured 91, 109 and 118 ms on three hosts (zoo_h100_holdout.json, "
+        "_run2, _run3), its timed steps spreading from 81 to 136 ms; profiled, its device "
+        "phases are within 12% (zoo_profile_holdout_h100.json) and the host's per-op cost is "
+        "the rest: an add costs the second and third hosts 9.4 and 13.6 us a call "
+        "(host_op_classes_h100.json, _run2) against the calibration host's 9.8")},
+    "vit_small-timm": {"time": (
+        "host-bound (26 ms of host issue against 25 of kernels predicted): its step measured "
+        "30.7, 34.6 and 42.0 ms on three hosts, the slowest on the host whose add costs "
+        "13.6 us (host_op_classes_h100_run2.json)")},
 }
 
 

@@ -3,7 +3,7 @@
 A GPU keeps its board power under a limit (700 W on an H100 SXM) by lowering its clocks.
 Tensor-core matmuls at full rate draw more than the limit allows, so a stream of them runs at
 a lower clock than a short burst: on an H100, back-to-back bf16 matmuls ran at 660-710 TFLOP/s
-with the SM clock at 1200-1400 MHz, against 770-820 TFLOP/s when each ran alone after an idle
+with the SM clock at 1200-1500 MHz, against 770-823 TFLOP/s when each ran alone after an idle
 gap (benchmarks/results/matmul_sustained_h100.json). The calibration's compute rates are
 measured as such bursts (`timing.time_op`), so they hold for a step only as far as the step
 leaves the board room.

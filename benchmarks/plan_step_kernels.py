@@ -11,7 +11,8 @@ steps, 3 steps timed with CUDA events (median), then one step under torch.profil
 kernel's and copy's device time, summed by class (matmul, attention, the optimizer's update
 kernels, elementwise, reduction and norm, copy), and the time the device was busy (the union
 of the kernel intervals). `--compare` adds gobrrr's predicted device seconds per op kind and
-step for the same knobs (`Planner.cost`'s graph through `evaluate`).
+step for the same knobs (`Planner.cost`'s graph through `evaluate`), and the same kinds with
+compute at its burst rates (no power limit).
 """
 
 from __future__ import annotations
@@ -114,10 +115,13 @@ def configs(path: Path, roles: list[str]):
 
 
 def predicted(rec: dict, knobs: dict) -> dict:
-    """gobrrr's device seconds per op kind, and its step, for these knobs."""
+    """gobrrr's device seconds per op kind, and its step, for these knobs; the kinds also
+    with every kernel at its burst rate (the calibration without `power_duty`)."""
+    from dataclasses import replace
+
     from bench_plan import SCENARIOS
 
-    from gobrrr.evaluate import evaluate
+    from gobrrr.evaluate import Target, evaluate
     from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
@@ -131,11 +135,16 @@ def predicted(rec: dict, knobs: dict) -> dict:
     g = planner.search.graph(k)  # one micro-batch: its ops run `accumulation` times
     if k.checkpoint:
         g = checkpoint_pass(g, dict(k.checkpoint))
-    kinds: dict[str, float] = {}
-    for o in evaluate(g, planner.target).time.ops:
-        times = 1 if o.phase == "optimizer" else k.accumulation
-        kinds[o.kind] = kinds.get(o.kind, 0.0) + o.device_s * times
-    return {"step_s": planner.cost(k).step_s, "device_by_kind_s": kinds}
+    burst = Target(planner.target.gpu, replace(planner.target.cal, power_duty={}))
+    out = {"step_s": planner.cost(k).step_s}
+    for key, target in (("device_by_kind_s", planner.target),
+                        ("device_by_kind_at_burst_rates_s", burst)):
+        kinds: dict[str, float] = {}
+        for o in evaluate(g, target).time.ops:
+            times = 1 if o.phase == "optimizer" else k.accumulation
+            kinds[o.kind] = kinds.get(o.kind, 0.0) + o.device_s * times
+        out[key] = kinds
+    return out
 
 
 def main() -> None:

@@ -225,13 +225,14 @@ def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = No
         ops = _compiled(graph, costs, ops, rates)
     ops = _optimizer_host(graph, ops, rates)
 
-    def schedule(ops):
-        return _schedule(ops, set(graph.meta.get("syncs") or ()), graph.repeat,
-                         _offloaded(graph, ops))
-
-    ops, fraction, (host_t, device_t) = _power_limited(ops, graph.weights(), rates, schedule)
-    step = max(host_t, device_t)
+    syncs, param_of = set(graph.meta.get("syncs") or ()), _offloaded(graph, ops)
     weights = graph.weights()
+
+    def schedule(ops):  # the power limit changes the ops' times, never which ops they are
+        return _schedule(ops, syncs, graph.repeat, param_of)
+
+    ops, fraction, (host_t, device_t) = _power_limited(ops, weights, rates, schedule)
+    step = max(host_t, device_t)
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)

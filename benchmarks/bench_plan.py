@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import env_row, run_row  # noqa: E402
+from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
 VERSION = 1
 
@@ -202,18 +202,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--one")
-    ap.add_argument("--env", action="store_true")
+    child_flags(ap)
     args = ap.parse_args()
-    if args.env:
-        from bench_estimate_suite import environment
-
-        print("ENV " + json.dumps(environment()))
-        return
-    if args.one:
-        source, seq, g, precision, knobs = json.loads(args.one)
-        row = run_one(source, seq, g, precision, knobs, args.warmup, args.steps, args.device)
-        print("ROW " + json.dumps(row))
+    if serve_child(args, lambda spec: run_one(*json.loads(spec), args.warmup, args.steps,
+                                              args.device)):
         return
     out = {"version": VERSION, "environment": child_environment(), "scenarios": {},
            "settings": {"warmup": args.warmup, "steps": args.steps}}

@@ -1,6 +1,6 @@
 """A benchmark's configurations each in a fresh process: the child prints one line
 "ROW <json>" (or "ENV <json>"), the parent reads the last one or records how the child died.
-Used by bench_plan.py and bench_offload.py."""
+Used by bench_plan.py, bench_offload.py, host_waits.py and plan_step_kernels.py."""
 
 from __future__ import annotations
 
@@ -32,6 +32,29 @@ def env_row(script: str) -> dict:
                           timeout=120)
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
     return json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}
+
+
+def child_flags(ap) -> None:
+    """The flags of a benchmark's child process: `--one SPEC`, one configuration, printed as
+    "ROW <json>"; `--env`, the device and versions, printed as "ENV <json>"."""
+    import argparse
+
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)
+
+
+def serve_child(args, one) -> bool:
+    """In a child process (`child_flags` given): print its line, `one(SPEC)`'s row or the
+    environment, and return True; False in the parent."""
+    if args.env:
+        from bench_estimate_suite import environment
+
+        print("ENV " + json.dumps(environment()))
+        return True
+    if args.one is not None:
+        print("ROW " + json.dumps(one(args.one)))
+        return True
+    return False
 
 
 def run_cases(script: str, out: str, names: list[str], version: int, report) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import env_row, run_row  # noqa: E402
+from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
 VERSION = 1
 BLOCKING = ("Synchronize", "cudaMemcpy", "cudaEventQuery", "cudaStreamWait", "cudaFree",
@@ -117,16 +117,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--one")
-    ap.add_argument("--env", action="store_true")
+    child_flags(ap)
     args = ap.parse_args()
-    if args.env:
-        from bench_estimate_suite import environment
-
-        print("ENV " + json.dumps(environment()))
-        return
-    if args.one:
-        print("ROW " + json.dumps(run_one(args.one, args.device)))
+    if serve_child(args, lambda config: run_one(config, args.device)):
         return
     out = {"version": VERSION, "environment": env_row(str(HERE)), "rows": []}
     for config in args.configs.split(","):

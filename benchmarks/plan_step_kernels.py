@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from child_rows import env_row, run_row  # noqa: E402
+from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
 VERSION = 1
 
@@ -156,17 +156,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=500)
     ap.add_argument("--compare", action="store_true")
-    ap.add_argument("--one")
-    ap.add_argument("--env", action="store_true")
+    child_flags(ap)
     args = ap.parse_args()
-    if args.env:
-        from bench_estimate_suite import environment
-
-        print("ENV " + json.dumps(environment()))
-        return
-    if args.one:
-        source, seq, g, precision, knobs = json.loads(args.one)
-        print("ROW " + json.dumps(run_one(source, seq, g, precision, knobs, args.device)))
+    if serve_child(args, lambda spec: run_one(*json.loads(spec), args.device)):
         return
     path = Path(args.out)
     if args.compare:

@@ -4,18 +4,17 @@ shorter window: the same duties run with short and long stretches of each kernel
     PYTHONPATH=src python benchmarks/power_timescale.py OUT.json
 
 For duties of one half (i matmuls then i copies) and four fifths (4i matmuls then i copies),
-with i from 1 to 64 (stretches of ~0.17 ms to ~11 ms of one kind of kernel), each pattern run
-as `gobrrr.profile.calibrate_power.power_duty` runs its patterns (1 s idle, 1.5 s of the
-pattern, then 20 repeats timed group by group with CUDA events): the matmuls' share of their
-burst rate. If the board's power controller averages over less than a stretch, long stretches
-of matmuls throttle as at a duty of one.
+with i from 1 to 64 (stretches of ~0.17 ms to ~11 ms of one kind of kernel), each pattern
+run through `gobrrr.profile.calibrate_power.steady`, as `power_duty` runs its patterns (1 s
+idle, 1.5 s of the pattern, then repeats timed group by group with CUDA events): the matmuls'
+share of their burst rate. If the board's power controller averages over less than a stretch,
+long stretches of matmuls throttle as at a duty of one.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -29,38 +28,19 @@ def main(argv=None) -> int:
     import torch
     from bench_estimate_suite import environment
 
-    from gobrrr.profile.calibrate_power import COPY_ELEMENTS, MM, _groups, _settle, _sync
+    from gobrrr.profile.calibrate_power import kernels, settle, steady
     from gobrrr.profile.timing import time_op
 
     out_path = (argv or sys.argv[1:])[0]
     dev = torch.device("cuda")
-    a = torch.randn(MM, MM, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(MM, MM, device=dev, dtype=torch.bfloat16)
-    c = torch.empty(MM, MM, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(COPY_ELEMENTS, device=dev)
-    y = torch.empty_like(x)
-
-    def matmul():
-        torch.mm(a, b, out=c)
-
-    def copy():
-        y.copy_(x)
-
-    _settle(dev, 1.0)
+    matmul, copy = kernels(dev)
+    settle(dev, 1.0)
     burst = time_op(matmul, dev, 5)
     rows = []
     for ratio in (1, 4):
         for i in STRETCHES:
             n_mm, n_cp = ratio * i, i
-            _settle(dev, 1.0)
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 1.5:
-                for _ in range(n_mm):
-                    matmul()
-                for _ in range(n_cp):
-                    copy()
-                _sync(dev)
-            mm_t, cp_t = _groups(matmul, copy, n_mm, n_cp, max(4, 64 // i), dev)
+            mm_t, cp_t = steady(matmul, copy, n_mm, n_cp, dev, 1.5, max(4, 64 // i), 1.0)
             duty = n_mm * mm_t / (n_mm * mm_t + n_cp * cp_t)
             row = {"matmuls": n_mm, "copies": n_cp, "duty": duty,
                    "matmul_stretch_s": n_mm * mm_t, "copy_stretch_s": n_cp * cp_t,

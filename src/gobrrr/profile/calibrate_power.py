@@ -39,6 +39,24 @@ def power_duty(dev: torch.device, heat_s: float = 1.5, reps: int = 20,
     each group timed with CUDA events. `mm`, `copy_elements`: the kernels' sizes."""
     from gobrrr.profile.timing import time_op
 
+    matmul, copy = kernels(dev, mm, copy_elements)
+    settle(dev, settle_s)
+    burst_mm = time_op(matmul, dev, 5)
+    settle(dev, settle_s)
+    burst_copy = time_op(copy, dev, 5)
+    out: dict[str, list[list[float]]] = {"bf16": [], "copy": []}
+    for i, j in PATTERNS:
+        mm_t, copy_t = steady(matmul, copy, i, j, dev, heat_s, reps, settle_s)
+        duty = i * mm_t / (i * mm_t + j * copy_t)
+        out["bf16"].append([duty, burst_mm / mm_t])
+        if j:
+            out["copy"].append([duty, burst_copy / copy_t])
+    return out
+
+
+def kernels(dev: torch.device, mm: int = MM, copy_elements: int = COPY_ELEMENTS):
+    """(matmul, copy): zero-argument functions running an (mm x mm) @ (mm x mm) bf16 matmul
+    and a copy of `copy_elements` fp32 values, on random normal inputs made here."""
     a = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16)
     b = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16)
     c = torch.empty(mm, mm, device=dev, dtype=torch.bfloat16)
@@ -51,31 +69,23 @@ def power_duty(dev: torch.device, heat_s: float = 1.5, reps: int = 20,
     def copy() -> None:
         y.copy_(x)
 
-    _settle(dev, settle_s)
-    burst_mm = time_op(matmul, dev, 5)
-    _settle(dev, settle_s)
-    burst_copy = time_op(copy, dev, 5)
-    out: dict[str, list[list[float]]] = {"bf16": [], "copy": []}
-    for i, j in PATTERNS:
-        _settle(dev, settle_s)
+    return matmul, copy
 
-        def pattern(i=i, j=j) -> None:
+
+def steady(matmul, copy, i: int, j: int, dev: torch.device, heat_s: float, reps: int,
+           settle_s: float) -> tuple[float, float]:
+    """(seconds per matmul, per copy) in the steady pattern of `i` matmuls then `j` copies:
+    after `settle_s` idle and `heat_s` seconds of the pattern, `_groups` over `reps`."""
+    settle(dev, settle_s)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < heat_s:
+        for _ in range(8):
             for _ in range(i):
                 matmul()
             for _ in range(j):
                 copy()
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < heat_s:
-            for _ in range(8):
-                pattern()
-            _sync(dev)
-        mm_t, copy_t = _groups(matmul, copy, i, j, reps, dev)
-        duty = i * mm_t / (i * mm_t + j * copy_t)
-        out["bf16"].append([duty, burst_mm / mm_t])
-        if j:
-            out["copy"].append([duty, burst_copy / copy_t])
-    return out
+        _sync(dev)
+    return _groups(matmul, copy, i, j, reps, dev)
 
 
 def _groups(mm, copy, i: int, j: int, reps: int, dev: torch.device) -> tuple[float, float]:
@@ -109,7 +119,7 @@ def _groups(mm, copy, i: int, j: int, reps: int, dev: torch.device) -> tuple[flo
     return mm_t, copy_t
 
 
-def _settle(dev: torch.device, seconds: float) -> None:
+def settle(dev: torch.device, seconds: float) -> None:
     _sync(dev)
     time.sleep(seconds)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,12 @@ def _now(rows: list[dict]) -> str:
         f", {worst['units_per_s_err']:+.1%}"
 
 
+def _run(file: str) -> str:
+    """", run N" for a scenario's rerun (`plan_h100_<name>_runN.json`), else ""."""
+    m = re.search(r"_run(\d+)\.json$", file)
+    return f", run {m.group(1)}" if m else ""
+
+
 def table(rs: list[dict]) -> str:
     lines = ["| scenario (global batch) | grid: OOM / points, best | plan | plan / grid best "
              "| plan: predicted tok/s, peak | all that ran: worst tok/s, worst peak "
@@ -92,7 +99,8 @@ def table(rs: list[dict]) -> str:
         ratio = f"**{r['ratio']:.3f}x**" if r["ratio"] else "only the plan runs"
         allow = f" with --allow {','.join(r['allow'])}" if r["allow"] else ""
         lines.append(
-            f"| {r['name']} ({r['global_batch']}) | {r['grid_oom']} / {r['grid_points']}, "
+            f"| {r['name']} ({r['global_batch']}){_run(r['file'])} | {r['grid_oom']} / "
+            f"{r['grid_points']}, "
             f"{best} | {r['plan']}{allow} | {ratio} | "
             f"{r['plan_tput_err']:+.1%}, {r['plan_peak_err']:+.2%} | "
             f"{r['worst_tput']['throughput_error']:+.1%}, {r['worst_peak']['peak_error']:+.2%} "
@@ -101,7 +109,11 @@ def table(rs: list[dict]) -> str:
     now = [x for r in rs for x in r["now"]]
     wrong = sum(r["fit_but_oom"] for r in rs)
     lines.append("")
-    lines.append(f"{len(rs)} scenarios on {rs[0]['device']}; the plan ran out of memory in "
+    names = {r["name"] for r in rs}
+    again = f" ({len(rs) - len(names)} measured again on another host)" if len(rs) > len(
+        names) else ""
+    lines.append(f"{len(names)} scenarios{again} on {rs[0]['device']}; the plan ran out of "
+                 f"memory in "
                  f"{n_oom}; configurations predicted to fit that ran out of memory: {wrong}. "
                  "Errors are predicted / measured - 1: throughput in the workload's unit, "
                  "peak = `max_memory_allocated`. Files: "

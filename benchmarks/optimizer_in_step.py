@@ -14,7 +14,13 @@ host's seconds for `opt.step(); opt.zero_grad(set_to_none=True)`, median of 7, i
 - "after_backward": right after a backward of a cheap loss over the parameters alone
   (sum of each parameter), the GPU synchronised before that forward;
 - "synthetic_alone" / "synthetic_after_backward": the same two over as many plain fp32
-  tensors of 2**20 elements (the calibration's large tensors).
+  tensors of 2**20 elements (the calibration's large tensors);
+- "after_forward": right after a forward under torch.no_grad (GPU synchronised), the model's
+  gradients in place;
+- "after_churn": right after 2000 CUDA tensors of 4 KiB to 64 MiB were allocated and freed
+  (the caching allocator's free lists filled, as a step's activations leave them);
+- "after_objects": right after 200,000 small Python containers were made and dropped (the
+  interpreter's heap and the garbage collector's generations, as a forward leaves them).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 from child_rows import cases_main  # noqa: E402
 from host_phases import _prepared, timed_step  # noqa: E402
 
-VERSION = 1
+VERSION = 2
 CASES = ("vit_small-timm", "efficientnet_v2_s-tv-cl", "gpt2-124m", "pythia-410m")
 REPS = 7
 DEVICE = "cuda"
@@ -79,11 +85,39 @@ def _no_gc(prepared) -> float:
         gc.enable()
 
 
-def _alone(opt, params, grads, after_backward: bool) -> float:
+def _forward_no_grad(precision, wl) -> None:
+    import torch
+
+    from gobrrr.step import autocast_for
+
+    with torch.no_grad(), autocast_for(precision, DEVICE):
+        wl.compute_loss(wl.batch)
+
+
+def _churn() -> None:
+    import torch
+
+    sizes = [4096 * 2 ** (i % 15) for i in range(2000)]
+    held = [torch.empty(n, dtype=torch.uint8, device=DEVICE) for n in sizes]
+    del held
+
+
+def _objects() -> None:
+    junk = [{"a": [i], "b": (i, i)} for i in range(200_000)]
+    del junk
+
+
+def _alone(opt, params, grads, after_backward: bool, before=None) -> float:
     import torch
 
     def one():
-        if after_backward:
+        if before is not None:
+            torch.cuda.synchronize()
+            before()
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            torch.cuda.synchronize()
+        elif after_backward:
             torch.cuda.synchronize()
             sum(p.sum() for p in params).backward()
             for p, g in zip(params, grads, strict=True):
@@ -119,6 +153,9 @@ def one(name: str) -> dict:
     grads = [p.grad.detach().clone() for p in params]
     out["alone"] = _alone(opt, params, grads, after_backward=False)
     out["after_backward"] = _alone(opt, params, grads, after_backward=True)
+    for key, before in (("after_forward", lambda: _forward_no_grad(precision, wl)),
+                        ("after_churn", _churn), ("after_objects", _objects)):
+        out[key] = _alone(opt, params, grads, after_backward=False, before=before)
     opt.zero_grad(set_to_none=True)
     out["tensors"] = len(params)
     del grads

@@ -50,6 +50,7 @@ class CaseError:
     measured_reserved: int
     measured_step_s: float
     runs: int = 1  # the runs whose median step time measured_step_s is
+    step_range_s: tuple[float, float] | None = None  # (fastest, slowest) of those runs
     predicted_alloc: int | None = None
     predicted_reserved: int | None = None
     predicted_step_s: float | None = None
@@ -123,7 +124,8 @@ def compare_row(row: dict, estimate_of=predict, reruns: dict[str, list[float]] |
     steps = [m["step_s"], *(reruns or {}).get(case.name, [])]
     base = CaseError(case.name, case.family, case.recipe, case.precision,
                      m["peak_allocated"], m["peak_reserved"], statistics.median(steps),
-                     runs=len(steps))
+                     runs=len(steps),
+                     step_range_s=(min(steps), max(steps)) if len(steps) > 1 else None)
     try:
         est = estimate_of(case)
     except Exception as e:  # a case that fails to trace is a result, not a crash
@@ -165,13 +167,17 @@ def _ms(x: float | None) -> str:
 
 
 def _runs(e: CaseError) -> str:
-    return f" [median of {e.runs} runs]" if e.runs > 1 else ""
+    """" [median of N runs, fastest-slowest ms]" where more than one run measured the case."""
+    if e.runs <= 1:
+        return ""
+    spread = f", {_ms(e.step_range_s[0])}-{_ms(e.step_range_s[1])}" if e.step_range_s else ""
+    return f" [median of {e.runs} runs{spread}]"
 
 
 def table(errors: list[CaseError]) -> str:
     """Markdown: one row per case, measured vs predicted allocated / reserved peak (GiB) and
-    step time (ms; the median over the runs that measured it, where more than one did), with
-    the errors."""
+    step time (ms; the median over the runs that measured it, with the fastest and slowest
+    where more than one did), with the errors."""
     head = ("| case | family | precision | recipe | allocated GiB (pred) | err | "
             "reserved GiB (pred) | err | step ms (pred) | err |\n"
             "|---|---|---|---|---|---|---|---|---|---|")

@@ -22,7 +22,6 @@ a built-in model as "model:batch:seq:checkpoint"). Then:
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
 from child_rows import cases_main  # noqa: E402
-from host_phases import _prepared, timed_step  # noqa: E402
+from host_phases import _prepared, phase_medians, timed_step  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "resnet50-tv-cl",
@@ -144,11 +143,7 @@ def one(name: str) -> dict:
     import torch
 
     prepared = _prepared(name)
-    for _ in range(3):
-        timed_step(*prepared)
-    torch.cuda.synchronize()
-    runs = [timed_step(*prepared) for _ in range(7)]
-    phases = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    phases = phase_medians(prepared)
     _regions(*prepared)  # the profiler's first use warms it up
     torch.cuda.synchronize()
     profile = _regions(*prepared)

@@ -22,16 +22,15 @@ seconds (`OpTime.host_s` summed; recomputation counted in backward) and step tim
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
 from child_rows import cases_main  # noqa: E402
-from host_phases import PHASES, _predicted, _prepared, timed_step  # noqa: E402
+from host_phases import PHASES, _predicted, _prepared, host_by_phase, phase_medians  # noqa: E402,E501
+from optimizer_in_step import optimizer_alone  # noqa: E402
 
 VERSION = 1
 CASES = ("efficientnet_v2_s-tv-cl", "vit_small-timm", "mobilenet_v3_large-tv",
@@ -40,34 +39,16 @@ CASES = ("efficientnet_v2_s-tv-cl", "vit_small-timm", "mobilenet_v3_large-tv",
 HOST_SECTIONS = ("op_overhead", "launch_overhead", "op_host", "optimizer_host")
 
 
-def _optimizer_alone(opt, grads, reps: int = 7) -> float:
-    import torch
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    times = []
-    for r in range(reps + 2):
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        if r >= 2:
-            times.append(t)
-    return statistics.median(times)
-
-
 def _plain_copy(opt):
-    """A new optimizer of opt's kind and hyper-parameters over plain-tensor copies of its
-    parameters, and their gradients."""
-    groups, grads = [], []
+    """(optimizer, parameters, gradients): a new optimizer of opt's kind and hyper-parameters
+    over plain-tensor copies of its parameters, and copies of their gradients."""
+    groups, params, grads = [], [], []
     for g in opt.param_groups:
         ps = [p.detach().clone().requires_grad_(True) for p in g["params"]]
+        params += ps
         grads += [p.grad.detach().clone() for p in g["params"]]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
-    return type(opt)(groups), grads
+    return type(opt)(groups), params, grads
 
 
 def one(name: str) -> dict:
@@ -79,11 +60,7 @@ def one(name: str) -> dict:
 
     prepared = _prepared(name)
     precision, wl, opt, scaler = prepared
-    for _ in range(3):
-        timed_step(*prepared)
-    torch.cuda.synchronize()
-    runs = [timed_step(*prepared) for _ in range(7)]
-    phases = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    phases = phase_medians(prepared)
     # the optimizer alone: gradients from one more backward
     from gobrrr.step import autocast_for
 
@@ -93,14 +70,14 @@ def one(name: str) -> dict:
     del loss
     params = [p for g in opt.param_groups for p in g["params"]]
     grads = [p.grad.detach().clone() for p in params]
-    model_s = _optimizer_alone(opt, grads)
+    model_s = optimizer_alone(opt, params, grads)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
-    plain, plain_grads = _plain_copy(opt)
+    plain, plain_params, plain_grads = _plain_copy(opt)
     opt.zero_grad(set_to_none=True)
     del grads
-    plain_s = _optimizer_alone(plain, plain_grads)
-    del plain, plain_grads
+    plain_s = optimizer_alone(plain, plain_params, plain_grads)
+    del plain, plain_params, plain_grads
     torch.cuda.empty_cache()
     dev = torch.device("cuda")
     sections = {"op_overhead": ch.step_overhead(dev, reps=10, rounds=3, warmup=5),
@@ -122,14 +99,6 @@ def _with_sections(sections: dict):
     return dataclasses.replace(shipped, **{k: sections[k] for k in HOST_SECTIONS})
 
 
-def _host_by_phase(est) -> dict[str, float]:
-    host = dict.fromkeys(PHASES, 0.0)
-    for o in est.time.ops:
-        key = "backward" if o.phase == "recompute" else o.phase
-        host[key] = host.get(key, 0.0) + o.host_s
-    return {**host, "step": est.time.step_s, "device": est.time.device_s}
-
-
 def compare(path: Path) -> None:
     from zoo.cases import get_case
 
@@ -139,12 +108,12 @@ def compare(path: Path) -> None:
     for row in doc["rows"]:
         if "error" in row:
             continue
-        shipped = _host_by_phase(_predicted(row["name"]))
+        shipped = host_by_phase(_predicted(row["name"]))
         case = get_case(row["name"])
         cal = _with_sections(row["host_sections"])
         est = gobrrr.estimate(case.factory(), gpu="h100", precision=case.precision,
                               compile=case.compile, calibration=cal)
-        here = _host_by_phase(est)
+        here = host_by_phase(est)
         row["predicted"] = {"shipped": shipped, "this_host": here}
         m = row["phases"]
         print(f"{row['name']:26s} " + "  ".join(

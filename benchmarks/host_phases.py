@@ -113,15 +113,29 @@ def timed_step(precision: str, wl, opt, scaler,
             "issue": t3 - t0, "step": t4 - t0}
 
 
-def one(name: str) -> dict:
+def phase_medians(prepared, steps: int = 7, warmup: int = 3) -> dict[str, float]:
+    """The median over `steps` of each of timed_step's figures, after `warmup` steps."""
     import torch
 
-    prepared = _prepared(name)
-    for _ in range(3):
+    for _ in range(warmup):
         timed_step(*prepared)
     torch.cuda.synchronize()
-    runs = [timed_step(*prepared) for _ in range(7)]
-    return {"name": name, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    runs = [timed_step(*prepared) for _ in range(steps)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def host_by_phase(est) -> dict[str, float]:
+    """An estimate's host seconds per phase (its ops' `OpTime.host_s` summed; recomputation
+    counted in the backward it runs in), with its step and device seconds."""
+    host = dict.fromkeys(PHASES, 0.0)
+    for o in est.time.ops:
+        key = "backward" if o.phase == "recompute" else o.phase
+        host[key] = host.get(key, 0.0) + o.host_s
+    return {**host, "step": est.time.step_s, "device": est.time.device_s}
+
+
+def one(name: str) -> dict:
+    return {"name": name, **phase_medians(_prepared(name))}
 
 
 def compare(path: Path) -> None:
@@ -130,11 +144,8 @@ def compare(path: Path) -> None:
         if "error" in row:
             continue
         est = _predicted(row["name"])
-        host = dict.fromkeys(PHASES, 0.0)
-        for o in est.time.ops:
-            key = "backward" if o.phase == "recompute" else o.phase  # runs inside backward
-            host[key] = host.get(key, 0.0) + o.host_s
-        row["predicted"] = {**host, "step": est.time.step_s, "device": est.time.device_s}
+        host = host_by_phase(est)
+        row["predicted"] = host
         print(f"{row['name']:26s} " + "  ".join(
             f"{k} {row[k] * 1e3:6.1f}/{host[k] * 1e3:6.1f}" for k in PHASES)
             + f"  step {row['step'] * 1e3:6.1f}/{est.time.step_s * 1e3:6.1f} ms "

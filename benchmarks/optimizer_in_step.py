@@ -107,24 +107,22 @@ def _objects() -> None:
     del junk
 
 
-def _alone(opt, params, grads, after_backward: bool, before=None) -> float:
+def optimizer_alone(opt, params, grads, after_backward: bool = False, before=None) -> float:
+    """The host's seconds for opt's step and zero_grad with `grads` as the parameters'
+    gradients (median of REPS after 2): the GPU synchronised, then `before()` where given,
+    or a backward of the parameters' sum (`after_backward`: the GPU left running it), else
+    nothing, then the gradients set and (but after a backward) the GPU synchronised again."""
     import torch
 
     def one():
+        torch.cuda.synchronize()
         if before is not None:
-            torch.cuda.synchronize()
             before()
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            torch.cuda.synchronize()
         elif after_backward:
-            torch.cuda.synchronize()
             sum(p.sum() for p in params).backward()
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-        else:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        if not after_backward:
             torch.cuda.synchronize()
         return _opt_s(opt)
 
@@ -151,11 +149,11 @@ def one(name: str) -> dict:
     del loss
     params = [p for g in opt.param_groups for p in g["params"]]
     grads = [p.grad.detach().clone() for p in params]
-    out["alone"] = _alone(opt, params, grads, after_backward=False)
-    out["after_backward"] = _alone(opt, params, grads, after_backward=True)
+    out["alone"] = optimizer_alone(opt, params, grads)
+    out["after_backward"] = optimizer_alone(opt, params, grads, after_backward=True)
     for key, before in (("after_forward", lambda: _forward_no_grad(precision, wl)),
                         ("after_churn", _churn), ("after_objects", _objects)):
-        out[key] = _alone(opt, params, grads, after_backward=False, before=before)
+        out[key] = optimizer_alone(opt, params, grads, before=before)
     opt.zero_grad(set_to_none=True)
     out["tensors"] = len(params)
     del grads
@@ -164,8 +162,8 @@ def one(name: str) -> dict:
     sopt = type(opt)(synth, **{k: v for k, v in opt.defaults.items()
                                if k in ("lr", "betas", "eps", "weight_decay", "foreach",
                                         "momentum")})
-    out["synthetic_alone"] = _alone(sopt, synth, sgrads, after_backward=False)
-    out["synthetic_after_backward"] = _alone(sopt, synth, sgrads, after_backward=True)
+    out["synthetic_alone"] = optimizer_alone(sopt, synth, sgrads)
+    out["synthetic_after_backward"] = optimizer_alone(sopt, synth, sgrads, after_backward=True)
     return out
 
 

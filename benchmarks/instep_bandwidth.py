@@ -10,12 +10,15 @@ timed by the profiler's kernel durations in four settings:
 Also the kernel each case runs, as the evidence for the calibration's kernel paths
 (`calibrate_paths`): one short profile of every path case.
 
-    PYTHONPATH=src python benchmarks/instep_bandwidth.py OUT.json
+    PYTHONPATH=src python benchmarks/instep_bandwidth.py OUT.json [--paths-only]
+
+`--paths-only`: only the kernel each path case runs (no settings), a few seconds.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -66,6 +69,9 @@ def settings(name: str, make, match: str, footprint: int) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    paths_only = "--paths-only" in argv
+    argv = [a for a in argv if a != "--paths-only"]
     out = gpu_out_arg(__doc__, "instep_bandwidth", argv)
     if out is None:
         return 2
@@ -87,9 +93,9 @@ def main(argv=None) -> int:
         return (lambda: torch._foreach_lerp_(m, p, 0.1)), 12 * sum(t.numel() for t in m)
 
     rows = []
-    for name, make, match in (("add bf16", add, "add"),
-                              ("cast bf16->fp32", upcast, "direct_copy"),
-                              ("foreach_lerp_ fp32", lerp, "multi_tensor_apply")):
+    cases = (("add bf16", add, "add"), ("cast bf16->fp32", upcast, "direct_copy"),
+             ("foreach_lerp_ fp32", lerp, "multi_tensor_apply"))
+    for name, make, match in () if paths_only else cases:
         held = make()[1]
         rows.append(settings(name, make, match, int(0.5 * free // held)))
         print(rows[-1], flush=True)

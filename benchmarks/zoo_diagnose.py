@@ -285,7 +285,36 @@ def profile_case(name: str, device: str, batch: int | None) -> dict:
             "predicted_device_s": sum(p.device_s for p in est.time.ops),
             "measured_busy_s": res.busy_s, "measured_idle_s": res.idle_s,
             "compare": compare(est.time, res).to_dict(), "aten": by_aten(joined),
-            "worst_ops": worst_ops(joined), "unjoined": unjoined(res.ops, pred)}
+            "worst_ops": worst_ops(joined), "unjoined": unjoined(res.ops, pred),
+            "idle": idle_by_phase(est.time.ops, res)}
+
+
+def idle_by_phase(predicted, res) -> dict:
+    """Where the device sat idle, by the phase of the op it then ran: measured, the gaps
+    before each op's first kernel in the profiled step (the profiler's own host cost widens
+    them) and the rest of the timed step (before the first kernel, after the last, the
+    timed step less the profiled one); predicted, the same gaps in a plain two-queue
+    replay of the predicted ops (host issues each op in turn, the device runs it once issued
+    and free; no syncs), with the largest single gaps of each."""
+    measured: dict[str, float] = {}
+    for m in res.ops:
+        measured[m.phase] = measured.get(m.phase, 0.0) + m.gap_s
+    replay: dict[str, float] = {}
+    host = dev = 0.0
+    gaps = []
+    for o in predicted:
+        host += o.host_s
+        gap = max(0.0, host - dev)
+        replay[o.phase] = replay.get(o.phase, 0.0) + gap
+        if gap > 0:
+            gaps.append((gap, o.op, o.module, o.phase))
+        dev = max(host, dev) + o.device_s
+    top = sorted(res.ops, key=lambda m: -m.gap_s)[:15]
+    return {"measured_gaps_s": measured, "measured_outside_gaps_s": res.step_s - res.busy_s -
+            sum(measured.values()), "profiled_step_s": res.profiled_step_s,
+            "predicted_gaps_s": replay, "predicted_replay_step_s": max(host, dev),
+            "measured_largest": [[m.gap_s, m.op, m.module, m.phase] for m in top],
+            "predicted_largest": [list(g) for g in sorted(gaps, reverse=True)[:15]]}
 
 
 def by_aten(joined: list) -> list[dict]:

@@ -249,3 +249,41 @@ def test_fp32_convolutions_follow_cudnns_tf32_setting_at_trace_time():
     maths = lambda g: {(c.kind, c.math) for c in graph_costs(g) if c.kind in ("conv", "matmul")}
     assert maths(on) == {("conv", "tf32"), ("matmul", "fp32")}
     assert maths(off) == {("conv", "fp32"), ("matmul", "fp32")}
+
+
+def test_a_convolutions_bias_runs_a_kernel_of_its_own(make_cal):
+    """ATen adds a cuDNN convolution's bias in place after the convolution and sums
+    grad_output for the bias's gradient; PyTorch's own channels-first depthwise kernels add
+    the bias themselves. Hand-derived: the add moves the output twice at the calibrated
+    broadcast rate, the sum reads grad_output once at the outer-sum grid's rate (channels
+    last) or the reduction bandwidth (channels first)."""
+    def make(channels_last, groups, bias=True):
+        def wl():
+            model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=groups, bias=bias))
+            x = torch.randn(2, 16, 8, 8)
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
+            # a loss whose gradient has y's layout (y.sum()'s is an expanded scalar)
+            return gobrrr.Workload(model=model, batch=(x,),
+                                   loss=lambda y, b: (y.float() ** 2).sum())
+        g = capture(wl, precision="bf16-mixed")
+        return _convs(g, "convolution")[0], _convs(g, "convolution_backward")[0]
+
+    rates = Rates(H100, make_cal(
+        path_bandwidth={"pointwise:bcast:bf16": [[1e3, 1e11], [1e9, 1e11]]},
+        outer_sum_bandwidth={"sum:bf16": [[8, 16, 5e10], [64, 16, 5e10], [8, 1024, 5e10],
+                                          [64, 1024, 5e10]]},
+        reduction_bandwidth=2e10))
+    out_bytes = 2 * 16 * 8 * 8 * 2
+    for cl in (False, True):  # a dense convolution runs on cuDNN in either layout
+        fwd, bwd = make(cl, groups=1)
+        assert conv.bias_kernel(fwd)[0] == "add"
+        assert rates.conv_bias(fwd) == pytest.approx((2 * out_bytes + 32) / 1e11 + 1e-6)
+        assert rates.conv_bias(bwd) == pytest.approx(
+            (out_bytes + 32) / (5e10 if cl else 2e10) + 1e-6)
+    fwd, bwd = make(False, groups=16)  # channels-first depthwise: PyTorch's kernels add it
+    assert conv.bias_kernel(fwd) is None and conv.bias_kernel(bwd)[0] == "sum"
+    fwd, _ = make(True, groups=16)  # channels-last depthwise: cuDNN's
+    assert conv.bias_kernel(fwd)[0] == "add"
+    fwd, bwd = make(True, groups=1, bias=False)
+    assert rates.conv_bias(fwd) == rates.conv_bias(bwd) == 0.0

@@ -21,13 +21,18 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H100 = get_gpu("h100")
 # the kernel template each path runs (ATen's CUDALoops.cuh)
 KERNEL_OF = {"vector": "vectorized_elementwise_kernel", "cast_down":
-             "vectorized_elementwise_kernel", "dyncast": "unrolled_elementwise_kernel"}
+             "vectorized_elementwise_kernel", "dyncast": "unrolled_elementwise_kernel",
+             "generic_cast": "elementwise_kernel:cast"}
 
 
 def _kernel_family(name: str) -> str:
+    """The kernel template; the generic one as it casts each operand or not
+    (gpu_kernel_impl's dynamic casting against gpu_kernel_impl_nocast)."""
     for family in ("vectorized_elementwise_kernel", "unrolled_elementwise_kernel",
                    "elementwise_kernel"):
         if family in name:
+            if family == "elementwise_kernel" and "gpu_kernel_impl_nocast" not in name:
+                return "elementwise_kernel:cast"
             return family
     return name
 
@@ -35,13 +40,14 @@ def _kernel_family(name: str) -> str:
 def test_each_path_is_the_kernel_the_gpu_ran():
     """Every calibration case, recorded on the CPU and classified, names the kernel template
     the H100 ran for it: vectorized for dense same-dtype operands, unrolled-with-casts for a
-    dtype that differs, the generic offset-computing kernel for every other layout."""
-    doc = json.loads((RESULTS / "instep_bandwidth_h100.json").read_text())
+    dtype that differs, the generic offset-computing kernel for every other layout, and that
+    kernel casting each operand when a broadcast also mixes dtypes (instep_paths_h100.json)."""
+    doc = json.loads((RESULTS / "instep_paths_h100.json").read_text())
     ran = {}
     for row in doc["paths"]:
         if row["path"] != "foreach":
             ran.setdefault(row["path"], set()).add(_kernel_family(row["kernels"][0][0]))
-    assert len(ran) == 11
+    assert len(ran) == 12
     seen = set()
     for key, op, fn in _path_cases(torch.device("cpu"), 2**14):
         node = _record(fn, op)
@@ -72,6 +78,12 @@ def _node(name, inputs, out, kind_args=()):
      "pointwise", "dyncast"),
     ([_t((8, 1024)), _t((1024,))], _t((8, 1024)), "pointwise", "bcast"),
     ([_t((8, 1024)), _t((8, 1))], _t((8, 1024)), "pointwise", "bcast_inner"),
+    # a bf16 activation times an fp32 per-channel scale of its batch row (ConvNeXt-V2's global
+    # response norm): broadcast and dtypes that differ
+    ([_t((2, 7, 7, 384)), _t((2, 1, 1, 384), dtype="float32")],
+     _t((2, 7, 7, 384), dtype="float32"), "pointwise", "generic_cast"),
+    ([_t((8, 1024), dtype="float32"), _t((8, 1))], _t((8, 1024), dtype="float32"),
+     "pointwise", "generic_cast"),
     ([_t((8, 1024)), _t((1,), dtype="float32")], _t((8, 1024)), "pointwise", "vector"),
     ([_t((2, 4, 8, 64), (2048, 64, 256, 1)), _t((2, 4, 8, 64))], _t((2, 4, 8, 64)),
      "pointwise", "strided"),
@@ -86,6 +98,18 @@ def _node(name, inputs, out, kind_args=()):
 def test_elementwise_path_by_hand(inputs, out, kind, path):
     name = "add" if kind == "pointwise" else "_to_copy"
     assert elementwise_path(_node(name, inputs, out), kind) == path
+
+
+def test_a_bool_condition_is_not_a_cast():
+    """where and masked_fill take their bool operand as bool (no per-element cast): a
+    broadcast mask keeps the plain generic kernel, a dense one the vectorized kernel; the same
+    bool operand to an add is cast."""
+    x, mask = _t((2, 4, 16, 16)), _t((2, 1, 16, 16), dtype="bool")
+    dense_mask = _t((2, 4, 16, 16), dtype="bool")
+    assert elementwise_path(_node("where", [mask, x, x], x), "pointwise") == "bcast"
+    assert elementwise_path(_node("masked_fill", [x, mask], x), "pointwise") == "bcast"
+    assert elementwise_path(_node("where", [dense_mask, x, x], x), "pointwise") == "vector"
+    assert elementwise_path(_node("add", [x, mask], x), "pointwise") == "generic_cast"
 
 
 def test_ops_with_kernels_of_their_own_have_no_path():

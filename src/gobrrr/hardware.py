@@ -282,15 +282,18 @@ class Calibration:
     `batch_norm_bandwidth`: achieved bytes/s of training-mode batch norm over the channel
     count, {"forward:bf16" | "backward:fp32" | ... (channels-first), with ":channels_last"
     for that layout: [[channels, bytes/s], ...]}.
-    `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their size in
-    bytes, keyed "forward:bf16:channels_last:5x5-s2" (direction, dtype, layout, kernel), or
+    `depthwise_bandwidth`: achieved bytes/s of depthwise convolutions over their channels
+    and size in bytes, [[channels, bytes, bytes/s], ...] (over the size alone, [[bytes,
+    bytes/s], ...], in calibrations that measured one channel count), keyed
+    "forward:bf16:channels_last:5x5-s2" (direction, dtype, layout, kernel), or
     "forward:bf16" (channels-first 3x3) in calibrations before layouts.
     `op_host`: host seconds per call beyond an ordinary op's, keyed "op:dtype" (cuDNN
     convolutions and batch norm).
     `kernel_host`: host seconds per call of gobrrr's own kernel ops as a training step calls
     them, by op name ("rms_norm_fwd", ...), in place of an ordinary op's.
     `outer_sum_bandwidth`: achieved bytes/s of a sum over a tensor's leading dims (a bias
-    gradient) over its output size, {"sum:bf16" | "sum:fp32": [[outputs, bytes/s], ...]}.
+    gradient) over its output size and the rows it sums, {"sum:bf16" | "sum:fp32":
+    [[outputs, rows, bytes/s], ...]} (or [[outputs, bytes/s], ...], one row count).
     `layer_norm_grid`: bytes/s of native_layer_norm(_backward) over width and rows, per input
     dtype, {"<op>:<fp32|bf16>": [[width, rows, bytes/s], ...]}; read before `op_bandwidth`.
     `embedding_backward`: embedding_dense_backward's time as fill + tokens + fixed,

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
 from gobrrr.cost.shapes import CONV_FALLBACK, conv_class, conv_layout
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph import OpNode, StepGraph, TensorInfo
 from gobrrr.hardware import Calibration
 
 FORWARD = ("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable")
@@ -144,6 +144,33 @@ def depthwise(node: OpNode) -> bool:
     return groups > 1 and x.shape[1] == groups and w.shape[0] % groups == 0
 
 
+def native_depthwise(node: OpNode) -> bool:
+    """A depthwise convolution PyTorch runs on its own kernels, not cuDNN's
+    (ConvParams::use_cudnn_depthwise): channels-first in fp32 or bf16."""
+    x = targ(node, 1 if node.name in BACKWARD else 0, "input")
+    return depthwise(node) and conv_layout(node) == "channels_first" and \
+        x is not None and x.dtype != "float16"
+
+
+def bias_kernel(node: OpNode) -> tuple[str, TensorInfo] | None:
+    """The kernel a CUDA convolution runs for its bias apart from the convolution itself:
+    ("add", output) forward where cuDNN runs it (ATen's _convolution adds the bias in place
+    after cudnn_convolution; PyTorch's own depthwise kernels take the bias themselves), and
+    ("sum", grad_output) backward where the bias gradient is asked for (convolution_backward
+    sums grad_output over all but the channel dim for every CUDA backend); None otherwise.
+    Neither is in the calibration's grids, which time convolutions without a bias."""
+    if node.name in FORWARD:
+        if targ(node, 2, "bias") is None or not node.outputs or native_depthwise(node):
+            return None
+        return "add", node.outputs[0]
+    if node.name in BACKWARD:
+        mask = list(node.arg(10, "output_mask", (False, False, False)) or ())
+        go = targ(node, 0, "grad_output")
+        if len(mask) > 2 and mask[2] and go is not None and len(go.shape) > 2:
+            return "sum", go
+    return None
+
+
 def depthwise_inside(node: OpNode) -> int | None:
     """Bytes a depthwise convolution allocates inside the call where the allocator traces show
     it (module docstring): 0 for PyTorch's own kernels (channels-first, fp32 or bf16), the fp32
@@ -154,8 +181,10 @@ def depthwise_inside(node: OpNode) -> int | None:
     backward = node.name in BACKWARD
     x = targ(node, 1 if backward else 0, "input")
     w = targ(node, 2 if backward else 1, "weight")
+    if native_depthwise(node):
+        return 0
     if conv_layout(node) == "channels_first":
-        return 0 if x.dtype != "float16" else None
+        return None
     if x.dtype not in HALF:
         return None
     return DEPTHWISE_WGRAD_PARTIALS * w.numel * 4 if backward else None

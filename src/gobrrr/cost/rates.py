@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
+from gobrrr.cost._ops_common import targ
 from gobrrr.cost._ops_optim import block_rows, quantized
+from gobrrr.cost.conv import bias_kernel
 from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.shapes import (
@@ -100,8 +102,15 @@ class Rates:
             return None
         direction = "backward" if node.name.endswith("backward") else "forward"
         layout, cls = conv_layout(node), depthwise_class(node)
-        return measured(self.cal.depthwise_bandwidth, direction, node.inputs[0].dtype, nbytes,
-                         (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3"))
+        variants = (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3")
+        table, x = self.cal.depthwise_bandwidth, node.inputs[0]
+        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
+        points = next((table[f"{key}:{v}"] for v in variants if table.get(f"{key}:{v}")),
+                      table.get(key))
+        if points and len(points[0]) == 3:  # over channels and size
+            w = targ(node, 2 if direction == "backward" else 1, "weight")
+            return grid_value(points, w.shape[0] if w is not None else 1, nbytes)
+        return measured(table, direction, x.dtype, nbytes, variants)
 
     def batch_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of a training-mode batch norm at its channel count, rows (N·H·W),
@@ -147,6 +156,8 @@ class Rates:
             bits = "bf16" if node.outputs[0].itemsize == 2 else "fp32"
             other = "fp32" if bits == "bf16" else "bf16"
             points = table.get(f"{kind}:{path}:{bits}") or table.get(f"{kind}:{path}:{other}")
+            if not points and path == "generic_cast":  # a calibration from before it was timed
+                points = table.get(f"{kind}:bcast:{bits}") or table.get(f"{kind}:bcast:{other}")
         if not points:
             return None
         return interp([math.log(p[0]) for p in points], [p[1] for p in points],
@@ -194,12 +205,47 @@ class Rates:
                 fit["fixed_s"])
 
     def outer_sum(self, node: OpNode) -> float | None:
-        """Measured bytes/s of a sum over leading dimensions at its output size and dtype (the
-        calibration's curve), or None."""
+        """Measured bytes/s of a sum over leading dimensions at its output size, rows summed
+        and dtype (the calibration's grid; a curve over the output size alone in calibrations
+        that measured one row count), or None."""
         cols = outer_sum_columns(node)
         if cols is None or not self.cal:
             return None
-        return measured(self.cal.outer_sum_bandwidth, "sum", node.inputs[0].dtype, cols)
+        x = node.inputs[0]
+        return self._outer_sum(x.dtype, cols, x.numel / max(cols, 1))
+
+    def _outer_sum(self, dtype: str, cols: int, rows: float) -> float | None:
+        points = self.cal.outer_sum_bandwidth.get(
+            f"sum:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}")
+        if points and len(points[0]) == 3:
+            return grid_value(points, cols, rows)
+        return measured(self.cal.outer_sum_bandwidth, "sum", dtype, cols)
+
+    def conv_bias(self, node: OpNode) -> float:
+        """Device seconds of the kernel a convolution runs for its bias (`conv.bias_kernel`):
+        the in-place broadcast add over the output at the generic kernel's measured rate, or
+        the bias gradient's sum over grad_output (an outer sum in channels-last, where the
+        channels are the fastest dim; else an ordinary reduction); 0 without one."""
+        part = bias_kernel(node)
+        if part is None:
+            return 0.0
+        what, t = part
+        channels, bits = t.shape[1], "bf16" if t.itemsize == 2 else "fp32"
+        rate = None
+        if what == "add":
+            nbytes = 2 * t.nbytes + channels * t.itemsize
+            points = self.cal.path_bandwidth.get(f"pointwise:bcast:{bits}") if self.cal \
+                else None
+            if points:
+                rate = interp([math.log(p[0]) for p in points], [p[1] for p in points],
+                              math.log(nbytes))
+            rate = rate or self.bandwidth("pointwise")
+        else:
+            nbytes = t.nbytes + channels * t.itemsize
+            if self.cal and channels_last_strides(t):
+                rate = self._outer_sum(t.dtype, channels, t.numel / max(channels, 1))
+            rate = rate or self.bandwidth("reduction")
+        return nbytes / rate + self.latency
 
     def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
                             ) -> float:

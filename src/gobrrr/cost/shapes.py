@@ -272,11 +272,16 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
 # operands all dense in one layout and of one dtype run the vectorized kernel; a dtype that
 # differs (an input cast on the fly: bf16 + fp32, a bf16 -> fp32 copy) runs the unrolled kernel
 # with per-element casts; any other layout runs the generic kernel that computes every
-# operand's offset per element. fp32 -> bf16/fp16 copies have a vectorized kernel of their own.
+# operand's offset per element, and when dtypes also differ, the same generic kernel fetches
+# and casts every operand through a switch on its dtype ("generic_cast": a bf16 activation
+# times an fp32 per-channel scale, an RMSNorm's fp32 weight times bf16 rows). fp32 -> bf16/fp16
+# copies have a vectorized kernel of their own.
 ELEMENTWISE_COPIES = frozenset(("clone", "_to_copy", "copy", "copy_", "_copy_from"))
 _OWN_KERNELS = frozenset(("native_dropout", "_fused_dropout", "bernoulli", "normal",
                           "rrelu_with_noise", "isin", "bucketize", "polar", "complex"))
 _CAST_DOWN = (("float32", "bfloat16"), ("float32", "float16"))
+# kernels that take a bool operand as bool (a condition, a mask), not cast to the data's dtype
+_BOOL_OPERAND = frozenset(("where", "masked_fill"))
 
 
 def elementwise_path(node: OpNode, kind: str) -> str | None:
@@ -285,8 +290,9 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
     copy), "dyncast" (dense, one layout, dtypes that differ), "bcast" (an input broadcast
     along leading dims: a bias), "bcast_inner" (an input broadcast along the output's fastest
     dim: a per-row scale), "strided" (layouts that differ, every operand read in runs along
-    the output's fastest dim: a head transpose), "transposed" (an operand strided along it).
-    Inputs of one element travel as scalars and do not count."""
+    the output's fastest dim: a head transpose), "generic_cast" (a pointwise op that is
+    "bcast", "bcast_inner" or "strided" with dtypes that differ), "transposed" (an operand
+    strided along it). Inputs of one element travel as scalars and do not count."""
     base = node.name.rstrip("_") if node.name != "copy_" else "copy"
     if kind == "copy":
         if node.name not in ELEMENTWISE_COPIES:
@@ -320,19 +326,18 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
         if strides[inner] != 1:
             return "transposed"
         layouts.append(tuple(strides[d] for d in dims))
-    if bcast:
-        return "bcast_inner" if bcast_inner else "bcast"
-    if any(lay != tuple(out.stride[d] for d in dims) for lay in layouts):
-        return "strided"
-    dtypes = {t.dtype for t in ins}
+    dtypes = {t.dtype for t in ins if not (t.dtype == "bool" and base in _BOOL_OPERAND)}
+    mixed = len(dtypes) > 1 or bool(dtypes and out.dtype not in dtypes and out.dtype != "bool")
+    generic = "bcast_inner" if bcast_inner else "bcast" if bcast else "strided" if any(
+        lay != tuple(out.stride[d] for d in dims) for lay in layouts) else None
+    if generic:
+        return "generic_cast" if mixed and kind == "pointwise" else generic
     if kind == "copy":
         src = ins[0].dtype if ins else out.dtype
         if src == out.dtype:
             return "vector"
         return "cast_down" if (src, out.dtype) in _CAST_DOWN else "dyncast"
-    if len(dtypes) > 1 or (dtypes and out.dtype not in dtypes and out.dtype != "bool"):
-        return "dyncast"
-    return "vector"
+    return "dyncast" if mixed else "vector"
 
 
 def _aligned_strides(t, shape: tuple[int, ...]) -> list[int] | None:

@@ -40,6 +40,9 @@ INSIDE = "inside:"
 # kernel runs at a few TFLOP/s: the top rows would take minutes)
 ROW_CAP = {"grouped-1d": 2**23}
 DEPTHWISE_BATCHES = (1, 4, 16, 64)
+# (channels, output plane) as CNNs pair them: wide planes early, many channels late
+DEPTHWISE_SHAPES = ((32, 112), (64, 56), (96, 56), (128, 56), (192, 28), (256, 28), (384, 14),
+                    (512, 14), (768, 7), (1152, 7))
 DEPTHWISE_CLASSES = {"3x3": (3, 1), "5x5": (5, 1), "7x7": (7, 1), "3x3-s2": (3, 2),
                      "5x5-s2": (5, 2)}
 
@@ -234,15 +237,19 @@ def _free(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56,
+def depthwise_bandwidths(dev: torch.device,
+                         shapes: tuple[tuple[int, int], ...] = DEPTHWISE_SHAPES,
                          batches: tuple[int, ...] = DEPTHWISE_BATCHES
                          ) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of depthwise (groups = channels) convolutions, forward and backward
-    (both gradients), per dtype, layout and kernel class, over their size:
+    (both gradients), per dtype, layout and kernel class, over their channels and size:
     {"forward:bf16:channels_last:3x3" | "backward:fp32:channels_first:5x5-s2" | ...:
-    [[bytes, B/s], ...]}, bytes as the cost model counts them, `plane` the output's. With one
-    input channel per output channel a depthwise convolution is no GEMM (cuDNN runs it on
-    CUDA cores, bound by memory and latency), so the dense grid says nothing about it."""
+    [[channels, bytes, B/s], ...]}, bytes as the cost model counts them, at each (channels,
+    output plane) of `shapes` over `batches`. With one input channel per output channel a
+    depthwise convolution is no GEMM (cuDNN runs it on CUDA cores, bound by memory and
+    latency), so the dense grid says nothing about it; how cuDNN's kernels split the
+    channels sets their speed (ConvNeXt's 96 channels at 56x56 ran 35% slower per byte than
+    128), so one channel count cannot stand for the rest."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.profile.timing import time_op
 
@@ -250,13 +257,14 @@ def depthwise_bandwidths(dev: torch.device, channels: int = 128, plane: int = 56
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for layout in LAYOUTS:
             for cls, (k, stride) in DEPTHWISE_CLASSES.items():
-                s = ConvShape(cls, channels, channels, k, stride, channels, plane)
-                for n in batches:
-                    calls = _calls(*_tensors(s, n, dtype, layout, dev))
-                    for direction in ("forward", "backward"):
-                        name, fn = calls[direction]
-                        nbytes = op_cost(_record(fn, name)).bytes
-                        out.setdefault(f"{direction}:{key}:{layout}:{cls}", []).append(
-                            [nbytes, nbytes / time_op(fn, dev, REPS)])
-                    _free(dev)
+                for channels, plane in shapes:
+                    s = ConvShape(cls, channels, channels, k, stride, channels, plane)
+                    for n in batches:
+                        calls = _calls(*_tensors(s, n, dtype, layout, dev))
+                        for direction in ("forward", "backward"):
+                            name, fn = calls[direction]
+                            nbytes = op_cost(_record(fn, name)).bytes
+                            out.setdefault(f"{direction}:{key}:{layout}:{cls}", []).append(
+                                [float(channels), nbytes, nbytes / time_op(fn, dev, REPS)])
+                        _free(dev)
     return out

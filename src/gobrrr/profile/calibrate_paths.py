@@ -3,7 +3,8 @@
 - `path_bandwidths`: TensorIterator's elementwise kernels by path (`cost.shapes.elementwise_path`):
   the same bytes move at different rates through the vectorized kernel, the unrolled kernel
   that casts each element (a bf16 -> fp32 copy, bf16 + fp32), and the generic kernel that
-  computes every operand's offset (broadcasts, transposes). Measured over sizes, each case's
+  computes every operand's offset (broadcasts, transposes), and that kernel again when it
+  also casts each operand (a broadcast with dtypes that differ). Measured over sizes, each case's
   path checked with the cost model's own classifier on the recorded op, bytes counted as the
   cost model counts them. Also torch's `_foreach_*` list kernels (the optimizer's) over the
   bytes of the lists, at a transformer's parameter shapes.
@@ -78,6 +79,11 @@ def _path_cases(dev: torch.device, n: int
         yield "pointwise:dyncast", "add", lambda a=a, c=c: aten.add(a, c)
         yield "pointwise:bcast", "add", lambda a=a, bias=bias: aten.add(a, bias)
         yield "pointwise:bcast_inner", "mul", lambda a=a, s=scale: aten.mul(a, s)
+        if dt == torch.bfloat16:  # bf16 rows plus an fp32 bias, in place: bf16 out
+            rows16, bias32 = c.to(dt), bias.float()
+            yield "pointwise:generic_cast", "add_", lambda a=rows16, b=bias32: aten.add_(a, b)
+        else:  # bf16 rows times an fp32 scale (an RMSNorm's weight): fp32 out
+            yield "pointwise:generic_cast", "mul", lambda c=c, b=bias: aten.mul(c, b)
         yield "pointwise:strided", "add", lambda h=heads, b=b: aten.add(
             h.transpose(1, 2), b.view(h.transpose(1, 2).shape))
         yield "pointwise:transposed", "add", lambda a=a, b=b: aten.add(a.t(), b.view(w, rows))

@@ -142,13 +142,15 @@ def _attention_point(dev, time_op, dtype, tokens: int, s: int, d: int, mask: str
 GRID_MAX_FLOP = 2.0**41  # the largest matmul the grid times (~3 ms in bf16, ~45 ms in fp32)
 
 
-def matmul_grid(dev: torch.device, mns: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384),
-                ks: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536)
+def matmul_grid(dev: torch.device,
+                mns: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+                ks: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536, 262144)
                 ) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of (m x k) @ (k x m) over output sizes m² and depths k, per math mode:
     {mode: [[m*m, k, FLOP/s], ...]}. Small outputs leave SMs idle; a short k leaves each
     tile's fixed cost (prologue, epilogue) unamortised. Deep k with a small output is a weight
-    gradient (k = the tokens of a step), which cuBLAS splits over k. Points above
+    gradient (k = the tokens of a step, or a CNN's pixels: a 96-wide linear layer over a batch
+    of 56x56 maps has k = 200k), which cuBLAS splits over k. Points above
     GRID_MAX_FLOP are left out (large outputs are at full rate by k = 4096 anyway): the grid is
     ragged at its large corner."""
     from gobrrr.profile.timing import time_op
@@ -295,8 +297,11 @@ def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
     return out
 
 
-LN_GRID_WIDTHS = (256, 512, 768, 1024, 2048, 4096, 8192)
-LN_GRID_ROWS = (2048, 8192, 32768)
+# widths from a CNN's channels (ConvNeXt's 96..768, normalised per pixel) to an LM's 8192; rows
+# to a CNN's pixels (a batch of 56x56 maps is 200k rows), the most only at narrow widths
+LN_GRID_WIDTHS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+LN_GRID_ROWS = (2048, 8192, 32768, 131072, 524288)
+LN_GRID_MAX_ELEMENTS = 2**28
 
 
 def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
@@ -314,7 +319,7 @@ def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
         fwd, bwd = out.setdefault(f"native_layer_norm:{key}", []), out.setdefault(
             f"native_layer_norm_backward:{key}", [])
         for w in LN_GRID_WIDTHS:
-            for rows in LN_GRID_ROWS:
+            for rows in (r for r in LN_GRID_ROWS if r * w <= LN_GRID_MAX_ELEMENTS):
                 h = torch.randn(rows, w, device=dev, dtype=dtype)
                 lw, lb = (torch.ones(w, device=dev, dtype=dtype),
                           torch.zeros(w, device=dev, dtype=dtype))
@@ -410,13 +415,18 @@ def fit_embedding_backward(points: list[list[float]]) -> dict[str, float]:
             "fixed_s": max(float(fixed), 0.0)}
 
 
-def outer_sum_bandwidths(dev: torch.device, rows: int = 16384,
-                         cols: tuple[int, ...] = (256, 768, 2048, 4096, 16384)
+OUTER_SUM_COLS = (64, 128, 256, 384, 768, 2048, 4096, 16384)
+OUTER_SUM_ROWS = (4096, 16384, 65536, 262144)
+
+
+def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_ROWS,
+                         cols: tuple[int, ...] = OUTER_SUM_COLS, max_elements: int = 2**30
                          ) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of a sum over the leading dim of a (rows, cols) tensor (a bias
-    gradient over a step's tokens) over the column count, per dtype: {"sum:bf16" | "sum:fp32":
-    [[cols, B/s], ...]}. The columns set the kernel's parallelism; bytes as the cost model
-    counts them."""
+    gradient over a step's tokens, or a CNN's pixels) over the column count and the rows, per
+    dtype: {"sum:bf16" | "sum:fp32": [[cols, rows, B/s], ...]}. The columns set the kernel's
+    parallelism across the output, the rows how far it splits each column's sum (a second
+    kernel adds the partial sums); bytes as the cost model counts them."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.profile.timing import time_op
 
@@ -425,10 +435,12 @@ def outer_sum_bandwidths(dev: torch.device, rows: int = 16384,
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         out[f"sum:{key}"] = []
         for c in cols:
-            g = torch.randn(rows, c, device=dev, dtype=dtype)
-            fn = lambda g=g: aten.sum.dim_IntList(g, [0])  # noqa: E731
-            out[f"sum:{key}"].append([float(c), op_cost(_record(fn, "sum")).bytes /
-                                      time_op(fn, dev, 20)])
+            for r in (r for r in rows if r * c <= max_elements):
+                g = torch.randn(r, c, device=dev, dtype=dtype)
+                fn = lambda g=g: aten.sum.dim_IntList(g, [0])  # noqa: E731
+                out[f"sum:{key}"].append([float(c), float(r), op_cost(_record(
+                    fn, "sum")).bytes / time_op(fn, dev, 20)])
+                del g
     return out
 
 

@@ -1,7 +1,8 @@
 """Measure some sections of a calibration on this GPU and merge them into a calibration file.
 
 A full `gobrrr calibrate` measures everything on one machine. This re-measures chosen sections
-(the GPU's own rates, or the host cost of gobrrr's kernel ops) and sets them in an existing
+(the GPU's own rates, the host cost of gobrrr's kernel ops, or of the fused attention ops:
+`attention_host`, merged into `op_host`) and sets them in an existing
 calibration, recording where and when each was measured in its meta (under the section's
 name); the measurement is also written as results JSON.
 
@@ -27,7 +28,8 @@ from gobrrr.profile.calibrate import gpu_sections
 # section -> the calibration fields it measures, {field: value}: the GPU sections of a full
 # calibration, and the host's per-op cost by phase, merged as ratios to the forward's (below)
 SECTIONS = {**gpu_sections(),
-            "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)}}
+            "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
+            "attention_host": lambda d: {"attention_host": ch.attention_host_costs(d)}}
 
 
 def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:
@@ -53,6 +55,9 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
                 k: cal.op_overhead["forward"] * r for k, r in ratios.items()}}
             meta["checkpoint_overhead"] = {**meta["checkpoint_overhead"], "measured": here,
                                            "over_forward": ratios}
+        if "attention_host" in measured:
+            # the fused attention ops' keys of op_host, the rest of it as the file has it
+            measured["op_host"] = {**cal.op_host, **measured.pop("attention_host")}
         replace(cal, **measured, meta=meta).save(into)
     return path
 

@@ -199,13 +199,58 @@ def optimizer_host(dev: torch.device, reps: int = 15) -> dict[str, dict[str, lis
 
 def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
     """Host seconds per call that ops heavier on the host than a plain kernel launch add over
-    an elementwise add (keys "op:dtype"): cuDNN convolutions (forward, backward) and batch
-    norm. The step's per-op overhead (`op_overhead`) already covers an ordinary op; this is
-    the extra. Timed as back-to-back calls on tiny tensors, so the host, not the GPU, is what
-    the loop waits on."""
+    an elementwise add (keys "op:dtype"): cuDNN convolutions (forward, backward), batch
+    norm, and the fused attention backends (`attention_host_costs`). The step's per-op
+    overhead (`op_overhead`) already covers an ordinary op; this is the extra. Timed as
+    back-to-back calls on tiny tensors, so the host, not the GPU, is what the loop waits on."""
     costs = {name: per_call(fn, dev, calls, rounds=5, warmup=20) for name, fn in _host_cases(dev)}
     base = costs.pop("add")
-    return {k: max(v - base, 0.0) for k, v in costs.items()}
+    return {k: max(v - base, 0.0) for k, v in costs.items()} | attention_host_costs(dev, calls)
+
+
+#: SDPA's fused backends, as the ATen ops a training step runs for them
+ATTENTION_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def attention_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
+    """Host seconds per call of SDPA's fused attention ops beyond an elementwise add, forward
+    and backward, per backend (keys "op:bf16", the ATen op each backend's forward and
+    backward dispatch to): cuDNN's builds its graph's variant pack on every call, flash and
+    efficient attention check their inputs and pick a kernel. Each op is recorded once as a
+    training step calls it (through autograd, for the backward), then called again with the
+    same arguments, back to back, on tiny tensors. A backend this GPU or PyTorch does not
+    run is left out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__:
+                self.calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    a = torch.randn(8, device=dev)
+    base = per_call(lambda: torch.ops.aten.add(a, a), dev, calls, rounds=5, warmup=20)
+    out: dict[str, float] = {}
+    for name in ATTENTION_BACKENDS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)), Record() as rec:
+                y = F.scaled_dot_product_attention(q, k, v)
+                y.backward(torch.ones_like(y))
+        except (RuntimeError, AttributeError):
+            continue
+        for func, args, kwargs in rec.calls:
+            op = func.__name__.split(".")[0]
+            t = per_call(lambda f=func, a=args, kw=kwargs: f(*a, **kw), dev, calls, rounds=5,
+                         warmup=20)
+            out[f"{op}:bf16"] = max(t - base, 0.0)
+    return out
 
 
 def per_call(fn, dev: torch.device, calls: int, rounds: int, warmup: int) -> float:

@@ -254,7 +254,7 @@ def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for()
                                       s.c_in // s.groups * s.kernel**s.dims)
         classes.add(s.cls)
     assert classes == {"1x1", "1x1-reduce", "1x1-expand", "3x3", "3x3-s2", "stem", "grouped",
-                       "grouped-1d"}
+                       "grouped-1d", "patchify", "stem-patchify"}
 
 
 def test_a_measured_grid_is_read_by_the_lookup(make_cal):
@@ -309,22 +309,27 @@ def test_channels_last_strides_agree_with_pytorchs_own_test():
 
 
 def test_stems_are_image_inputs_under_a_large_kernel():
-    """A 1x1 from a few channels (a squeeze-and-excitation block's expand) is a GEMM, and so
-    is a ViT's 16x16 patch embedding; a 4x4 patchify stem (ConvNeXt's) is a stem."""
-    class Three(nn.Module):
+    """A 1x1 from a few channels (a squeeze-and-excitation block's expand) is a GEMM; an
+    image cut into non-overlapping patches (ConvNeXt's 4x4 stem, a ViT's 16x16 patch
+    embedding) is a "stem-patchify", a stage's 2x2 downsampling of many channels a
+    "patchify", and a padded strided 7x7 on an image a "stem"."""
+    class Five(nn.Module):
         def __init__(self):
             super().__init__()
             self.se, self.patch4, self.patch16 = (nn.Conv2d(4, 96, 1), nn.Conv2d(3, 16, 4, 4),
                                                   nn.Conv2d(3, 8, 16, 16))
+            self.down, self.stem = nn.Conv2d(16, 32, 2, 2), nn.Conv2d(3, 8, 7, 2, 3)
 
         def forward(self, pooled, image):
-            return self.se(pooled).sum() + self.patch4(image).sum() + self.patch16(image).sum()
+            return self.se(pooled).sum() + self.down(self.patch4(image)).sum() + \
+                self.patch16(image).sum() + self.stem(image).sum()
 
     def make():
         batch = (torch.randn(2, 4, 1, 1), torch.randn(2, 3, 32, 32))
-        return gobrrr.Workload(model=Three(), batch=batch, loss=lambda y, b: y)
+        return gobrrr.Workload(model=Five(), batch=batch, loss=lambda y, b: y)
     convs = _convs(capture(make, precision="bf16-mixed"))
-    assert [conv_class(n) for n in convs] == ["1x1-expand", "stem", "3x3-s2"]
+    assert [conv_class(n) for n in convs] == ["1x1-expand", "stem-patchify", "patchify",
+                                              "stem-patchify", "stem"]
 
 
 def test_each_class_is_measured_on_a_rectangular_grid():

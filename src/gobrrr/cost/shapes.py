@@ -145,7 +145,9 @@ STEM_WINDOW = 49  # ... with a kernel window over 1x1 and up to 7x7 (a squeeze-a
 
 def conv_class(node: OpNode) -> str | None:
     """The calibration's shape class of a convolution: "grouped-1d" (a 1-D one with groups >
-    1), "grouped" (groups > 1), "stem" (under
+    1), "grouped" (groups > 1), "patchify" (a kernel over 1x1 whose stride is the kernel, no
+    padding: ConvNeXt's downsampling) and "stem-patchify" (the same on under 8 input channels:
+    ViT's and Swin's patch embeddings, ConvNeXt's stem), "stem" (under
     8 input channels, kernel over 1x1 and up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand"
     (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel,
     strided), "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
@@ -156,17 +158,21 @@ def conv_class(node: OpNode) -> str | None:
     if (node.arg(9 if backward else 8, "groups", 1) or 1) > 1:
         return "grouped-1d" if len(w.shape) == 3 else "grouped"
     window = math.prod(w.shape[2:])
+    stride = node.arg(4 if backward else 3, "stride", (1,)) or (1,)
+    padding = node.arg(5 if backward else 4, "padding", (0,)) or (0,)
+    if window > 1 and list(stride) == list(w.shape[2:]) and not any(padding):
+        return "stem-patchify" if w.shape[1] < STEM_CHANNELS else "patchify"
     if w.shape[1] < STEM_CHANNELS and 1 < window <= STEM_WINDOW:
         return "stem"
     if window == 1:
         ratio = w.shape[0] / w.shape[1]
         return "1x1-reduce" if ratio <= 0.5 else "1x1-expand" if ratio >= 2 else "1x1"
-    stride = node.arg(4 if backward else 3, "stride", (1,)) or (1,)
     return "3x3-s2" if any(s > 1 for s in stride) else "3x3"
 
 
 # where a convolution's shape class was not measured, the class whose kernels come closest
 CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
+                 "patchify": ("3x3-s2", "3x3"), "stem-patchify": ("stem", "3x3-s2"),
                  "stem": ("3x3-s2", "3x3"), "grouped-1d": ("grouped",)}
 
 

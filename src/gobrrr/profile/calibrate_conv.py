@@ -59,6 +59,7 @@ class ConvShape:
     groups: int
     plane: int  # output height = width (the length, 1-D)
     dims: int = 2  # spatial dims: 2 (images), 1 (sequences: speech models' Conv1d)
+    pad: int | None = None  # each side; None: kernel // 2 (the output keeps the input's plane)
 
     def batch(self, outputs: int) -> int:
         """The largest power-of-two batch N with N · plane^dims · C_out <= outputs (0 when
@@ -80,7 +81,9 @@ def conv_shapes() -> Iterator[ConvShape]:
     "stem" (3 input channels: a 3x3 and a 7x7, both stride 2), "grouped" (3x3, 16 groups of
     4..64 channels each), "grouped-1d" (1-D, kernel 128, 16 groups of 16..64 channels over
     512 positions: the convolutional position embedding of wav2vec2, HuBERT, WavLM and
-    data2vec-audio, which cuDNN runs at a few TFLOP/s)."""
+    data2vec-audio, which cuDNN runs at a few TFLOP/s), "patchify" (stride = kernel, no
+    padding: 2x2 downsampling of 96-384 channels) and "stem-patchify" (3-channel images cut
+    into 4x4 and 16x16 patches)."""
     for c in (64, 128, 256, 512, 1024, 2048):
         yield ConvShape("1x1", c, c, 1, 1, 1, _plane(8192, c))
     for c in (256, 512, 1024, 2048):  # a bottleneck's way in (or an inverted one's way out)
@@ -100,15 +103,25 @@ def conv_shapes() -> Iterator[ConvShape]:
         yield ConvShape("grouped", 16 * width, 16 * width, 3, 1, 16, _plane(4096, 16 * width))
     for c in (256, 512, 768, 1024):
         yield ConvShape("grouped-1d", c, c, 128, 1, 16, 512, dims=1)
+    # non-overlapping patches: an image cut into 4x4 and 16x16 ones (ConvNeXt's and Swin's
+    # stems, ViT's patch embedding), a stage's 2x2 downsampling (ConvNeXt)
+    for c_in, c_out, k, plane in ((3, 96, 4, 56), (3, 384, 16, 14), (3, 768, 16, 14),
+                                  (96, 192, 2, 28), (192, 384, 2, 14), (384, 768, 2, 7)):
+        yield ConvShape("stem-patchify" if c_in < 8 else "patchify", c_in, c_out, k, k, 1,
+                        plane, pad=0)
 
 
 def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.device):
     """(input, weight, grad_output, convolution args after the bias) of shape s at batch n."""
     g = torch.Generator(device=dev).manual_seed(s.c_in * 7919 + s.kernel * 31 + n)
-    pad = s.kernel // 2
-    # an even kernel with `pad` each side gives one output more than inputs (models drop it):
-    # one input fewer keeps the output at `plane`
-    size = s.plane * s.stride - (1 - s.kernel % 2)
+    if s.pad is None:
+        pad = s.kernel // 2
+        # an even kernel with `pad` each side gives one output more than inputs (models drop
+        # it): one input fewer keeps the output at `plane`
+        size = s.plane * s.stride - (1 - s.kernel % 2)
+    else:
+        pad = s.pad
+        size = (s.plane - 1) * s.stride + s.kernel - 2 * pad
     x = torch.randn(n, s.c_in, *[size] * s.dims, device=dev, dtype=dtype, generator=g)
     w = torch.randn(s.c_out, s.c_in // s.groups, *[s.kernel] * s.dims, device=dev,
                     dtype=dtype, generator=g) * 0.05

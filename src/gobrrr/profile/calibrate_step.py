@@ -298,9 +298,11 @@ def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
 
 
 # widths from a CNN's channels (ConvNeXt's 96..768, normalised per pixel) to an LM's 8192; rows
-# to a CNN's pixels (a batch of 56x56 maps is 200k rows), the most only at narrow widths
+# to a CNN's pixels (a batch of 56x56 maps is 200k rows), the most only at narrow widths; dense
+# between 32k and 131k rows, where the backward's gamma/beta kernel changes strategy (2-3x faster
+# per byte above it: ConvNeXt-V2's 50k-row backwards run at the 32k rows' rate)
 LN_GRID_WIDTHS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
-LN_GRID_ROWS = (2048, 8192, 32768, 131072, 524288)
+LN_GRID_ROWS = (2048, 8192, 32768, 49152, 65536, 98304, 131072, 524288)
 LN_GRID_MAX_ELEMENTS = 2**28
 
 
@@ -415,8 +417,8 @@ def fit_embedding_backward(points: list[list[float]]) -> dict[str, float]:
             "fixed_s": max(float(fixed), 0.0)}
 
 
-OUTER_SUM_COLS = (64, 128, 256, 384, 768, 2048, 4096, 16384)
-OUTER_SUM_ROWS = (4096, 16384, 65536, 262144)
+OUTER_SUM_COLS = (64, 96, 128, 192, 256, 384, 768, 2048, 4096, 16384)
+OUTER_SUM_ROWS = (4096, 16384, 32768, 65536, 131072, 262144)
 
 
 def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_ROWS,

@@ -11,7 +11,7 @@ import torch
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
-from gobrrr.cost.shapes import elementwise_path
+from gobrrr.cost.shapes import cat_path, elementwise_path
 from gobrrr.graph import OpNode, TensorInfo
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.profile.calibrate_paths import _path_cases
@@ -22,14 +22,14 @@ H100 = get_gpu("h100")
 # the kernel template each path runs (ATen's CUDALoops.cuh)
 KERNEL_OF = {"vector": "vectorized_elementwise_kernel", "cast_down":
              "vectorized_elementwise_kernel", "dyncast": "unrolled_elementwise_kernel",
-             "generic_cast": "elementwise_kernel:cast"}
+             "generic_cast": "elementwise_kernel:cast", "cat_strided": "CatArrayBatchedCopy"}
 
 
 def _kernel_family(name: str) -> str:
     """The kernel template; the generic one as it casts each operand or not
     (gpu_kernel_impl's dynamic casting against gpu_kernel_impl_nocast)."""
     for family in ("vectorized_elementwise_kernel", "unrolled_elementwise_kernel",
-                   "elementwise_kernel"):
+                   "elementwise_kernel", "CatArrayBatchedCopy"):
         if family in name:
             if family == "elementwise_kernel" and "gpu_kernel_impl_nocast" not in name:
                 return "elementwise_kernel:cast"
@@ -41,18 +41,20 @@ def test_each_path_is_the_kernel_the_gpu_ran():
     """Every calibration case, recorded on the CPU and classified, names the kernel template
     the H100 ran for it: vectorized for dense same-dtype operands, unrolled-with-casts for a
     dtype that differs, the generic offset-computing kernel for every other layout, and that
-    kernel casting each operand when a broadcast also mixes dtypes (instep_paths_h100.json)."""
+    kernel casting each operand when a broadcast also mixes dtypes; a stack of non-contiguous
+    inputs CUDA's batched cat kernel, which reads them by their strides
+    (instep_paths_h100.json)."""
     doc = json.loads((RESULTS / "instep_paths_h100.json").read_text())
     ran = {}
     for row in doc["paths"]:
         if row["path"] != "foreach":
             ran.setdefault(row["path"], set()).add(_kernel_family(row["kernels"][0][0]))
-    assert len(ran) == 12
+    assert len(ran) == 13
     seen = set()
     for key, op, fn in _path_cases(torch.device("cpu"), 2**14):
         node = _record(fn, op)
         kind, path = key.split(":")
-        assert elementwise_path(node, op_cost(node).kind) == path, key
+        assert (elementwise_path(node, op_cost(node).kind) or cat_path(node)) == path, key
         assert ran[key] == {KERNEL_OF.get(path, "elementwise_kernel")}, key
         seen.add(key)
     assert seen == set(ran)
@@ -167,3 +169,17 @@ def test_shipped_calibration_times_kernels_of_another_run(case):
         node = _record(lambda: torch.ops.aten._to_copy(x, dtype=torch.float32), "_to_copy")
     rates = Rates(H100, find_calibration(H100))
     assert time_op(node, op_cost(node), rates).device_s == pytest.approx(row["alone"], rel=0.05)
+
+
+def test_a_cat_of_inputs_not_contiguous_is_strided():
+    """cat and stack: contiguous inputs (in the output's layout) copy at a copy's bandwidth
+    (no path); one that is not (a transposed view, a slice) makes the kernel read every
+    element by its strides."""
+    x, heads = _t((4, 8, 16)), _t((4, 8, 16), (128, 1, 8))
+    out2, out3 = _t((8, 8, 16)), _t((2, 4, 8, 16))
+    assert cat_path(_node("cat", [x, x], out2)) is None
+    assert cat_path(_node("stack", [x, x], out3)) == cat_path(_node("add", [x, heads], x)) \
+        is None
+    assert cat_path(_node("stack", [x, heads], out3)) == "cat_strided"
+    assert cat_path(_node("cat", [_t((4, 8, 8), (128, 16, 1)), x], _t((4, 8, 24)))) == \
+        "cat_strided"

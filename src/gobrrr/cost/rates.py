@@ -13,6 +13,7 @@ from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
+    cat_path,
     channels_last_strides,
     conv_class,
     conv_directions,
@@ -150,7 +151,7 @@ class Rates:
         if kind == "optimizer" and node.name.startswith("_foreach_"):
             points = table.get("foreach")
         else:
-            path = elementwise_path(node, kind)
+            path = elementwise_path(node, kind) or (cat_path(node) if kind == "copy" else None)
             if path is None or path in ("vector", "cast_down"):
                 return None
             bits = "bf16" if node.outputs[0].itemsize == 2 else "fp32"

@@ -290,6 +290,26 @@ _CAST_DOWN = (("float32", "bfloat16"), ("float32", "float16"))
 _BOOL_OPERAND = frozenset(("where", "masked_fill"))
 
 
+CATS = frozenset(("cat", "stack"))
+
+
+def cat_path(node: OpNode) -> str | None:
+    """The kernel path of a cat or stack: "cat_strided" where an input is not contiguous in
+    the output's memory format (CUDA's CatArrayBatchedCopy then computes every element's
+    offset from the input's strides: a stack of attention's q, k and v gradients in their
+    (batch, token, head) layout), else None (the batched copy of contiguous inputs, at a
+    copy's bandwidth)."""
+    if node.name not in CATS or not node.outputs:
+        return None
+    cl = channels_last_strides(node.outputs[0])
+    for t in node.inputs:
+        if t.numel <= 1:
+            continue
+        if not (t.is_contiguous() or (cl and channels_last_strides(t))):
+            return "cat_strided"
+    return None
+
+
 def elementwise_path(node: OpNode, kind: str) -> str | None:
     """The kernel path of a TensorIterator copy or pointwise op, or None for any other op:
     "vector" (dense operands of one layout and dtype), "cast_down" (a dense fp32 -> bf16/fp16

@@ -32,7 +32,7 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     than its bytes), L2 flushed before each run. Raises if a case does not take the path it
     stands for."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import elementwise_path
+    from gobrrr.cost.shapes import cat_path, elementwise_path
     from gobrrr.profile.calibrate_shapes import kernel_latency
     from gobrrr.profile.calibrate_step import _record
     from gobrrr.profile.timing import flush_buffer, time_op
@@ -45,7 +45,7 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
             node = _record(fn, op)
             cost = op_cost(node)
             kind, path = key.split(":")
-            got = elementwise_path(node, cost.kind)
+            got = elementwise_path(node, cost.kind) or cat_path(node)
             if (cost.kind, got) != (kind, path):
                 raise AssertionError(f"{key} case ran {op} as {cost.kind}:{got}")
             t = time_op(fn, dev, 10, flush)
@@ -96,6 +96,10 @@ def _path_cases(dev: torch.device, n: int
             h.transpose(1, 2), memory_format=torch.contiguous_format)
         yield "copy:transposed", "clone", lambda a=a: aten.clone(
             a.t(), memory_format=torch.contiguous_format)
+        # attention's q, k and v gradients stacked from their (batch, token, head) layout
+        heads_b = b.view(heads.shape)
+        yield "copy:cat_strided", "stack", lambda h=heads, g=heads_b: aten.stack(
+            [h.transpose(1, 2), g.transpose(1, 2), h.transpose(1, 2)])
         kv = a.view(-1, 4, 1, 256, 64) if n >= 2**16 else a.view(-1, 4, 1, 16, 64)
         yield "copy:bcast", "clone", lambda kv=kv: aten.clone(
             kv.expand(kv.shape[0], kv.shape[1], 4, kv.shape[3], 64),

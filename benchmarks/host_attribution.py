@@ -60,20 +60,14 @@ def python_reference(n: int = 200_000, rounds: int = 5) -> float:
 
 
 def add_reference(calls: int = 400, rounds: int = 5) -> float:
+    """Seconds per call of a tiny CUDA add, as calibrate_host.per_call times it."""
     import torch
 
-    a = torch.randn(8, device="cuda")
-    best = float("inf")
-    for _ in range(rounds):
-        for _ in range(20):
-            a + a
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            a + a
-        best = min(best, (time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-    return best
+    from gobrrr.profile.calibrate_host import per_call
+
+    dev = torch.device("cuda")
+    a = torch.randn(8, device=dev)
+    return per_call(lambda: a + a, dev, calls, rounds=rounds, warmup=20)
 
 
 def _regions(precision, wl, opt, scaler):

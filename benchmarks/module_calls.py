@@ -20,7 +20,6 @@ scales and drop paths). Each case in a fresh process (a zoo case by name, a buil
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -34,69 +33,52 @@ CASES = ("vit_small-timm", "convnextv2_tiny-timm", "distilbert-mlm", "qwen2-0.5b
          "gpt2:1:16:none")
 
 
-def per_call(fn, calls: int = 400, rounds: int = 5) -> float:
-    import torch
-
-    best = float("inf")
-    for _ in range(rounds):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-    return best
-
-
 def call_costs() -> dict[str, float]:
+    """Seconds per call, as gobrrr.profile.calibrate_host.per_call times op_host's cases."""
     import torch
     from torch import nn
+
+    from gobrrr.profile.calibrate_host import per_call
 
     class Add(nn.Module):
         def forward(self, x):
             return x + x
 
-    a = torch.randn(8, device="cuda")
+    dev = torch.device("cuda")
+    a = torch.randn(8, device=dev)
     ident, add = nn.Identity(), Add()
-    return {"add": per_call(lambda: a + a), "identity_module": per_call(lambda: ident(a)),
-            "add_module": per_call(lambda: add(a))}
+    return {name: per_call(fn, dev, 400, rounds=5, warmup=20) for name, fn in (
+        ("add", lambda: a + a), ("identity_module", lambda: ident(a)),
+        ("add_module", lambda: add(a)))}
 
 
 def count_calls(precision, wl) -> dict[str, int]:
     """Modules called in one forward (and loss), and those inside which no ATen op ran."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from zoo.measure import OpCounter
 
     from gobrrr.step import autocast_for
 
-    ops = [0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[0] += 1
-            return func(*args, **(kwargs or {}))
-
+    counter = OpCounter()
     stack, calls, empty = [], [0], [0]
 
     def pre(m, args):
         calls[0] += 1
-        stack.append(ops[0])
+        stack.append(counter.counts.total())
 
     def post(m, args, out):
-        if ops[0] == stack.pop():
+        if counter.counts.total() == stack.pop():
             empty[0] += 1
 
     hooks = [h for m in wl.model.modules() for h in (m.register_forward_pre_hook(pre),
                                                       m.register_forward_hook(post))]
     try:
-        with torch.no_grad(), Count(), autocast_for(precision, "cuda"):
+        with torch.no_grad(), counter, autocast_for(precision, "cuda"):
             wl.compute_loss(wl.batch)
     finally:
         for h in hooks:
             h.remove()
-    return {"modules": calls[0], "without_ops": empty[0], "ops": ops[0]}
+    return {"modules": calls[0], "without_ops": empty[0], "ops": counter.counts.total()}
 
 
 def strip_identities(model) -> int:

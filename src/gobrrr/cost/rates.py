@@ -9,11 +9,10 @@ import math
 from gobrrr.cost._ops_common import targ
 from gobrrr.cost._ops_optim import block_rows, quantized
 from gobrrr.cost.conv import bias_kernel
-from gobrrr.cost.curves import curve, grid, grid_value, interp, measured
+from gobrrr.cost.curves import curve, curve_points, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.shapes import (
     CHECKPOINT_PHASES,
-    cat_path,
     channels_last_strides,
     conv_class,
     conv_directions,
@@ -105,9 +104,7 @@ class Rates:
         layout, cls = conv_layout(node), depthwise_class(node)
         variants = (f"{layout}:{cls}", f"{layout}:{cls.split('-')[0]}", f"{layout}:3x3")
         table, x = self.cal.depthwise_bandwidth, node.inputs[0]
-        key = f"{direction}:{'bf16' if x.dtype in ('bfloat16', 'float16') else 'fp32'}"
-        points = next((table[f"{key}:{v}"] for v in variants if table.get(f"{key}:{v}")),
-                      table.get(key))
+        points = curve_points(table, direction, x.dtype, variants)
         if points and len(points[0]) == 3:  # over channels and size
             w = targ(node, 2 if direction == "backward" else 1, "weight")
             return grid_value(points, w.shape[0] if w is not None else 1, nbytes)
@@ -149,17 +146,25 @@ class Rates:
         if not table or nbytes <= 0:
             return None
         if kind == "optimizer" and node.name.startswith("_foreach_"):
-            points = table.get("foreach")
-        else:
-            path = elementwise_path(node, kind) or (cat_path(node) if kind == "copy" else None)
-            if path is None or path in ("vector", "cast_down"):
-                return None
-            bits = "bf16" if node.outputs[0].itemsize == 2 else "fp32"
-            other = "fp32" if bits == "bf16" else "bf16"
-            points = table.get(f"{kind}:{path}:{bits}") or table.get(f"{kind}:{path}:{other}")
-            if not points and path == "generic_cast":  # a calibration from before it was timed
-                points = table.get(f"{kind}:bcast:{bits}") or table.get(f"{kind}:bcast:{other}")
-        if not points:
+            return self._path_rate("foreach", nbytes)
+        path = elementwise_path(node, kind)
+        if path is None or path in ("vector", "cast_down"):
+            return None
+        # a calibration from before "generic_cast" was timed: its broadcast's rate
+        fallback = ("bcast",) if path == "generic_cast" else ()
+        return self._path_rate(kind, nbytes, (path, *fallback), node.outputs[0].itemsize)
+
+    def _path_rate(self, kind: str, nbytes: float, paths: tuple[str, ...] = (),
+                   itemsize: int = 2) -> float | None:
+        """The path_bandwidth curve at `nbytes`: "<kind>:<path>:<bf16|fp32>" for the first
+        of `paths` measured, at the output's width, else the other width ("foreach": `kind`
+        alone); None without a measurement."""
+        table = self.cal.path_bandwidth if self.cal else {}
+        bits = "bf16" if itemsize == 2 else "fp32"
+        other = "fp32" if bits == "bf16" else "bf16"
+        keys = [f"{kind}:{p}:{b}" for p in paths for b in (bits, other)] if paths else [kind]
+        points = next((table[k] for k in keys if table.get(k)), None)
+        if not points or nbytes <= 0:
             return None
         return interp([math.log(p[0]) for p in points], [p[1] for p in points],
                       math.log(nbytes))
@@ -216,8 +221,7 @@ class Rates:
         return self._outer_sum(x.dtype, cols, x.numel / max(cols, 1))
 
     def _outer_sum(self, dtype: str, cols: int, rows: float) -> float | None:
-        points = self.cal.outer_sum_bandwidth.get(
-            f"sum:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}")
+        points = curve_points(self.cal.outer_sum_bandwidth, "sum", dtype)
         if points and len(points[0]) == 3:
             return grid_value(points, cols, rows)
         return measured(self.cal.outer_sum_bandwidth, "sum", dtype, cols)
@@ -231,16 +235,11 @@ class Rates:
         if part is None:
             return 0.0
         what, t = part
-        channels, bits = t.shape[1], "bf16" if t.itemsize == 2 else "fp32"
-        rate = None
+        channels, rate = t.shape[1], None
         if what == "add":
             nbytes = 2 * t.nbytes + channels * t.itemsize
-            points = self.cal.path_bandwidth.get(f"pointwise:bcast:{bits}") if self.cal \
-                else None
-            if points:
-                rate = interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                              math.log(nbytes))
-            rate = rate or self.bandwidth("pointwise")
+            rate = self._path_rate("pointwise", nbytes, ("bcast",), t.itemsize) or \
+                self.bandwidth("pointwise")
         else:
             nbytes = t.nbytes + channels * t.itemsize
             if self.cal and channels_last_strides(t):

@@ -318,9 +318,12 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
     dim: a per-row scale), "strided" (layouts that differ, every operand read in runs along
     the output's fastest dim: a head transpose), "generic_cast" (a pointwise op that is
     "bcast", "bcast_inner" or "strided" with dtypes that differ), "transposed" (an operand
-    strided along it). Inputs of one element travel as scalars and do not count."""
+    strided along it); for a cat or stack, `cat_path`'s. Inputs of one element travel as
+    scalars and do not count."""
     base = node.name.rstrip("_") if node.name != "copy_" else "copy"
     if kind == "copy":
+        if node.name in CATS:
+            return cat_path(node)
         if node.name not in ELEMENTWISE_COPIES:
             return None
     elif kind != "pointwise" or base in _OWN_KERNELS:

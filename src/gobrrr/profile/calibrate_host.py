@@ -205,21 +205,23 @@ def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
     back-to-back calls on tiny tensors, so the host, not the GPU, is what the loop waits on."""
     costs = {name: per_call(fn, dev, calls, rounds=5, warmup=20) for name, fn in _host_cases(dev)}
     base = costs.pop("add")
-    return {k: max(v - base, 0.0) for k, v in costs.items()} | attention_host_costs(dev, calls)
+    return {k: max(v - base, 0.0) for k, v in costs.items()} | attention_host_costs(
+        dev, calls, base)
 
 
 #: SDPA's fused backends, as the ATen ops a training step runs for them
 ATTENTION_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
-def attention_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
+def attention_host_costs(dev: torch.device, calls: int = 400,
+                         base: float | None = None) -> dict[str, float]:
     """Host seconds per call of SDPA's fused attention ops beyond an elementwise add, forward
     and backward, per backend (keys "op:bf16", the ATen op each backend's forward and
     backward dispatch to): cuDNN's builds its graph's variant pack on every call, flash and
     efficient attention check their inputs and pick a kernel. Each op is recorded once as a
     training step calls it (through autograd, for the backward), then called again with the
     same arguments, back to back, on tiny tensors. A backend this GPU or PyTorch does not
-    run is left out."""
+    run is left out. `base`: an add's seconds per call, measured here when not given."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -235,8 +237,9 @@ def attention_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float
 
     q, k, v = (torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    a = torch.randn(8, device=dev)
-    base = per_call(lambda: torch.ops.aten.add(a, a), dev, calls, rounds=5, warmup=20)
+    if base is None:
+        a = torch.randn(8, device=dev)
+        base = per_call(lambda: torch.ops.aten.add(a, a), dev, calls, rounds=5, warmup=20)
     out: dict[str, float] = {}
     for name in ATTENTION_BACKENDS:
         try:

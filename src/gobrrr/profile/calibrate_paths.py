@@ -32,7 +32,7 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     than its bytes), L2 flushed before each run. Raises if a case does not take the path it
     stands for."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import cat_path, elementwise_path
+    from gobrrr.cost.shapes import elementwise_path
     from gobrrr.profile.calibrate_shapes import kernel_latency
     from gobrrr.profile.calibrate_step import _record
     from gobrrr.profile.timing import flush_buffer, time_op
@@ -45,7 +45,7 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
             node = _record(fn, op)
             cost = op_cost(node)
             kind, path = key.split(":")
-            got = elementwise_path(node, cost.kind) or cat_path(node)
+            got = elementwise_path(node, cost.kind)
             if (cost.kind, got) != (kind, path):
                 raise AssertionError(f"{key} case ran {op} as {cost.kind}:{got}")
             t = time_op(fn, dev, 10, flush)

@@ -1,4 +1,4 @@
-"""Ground truth for gobrrr's replay of CUDA's caching allocator (`gobrrr.allocator`).
+"""Ground truth for gobrrr's replay of CUDA's caching allocator (`gobrrr.memory.allocator`).
 
     python benchmarks/allocator_truth.py benchmarks/results/allocator_truth_h100.json \
         [--steps gpt2:1:256:bf16-mixed gpt2-medium:4:1024:bf16-mixed ...]

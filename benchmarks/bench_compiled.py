@@ -43,7 +43,7 @@ from zoo.cases import ZooCase, get_case  # noqa: E402
 from gobrrr.errors import GobrrrError  # noqa: E402
 from gobrrr.models.registry import get_workload  # noqa: E402
 from gobrrr.profile.runner import prepare  # noqa: E402
-from gobrrr.step import TrainStep  # noqa: E402
+from gobrrr.training.step import TrainStep  # noqa: E402
 
 VERSION = 1
 KEEP_SIZES = 600  # requested sizes listed per case in forward_kept

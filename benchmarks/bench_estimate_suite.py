@@ -118,7 +118,7 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
 
     from gobrrr.capture import _convert_tensors
     from gobrrr.profile.runner import autocast_for
-    from gobrrr.transforms import apply_checkpointing
+    from gobrrr.training.checkpointing import apply_checkpointing
 
     with FakeTensorMode(), torch.device("cuda"):
         wl = get_workload(name, batch_size=batch, seq_len=seq)

@@ -3,7 +3,7 @@ from, and real offloaded steps to hold the prediction against.
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_offload.py --out OUT.json [--steps 4]
 
-1. The "offload" calibration section (gobrrr.profile.calibrate_offload): pinned D2H / H2D
+1. The "offload" calibration section (gobrrr.calibrate.sections.offload): pinned D2H / H2D
    bandwidth over sizes, the CPU's fused AdamW time per parameter size (fp32, bf16), the host
    cost of queueing a copy, the CPU threads.
 2. Real steps, each configuration in a fresh process (`--one`): gobrrr.apply with
@@ -58,7 +58,7 @@ def run_section() -> dict:
     """The section as `offload_section` measures it, each part catching its own errors."""
     import torch
 
-    from gobrrr.profile import calibrate_offload as co
+    from gobrrr.calibrate.sections import offload as co
 
     dev, section, errors = torch.device("cuda"), {"threads": torch.get_num_threads()}, {}
     t0 = time.perf_counter()
@@ -272,7 +272,7 @@ def predicted(results: dict, calibration=None) -> dict:
     {name: {"predicted": {...}, "measured": {...}, "errors": {...}}}."""
     import dataclasses
 
-    from gobrrr.evaluate import Target
+    from gobrrr.hardware import Target
     from gobrrr.hardware import find_calibration, get_gpu
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner

@@ -4,7 +4,7 @@ cost model reads, and real training steps with and without 8-bit states.
     PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/bench_optim_states.py \\
         --out benchmarks/results/optim8_h100.json [--steps 5] [--warmup 3]
 
-1. The `optim8` calibration section (gobrrr.profile.calibrate_optim): torchao's AdamW8bit step
+1. The `optim8` calibration section (gobrrr.calibrate.sections.optim): torchao's AdamW8bit step
    over parameter sizes x parameters per step — device seconds, host seconds and kernels per
    update, the bytes an update allocates and frees.
 2. Real steps, bf16-mixed, each configuration in a fresh process (benchmarks/bench_plan.py's
@@ -50,7 +50,7 @@ def section_child() -> dict:
     """The optim8 section, measured in this (fresh) process."""
     import torch
 
-    from gobrrr.profile.calibrate_optim import optim8_section
+    from gobrrr.calibrate.sections.optim import optim8_section
 
     t0 = time.perf_counter()
     out = optim8_section(torch.device("cuda"))
@@ -243,7 +243,7 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
     from gobrrr.hardware import Calibration
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
-    from gobrrr.profile.calibrate_optim import summarize
+    from gobrrr.calibrate.sections.optim import summarize
 
     path = Path(results)
     data = json.loads(path.read_text())

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from gobrrr.models.registry import get_workload, load_workload
-from gobrrr.profile import calibrate, profile, scaling
+from gobrrr.calibrate.api import calibrate
+from gobrrr.profile import profile, scaling
 from gobrrr.profile.api import environment
 
 TINY = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, block_size=128)

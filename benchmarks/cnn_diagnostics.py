@@ -86,7 +86,7 @@ def memory_case(precision: str, batch: int) -> dict:
 def bn_bandwidth(elements: int = 2**25) -> list[dict]:
     """Achieved bytes/s of batch norm forward and backward over channel-plane sizes, bytes as
     read x + write y (forward) and read x, dy + write dx (backward)."""
-    from gobrrr.profile.calibrate_step import batch_norm_times
+    from gobrrr.calibrate.sections.step import batch_norm_times
 
     out = []
     for dtype in (torch.bfloat16, torch.float32):

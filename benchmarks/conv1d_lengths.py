@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
-from gobrrr.profile.timing import time_op
+from gobrrr.calibrate.timing import time_op
 
 LENGTHS = (496, 499, 500, 511, 512, 999, 1000, 1024)
 

@@ -1,6 +1,6 @@
 """Measure some shape classes of the convolution grid and merge them into a calibration.
 
-A full `gobrrr calibrate` measures every class of `gobrrr.profile.calibrate_conv.conv_shapes`.
+A full `gobrrr calibrate` measures every class of `gobrrr.calibrate.sections.conv.conv_shapes`.
 This measures the chosen ones (`conv_grid` on their shapes only) and sets their grid keys and
 their "inside:<layout>:<class>:<direction>" workspace fractions in an existing calibration,
 leaving every other class and the typical workspace fractions as they were; the measurement
@@ -24,7 +24,7 @@ import torch
 
 from gobrrr.hardware import Calibration
 from gobrrr.kernels.bench import cuda_kernels, env_info, write_json
-from gobrrr.profile.calibrate_conv import (
+from gobrrr.calibrate.sections.conv import (
     INSIDE,
     _calls,
     _tensors,

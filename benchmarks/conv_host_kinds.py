@@ -8,7 +8,7 @@ Kinds (tiny tensors, so the host is what a loop of calls waits on): a plain 3x3,
 3x3 (stride 1 and 2) and 5x5, a grouped 3x3 (4 groups), a 1x1; each channels-first and
 channels-last, bf16 and fp32, forward and backward (both gradients), and an elementwise add as
 the baseline. Channels-first depthwise convolutions run PyTorch's own kernels, channels-last
-ones cuDNN (ConvParams::use_cudnn_depthwise). Timed as gobrrr.profile.calibrate_host.per_call
+ones cuDNN (ConvParams::use_cudnn_depthwise). Timed as gobrrr.calibrate.sections.host.per_call
 does: 400 back-to-back calls after 20, least of 5 rounds.
 """
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     import torch
     from bench_estimate_suite import environment
 
-    from gobrrr.profile.calibrate_host import per_call
+    from gobrrr.calibrate.sections.host import per_call
 
     out_path = (argv or sys.argv[1:])[0]
     dev = torch.device("cuda")

@@ -63,7 +63,7 @@ def add_reference(calls: int = 400, rounds: int = 5) -> float:
     """Seconds per call of a tiny CUDA add, as calibrate_host.per_call times it."""
     import torch
 
-    from gobrrr.profile.calibrate_host import per_call
+    from gobrrr.calibrate.sections.host import per_call
 
     dev = torch.device("cuda")
     a = torch.randn(8, device=dev)
@@ -103,7 +103,7 @@ def _regions(precision, wl, opt, scaler):
 
 
 def _python_counts(precision, wl) -> dict[str, int]:
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     mon = sys.monitoring
     tool = mon.PROFILER_ID

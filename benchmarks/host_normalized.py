@@ -12,7 +12,7 @@ Each case in a fresh process, built and warmed up as host_phases.py does. Then:
   gradients, "plain" with a new optimizer of the same kind over plain-tensor copies of them
   (torch.nn.Parameter is a Python subclass);
 - "host_sections": the calibration's host sections measured right after, in this process
-  (`op_overhead`, `launch_overhead`, `op_host`, `optimizer_host`: gobrrr.profile.calibrate,
+  (`op_overhead`, `launch_overhead`, `op_host`, `optimizer_host`: gobrrr.calibrate.api,
   calibrate_host), as `gobrrr calibrate` measures them.
 `--compare` predicts each case twice, with the shipped H100 calibration and with its host
 sections replaced by the ones measured beside it, and adds both predictions' per-phase host
@@ -56,13 +56,13 @@ def one(name: str) -> dict:
 
     import torch
 
-    from gobrrr.profile import calibrate_host as ch
+    from gobrrr.calibrate.sections import host as ch
 
     prepared = _prepared(name)
     precision, wl, opt, scaler = prepared
     phases = phase_medians(prepared)
     # the optimizer alone: gradients from one more backward
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     with autocast_for(precision, "cuda"):
         loss = wl.compute_loss(wl.batch)
@@ -82,7 +82,7 @@ def one(name: str) -> dict:
     dev = torch.device("cuda")
     sections = {"op_overhead": ch.step_overhead(dev, reps=10, rounds=3, warmup=5),
                 "launch_overhead": importlib.import_module(
-                    "gobrrr.profile.calibrate").launch_overhead(dev)[0],
+                    "gobrrr.calibrate.api").launch_overhead(dev)[0],
                 "op_host": ch.op_host_costs(dev),
                 "optimizer_host": ch.optimizer_host(dev, reps=7)}
     return {"name": name, "phases": phases,

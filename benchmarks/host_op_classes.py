@@ -15,7 +15,7 @@ for, op class by op class:
 Ops: an elementwise add (the baseline), views (view, t, slice, expand, squeeze, as_strided,
 detach, permute), batch norm forward and backward (bf16 and fp32 input, fp32 affine), the
 threshold and SiLU backwards. Tiny tensors, so the host is what a loop of calls waits on;
-timed as gobrrr.profile.calibrate_host.per_call does (400 back-to-back calls after 20, least
+timed as gobrrr.calibrate.sections.host.per_call does (400 back-to-back calls after 20, least
 of 5 rounds).
 """
 
@@ -87,7 +87,7 @@ def chain(torch, dev, kind: str):
 def node_cost(torch, dev, kind: str, rounds: int = 5, reps: int = 20) -> float:
     """Host seconds per node of the backward of a chain of `kind`: the least over rounds of
     the mean over reps of backward()'s wall time (the graph rebuilt, outside the timing)."""
-    from gobrrr.profile.calibrate_step import _sync
+    from gobrrr.calibrate.sections.step import _sync
 
     best = float("inf")
     for _ in range(rounds):
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     import torch
     from bench_estimate_suite import environment
 
-    from gobrrr.profile.calibrate_host import per_call
+    from gobrrr.calibrate.sections.host import per_call
 
     args = argv or sys.argv[1:]
     out_path = args[0]

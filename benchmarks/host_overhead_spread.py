@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gobrrr.profile.calibrate_host import PHASES, step_overhead  # noqa: E402
+from gobrrr.calibrate.sections.host import PHASES, step_overhead  # noqa: E402
 
 SETTINGS = {"one round of 20": dict(reps=20, rounds=1, warmup=3),
             "five rounds of 20": dict(reps=20, rounds=5, warmup=10)}

@@ -90,7 +90,7 @@ def timed_step(precision: str, wl, opt, scaler,
     its GPU work ("step")."""
     import torch
 
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     t0 = time.perf_counter()
     with region("forward"), autocast_for(precision, "cuda"):

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from gobrrr.evaluate import Target, evaluate
     from gobrrr.hardware import find_calibration, get_gpu
     from gobrrr.kernels.bench import write_json
-    from gobrrr.profile.calibrate_host import _tiny_workloads
+    from gobrrr.calibrate.sections.host import _tiny_workloads
 
     out = (argv or sys.argv[1:])[0]
     spec = get_gpu("h100")

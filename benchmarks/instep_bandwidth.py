@@ -23,7 +23,7 @@ import sys
 import torch
 
 from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
-from gobrrr.profile.timing import flush_buffer
+from gobrrr.calibrate.timing import flush_buffer
 
 N = 2**26  # elements (128 MiB bf16)
 REPS = 20
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         rows.append(settings(name, make, match, int(0.5 * free // held)))
         print(rows[-1], flush=True)
 
-    from gobrrr.profile.calibrate_paths import _foreach_cases, _path_cases
+    from gobrrr.calibrate.sections.paths import _foreach_cases, _path_cases
     paths = []
     for n in (2**20, 2**26):
         for key, op, fn in _path_cases(dev, n):

@@ -6,7 +6,7 @@ bursts.
 
 For each shape (a Llama-8B layer's at 32768 tokens, forward and weight gradient, and square
 ones), on random normal inputs:
-- "burst": gobrrr.profile.timing.time_op, as the calibration's matmul grid runs it (each run
+- "burst": gobrrr.calibrate.timing.time_op, as the calibration's matmul grid runs it (each run
   behind a ~1 ms spin kernel, median of 5);
 - "sustained": the same matmul back to back for `--heat` seconds, then 30 more each timed
   with CUDA events (median), with the SM clock (MHz) and the board's power (W) read through
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import torch
     from bench_estimate_suite import environment
 
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")

@@ -34,11 +34,11 @@ CASES = ("vit_small-timm", "convnextv2_tiny-timm", "distilbert-mlm", "qwen2-0.5b
 
 
 def call_costs() -> dict[str, float]:
-    """Seconds per call, as gobrrr.profile.calibrate_host.per_call times op_host's cases."""
+    """Seconds per call, as gobrrr.calibrate.sections.host.per_call times op_host's cases."""
     import torch
     from torch import nn
 
-    from gobrrr.profile.calibrate_host import per_call
+    from gobrrr.calibrate.sections.host import per_call
 
     class Add(nn.Module):
         def forward(self, x):
@@ -57,7 +57,7 @@ def count_calls(precision, wl) -> dict[str, int]:
     import torch
     from zoo.measure import OpCounter
 
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     counter = OpCounter()
     stack, calls, empty = [], [0], [0]

@@ -4,7 +4,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/optim8_transient.py OUT.json
 
 torchao compiles its per-parameter update (`single_param_adam`) with torch.compile. The
-calibration (gobrrr.profile.calibrate_optim) times it over lists of parameters of one shape;
+calibration (gobrrr.calibrate.sections.optim) times it over lists of parameters of one shape;
 a model's optimizer sees many shapes, and Dynamo recompiles as they come (marking the sizes
 dynamic after the first change, `automatic_dynamic_shapes`). Per list: after 3 warm-up steps,
 one step under `torch.cuda.memory._record_memory_history`; kept: the parameters' shapes in

@@ -31,7 +31,7 @@ def one(name: str) -> dict:
     from zoo.cases import prepared
 
     from gobrrr.profile.runner import run_step
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     case, wl, opt, scaler = prepared(name)
     for _ in range(3):

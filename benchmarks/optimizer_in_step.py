@@ -59,7 +59,7 @@ def _median(fn, reps: int = REPS) -> float:
 def _in_step(prepared, synced: bool) -> float:
     import torch
 
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     precision, wl, opt, _ = prepared
 
@@ -88,7 +88,7 @@ def _no_gc(prepared) -> float:
 def _forward_no_grad(precision, wl) -> None:
     import torch
 
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     with torch.no_grad(), autocast_for(precision, DEVICE):
         wl.compute_loss(wl.batch)
@@ -141,7 +141,7 @@ def one(name: str) -> dict:
                                       timed_step(*prepared))[1]["optimizer"])
     out["in_step_synced"] = _in_step(prepared, synced=True)
     out["in_step_no_gc"] = _no_gc(prepared)
-    from gobrrr.step import autocast_for
+    from gobrrr.training.step import autocast_for
 
     with autocast_for(precision, DEVICE):
         loss = wl.compute_loss(wl.batch)

@@ -5,7 +5,7 @@ shorter window: the same duties run with short and long stretches of each kernel
 
 For duties of one half (i matmuls then i copies) and four fifths (4i matmuls then i copies),
 with i from 1 to 64 (stretches of ~0.17 ms to ~11 ms of one kind of kernel), each pattern
-run through `gobrrr.profile.calibrate_power.steady`, as `power_duty` runs its patterns (1 s
+run through `gobrrr.calibrate.sections.power.steady`, as `power_duty` runs its patterns (1 s
 idle, 1.5 s of the pattern, then repeats timed group by group with CUDA events): the matmuls'
 share of their burst rate. If the board's power controller averages over less than a stretch,
 long stretches of matmuls throttle as at a duty of one.
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     import torch
     from bench_estimate_suite import environment
 
-    from gobrrr.profile.calibrate_power import kernels, settle, steady
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.sections.power import kernels, settle, steady
+    from gobrrr.calibrate.timing import time_op
 
     out_path = (argv or sys.argv[1:])[0]
     dev = torch.device("cuda")

@@ -4,9 +4,9 @@
         [--cases NAME,NAME] [--step 4] [--show 40]
 
 For each case traced by zoo_diagnose.py: the real events are replayed through
-gobrrr.allocator (a check that the replay itself is exact on them: its reserved and allocated
+gobrrr.memory.allocator (a check that the replay itself is exact on them: its reserved and allocated
 peaks against the GPU's), the case is predicted on the CPU and its process replayed as
-gobrrr.memory does, recording the same kind of events. Printed: per step, the segments each
+gobrrr.memory.replay does, recording the same kind of events. Printed: per step, the segments each
 side obtained (bytes, pool) and the op that asked; the allocated bytes by op name; and the
 first runs where the request sequences of one step differ (difflib over (op, bytes); over
 bytes alone for a trace recorded with zoo_diagnose.py --plain, whose events carry no op).
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
 from gobrrr import memory  # noqa: E402
-from gobrrr.allocator import SMALL_SIZE, CachingAllocator, replay  # noqa: E402
+from gobrrr.memory.allocator import SMALL_SIZE, CachingAllocator, replay  # noqa: E402
 
 MiB = 2**20
 
@@ -112,7 +112,7 @@ class RecordingAllocator(CachingAllocator):
 
 
 def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
-    """The prediction's process replayed as gobrrr.memory does, split like `real_steps`."""
+    """The prediction's process replayed as gobrrr.memory.replay does, split like `real_steps`."""
     from gobrrr.hardware import find_calibration
 
     g = est.graph

@@ -197,7 +197,7 @@ def trace_case(name: str, device: str, batch: int | None, plain: bool = False) -
     from zoo.cases import get_case
 
     from gobrrr.profile.runner import prepare
-    from gobrrr.step import TrainStep
+    from gobrrr.training.step import TrainStep
 
     case = get_case(name)
     cuda = device.startswith("cuda")

@@ -1,6 +1,6 @@
 """Hand-made TensorInfos for cost tests."""
 
-from gobrrr.graph import TensorInfo
+from gobrrr.graph.ir import TensorInfo
 
 
 def contiguous(shape, dtype="bfloat16", sid=0) -> TensorInfo:

@@ -1,5 +1,5 @@
 """The autograd engine's gradient sums (gobrrr.capture.accumulate) against PyTorch's engine
-itself, and LayerNorm backward's partial-sum buffers (gobrrr.cost.norm_scratch) against the
+itself, and LayerNorm backward's partial-sum buffers (gobrrr.memory.scratch.norm) against the
 sizes the H100 allocator trace shows."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from torch import nn
 
 from gobrrr import Workload
 from gobrrr.capture import capture
-from gobrrr.cost import norm_scratch
-from gobrrr.graph import OpNode, TensorInfo
+from gobrrr.memory.replay.scratch import norm as norm_scratch
+from gobrrr.graph.ir import OpNode, TensorInfo
 
 
 class Residual(nn.Module):

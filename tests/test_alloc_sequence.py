@@ -25,7 +25,7 @@ from torch import nn
 
 import gobrrr
 from gobrrr.capture import capture
-from gobrrr.cost.reduce_scratch import reduce_buffers
+from gobrrr.memory.scratch.reduce import reduce_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

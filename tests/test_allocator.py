@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gobrrr.allocator import (
+from gobrrr.memory.allocator import (
     CachingAllocator,
     OutOfMemory,
     replay,
@@ -233,7 +233,7 @@ def test_recorded_training_steps_replay_exactly(case):
 def test_cuda_context_assumption_is_near_the_recording():
     """The budget leaves CUDA_CONTEXT_BYTES for what the process holds outside the allocator;
     the recording measured it with cuBLAS and cuDNN loaded."""
-    from gobrrr.memory import CUDA_CONTEXT_BYTES
+    from gobrrr.memory.replay import CUDA_CONTEXT_BYTES
 
     context = _truth().get("context")
     if not context:

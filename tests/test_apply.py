@@ -24,7 +24,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.models.registry import get_workload
 from gobrrr.plan.apply import apply
 from gobrrr.plan.knobs import Knobs, every_kth
-from gobrrr.transforms import repeated_blocks
+from gobrrr.training.checkpointing import repeated_blocks
 from gobrrr.workload import Workload
 
 
@@ -150,7 +150,7 @@ def test_accumulation_under_bf16_autocast(name):
 
 
 def test_token_mean_loss_over_unequal_valid_tokens_is_the_mean_of_micro_means():
-    """Documented in gobrrr.step: each micro-batch averages over its own valid tokens."""
+    """Documented in gobrrr.training.step: each micro-batch averages over its own valid tokens."""
     wl = make("hf-llama")
     wl.batch["labels"][:2, :10] = -100  # the first micro-batch keeps far fewer targets
     loss, _, _ = applied("hf-llama", Knobs(micro_batch=2, accumulation=2), wl=wl)
@@ -226,7 +226,7 @@ def test_bf16_states_follow_fp32_adamw(name):
 def test_adamw_bf16_arithmetic_is_torch_adamw_with_fp32_states(monkeypatch):
     """With its moments kept in fp32 the update is torch's AdamW to rounding: the bf16
     tolerance above is only the moments' storage. Small buckets: slices and runs of tensors."""
-    from gobrrr.optim import AdamWBF16
+    from gobrrr.training.optimizers import AdamWBF16
 
     monkeypatch.setattr(AdamWBF16, "state_dtype", torch.float32)
     monkeypatch.setattr(AdamWBF16, "bucket", 1000)  # gpt2's 100 x 32 embedding in 4 slices
@@ -312,7 +312,7 @@ FUSED = ["gpt2", "llama", "hf-llama"]
 def test_fused_loss_reference_path_on_the_cpu(monkeypatch, name, precision):
     """On a CPU without the Triton interpreter the loss takes the torch reference path; the
     kernel itself is held against the plain step in tests/kernels/test_apply_fused.py."""
-    import gobrrr.fused_loss as fl
+    import gobrrr.training.fused_loss as fl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls = []

@@ -68,7 +68,7 @@ def test_shipped_attention_host_costs_are_the_h100_measurement():
 def test_attention_host_costs_times_the_ops_sdpa_dispatches_to():
     """On the CPU only SDPA's CPU flash kernel runs (the CUDA backends are left out): its
     forward and backward ops, each as the op name a trace records, timed."""
-    from gobrrr.profile.calibrate_host import attention_host_costs
+    from gobrrr.calibrate.sections.host import attention_host_costs
 
     got = attention_host_costs(torch.device("cpu"), calls=3)
     assert set(got) == {"_scaled_dot_product_flash_attention_for_cpu:bf16",

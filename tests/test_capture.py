@@ -8,7 +8,7 @@ from torch import nn
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.models.registry import get_workload
 
 

@@ -27,10 +27,10 @@ from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import saved_activations
 from gobrrr.hardware import find_calibration, get_gpu
-from gobrrr.memory import step_memory
+from gobrrr.memory.replay import step_memory
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.checkpoint import checkpoint
-from gobrrr.transforms import (
+from gobrrr.training.checkpointing import (
     SELECTIVE_SAVE,
     apply_checkpointing,
     block_names,

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from gobrrr.cli import main
+from gobrrr.cli.main import main
 
 
 def run(capsys, *argv):
@@ -33,7 +33,7 @@ def test_estimate_tables_and_saved_graph(capsys, tmp_path):
                          "--save-graph", str(path))
     assert code == 0, err
     assert "peak memory" in out and "top" in out
-    from gobrrr.graph import StepGraph
+    from gobrrr.graph.ir import StepGraph
 
     assert len(StepGraph.load(path).nodes) > 10
 

@@ -16,7 +16,7 @@ from fake_tensors import contiguous as t
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
-from gobrrr.graph import OpNode, TensorInfo
+from gobrrr.graph.ir import OpNode, TensorInfo
 from gobrrr.hardware import find_calibration, get_gpu
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -17,9 +17,9 @@ from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, gemm_dims
-from gobrrr.graph import OpNode, StepGraph, StorageInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
 from gobrrr.hardware import get_gpu
-from gobrrr.memory import simulate
+from gobrrr.memory.replay import simulate
 from gobrrr.models.registry import get_workload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, conv_directions, conv_layout, gemm_dims
 from gobrrr.hardware import Calibration, get_gpu
-from gobrrr.profile import calibrate_conv as cc
+from gobrrr.calibrate.sections import conv as cc
 
 H100 = get_gpu("h100")
 OLD_CAL = Path(__file__).parent / "fixtures" / "calibration_h100_channels_first.json"
@@ -352,7 +352,7 @@ def test_each_class_is_measured_on_a_rectangular_grid():
 def _conv1d_node(length: int = 499):
     """wav2vec2's position convolution as traced: (8, 768, length) bf16, 16 groups, kernel
     128, padding 64."""
-    from gobrrr.profile.calibrate_step import _record
+    from gobrrr.calibrate.sections.step import _record
 
     x = torch.empty(8, 768, length, dtype=torch.bfloat16)
     w = torch.empty(768, 48, 128, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from gobrrr.cost._ops_attention import causal_fraction
 from gobrrr.cost._ops_optim import mta_launches
 from gobrrr.cost.flops import UNKNOWN_OPS, OpCost, graph_costs, op_cost, register_cost
-from gobrrr.graph import OpNode, StepGraph, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
 
 aten = torch.ops.aten
 

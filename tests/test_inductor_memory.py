@@ -1,4 +1,4 @@
-"""How a compiled graph's generated code allocates (gobrrr.passes.compile, gobrrr.cost.pad_scratch).
+"""How a compiled graph's generated code allocates (gobrrr.passes.compile, gobrrr.cost.pad_mm).
 
 Hand-built compiled captures, each a few ops in compiled regions, with what Inductor's wrapper
 would do worked out by hand from its rules (torch/_inductor/codegen/wrapper.py: inputs freed
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
-from gobrrr.cost import pad_scratch
-from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
-from gobrrr.memory import simulate
+from gobrrr.cost import pad_mm
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.memory.replay import simulate
 from gobrrr.passes.compile import inductor
 
 MB = 2**20
@@ -179,20 +179,20 @@ def test_pad_mm_copies_gpt2_s_lm_head_gradient_as_inductor_did_on_an_h100():
     m, d, v = GPT2["m"], GPT2["d"], GPT2["vocab"]
     grad = TensorInfo((m, v), (v, 1), "bfloat16", 0)
     weight = TensorInfo((v, d), (d, 1), "bfloat16", 1)
-    assert pad_scratch.copies(_mm(grad, weight)) == [(grad, 8192 * 50304 * 2),
+    assert pad_mm.copies(_mm(grad, weight)) == [(grad, 8192 * 50304 * 2),
                                                      (weight, 50264 * 768 * 2)]
     # the forward: hidden (8192, 768) @ weight.t() (768, 50257): n is padded, k is aligned
     hidden = TensorInfo((m, d), (d, 1), "bfloat16", 2)
     wt = TensorInfo((d, v), (1, d), "bfloat16", 1)
-    assert [b for _, b in pad_scratch.copies(_mm(hidden, wt))] == [768 * 50304 * 2]
+    assert [b for _, b in pad_mm.copies(_mm(hidden, wt))] == [768 * 50304 * 2]
     # the weight gradient (50257, 8192) @ (8192, 768): only m is misaligned, left unpadded
-    assert pad_scratch.copies(_mm(TensorInfo((v, m), (1, v), "bfloat16", 0), hidden)) == []
+    assert pad_mm.copies(_mm(TensorInfo((v, m), (1, v), "bfloat16", 0), hidden)) == []
     # aligned, fp32, or an operand its producer writes padded: no copy
-    assert pad_scratch.copies(_mm(hidden, TensorInfo((d, 50304), (50304, 1), "bfloat16", 3))) \
+    assert pad_mm.copies(_mm(hidden, TensorInfo((d, 50304), (50304, 1), "bfloat16", 3))) \
         == []
-    assert pad_scratch.copies(_mm(TensorInfo((m, v), (v, 1), "float32", 0),
+    assert pad_mm.copies(_mm(TensorInfo((m, v), (v, 1), "float32", 0),
                                   TensorInfo((v, d), (d, 1), "float32", 1))) == []
-    assert [t for t, _ in pad_scratch.copies(_mm(grad, weight),
+    assert [t for t, _ in pad_mm.copies(_mm(grad, weight),
                                              planned=lambda t: t is grad)] == [weight]
 
 
@@ -220,7 +220,7 @@ def test_pad_copies_are_a_compiled_matmul_s_scratch_and_free_an_operand_it_reads
                            TensorInfo((v, d), (d, 1), "bfloat16", 2)),
                           g.nodes[1].outputs, allocs=(3,), frees=g.nodes[1].frees)
         g = StepGraph(tuple(nodes), g.storages, g.meta)
-        assert pad_scratch.scratch(g) == {1: expect}
+        assert pad_mm.scratch(g) == {1: expect}
         planned = inductor(g)
         assert planned.meta["inductor"]["padded"] == 1
         assert g.storages[2].freed == 1
@@ -248,7 +248,7 @@ def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
     eager = StepGraph((node,), storages, {"tokens": 1, "precision": "bf16-mixed"})
     compiled = StepGraph((node,), storages, {**eager.meta, "compiled_regions": [
         ["forward", 0, 0]]})
-    copies = pad_scratch.copies(node)
+    copies = pad_mm.copies(node)
     assert [c for _, c in copies] == [m * 1008 * 2, 1008 * n * 2]
     moved = a.nbytes + b.nbytes + sum(c for _, c in copies)
     rates = Rates(gpu, None)

@@ -8,8 +8,8 @@ from torch import nn
 
 import gobrrr
 from gobrrr.capture import capture
-from gobrrr.graph import OpNode, StepGraph, StorageInfo
-from gobrrr.memory import module_rollup, round_alloc, simulate
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
+from gobrrr.memory.replay import module_rollup, round_alloc, simulate
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_reserved_peak_matches_the_recorded_suite(model, batch, precision, check
 
     from gobrrr.estimate import estimate
     from gobrrr.hardware import Calibration
-    from gobrrr.memory import CUDA_CONTEXT_BYTES
+    from gobrrr.memory.replay import CUDA_CONTEXT_BYTES
 
     case = next(c for c in json.loads(SUITE.read_text())["cases"]
                 if (c["model"], c["batch"], c["precision"], c["checkpoint"], c["compile"])
@@ -231,7 +231,7 @@ def test_a_step_whose_allocated_peak_fits_can_still_run_out_of_reserved_memory()
     import dataclasses
 
     from gobrrr.hardware import get_gpu
-    from gobrrr.memory import CUDA_CONTEXT_BYTES, process_budget, step_memory
+    from gobrrr.memory.replay import CUDA_CONTEXT_BYTES, process_budget, step_memory
 
     # a GPU leaving 50 MiB to the allocator: the 48 MiB allocated peak would fit, the 60 MiB
     # the allocator reserves does not

@@ -17,9 +17,9 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import find_calibration, get_gpu
-from gobrrr.memory import step_memory
+from gobrrr.memory.replay import step_memory
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.microbatch import (
     TRACE_AT,

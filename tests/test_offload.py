@@ -1,4 +1,4 @@
-"""CPU offload of the optimizer (gobrrr.offload): the traced stand-in against torchao's
+"""CPU offload of the optimizer (gobrrr.training.offload): the traced stand-in against torchao's
 CPUOffloadOptimizer (run on this CPU with its CUDA streams stubbed), the GPU and host bytes
 by hand, the schedule's timelines by hand, and the planner's knob."""
 
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from gobrrr.capture import capture
-from gobrrr.cli import main
+from gobrrr.cli.main import main
 from gobrrr.cost.roofline import OpTime, _schedule
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Target, evaluate
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.models.registry import get_workload
-from gobrrr.offload import (
+from gobrrr.training.offload import (
     CPU_STEP,
     D2H,
     H2D,
@@ -34,7 +34,7 @@ from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.result import no_fit_message
 from gobrrr.plan.search import Planner
-from gobrrr.step import TrainStep
+from gobrrr.training.step import TrainStep
 
 GB = 1e9
 LINK = 25 * GB  # bytes/s both ways, flat: copy seconds are bytes / LINK
@@ -300,7 +300,7 @@ def test_planned_offload_matches_a_fresh_trace(squeezed, target):
     k = r.best.knobs
 
     def make():
-        from gobrrr.fused_loss import use_fused_loss
+        from gobrrr.training.fused_loss import use_fused_loss
 
         w = offloaded_workload(batch_size=4)
         if k.fused_loss:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gobrrr.cli import main
+from gobrrr.cli.main import main
 from gobrrr.cost._ops_optim import adam8bit_bytes, adam8bit_scratch
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.evaluate import Target, evaluate
-from gobrrr.graph import OpNode, TensorInfo
-from gobrrr.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
+from gobrrr.graph.ir import OpNode, TensorInfo
+from gobrrr.training.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import BASE, Planner, _persistent, plan
 from gobrrr.workload import Workload
@@ -133,7 +133,7 @@ def test_the_recorded_updates_allocate_by_layout():
     freed exactly adam8bit_scratch's blocks (two fp32 buffers of the block count, two of the
     parameter's size; each at least the allocator's 512 bytes), to the byte where the width
     divides 2**22 and within 2 KiB at 768."""
-    from gobrrr.allocator import round_size
+    from gobrrr.memory.allocator import round_size
 
     rec = json.loads(SECTION.read_text())["sections"]["optim8"]
     assert [n for n, _ in rec["transient"]] == [1024, 4096, 65536, 2**20, 2**22, 2**24, 2**26]
@@ -238,7 +238,7 @@ def test_knobs_with_8bit_states_are_costed(planner):
 
 # -- against the H100 recording (benchmarks/bench_optim_states.py) ---------------------------
 def test_the_shipped_section_is_the_recordings():
-    from gobrrr.profile.calibrate_optim import summarize
+    from gobrrr.calibrate.sections.optim import summarize
 
     rec = json.loads(SECTION.read_text())["sections"]["optim8"]
     assert Target.resolve("h100").cal.optim8 == summarize(rec["points"], rec["host_distinct"],

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from gobrrr.capture import capture
-from gobrrr.cli import main
+from gobrrr.cli.main import main
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import evaluate
-from gobrrr.fused_loss import use_fused_loss
+from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.blocks import BlockCosts, knapsack, scaled

@@ -13,7 +13,7 @@ import torch
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import OpTime, _power_limited
 from gobrrr.hardware import find_calibration, get_gpu
-from gobrrr.profile.calibrate_power import PATTERNS, power_duty
+from gobrrr.calibrate.sections.power import PATTERNS, power_duty
 
 ROOT = Path(__file__).resolve().parents[1]
 CURVE = [[0.5, 1.0], [1.0, 0.8]]  # full rate up to half the time, 80% at all of it

@@ -77,7 +77,7 @@ def test_no_gpu_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(GobrrrError, match="no CUDA GPU is visible"):
         profile(tiny(), device="cuda")
-    from gobrrr.profile import calibrate
+    from gobrrr.calibrate.api import calibrate
 
     with pytest.raises(GobrrrError, match="no CUDA GPU"):
         calibrate("cuda", save=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import get_gpu
 from gobrrr.profile.analyze import analyze
 from gobrrr.profile.diagnose import diagnose

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import gobrrr
 from gobrrr.cost.roofline import model_flops, model_flops_6n
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import get_workload
 from gobrrr.profile import ProfileResult, profile

@@ -157,7 +157,7 @@ def test_compare_groups_joined_ops():
 
 
 def test_calibrate_on_cpu_writes_a_loadable_calibration(tmp_path):
-    from gobrrr.profile import calibrate
+    from gobrrr.calibrate.api import calibrate
 
     path = tmp_path / "cpu.json"
     cal = calibrate("cpu", save=path, sizes=(32, 64), stream_bytes=2**20)
@@ -196,7 +196,7 @@ def test_join_of_a_hand_made_trace():
 def test_cli_profile_on_cpu_prints_json(tmp_path, capsys):
     import argparse
 
-    from gobrrr.profile.commands import add_calibrate_parser, add_profile_parser
+    from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 
     src = tmp_path / "wl.py"
     src.write_text(

@@ -10,7 +10,7 @@ from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import MISALIGNED_FRACTION, Rates
 from gobrrr.cost.roofline import predict, time_op
 from gobrrr.cost.shapes import misaligned, misaligned_nt, outer_sum_columns, wave_efficiency
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 from gobrrr.hardware import get_gpu
 
 H100 = get_gpu("h100")
@@ -214,7 +214,7 @@ def test_forward_ops_under_checkpointing_cost_the_checkpointed_host_time(make_ca
 def test_odd_output_of_a_transposed_weight_has_its_own_misaligned_rate(make_cal):
     # x @ w.t() with an odd output width (a language model's head over GPT-2's vocabulary)
     # runs slower than other misaligned matmuls; the calibration measures it apart
-    from gobrrr.graph import TensorInfo
+    from gobrrr.graph.ir import TensorInfo
 
     x, w_t = t((16384, 768), "bfloat16", 0), TensorInfo((768, 50257), (1, 768), "bfloat16", 1)
     fwd = OpNode(0, "aten.mm.default", "forward", "lm_head", (x, w_t),
@@ -232,7 +232,7 @@ def test_odd_output_of_a_transposed_weight_has_its_own_misaligned_rate(make_cal)
 
 
 def test_embedding_backward_costs_the_fitted_fill_and_tokens(make_cal):
-    from gobrrr.profile.calibrate_step import fit_embedding_backward
+    from gobrrr.calibrate.sections.step import fit_embedding_backward
 
     # seconds = V·D·s / 2e12 + T·D / 1e11 + 20 µs, recovered from its own grid
     truth = {"fill_Bps": 2e12, "token_values_per_s": 1e11, "fixed_s": 20e-6}

@@ -143,8 +143,8 @@ def _bwd_visible(r) -> tuple[int, int]:
 
 @pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet")
 def test_attention_scratch_matches_the_h100_record():
-    from gobrrr.cost.attention_scratch import op_scratch
-    from gobrrr.graph import OpNode, TensorInfo
+    from gobrrr.memory.scratch.attention import op_scratch
+    from gobrrr.graph.ir import OpNode, TensorInfo
 
     data = json.loads(RECORD.read_text())
     checked = 0

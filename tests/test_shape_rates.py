@@ -6,7 +6,7 @@ import pytest
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import alignment
-from gobrrr.graph import OpNode, TensorInfo
+from gobrrr.graph.ir import OpNode, TensorInfo
 from gobrrr.hardware import get_gpu
 
 
@@ -63,7 +63,7 @@ def test_copies_and_pointwise_read_the_size_curve(make_cal):
 
 
 def test_batch_norm_reads_its_grid_over_channels_and_rows(make_cal):
-    from gobrrr.graph import OpNode, TensorInfo
+    from gobrrr.graph.ir import OpNode, TensorInfo
 
     def bn(c, n, cl):
         stride = (c * 28 * 28, 1, 28 * c, c) if cl else (c * 28 * 28, 28 * 28, 28, 1)

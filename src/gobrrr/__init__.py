@@ -4,7 +4,7 @@
     est = gobrrr.estimate("gpt2", gpu="h100", batch=16, seq=1024)   # no GPU needed
     print(est.memory.peak, est.time.step_s)
 
-Measuring on a GPU: `gobrrr.profile.profile`, `gobrrr.profile.calibrate`.
+Measuring on a GPU: `gobrrr.profile.profile`, `gobrrr.calibrate.api`.
 """
 
 from gobrrr.errors import GobrrrError

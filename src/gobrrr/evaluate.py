@@ -13,30 +13,9 @@ from typing import Any
 
 from gobrrr import formulas
 from gobrrr.cost.roofline import Prediction, predict
-from gobrrr.graph import StepGraph
-from gobrrr.hardware import Calibration, GpuSpec, find_calibration, get_gpu
-from gobrrr.memory import MemoryResult, module_rollup, step_memory
-
-
-@dataclass(frozen=True)
-class Target:
-    """The GPU a graph is evaluated on: its spec and the calibration its rates come from
-    (None = the datasheet peaks with default efficiencies)."""
-
-    gpu: GpuSpec
-    cal: Calibration | None
-
-    @staticmethod
-    def resolve(gpu: str | GpuSpec | Target = "h100",
-                calibration: Calibration | None | bool = True) -> Target:
-        """gpu: a built-in name, a spec file, a GpuSpec (or a Target, returned as it is).
-        calibration: True = the saved calibration for this GPU if there is one; False/None =
-        none; or the Calibration to use."""
-        if isinstance(gpu, Target):
-            return gpu
-        spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
-        cal = find_calibration(spec) if calibration is True else (calibration or None)
-        return Target(spec, cal)
+from gobrrr.graph.ir import StepGraph
+from gobrrr.hardware import Calibration, GpuSpec, Target
+from gobrrr.memory.replay import MemoryResult, module_rollup, step_memory
 
 
 def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
@@ -78,7 +57,7 @@ class Estimate:
     @property
     def fits(self) -> bool:
         """The step runs on the GPU: the caching allocator's reserved peak stays within the
-        memory CUDA leaves to the process (`gobrrr.memory.process_budget`)."""
+        memory CUDA leaves to the process (`gobrrr.memory.replay.process_budget`)."""
         return self.memory.fits()
 
     def to_dict(self, top: int = 15) -> dict[str, Any]:
@@ -231,7 +210,7 @@ def _listed(items: list[str], n: int) -> str:
 
 def saved_activations(graph: StepGraph) -> int:
     """Bytes created in forward and still alive when backward starts (saved for backward)."""
-    from gobrrr.memory import round_alloc
+    from gobrrr.memory.replay import round_alloc
 
     return sum(round_alloc(s.nbytes) for s in graph.storages if s.kind == "activation")
 

@@ -306,7 +306,7 @@ class Calibration:
     `batch_norm_bandwidth`, [[channels, rows, bytes/s], ...]; read before that curve.
     `optim8`: torchao's 8-bit AdamW per parameter update (profile.calibrate_optim): "device"
     [[bytes, seconds], ...], "host" seconds, "kernels", "transient" and the measured grid.
-    `offload`: CPU offload of the optimizer (gobrrr.profile.calibrate_offload): "d2h" and
+    `offload`: CPU offload of the optimizer (gobrrr.calibrate.sections.offload): "d2h" and
     "h2d" pinned-copy bytes/s over sizes, [[bytes, bytes/s], ...]; "adamw:fp32" and
     "adamw:bf16", seconds of one fused AdamW step on the host's CPU over parameter sizes,
     [[elements, seconds], ...]; "d2h_issue_s", "h2d_issue_s", host seconds to queue one copy;
@@ -392,3 +392,24 @@ def find_calibration(gpu: GpuSpec) -> Calibration | None:
         if p.exists():
             return Calibration.load(p)
     return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """The GPU a graph is evaluated on: its spec and the calibration its rates come from
+    (None = the datasheet peaks with default efficiencies)."""
+
+    gpu: GpuSpec
+    cal: Calibration | None
+
+    @staticmethod
+    def resolve(gpu: str | GpuSpec | Target = "h100",
+                calibration: Calibration | None | bool = True) -> Target:
+        """gpu: a built-in name, a spec file, a GpuSpec (or a Target, returned as it is).
+        calibration: True = the saved calibration for this GPU if there is one; False/None =
+        none; or the Calibration to use."""
+        if isinstance(gpu, Target):
+            return gpu
+        spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
+        cal = find_calibration(spec) if calibration is True else (calibration or None)
+        return Target(spec, cal)

@@ -2,11 +2,11 @@
 
 import torch
 
-from gobrrr.profile.calibrate_kernels import _cases, kernel_host_costs
+from gobrrr.calibrate.sections.kernels import _cases, kernel_host_costs
 
 
 def test_kernel_host_keys_are_the_traced_op_names(recorder, monkeypatch):
-    from gobrrr.profile import calibrate_kernels
+    from gobrrr.calibrate.sections import kernels as calibrate_kernels
 
     monkeypatch.setattr(calibrate_kernels, "CHAIN", 2)  # the interpreter is slow
     cpu = torch.device("cpu")

@@ -26,15 +26,15 @@ from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
-from gobrrr.capture.saved import AUTOGRAD, SavedTracker
+from gobrrr.graph.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
-from gobrrr.fused_loss import as_on_cuda
-from gobrrr.graph import StepGraph
-from gobrrr.optim import LARGE_TENSOR_BYTES, optimizer_key
+from gobrrr.training.fused_loss import as_on_cuda
+from gobrrr.graph.ir import StepGraph
+from gobrrr.training.optimizers import LARGE_TENSOR_BYTES, optimizer_key
 from gobrrr.precision import autocast_dtype, check_precision
-from gobrrr.step import TrainStep, make_scaler, split_batch
-from gobrrr.transforms import apply_checkpointing, block_names, checkpoint_meta, checkpointed
+from gobrrr.training.step import TrainStep, make_scaler, split_batch
+from gobrrr.training.checkpointing import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
 CHECKPOINTS = ("none", "full")
@@ -232,7 +232,7 @@ def _cuda_optimizer_defaults(opt: torch.optim.Optimizer) -> None:
 
 
 class _Step(TrainStep):
-    """The traced step: gobrrr.step.TrainStep on fake tensors, autocast on the CPU under
+    """The traced step: gobrrr.training.step.TrainStep on fake tensors, autocast on the CPU under
     CUDA's rules, the loss freed after backward as in a real step; the same code for the
     warm-up and the recorded step. Two differences, both for the trace: the phases set the
     driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its

@@ -28,7 +28,7 @@ import torch
 
 if TYPE_CHECKING:
     from gobrrr.capture.recorder import Recorder, _Storage
-    from gobrrr.graph import OpNode
+    from gobrrr.graph.ir import OpNode
 
 SUM_OP = "aten.add.Tensor"
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from gobrrr.capture.accumulate import is_engine_sum
 from gobrrr.capture.compiled import ignore_compile_internals
-from gobrrr.graph import OpNode, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StorageInfo, TensorInfo
 
 # Ops that only read metadata; they produce no tensor and cost nothing.
 _SKIP = {"aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",

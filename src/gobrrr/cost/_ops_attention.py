@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gobrrr.cost._ops_common import CostFn, OpCost, matmul_math, refs, sum_read
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 
 @dataclass(frozen=True)

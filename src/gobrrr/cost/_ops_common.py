@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gobrrr.graph import OpNode, TensorInfo
+from gobrrr.graph.ir import OpNode, TensorInfo
 
 
 @dataclass(frozen=True)

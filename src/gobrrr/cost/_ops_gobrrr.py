@@ -8,7 +8,7 @@ from __future__ import annotations
 from gobrrr.cost._ops_common import CostFn, OpCost, io_bytes, matmul_math, vector
 from gobrrr.cost._ops_norm import LN_DX, LN_FWD, NORM_DB, NORM_DW, RMS_DX, RMS_FWD
 from gobrrr.cost._ops_pointwise import _PER_ELEM
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 SWIGLU_FWD, SWIGLU_BWD = 5, 10
 CE_PER_LOGIT = 4  # max, exp, sum, softmax-minus-one-hot: the vector work per logit

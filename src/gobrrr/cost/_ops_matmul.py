@@ -13,7 +13,7 @@ from gobrrr.cost._ops_common import (
     sum_read,
     targ,
 )
-from gobrrr.graph import OpNode, TensorInfo
+from gobrrr.graph.ir import OpNode, TensorInfo
 
 
 def _matmul_cost(node: OpNode, tf32: bool, a: TensorInfo, flops: int) -> OpCost:

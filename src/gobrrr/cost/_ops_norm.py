@@ -20,7 +20,7 @@ from gobrrr.cost._ops_common import (
     targ,
     vector,
 )
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 LN_FWD, LN_DX, NORM_DW, NORM_DB = 5, 9, 2, 1
 RMS_FWD, RMS_DX = 3, 6

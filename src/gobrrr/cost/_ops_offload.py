@@ -1,4 +1,4 @@
-"""CPU offload's ops (gobrrr.offload): what each moves or computes, no GPU kernel.
+"""CPU offload's ops (gobrrr.training.offload): what each moves or computes, no GPU kernel.
 
 gobrrr.offload_grad_d2h(param): a gradient's copy to pinned host memory, the parameter's
     bytes (gradients have the parameter's shape and dtype), kind "d2h";
@@ -10,7 +10,7 @@ Their times come from the calibration's "offload" section (cost/offload.py)."""
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import CostFn, OpCost, read_bytes
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 KINDS = ("d2h", "h2d", "cpu_step")
 

@@ -22,7 +22,7 @@ CUDA 13 builds use 7× more tensors per launch (fewer launches).
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import CostFn, OpCost, refs, sum_read, vector
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 CHUNK = 65536
 MAX_BLOCKS = 320

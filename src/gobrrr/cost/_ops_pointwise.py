@@ -20,7 +20,7 @@ from gobrrr.cost._ops_common import (
     sum_read,
     vector,
 )
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 
 _UNARY = """abs neg exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal sin cos tan tanh asin
 acos atan sinh cosh asinh acosh atanh erf erfc erfinv sign sgn signbit floor ceil round trunc frac

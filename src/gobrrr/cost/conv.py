@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
 from gobrrr.cost.shapes import CONV_FALLBACK, conv_class, conv_layout
-from gobrrr.graph import OpNode, StepGraph, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
 from gobrrr.hardware import Calibration
 
 FORWARD = ("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable")

@@ -26,7 +26,7 @@ from gobrrr.cost import (
     _ops_pointwise,
 )
 from gobrrr.cost._ops_common import CostFn, OpCost, Tf32, first_out, io_bytes, tf32_of, vector
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 
 __all__ = ["OpCost", "UNKNOWN_OPS", "graph_costs", "op_cost", "register_cost"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gobrrr.cost.flops import OpCost
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 
 ANCHORS = ("matmul", "conv", "attention")
 REDUCING = ("reduction", "norm", "softmax", "loss", "embedding")

@@ -1,5 +1,5 @@
 """Times of CPU offload's ops (cost/_ops_offload.py) from the calibration's "offload" section
-(gobrrr.profile.calibrate_offload): copies over the host link, the CPU's optimizer step.
+(gobrrr.calibrate.sections.offload): copies over the host link, the CPU's optimizer step.
 
 The schedule (roofline._schedule) puts each on its timeline: a copy on the side stream
 (`side_s`), serial with the others; the CPU step on the host (`host_s`), after its gradient
@@ -13,7 +13,7 @@ import math
 from gobrrr.cost._ops_common import OpCost
 from gobrrr.cost.curves import interp
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 from gobrrr.hardware import Calibration
 
 NOT_CALIBRATED = ("CPU offload is costed from a calibration measured on the GPU's machine "

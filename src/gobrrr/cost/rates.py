@@ -1,5 +1,5 @@
 """Achieved rates of one GPU: FLOP/s and bytes/s by kernel class and shape, read from a
-calibration (the microbenchmarks of `gobrrr.profile.calibrate*`) or, without one, from the
+calibration (the microbenchmarks of `gobrrr.calibrate.api*`) or, without one, from the
 GPU's datasheet at default efficiencies. `roofline.time_op` turns them into an op's time."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from gobrrr.cost.shapes import (
     gemm_dims,
     outer_sum_columns,
 )
-from gobrrr.graph import OpNode
+from gobrrr.graph.ir import OpNode
 from gobrrr.hardware import Calibration, GpuSpec
 
 # Fraction of the dense matmul rate fused attention kernels reach without a calibration

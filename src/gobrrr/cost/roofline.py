@@ -33,7 +33,7 @@ from gobrrr.cost.shapes import (
     selective_modules,
     wave_efficiency,
 )
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.precision import peak_mode
 
@@ -317,7 +317,7 @@ def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
     segment (`StepGraph.repeat`) runs twice, and its second run, the steady state, stands
     for the runs after it.
 
-    CPU offload (gobrrr.offload) adds a third, the side stream of the host link (`link_t`),
+    CPU offload (gobrrr.training.offload) adds a third, the side stream of the host link (`link_t`),
     whose copies run one after another: a gradient's copy to the host (d2h) once the compute
     stream has run what was issued before it; the CPU step (on the host) once that
     parameter's gradient has landed (`param_of`: op index -> its parameter's storage); the
@@ -405,13 +405,13 @@ def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
     """Replace each fused group by one kernel; compiled code launches kernels from a
     generated wrapper, so no per-op eager dispatch cost remains. A misaligned 16-bit matmul
     runs at the aligned rate on padded copies of its operands (pad_mm), whose copy kernels
-    (each reads its operand and writes the padded copy: `cost.pad_scratch`) it pays for."""
-    from gobrrr.cost import pad_scratch
+    (each reads its operand and writes the padded copy: `cost.pad_mm`) it pays for."""
+    from gobrrr.cost import pad_mm
     from gobrrr.cost.fusion import extern, fuse, regions
 
     out = list(ops)
     region = regions(graph)
-    pads = pad_scratch.by_op(graph, costs)
+    pads = pad_mm.by_op(graph, costs)
     for o in ops:
         if region[o.index] >= 0 and extern(graph.nodes[o.index], costs[o.index]):
             t = time_op(graph.nodes[o.index], costs[o.index], rates, padded=True)

@@ -9,7 +9,7 @@ import math
 from gobrrr.cost._ops_common import targ
 from gobrrr.cost._ops_matmul import conv_backward_flops, grouped_mm_groups
 from gobrrr.cost.flops import OpCost
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 
 # host-cost keys beyond the graph's phases: a recomputed op, a forward op inside a checkpointed
 # block; "_selective" for a block under a selective policy (every op of it passes through the

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gobrrr.capture.saved import AUTOGRAD
+from gobrrr.graph.saved import AUTOGRAD
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import OpNode, StepGraph, TensorInfo
-from gobrrr.transforms import SELECTIVE_SAVE
+from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
+from gobrrr.training.checkpointing import SELECTIVE_SAVE
 
 DETACH = "aten.detach.default"
 

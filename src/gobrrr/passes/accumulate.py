@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
 
 SHARED = ("parameter", "buffer", "optimizer_state", "input")  # the same tensors every micro-batch
 

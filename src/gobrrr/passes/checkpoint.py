@@ -3,7 +3,7 @@ without checkpointing, without tracing again.
 
     g2 = checkpoint(graph, {"transformer.h.0": "full", "transformer.h.1": "selective"})
 
-It reproduces what torch.utils.checkpoint (non-reentrant) and `gobrrr.transforms.
+It reproduces what torch.utils.checkpoint (non-reentrant) and `gobrrr.training.checkpointing.
 apply_checkpointing` do, op for op:
 - forward: the same ops; a checkpointed block keeps none of the tensors its autograd nodes
   save (they die when the code lets go of them) except, under "selective", the outputs of
@@ -20,7 +20,7 @@ apply_checkpointing` do, op for op:
 
 What autograd saved, when each node ran in backward, when Python let go of each saved tensor
 and what each block was called with come from the trace (meta["autograd"],
-`gobrrr.capture.saved`). The new graph describes the checkpointed step and no longer carries
+`gobrrr.graph.saved`). The new graph describes the checkpointed step and no longer carries
 them (the pass applies to graphs traced without checkpointing).
 """
 
@@ -29,12 +29,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from gobrrr.capture.saved import AUTOGRAD, AUTOGRAD_VERSION
+from gobrrr.graph.saved import AUTOGRAD, AUTOGRAD_VERSION
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.passes import gc_paused
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
-from gobrrr.transforms import POLICIES, checkpoint_meta
+from gobrrr.training.checkpointing import POLICIES, checkpoint_meta
 
 
 def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:

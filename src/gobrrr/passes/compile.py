@@ -30,7 +30,7 @@ What is allocated, Inductor's generated code allocates and frees as its wrapper 
   same dtype and size (`AllocateLine.plan`, the memory planner's pool), which then stays
   allocated from that tensor's death to its reuse;
 - a misaligned 16-bit matmul runs on zero-padded copies of its operands (pad_mm; the copies'
-  bytes are `gobrrr.cost.pad_scratch`'s, allocated with the matmul), and an operand read
+  bytes are `gobrrr.cost.pad_mm`'s, allocated with the matmul), and an operand read
   last by it is freed once its copy is made.
 meta["inductor"] counts the buffers written in place ("in_place"), taken from the pool
 ("reused") and the matmuls padded ("padded").
@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from gobrrr.cost import pad_scratch
+from gobrrr.cost import pad_mm
 from gobrrr.cost.flops import graph_costs
 from gobrrr.cost.fusion import fuse, last_uses, regions
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 
 
 def unallocated(graph: StepGraph) -> set[int]:
@@ -143,9 +143,9 @@ class _Planner:
 
     def _padded(self) -> int:
         """A matmul operand that pad_mm copies and nothing reads after the matmul is freed
-        once its copy is made, before the matmul runs (`cost.pad_scratch`: the copies are the
+        once its copy is made, before the matmul runs (`cost.pad_mm`: the copies are the
         matmul's scratch). Returns how many matmuls pad."""
-        made = pad_scratch.by_op(self.graph, self.costs)
+        made = pad_mm.by_op(self.graph, self.costs)
         for i, copies in made.items():
             for t, _ in copies:
                 s = self.storages[t.storage]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.passes import gc_paused
 
 #: The micro-batches the planner traces a workload at, to derive every other one.

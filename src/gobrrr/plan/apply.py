@@ -9,16 +9,16 @@ What each knob does to the real model (in the order applied, and why that order)
     1. precision "bf16" (the user's, or weights="bf16"): the model is cast to bfloat16
        first, so the optimizer and its states are made for the weights as they will train.
     2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
-       cross-entropy (gobrrr.fused_loss); a change of the forward, so before compile.
+       cross-entropy (gobrrr.training.fused_loss); a change of the forward, so before compile.
     3. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
-       their policy (gobrrr.transforms.apply_checkpointing); before compile, which traces
+       their policy (gobrrr.training.checkpointing.apply_checkpointing); before compile, which traces
        through them.
     4. optimizer_states / offload: the workload's optimizer is built, its hyper-parameters
        read, and it is replaced by one keeping bf16 or 8-bit moments, on the host when
-       offloaded (gobrrr.optim); it holds the parameters themselves, compiled or not.
+       offloaded (gobrrr.training.optimizers); it holds the parameters themselves, compiled or not.
     5. compile: torch.compile(model), last, over the model as it will run; the optimizer
        stays eager.
-    6. micro_batch x accumulation: inside the returned step (gobrrr.step.TrainStep).
+    6. micro_batch x accumulation: inside the returned step (gobrrr.training.step.TrainStep).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from gobrrr.errors import GobrrrError, did_you_mean
-from gobrrr.fused_loss import use_fused_loss
-from gobrrr.optim import states_optimizer
+from gobrrr.training.fused_loss import use_fused_loss
+from gobrrr.training.optimizers import states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.precision import check_precision
-from gobrrr.step import TrainStep, batch_size, cast_batch, make_scaler
-from gobrrr.transforms import apply_checkpointing
+from gobrrr.training.step import TrainStep, batch_size, cast_batch, make_scaler
+from gobrrr.training.checkpointing import apply_checkpointing
 from gobrrr.workload import Batch, Workload, map_tensors
 
 
@@ -153,7 +153,7 @@ def _fused_loss(workload: Workload) -> str:
 
 def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
     """Wrap the named blocks in activation checkpointing with their policies, through
-    gobrrr.transforms.apply_checkpointing(model, policies)."""
+    gobrrr.training.checkpointing.apply_checkpointing(model, policies)."""
     names = dict(model.named_modules())
     for block in policies:
         if block not in names:

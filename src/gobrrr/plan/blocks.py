@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 
 from gobrrr.cost.roofline import Prediction
-from gobrrr.graph import StepGraph
-from gobrrr.memory import round_alloc
-from gobrrr.transforms import SELECTIVE_SAVE
+from gobrrr.graph.ir import StepGraph
+from gobrrr.memory.replay import round_alloc
+from gobrrr.training.checkpointing import SELECTIVE_SAVE
 
 UNITS = 400  # the knapsack's resolution: the bytes asked for in this many steps
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
-from gobrrr.graph import StepGraph
-from gobrrr.memory import process_budget
-from gobrrr.offload import host_bytes
+from gobrrr.graph.ir import StepGraph
+from gobrrr.memory.replay import process_budget
+from gobrrr.training.offload import host_bytes
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
@@ -270,7 +270,7 @@ def _persistent(g: StepGraph, variant: Variant) -> int:
 def _states_8bit(g: StepGraph) -> int:
     """Bytes of torchao's 8-bit moments for the parameters whose Adam moments `g` holds
     (the host step counts hold none on the GPU)."""
-    from gobrrr.optim_trace import state_bytes
+    from gobrrr.training.optim_trace import state_bytes
 
     size = {t.storage: t.itemsize for n in g.nodes for t in (*n.inputs, *n.outputs)}
     return sum(state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))

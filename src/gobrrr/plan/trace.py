@@ -10,12 +10,12 @@ from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
-from gobrrr.evaluate import Target
-from gobrrr.fused_loss import use_fused_loss
-from gobrrr.graph import StepGraph
-from gobrrr.offload import stand_in
-from gobrrr.optim import adam_hyper
-from gobrrr.optim_trace import traced_states_optimizer
+from gobrrr.hardware import Target
+from gobrrr.training.fused_loss import use_fused_loss
+from gobrrr.graph.ir import StepGraph
+from gobrrr.training.offload import stand_in
+from gobrrr.training.optimizers import adam_hyper
+from gobrrr.training.optim_trace import traced_states_optimizer
 from gobrrr.plan.knobs import Knobs
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
@@ -77,7 +77,7 @@ class Tracer:
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
         and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
         one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
-        traced as gobrrr.offload's stand-in)."""
+        traced as gobrrr.training.offload's stand-in)."""
         v = self.variant
         if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload:
             return make

@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from gobrrr.cost._ops_common import tf32_of
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.profile.join import JoinedTrace, TraceOp, align_graph
 from gobrrr.profile.regimes import classify, op_kind, shape_cost

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.precision import check_precision, peak_mode
 from gobrrr.profile.analyze import analyze

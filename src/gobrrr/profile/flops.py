@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.workload import Workload
 
 MFU_DEFINITION = ("MFU: model FLOPs (the traced forward and backward, without recomputation) "

@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 
 MODULE_PREFIX = "gobrrr.module::"
 PHASE_PREFIX = "gobrrr::"

@@ -25,12 +25,12 @@ from torch.profiler import record_function
 
 from gobrrr.capture import CHECKPOINTS
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
 from gobrrr.precision import check_precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
-from gobrrr.step import TrainStep, make_scaler
-from gobrrr.step import autocast_for as autocast_for  # re-exported: benchmarks import it here
+from gobrrr.training.step import TrainStep, make_scaler
+from gobrrr.training.step import autocast_for as autocast_for  # re-exported: benchmarks import it here
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 CPU_LABEL = "cpu: measured on the CPU, not a GPU"
@@ -56,7 +56,7 @@ def matmul_precision(precision: str) -> Iterator[None]:
 
 def run_step(workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
              scaler: Any = None, device_type: str = "cuda") -> torch.Tensor:
-    """One training step (gobrrr.step.TrainStep, the step capture traces): forward + loss
+    """One training step (gobrrr.training.step.TrainStep, the step capture traces): forward + loss
     (autocast for the mixed precisions), backward (through the GradScaler for fp16),
     optimizer.step, zero_grad(set_to_none=True). Each part sits in a `gobrrr::<phase>`
     profiler range. Returns the loss (detached)."""
@@ -84,7 +84,7 @@ def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "
     if checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"checkpoint={checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
     if checkpoint != "none":
-        from gobrrr.transforms import apply_checkpointing
+        from gobrrr.training.checkpointing import apply_checkpointing
 
         if not apply_checkpointing(model):
             raise GobrrrError(f"checkpoint={checkpoint!r}: the model has no repeated blocks to "

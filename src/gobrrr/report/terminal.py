@@ -14,7 +14,7 @@ from rich.text import Text
 
 from gobrrr.evaluate import Estimate, checkpointing, hints, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
-from gobrrr.memory import module_rollup
+from gobrrr.memory.replay import module_rollup
 from gobrrr.precision import peak_mode
 
 KIND_ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation",

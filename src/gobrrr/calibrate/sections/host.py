@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gobrrr.profile.calibrate_step import PHASES, _sync
+from gobrrr.calibrate.sections.step import PHASES, _sync
 
 
 def _tiny_workloads():
@@ -81,7 +81,7 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Time
     from gobrrr.capture import capture
     from gobrrr.cost.shapes import checkpointed_modules
     from gobrrr.profile.runner import prepare
-    from gobrrr.transforms import apply_checkpointing, block_names
+    from gobrrr.training.checkpointing import apply_checkpointing, block_names
 
     policies = checkpoint if checkpoint != "selective" else \
         dict.fromkeys(block_names(make().model), "selective")
@@ -143,7 +143,7 @@ def _host_cases(dev: torch.device):
     yield "add", lambda: aten.add(a, a)
 
 
-#: optimizers whose whole step's host cost is measured, by gobrrr.optim.optimizer_key
+#: optimizers whose whole step's host cost is measured, by gobrrr.training.optimizers.optimizer_key
 OPTIMIZERS = (
     lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
@@ -166,7 +166,7 @@ def optimizer_host(dev: torch.device, reps: int = 15) -> dict[str, dict[str, lis
     allocations of its list ops' outputs, dearer for large-pool tensors (measured on an H100
     in benchmarks/results/optimizer_host_profile_h100.json: AdamW's step ~25 us of Python
     per tensor, 7 us per large output allocated)."""
-    from gobrrr.optim import optimizer_key
+    from gobrrr.training.optimizers import optimizer_key
 
     out: dict[str, dict[str, list[list[float]]]] = {}
     for make in OPTIMIZERS:

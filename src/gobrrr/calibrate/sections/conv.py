@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gobrrr.profile.calibrate_step import _allocated_inside, _record
+from gobrrr.calibrate.sections.step import _allocated_inside, _record
 
 LAYOUTS = ("channels_first", "channels_last")
 MODES = (("bf16", torch.bfloat16), ("tf32", torch.float32), ("fp32", torch.float32))
@@ -155,7 +155,7 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
     from gobrrr.cost import conv
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import gemm_dims
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     rates, spaces = {}, {}
     x, w, gy, args = _tensors(s, n, dtype, layout, dev)
@@ -264,7 +264,7 @@ def depthwise_bandwidths(dev: torch.device,
     channels sets their speed (ConvNeXt's 96 channels at 56x56 ran 35% slower per byte than
     128), so one channel count cannot stand for the rest."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

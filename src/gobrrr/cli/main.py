@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from gobrrr.cli_checks import check_args, explain
+from gobrrr.cli.checks import check_args, explain
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.report.streams import command_streams, one_line
 
@@ -301,7 +301,7 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
 
 def _add_profile_commands(sub) -> None:
     try:
-        from gobrrr.profile.commands import add_calibrate_parser, add_profile_parser
+        from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
     except ImportError:
         return
     add_profile_parser(sub)

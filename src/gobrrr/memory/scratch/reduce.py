@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 
 SMS = 132  # H100 SXM multiprocessors
 THREADS_PER_SM = 2048

@@ -1,7 +1,7 @@
 """Memory: replay the step graph's allocations and frees, as CUDA's caching allocator counts them.
 
 Both numbers come from replaying the process through a model of the caching allocator
-(`gobrrr.allocator`), block by block:
+(`gobrrr.memory.allocator`), block by block:
 - `torch.cuda.max_memory_allocated()` over the measured step (`MemoryResult.peak`): every
   storage alive at its start (parameters, optimizer states, the batch, the cuBLAS workspaces)
   plus the most that is ever alive at once during it, each counted as the block the allocator
@@ -27,10 +27,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gobrrr.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gobrrr.cost import attention_scratch, conv, norm_scratch, pad_scratch, reduce_scratch
+from gobrrr.memory.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gobrrr.cost import conv, pad_mm
+from gobrrr.memory.scratch import attention as attention_scratch
+from gobrrr.memory.scratch import norm as norm_scratch
+from gobrrr.memory.scratch import reduce as reduce_scratch
 from gobrrr.cost._ops_optim import adam8bit_scratch
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
@@ -329,7 +332,7 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
     convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
     (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
-    and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_scratch`),
+    and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_mm`),
     replayed through the caching allocator against the memory CUDA leaves the process."""
     return simulate(graph, workspace=blas_workspace_ops(graph, gpu, cal),
                     scratch=step_scratch(graph, cal), budget=process_budget(gpu, cal))
@@ -340,7 +343,7 @@ def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[i
     optim = {n.index: b for n in graph.nodes if (b := adam8bit_scratch(n))}
     return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
                          reduce_scratch.scratch(graph), norm_scratch.scratch(graph),
-                         pad_scratch.scratch(graph), optim)
+                         pad_mm.scratch(graph), optim)
 
 
 def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:

@@ -27,7 +27,7 @@ kernel allocates and frees within the call go through PyTorch's caching allocato
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ
-from gobrrr.graph import OpNode, StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 
 _CUDNN_BWD = "aten._scaled_dot_product_cudnn_attention_backward"
 _EFFICIENT_BWD = "aten._scaled_dot_product_efficient_attention_backward"

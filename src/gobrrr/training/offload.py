@@ -1,5 +1,5 @@
 """CPU offload of the optimizer, as the step graph sees it: a trace-time stand-in of torchao's
-CPUOffloadOptimizer (what `gobrrr.apply` runs for offload=True, gobrrr.optim) and the host
+CPUOffloadOptimizer (what `gobrrr.apply` runs for offload=True, gobrrr.training.optimizers) and the host
 memory it needs.
 
 What torchao's CPUOffloadOptimizer does (torchao/optim/cpu_offload.py), and the ops that
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph import StepGraph
+from gobrrr.graph.ir import StepGraph
 
 #: torchao's default: parameters with fewer elements stay on the GPU with their optimizer.
 MINIMAL_SIZE = 4096
@@ -124,9 +124,9 @@ def _gpu_defaults(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def stand_in(opt: torch.optim.Optimizer) -> OffloadStandIn:
-    """The stand-in of `gobrrr.optim.states_optimizer(opt, "as-is", offload=True)`: the user's
+    """The stand-in of `gobrrr.training.optimizers.states_optimizer(opt, "as-is", offload=True)`: the user's
     Adam/AdamW, its groups and hyper-parameters, around torch's AdamW (fused) or Adam."""
-    from gobrrr.optim import adam_hyper
+    from gobrrr.training.optimizers import adam_hyper
 
     decoupled, groups = adam_hyper(opt)
     return OffloadStandIn(groups, torch.optim.AdamW if decoupled else torch.optim.Adam)

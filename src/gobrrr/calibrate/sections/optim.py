@@ -109,7 +109,7 @@ def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
 def _point(ao, dev: torch.device, numel: int, count: int, width: int = BLOCK,
            timed: bool = True) -> dict:
     """One grid point: `count` parameters of (numel/width, width) elements."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     params = _params(dev, [(numel // width, width)] * count)
     opt = ao.AdamW8bit(params, lr=1e-3)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gobrrr.profile.calibrate_host import per_call
+from gobrrr.calibrate.sections.host import per_call
 
 CHAIN = 16  # calls per measured chain
 

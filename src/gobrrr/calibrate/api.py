@@ -23,7 +23,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, calibration_dirs, match_device_name
-from gobrrr.profile.timing import _sync, flush_buffer, time_op
+from gobrrr.calibrate.timing import _sync, flush_buffer, time_op
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -74,7 +74,7 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
 def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     """Per-op host cost inside a training step, and on a GPU every section of `gpu_sections`
     (see calibrate_step, calibrate_host)."""
-    from gobrrr.profile import calibrate_host as ch
+    from gobrrr.calibrate.sections import host as ch
 
     overhead = ch.step_overhead(dev) if cuda else ch.step_overhead(dev, 5, rounds=1, warmup=3)
     out: dict = {"op_overhead": overhead}
@@ -87,15 +87,15 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
 def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     """The calibration sections measured on a GPU, in the order `calibrate` measures them:
     name -> fn(device) -> {Calibration field: value}."""
-    from gobrrr.profile import calibrate_conv as cc
-    from gobrrr.profile import calibrate_host as ch
-    from gobrrr.profile import calibrate_offload as co
-    from gobrrr.profile import calibrate_paths as cpa
-    from gobrrr.profile import calibrate_power as cpw
-    from gobrrr.profile import calibrate_shapes as csh
-    from gobrrr.profile import calibrate_step as cs
-    from gobrrr.profile.calibrate_kernels import kernel_host_costs
-    from gobrrr.profile.calibrate_optim import optim8_section
+    from gobrrr.calibrate.sections import conv as cc
+    from gobrrr.calibrate.sections import host as ch
+    from gobrrr.calibrate.sections import offload as co
+    from gobrrr.calibrate.sections import paths as cpa
+    from gobrrr.calibrate.sections import power as cpw
+    from gobrrr.calibrate.sections import shapes as csh
+    from gobrrr.calibrate.sections import step as cs
+    from gobrrr.calibrate.sections.kernels import kernel_host_costs
+    from gobrrr.calibrate.sections.optim import optim8_section
 
     return {
         "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),

@@ -37,7 +37,7 @@ def power_duty(dev: torch.device, heat_s: float = 1.5, reps: int = 20,
     behind a spin kernel) after `settle_s` idle, as the calibration's matmul grid measures.
     Each pattern starts after `settle_s` idle too; its times are medians over `reps` repeats,
     each group timed with CUDA events. `mm`, `copy_elements`: the kernels' sizes."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     matmul, copy = kernels(dev, mm, copy_elements)
     settle(dev, settle_s)

@@ -1,6 +1,6 @@
 """What CPU offload of the optimizer costs on this machine, for a calibration
 (`Calibration.offload`): the host link and the host's CPU, as torchao's CPUOffloadOptimizer
-uses them (see gobrrr.offload).
+uses them (see gobrrr.training.offload).
 
 Measured:
 - "d2h", "h2d": bytes/s of a copy between a pinned host buffer and the GPU over sizes,
@@ -42,7 +42,7 @@ def offload_section(dev: torch.device) -> dict:
 
 def link_bandwidths(dev: torch.device, reps: int = 7) -> dict[str, list[list[float]]]:
     """{"d2h": [[bytes, bytes/s], ...], "h2d": [...]} over LINK_SIZES (pinned host memory)."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out: dict[str, list[list[float]]] = {"d2h": [], "h2d": []}
     for nbytes in LINK_SIZES:

@@ -149,7 +149,7 @@ def _predict(make, args):
 
 def run_calibrate(args) -> int:
     """Handler of `gobrrr calibrate`."""
-    from gobrrr.profile.calibrate import calibrate, default_path
+    from gobrrr.calibrate.api import calibrate, default_path
 
     save = False if args.no_save else (args.output or True)
     cal = calibrate(args.device, save=save)

@@ -24,7 +24,7 @@ the logits' gradient inside the backward graph, and that matmul pads only the sa
 
 from __future__ import annotations
 
-from gobrrr.graph import OpNode, StepGraph, TensorInfo, itemsize
+from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo, itemsize
 
 ALIGN_ELEMENTS = 8  # 16-bit dtypes: pad_mm's get_alignment_size
 STRIDE_THRESHOLD = 1024  # elements: longer rows get their stride padded

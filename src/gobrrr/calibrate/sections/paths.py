@@ -33,9 +33,9 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     stands for."""
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import elementwise_path
-    from gobrrr.profile.calibrate_shapes import kernel_latency
-    from gobrrr.profile.calibrate_step import _record
-    from gobrrr.profile.timing import flush_buffer, time_op
+    from gobrrr.calibrate.sections.shapes import kernel_latency
+    from gobrrr.calibrate.sections.step import _record
+    from gobrrr.calibrate.timing import flush_buffer, time_op
 
     flush = flush_buffer(dev)
     lat = kernel_latency(dev)
@@ -126,8 +126,8 @@ def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     """{"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]} for _log_softmax, _softmax and
     their backwards over the row width and the rows, bytes as the cost model counts them."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.calibrate_step import _record
-    from gobrrr.profile.timing import flush_buffer, time_op
+    from gobrrr.calibrate.sections.step import _record
+    from gobrrr.calibrate.timing import flush_buffer, time_op
 
     aten, flush = torch.ops.aten, flush_buffer(dev)
     out: dict[str, list[list[float]]] = {}

@@ -153,7 +153,7 @@ def state_bytes(numel: int, itemsize: int) -> int:
 class Adam8bitTrace(torch.optim.Optimizer):
     """torchao's Adam8bit / AdamW8bit (decoupled) with plain-tensor states and one
     `gobrrr::adam8bit_update` per parameter; block size 256, no amsgrad, no stochastic
-    rounding (what `gobrrr.optim.states_optimizer(opt, "8bit")` builds)."""
+    rounding (what `gobrrr.training.optimizers.states_optimizer(opt, "8bit")` builds)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, decoupled: bool = True):
@@ -205,7 +205,7 @@ class Adam8bitTrace(torch.optim.Optimizer):
 def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.optim.Optimizer:
     """The optimizer a trace runs for `states`: Adam8bitTrace in place of torchao's 8-bit
     Adam(W) (same groups and hyper-parameters), else what `gobrrr.apply` runs."""
-    from gobrrr.optim import adam_hyper, states_optimizer
+    from gobrrr.training.optimizers import adam_hyper, states_optimizer
 
     if states != "8bit":
         return states_optimizer(opt, states)

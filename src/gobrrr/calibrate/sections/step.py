@@ -27,7 +27,7 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
     with w (n - 1, n): a linear layer whose output width is odd (a language model's head over
     an odd vocabulary), which cuBLAS runs slower still (on an H100 in bf16, 95-102 TFLOP/s
     against 144 for the plain odd matmul)."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out = {}
     old = torch.backends.cuda.matmul.allow_tf32
@@ -60,7 +60,7 @@ def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
     fwd+bwd minus fwd): {key: [[S, FLOP/s], ...]}. Each timed run issues ATTENTION_REPS calls
     back to back, so the GPU's rate is measured, not the host's. FlashAttention's count:
     fwd 4·B·H·S²·D / 2, bwd 2.5 x fwd."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -99,7 +99,7 @@ def attention_variants(dev: torch.device, tokens: int = 16384,
     by FlashAttention's count (causal halved, a mask tensor counted in full, as the cost
     model counts them)."""
     from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -153,7 +153,7 @@ def matmul_grid(dev: torch.device,
     of 56x56 maps has k = 200k), which cuBLAS splits over k. Points above
     GRID_MAX_FLOP are left out (large outputs are at full rate by k = 4096 anyway): the grid is
     ragged at its large corner."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     out: dict[str, list[list[float]]] = {}
     old = torch.backends.cuda.matmul.allow_tf32
@@ -313,7 +313,7 @@ def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     | ...: [[width, rows, B/s], ...]}. The width sets the kernel's block shape and the rows
     its parallelism: one point at 16384 x 1024 cannot stand for ViT's 768 or a 4096-wide LM."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
@@ -344,7 +344,7 @@ def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dty
     """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored
     channels-last if asked); backward is fwd+bwd less forward (grads of input, weight and
     bias)."""
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     c = shape[1]
     x = torch.randn(shape, device=dev, dtype=dtype)
@@ -372,7 +372,7 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
     their own curves, `batch_norm_bandwidths`, `outer_sum_bandwidths`), counting the bytes
     exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
             for name, fn in _op_cases(dev)}
@@ -386,7 +386,7 @@ def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
     squares to a grid over vocabulary V, tokens T, width D and dtype (max error 16% on the
     H100's grid; with the tokens' bytes in place of their values, 58%):
     {"fill_Bps", "token_values_per_s", "fixed_s", "points": [[V, T, D, itemsize, s], ...]}."""
-    from gobrrr.profile.timing import flush_buffer, time_op
+    from gobrrr.calibrate.timing import flush_buffer, time_op
 
     aten = torch.ops.aten
     flush = flush_buffer(dev)
@@ -430,7 +430,7 @@ def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_RO
     parallelism across the output, the rows how far it splits each column's sum (a second
     kernel adds the partial sums); bytes as the cost model counts them."""
     from gobrrr.cost.flops import op_cost
-    from gobrrr.profile.timing import time_op
+    from gobrrr.calibrate.timing import time_op
 
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}

@@ -1,0 +1,6 @@
+"""The step graph, the one representation every other part reads: `ir` (StepGraph, OpNode,
+TensorInfo, StorageInfo, JSON), `saved` (the typed saved-tensor table)."""
+
+from gobrrr.graph.ir import KINDS, PHASES, OpNode, StepGraph, StorageInfo, TensorInfo, itemsize
+
+__all__ = ["KINDS", "PHASES", "OpNode", "StepGraph", "StorageInfo", "TensorInfo", "itemsize"]

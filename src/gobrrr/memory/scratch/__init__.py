@@ -1,0 +1,1 @@
+"""What kernels allocate inside themselves: attention's, norms' and reductions' workspaces."""

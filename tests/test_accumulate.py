@@ -10,7 +10,7 @@ from torch import nn
 
 from gobrrr import Workload
 from gobrrr.capture import capture
-from gobrrr.memory.replay.scratch import norm as norm_scratch
+from gobrrr.memory.scratch import norm as norm_scratch
 from gobrrr.graph.ir import OpNode, TensorInfo
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
 
-from gobrrr import memory  # noqa: E402
+from gobrrr.memory import replay as memory  # noqa: E402
 from gobrrr.memory.allocator import SMALL_SIZE, CachingAllocator, replay  # noqa: E402
 
 MiB = 2**20

@@ -51,7 +51,7 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     """Measured ops (device time, achieved rates, regime) of the trace's profiled step.
 
     `step` picks one `gobrrr::step` range when the trace holds several (default: the last).
-    On a CPU trace an op's "device" time is its host time and the regime is "unknown".
+    On a CPU trace an op's "device" time is its host time and the regime is "none".
     """
     keep = _step_filter(joined, step)
     nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))

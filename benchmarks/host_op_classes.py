@@ -87,7 +87,7 @@ def chain(torch, dev, kind: str):
 def node_cost(torch, dev, kind: str, rounds: int = 5, reps: int = 20) -> float:
     """Host seconds per node of the backward of a chain of `kind`: the least over rounds of
     the mean over reps of backward()'s wall time (the graph rebuilt, outside the timing)."""
-    from gobrrr.calibrate.sections.step import _sync
+    from gobrrr.profile.timing import sync as _sync
 
     best = float("inf")
     for _ in range(rounds):

@@ -9,13 +9,15 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from gobrrr.cost.rates import Rates
 from gobrrr.hardware import Calibration, get_gpu
+from gobrrr.profile.analyze import cost_split, measured_regime, roofline_fraction
 from gobrrr.profile.compare import compare
 from gobrrr.profile.diagnose import chain_saving, chains, diagnose
 from gobrrr.profile.join import TraceOp, is_composite_implicit, join_trace, op_family
-from gobrrr.profile.regimes import NEAR, classify, shape_cost
 from gobrrr.profile.result import MeasuredOp
 from gobrrr.profile.scaling import ScalingPoint, verdict
+from gobrrr.profile.shapes import shape_cost
 
 H100 = get_gpu("h100")
 
@@ -72,21 +74,27 @@ def test_shape_cost_pointwise_and_inplace():
     assert shape_cost(_op("aten::view", [[4, 4], []], ["float", "ScalarList"]))[:2] == (0, 0)
 
 
-def test_classify_thresholds_on_an_h100():
+def test_measured_regime_speaks_the_predictions_vocabulary():
     t = 1e-3  # a 1 ms op
+    rates = Rates(H100, None)
     peak, bw = H100.peak("bf16"), H100.bandwidth
-    assert classify(t, 0, 0.9 * peak * t, 1e6, "bf16", H100)[0] == "compute"
-    assert classify(t, 0, 1e9, 0.9 * bw * t, "fp32", H100)[0] == "memory"
-    # below NEAR of both roofs: latency-bound
-    assert classify(t, 0, (NEAR - 0.05) * peak * t, 0.1 * bw * t, "bf16", H100)[0] == "latency"
+
+    def regime(gap, flops, nbytes, math, kind="matmul", launch=rates.launch):
+        split = cost_split(rates, None, None, flops, nbytes, math, kind, "mm")
+        return measured_regime(t, gap, *split, launch)
+
+    assert regime(0, 0.9 * peak * t, 1e6, "bf16") == "compute"
+    assert regime(0, 1e9, 0.9 * bw * t, "fp32", "pointwise") == "memory"
+    # far from both roofs (was "latency"): the cost model's larger time names it
+    assert regime(0, 0.35 * peak * t, 0.1 * bw * t, "bf16") == "compute"
     # the GPU idled longer before it than it ran: overhead
-    assert classify(t, 2 * t, 0.9 * peak * t, 0, "bf16", H100)[0] == "overhead"
+    assert regime(2 * t, 0.9 * peak * t, 0, "bf16") == "overhead"
     # shorter than one eager launch: overhead (calibrated launch given explicitly)
-    assert classify(3e-6, 0, 1e6, 1e6, "bf16", H100, launch_overhead=5e-6)[0] == "overhead"
-    assert classify(t, 0, 0, 0, "", H100) == ("unknown", None)
-    assert classify(t, 0, 1, 1, "bf16", None) == ("unknown", None)
-    _, frac = classify(t, 0, 0, 0.5 * bw * t, "fp32", H100)
-    assert frac == pytest.approx(0.5)
+    assert measured_regime(3e-6, 0, 1e-6, 1e-6, 5e-6) == "overhead"
+    assert regime(0, 0, 0, "") == "none"  # nothing known (was "unknown")
+    assert measured_regime(0.0, 0, 1, 1, 1e-5) == "none"
+    assert roofline_fraction(t, 0, 0.5 * bw * t, "fp32", H100) == pytest.approx(0.5)
+    assert roofline_fraction(t, 0, 0, "", H100) is None
 
 
 def _m(i, family, kind, t, nbytes, regime="memory", phase="forward", module="m", **kw):

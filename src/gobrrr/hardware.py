@@ -8,14 +8,21 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
+import os
 import tomllib
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from gobrrr.errors import GobrrrError, did_you_mean
+
+log = logging.getLogger(__name__)
 
 TF = 1e12
 GB = 1e9
@@ -105,13 +112,17 @@ def gpu_names() -> list[str]:
 
 
 def get_gpu(name: str) -> GpuSpec:
-    """A built-in GPU by name or alias, or a user's own from a .toml/.json file path."""
+    """A built-in GPU by name or alias, a user's own from a .toml/.json file path, or the
+    built-in whose full name is the CUDA device name given (`torch.cuda.get_device_name()`).
+    Use `Target.resolve` to get its calibration with it."""
     key = name.strip().lower()
     for g in BUILTIN_GPUS:
         if key == g.name or key in g.aliases:
             return g
     if key.endswith((".toml", ".json")):
         return load_gpu_file(name)
+    if (g := match_device_name(name)) is not None:
+        return g
     names = ", ".join(gpu_names())
     if Path(name).is_dir():
         raise GobrrrError(f"GPU spec {name} is a directory",
@@ -362,31 +373,117 @@ class Calibration:
     power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
+    #: sections this gobrrr does not know (a newer one wrote them): kept as read and written
+    #: back by `save`, so a newer file survives an older reader's round trip
+    unknown_sections: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object: every known field, then the unknown sections as read."""
+        out = asdict(self)
+        extra = out.pop("unknown_sections")
+        return {**out, **{k: v for k, v in extra.items() if k not in out}}
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
         tmp.replace(path)
 
     @staticmethod
     def load(path: str | Path) -> Calibration:
-        data = json.loads(Path(path).read_text())
+        """A calibration file. Sections this version does not know are kept (a debug note
+        names them); an unreadable, truncated or non-JSON file, a wrong version, a missing
+        required field or a known field of the wrong type raise one GobrrrError naming the
+        file, the field and the fix."""
+        data = _read_calibration(Path(path))
         if data.get("version") != CALIBRATION_VERSION:
             raise GobrrrError(f"calibration {path} has version {data.get('version')!r}, "
-                              f"expected {CALIBRATION_VERSION}: run `gobrrr calibrate` again")
-        return Calibration(**data)
+                              f"expected {CALIBRATION_VERSION}", hint=_RECALIBRATE)
+        hints = _calibration_fields()
+        known = {k: v for k, v in data.items() if k in hints and k != "unknown_sections"}
+        unknown = {k: v for k, v in data.items() if k not in known}
+        if unknown:
+            log.debug("calibration %s: keeping sections this gobrrr does not read: %s",
+                      path, ", ".join(unknown))
+        missing = [f.name for f in fields(Calibration) if f.name not in known
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise GobrrrError(f"calibration {path} lacks {', '.join(missing)}",
+                              hint=_RECALIBRATE)
+        for k, v in known.items():
+            if not _is_a(v, hints[k]):
+                raise GobrrrError(f"calibration {path}: {k} is {_brief(v)}, not "
+                                  f"{_type_name(hints[k])}", hint=_RECALIBRATE)
+        return Calibration(**known, unknown_sections=unknown)
+
+
+_RECALIBRATE = ("run `gobrrr calibrate` on that GPU again, or restore the file (delete it to "
+                "use the datasheet)")
+
+
+def _read_calibration(p: Path) -> dict[str, Any]:
+    """The JSON object of a calibration file, or a GobrrrError naming the file and the fix."""
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise GobrrrError(f"cannot read calibration {p}: {why}", hint=_RECALIBRATE) from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise GobrrrError(f"calibration {p} is not valid JSON (truncated or damaged: {e})",
+                          hint=_RECALIBRATE) from None
+    if not isinstance(data, dict):
+        raise GobrrrError(f"calibration {p} holds a {type(data).__name__}, not a JSON object",
+                          hint=_RECALIBRATE)
+    return data
+
+
+@functools.cache
+def _calibration_fields() -> dict[str, Any]:
+    return typing.get_type_hints(Calibration)
+
+
+def _is_a(v: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's type: dicts and lists element by element, ints
+    count as floats, a bool is no number, Any takes anything."""
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_is_a(v, a) for a in args)
+    if origin is dict:
+        return isinstance(v, dict) and all(isinstance(k, str) and _is_a(x, args[1])
+                                           for k, x in v.items())
+    if origin is list:
+        return isinstance(v, list) and all(_is_a(x, args[0]) for x in v)
+    if hint is type(None):
+        return v is None
+    if hint is float:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "")
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return f"a {type(v).__name__} ({text[:40]}{'...' if len(text) > 40 else ''})"
 
 
 def calibration_dirs() -> list[Path]:
     """Where calibrations are looked for: the user's, then the ones shipped with gobrrr."""
-    import os
-
     user = Path(os.environ.get("GOBRRR_HOME", Path.home() / ".cache" / "gobrrr")) / "calibration"
     return [user, Path(__file__).parent / "data" / "calibration"]
 
 
 def find_calibration(gpu: GpuSpec) -> Calibration | None:
+    """The saved calibration of `gpu` (the user's first, then the shipped one), or None. A
+    damaged file raises GobrrrError naming it (see Calibration.load)."""
     for d in calibration_dirs():
         p = d / f"{gpu.name}.json"
         if p.exists():
@@ -405,7 +502,11 @@ class Target:
     @staticmethod
     def resolve(gpu: str | GpuSpec | Target = "h100",
                 calibration: Calibration | None | bool = True) -> Target:
-        """gpu: a built-in name, a spec file, a GpuSpec (or a Target, returned as it is).
+        """The one place a GPU and its calibration are resolved.
+
+        gpu: a built-in name or alias, a .toml/.json spec file, a CUDA device name as
+        `torch.cuda.get_device_name()` reports it, a GpuSpec (or a Target, returned as it
+        is). A name gobrrr cannot place raises GobrrrError saying so (never a default GPU).
         calibration: True = the saved calibration for this GPU if there is one; False/None =
         none; or the Calibration to use."""
         if isinstance(gpu, Target):

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from gobrrr.calibrate.timing import flush_buffer, time_op
 from gobrrr.errors import GobrrrError
-from gobrrr.hardware import Calibration, calibration_dirs, match_device_name
-from gobrrr.calibrate.timing import _sync, flush_buffer, time_op
+from gobrrr.hardware import Calibration, Target, calibration_dirs
+from gobrrr.profile.timing import sync
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -47,8 +48,7 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
                           "to calibrate, or pass device='cpu'")
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
-    spec = match_device_name(name) if cuda else None
-    key = spec.name if spec else _slug(name)
+    key = _gpu_key(name) if cuda else _slug(name)
     t0 = time.perf_counter()
     workspace = blas_workspace(dev) if cuda else None
     sizes = sizes or (GPU_SIZES if cuda else CPU_SIZES)
@@ -69,6 +69,15 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
         path.parent.mkdir(parents=True, exist_ok=True)
         cal.save(path)
     return cal
+
+
+def _gpu_key(device_name: str) -> str:
+    """The name the calibration is saved under: the built-in spec's CUDA's device name
+    resolves to (`Target.resolve`), else a slug of the device name."""
+    try:
+        return Target.resolve(device_name, calibration=False).gpu.name
+    except GobrrrError:
+        return _slug(device_name)
 
 
 def _step_measurements(dev: torch.device, cuda: bool) -> dict:
@@ -175,11 +184,11 @@ def launch_overhead(dev: torch.device, n: int = 2000) -> tuple[float, float]:
     y = torch.zeros(16, device=dev)
     for _ in range(50):
         y = y + 1
-    _sync(dev)
+    sync(dev)
     t = time.perf_counter()
     for _ in range(n):
         y = y + 1
-    _sync(dev)
+    sync(dev)
     host = (time.perf_counter() - t) / n
     if dev.type != "cuda":
         return host, host
@@ -211,10 +220,10 @@ def blas_workspace(dev: torch.device) -> int | None:
     except (AttributeError, RuntimeError):
         return None
     a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
-    _sync(dev)
+    sync(dev)
     before = torch.cuda.memory_allocated(dev)
     c = a @ a
-    _sync(dev)
+    sync(dev)
     gained = torch.cuda.memory_allocated(dev) - before - c.untyped_storage().nbytes()
     return int(gained) if gained > 0 else None
 

@@ -7,13 +7,7 @@ import statistics
 
 import torch
 
-from gobrrr.profile.runner import time_steps
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
+from gobrrr.profile.timing import sync, time_steps
 
 FLUSH_BYTES = 256 * 2**20  # over an H100's 50 MB of L2
 
@@ -36,7 +30,7 @@ def time_op(fn, dev: torch.device, reps: int, flush: torch.Tensor | None = None)
     H100 host). `flush` is zeroed before each run (outside the timed region) to evict L2."""
     for _ in range(2):
         fn()
-    _sync(dev)
+    sync(dev)
     spin = getattr(torch.cuda, "_sleep", None) if dev.type == "cuda" else None
 
     def before():

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from gobrrr.errors import GobrrrError
+from gobrrr.hardware import Target, match_device_name
 from gobrrr.workload import Workload
 
 PROFILE_DESCRIPTION = """Measure a real training step: time, per-op regimes, MFU / HFU, idle
@@ -91,11 +92,12 @@ def run_profile(args) -> int:
     make = _factory(args)
     out: dict = {}
     graph = prediction = None
+    gpu: str | Target | None = args.gpu
     if args.compare:
-        graph, prediction = _predict(make, args)
+        graph, gpu, prediction = _predict(make, args)
     result = profile(make(args.batch), device=args.device, precision=args.precision,
                      steps=args.steps, warmup=args.warmup, checkpoint=args.checkpoint,
-                     compile=args.compile, trace_path=args.trace, graph=graph, gpu=args.gpu)
+                     compile=args.compile, trace_path=args.trace, graph=graph, gpu=gpu)
     out["profile"] = asdict(result)
     comparison = scaling = None
     if prediction is not None:
@@ -131,20 +133,38 @@ def _default_batch(make) -> int:
 
 
 def _predict(make, args):
+    """The step graph and its prediction on the GPU profiled: traced as that GPU runs it (its
+    attention backends, torch.compile when the profiled step is compiled) and evaluated on
+    its spec and calibration (`Target.resolve`)."""
     from gobrrr.capture import capture
+    from gobrrr.capture.sdpa import target_for
     from gobrrr.evaluate import evaluate
-    from gobrrr.hardware import get_gpu, match_device_name
 
+    target = _compare_target(args)
     graph = capture(lambda: make(args.batch), precision=args.precision,
-                    checkpoint=args.checkpoint)
-    spec = get_gpu(args.gpu) if args.gpu else None
-    if spec is None and args.device.startswith("cuda"):
-        import torch
+                    checkpoint=args.checkpoint, sdpa=target_for(target.gpu.full_name),
+                    compile=args.compile)
+    return graph, target, evaluate(graph, target).time
 
-        if torch.cuda.is_available():
-            spec = match_device_name(torch.cuda.get_device_name())
-    spec = spec or get_gpu("h100")
-    return graph, evaluate(graph, spec).time
+
+def _compare_target(args) -> Target:
+    """--gpu when given, else the GPU CUDA reports; a GobrrrError when neither names one."""
+    if args.gpu:
+        return Target.resolve(args.gpu)
+    import torch
+
+    if not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        raise GobrrrError(f"--compare on {args.device!r}: no CUDA GPU names the GPU to predict "
+                          "for", hint="pass --gpu NAME (a built-in name or a spec file)")
+    name = torch.cuda.get_device_name(args.device)
+    try:
+        return Target.resolve(name)
+    except GobrrrError as e:
+        if match_device_name(name) is not None:
+            raise  # the GPU is known: its calibration failed to load
+        raise GobrrrError(f"--compare: CUDA reports {name!r}, which no built-in GPU spec "
+                          "names", hint="pass --gpu NAME or a .toml/.json spec file of this "
+                          "GPU (`gobrrr gpus` lists the built-ins)") from e
 
 
 def run_calibrate(args) -> int:
@@ -154,7 +174,7 @@ def run_calibrate(args) -> int:
     save = False if args.no_save else (args.output or True)
     cal = calibrate(args.device, save=save)
     if args.json:
-        print(json.dumps(asdict(cal), indent=1))
+        print(json.dumps(cal.to_dict(), indent=1))
     else:
         from gobrrr.profile.show import print_calibration
 

@@ -1,4 +1,5 @@
-"""Measurement: real steps under torch.profiler, joined to the step graph, compared with the prediction."""
+"""Measurement: real steps under torch.profiler, joined to the step graph, compared with the
+prediction."""
 
 from gobrrr.profile.api import profile
 from gobrrr.profile.compare import compare

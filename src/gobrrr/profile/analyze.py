@@ -1,4 +1,18 @@
-"""From a joined trace to measured ops and per-phase / per-module / per-kind sums."""
+"""From a joined trace to measured ops and per-phase / per-module / per-kind sums.
+
+The measured regime speaks the prediction's vocabulary (`OpTime.regime`: "compute" |
+"memory" | "overhead" | "none") and takes its split from the same cost model:
+
+- **overhead**: the device sat idle right before the op for at least as long as the op ran
+  (the host, not the GPU, set the pace), or the op ran shorter than one eager launch
+  (`Rates.launch`: the calibration's launch overhead, else the spec's).
+- **compute** / **memory**: otherwise, whichever of the cost model's compute and memory time
+  is the larger: for an op joined to a step-graph node, its `gobrrr.cost.roofline.time_op`
+  (`op_cost` at the calibrated `Rates`), as the prediction costs it; for one costed from the
+  profiler's shapes, its FLOPs at `Rates.matmul` / `Rates.attention` (tensor-core math) or the
+  fp32 peak, and its bytes at `Rates.bandwidth`.
+- **none**: no FLOPs or bytes known, no kernel, or no GPU (a CPU run).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +20,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from gobrrr.cost._ops_common import tf32_of
+from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import MATMUL_MATH, time_op
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.profile.join import JoinedTrace, TraceOp, align_graph
-from gobrrr.profile.regimes import classify, op_kind, shape_cost
 from gobrrr.profile.result import GroupTime, MeasuredOp
+from gobrrr.profile.shapes import op_kind, shape_cost
 
 
 @dataclass(frozen=True)
@@ -34,17 +51,17 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     """Measured ops (device time, achieved rates, regime) of the trace's profiled step.
 
     `step` picks one `gobrrr::step` range when the trace holds several (default: the last).
-    On a CPU trace an op's "device" time is its host time and the regime is "unknown".
+    On a CPU trace an op's "device" time is its host time and the regime is "none".
     """
     keep = _step_filter(joined, step)
     nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))
-    launch = calibration.launch_overhead if calibration is not None else None
+    rates = Rates(gpu, calibration) if gpu is not None and joined.has_device else None
     tf32 = tf32_of(graph.meta if graph is not None else {"precision": precision})
     ops = []
     for o in joined.ops:
         if not keep(o):
             continue
-        m = _measure(o, joined, gpu, tf32, graph, nodes[o.index] if nodes else -1, launch)
+        m = _measure(o, joined, rates, tf32, graph, nodes[o.index] if nodes else -1)
         if m is not None:
             ops.append(m)
     kernels = [k for k in joined.kernels if k.op < 0 or keep(joined.ops[k.op])]
@@ -78,16 +95,48 @@ def _busy(kernels) -> float:
     return busy
 
 
-def _graph_cost(graph: StepGraph, node: int, tf32: bool) -> tuple[float, float, str] | None:
-    try:
-        from gobrrr.cost.flops import op_cost
-    except ImportError:
+def measured_regime(device_s: float, gap_s: float, compute_s: float, memory_s: float,
+                    launch_s: float) -> str:
+    """The regime of a measured op (see the module docstring). Seconds: its summed kernel
+    time, the device's idle time right before it, the cost model's compute and memory time
+    for it, and one eager launch."""
+    if device_s <= 0:
+        return "none"
+    if gap_s >= device_s or device_s < launch_s:
+        return "overhead"
+    if not (compute_s or memory_s):
+        return "none"
+    return "compute" if compute_s >= memory_s else "memory"
+
+
+def cost_split(rates: Rates, cost: OpCost | None, node, flops: float, nbytes: float,
+               math: str, kind: str, name: str) -> tuple[float, float]:
+    """(compute_s, memory_s) the cost model gives an op: `time_op` of its step-graph node
+    (`cost`: that node's op_cost), else its shapes' FLOPs and bytes at the calibrated rates."""
+    if node is not None and cost is not None:
+        t = time_op(node, cost, rates)
+        return t.compute_s, t.memory_s
+    if kind == "attention" and math in MATMUL_MATH:
+        rate = rates.attention(math)
+    elif kind == "matmul" and math in MATMUL_MATH:
+        rate = rates.matmul(math, flops)
+    else:
+        rate = rates.gpu.peak("fp32")  # CUDA cores
+    return (flops / rate if rate > 0 else 0.0), nbytes / rates.bandwidth(kind, name)
+
+
+def roofline_fraction(device_s: float, flops: float, nbytes: float, math: str,
+                      gpu: GpuSpec) -> float | None:
+    """The op's datasheet roofline floor, max(FLOPs / peak[math], bytes / bandwidth), over its
+    measured time (1 = at the roof); None without FLOPs or bytes."""
+    if not (flops or nbytes) or device_s <= 0:
         return None
-    c = op_cost(graph.nodes[node], tf32)
-    return float(c.flops), float(c.bytes), str(c.math)
+    peak = gpu.peak_flops.get(math or "fp32", gpu.peak_flops.get("fp32", 0.0))
+    floor = max(flops / peak if peak > 0 else 0.0, nbytes / gpu.bandwidth)
+    return floor / device_s
 
 
-def _measure(o: TraceOp, joined: JoinedTrace, gpu, tf32, graph, node, launch):
+def _measure(o: TraceOp, joined: JoinedTrace, rates: Rates | None, tf32, graph, node):
     ks = [joined.kernels[i] for i in o.kernels]
     kind = op_kind(o.family)
     if joined.has_device:
@@ -100,11 +149,16 @@ def _measure(o: TraceOp, joined: JoinedTrace, gpu, tf32, graph, node, launch):
         if kind == "view" or o.host_s <= 0:
             return None
         device_s, gap, longest = o.host_s, 0.0, ""
-    cost = _graph_cost(graph, node, tf32) if graph is not None and node >= 0 else None
-    source = "graph" if cost else "shapes"
-    flops, nbytes, math = cost or shape_cost(o, tf32)
-    regime, frac = classify(device_s, gap, flops, nbytes, math,
-                            gpu if joined.has_device else None, launch)
+    node_ = graph.nodes[node] if graph is not None and node >= 0 else None
+    cost = op_cost(node_, tf32) if node_ is not None else None
+    source = "graph" if cost is not None else "shapes"
+    flops, nbytes, math = ((float(cost.flops), float(cost.bytes), str(cost.math)) if cost
+                           else shape_cost(o, tf32))
+    regime, frac = "none", None
+    if rates is not None:
+        split = cost_split(rates, cost, node_, flops, nbytes, math, kind, o.family)
+        regime = measured_regime(device_s, gap, *split, rates.launch)
+        frac = roofline_fraction(device_s, flops, nbytes, math, rates.gpu)
     return MeasuredOp(
         index=o.index, op=o.op, family=o.family, kind=kind, phase=o.phase, module=o.module,
         kernels=len(ks), kernel=longest[:120], device_s=device_s, host_s=o.host_s, gap_s=gap,

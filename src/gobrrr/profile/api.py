@@ -11,7 +11,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
-from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.precision import check_precision, peak_mode
 from gobrrr.profile.analyze import analyze
 from gobrrr.profile.diagnose import diagnose
@@ -21,13 +21,13 @@ from gobrrr.profile.result import ProfileResult
 from gobrrr.profile.runner import (
     CPU_LABEL,
     Measured,
-    calibration_for,
     check_device,
-    gpu_for,
     load_graph_arg,
     measure,
     median,
     oom_error,
+    target_for,
+    unnamed_gpu,
 )
 from gobrrr.workload import Workload
 
@@ -35,7 +35,7 @@ from gobrrr.workload import Workload
 def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mixed",
             steps: int = 10, warmup: int = 3, checkpoint: str = "none", compile: bool = False,
             trace_path: str | Path | None = None, graph: StepGraph | str | Path | None = None,
-            gpu: str | GpuSpec | None = None,
+            gpu: str | GpuSpec | Target | None = None,
             calibration: Calibration | None = None) -> ProfileResult:
     """Measure `workload`'s training step on `device` ("cuda", "cuda:N" or "cpu").
 
@@ -43,8 +43,8 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
     step under torch.profiler (CPU + CUDA, shapes recorded) and joins every kernel to its ATen
     op, module and phase, and to `graph`'s nodes when a StepGraph (or its JSON path) is given.
     `trace_path` gets that step as a Chrome/Perfetto trace (written atomically).
-    `gpu` names the spec to judge against (default: the one CUDA reports);
-    `calibration` defaults to the stored one for that GPU.
+    `gpu` names the spec to judge against (default: the one CUDA reports), resolved with
+    `calibration` (default: the stored one for that GPU) by `Target.resolve` before the run.
 
     MFU and HFU follow `gobrrr estimate`'s definitions: the FLOPs are counted on the traced
     step graph (`graph` when given, else the workload traced with gobrrr.capture first: on
@@ -63,6 +63,7 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
         raise GobrrrError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
     graph = load_graph_arg(graph)
     gpu_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    target = target_for(gpu_name, gpu, calibration) if gpu_name else None
     flops = (step_flops(graph) if graph is not None
              else traced_flops(workload, precision, checkpoint, gpu_name))
     try:
@@ -77,7 +78,7 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
                           "(run it once without gobrrr to debug; GOBRRR_DEBUG=1 shows the "
                           "traceback)") from e
     return summarize(m, RunInfo(workload.name, device, precision, checkpoint, compile, steps,
-                                warmup), flops, graph=graph, gpu=gpu,
+                                warmup), flops, graph=graph, gpu=target,
                      calibration=calibration)
 
 
@@ -95,13 +96,15 @@ class RunInfo:
 
 
 def summarize(m: Measured, info: RunInfo, flops: StepFlops | None = None,
-              graph: StepGraph | None = None, gpu: str | GpuSpec | None = None,
+              graph: StepGraph | None = None, gpu: str | GpuSpec | Target | None = None,
               calibration: Calibration | None = None) -> ProfileResult:
     """Analyze raw measurements (also those of a stored trace) into a ProfileResult.
-    `flops`: the step's FLOPs and throughput unit (default: counted on `graph`)."""
+    `flops`: the step's FLOPs and throughput unit (default: counted on `graph`). `gpu` and
+    `calibration` as in `profile` (a Target is taken as it is)."""
     on_gpu = info.device.startswith("cuda")
-    spec = gpu_for(m.device_name, gpu) if on_gpu else None
-    cal = calibration if calibration is not None else calibration_for(spec)
+    target = target_for(m.device_name, gpu, calibration) if on_gpu else None
+    spec, cal = (target.gpu, target.cal) if target is not None else (None, None)
+    label = CPU_LABEL if not on_gpu else "" if spec is not None else unnamed_gpu(m.device_name)
     joined = join_trace(m.trace, has_device=on_gpu)
     an = analyze(joined, spec, info.precision, graph, cal)
     step_s = median(m.step_times)
@@ -115,7 +118,7 @@ def summarize(m: Measured, info: RunInfo, flops: StepFlops | None = None,
     idle_share = idle / step_s if on_gpu and step_s > 0 else 0.0
     return ProfileResult(
         workload=info.workload, device=info.device, device_name=m.device_name,
-        gpu=spec.name if spec else "", label="" if on_gpu else CPU_LABEL,
+        gpu=spec.name if spec else "", label=label,
         precision=info.precision, checkpoint=info.checkpoint, compiled=info.compiled,
         steps=info.steps, warmup=info.warmup, unit=flops.unit, units_per_step=flops.units,
         step_s=step_s, step_min_s=min(m.step_times), step_max_s=max(m.step_times),

@@ -23,6 +23,8 @@ class MeasuredOp:
     cost model when the op was joined to a node (`cost_source` "graph"), else from the shapes
     the profiler recorded ("shapes"). `roofline` is the fraction of the op's roofline time it
     achieved: max(flops / peak[math], bytes / bandwidth) / device_s (1.0 = on the roof).
+    `regime`: the prediction's vocabulary (`OpTime.regime`), "compute" | "memory" |
+    "overhead" | "none"; see profile.analyze for how a measured op is classified.
     """
 
     index: int
@@ -44,7 +46,7 @@ class MeasuredOp:
     flops_per_s: float = 0.0
     bytes_per_s: float = 0.0
     roofline: float | None = None
-    regime: str = "unknown"
+    regime: str = "none"
     compiled: str = ""
 
 

@@ -12,7 +12,6 @@ import contextlib
 import os
 import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,11 +25,15 @@ from torch.profiler import record_function
 from gobrrr.capture import CHECKPOINTS
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
-from gobrrr.hardware import Calibration, GiB, GpuSpec, match_device_name
+from gobrrr.hardware import Calibration, GiB, GpuSpec, Target, match_device_name
 from gobrrr.precision import check_precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
+from gobrrr.profile.timing import sync
+from gobrrr.profile.timing import time_steps as time_steps  # benchmarks import it here
 from gobrrr.training.step import TrainStep, make_scaler
-from gobrrr.training.step import autocast_for as autocast_for  # re-exported: benchmarks import it here
+from gobrrr.training.step import (
+    autocast_for as autocast_for,  # re-exported: benchmarks import it here
+)
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 CPU_LABEL = "cpu: measured on the CPU, not a GPU"
@@ -129,32 +132,6 @@ def module_ranges(model: nn.Module) -> Iterator[None]:
 # -- timing ---------------------------------------------------------------------------------
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_steps(step, n: int, device: str, before=None) -> list[float]:
-    """Seconds per call of `step()`, n calls: CUDA events on a GPU, perf_counter on the CPU.
-    `before()` runs ahead of each call, outside the timed region (e.g. an L2 flush)."""
-    out = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        if device.startswith("cuda"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            out.append(time.perf_counter() - t0)
-    return out
-
-
 @dataclass(frozen=True)
 class Measured:
     """Raw measurements of one workload, before analysis."""
@@ -208,7 +185,7 @@ def _profile_one(wl: Workload, step, dev_type: str, trace_path, hooks: bool) -> 
         for _ in range(2):
             with record_function(STEP_LABEL):
                 step()
-            _sync(dev_type)
+            sync(dev_type)
             prof.step()
     if not out:
         raise GobrrrError("torch.profiler returned no trace for the profiled step")
@@ -262,15 +239,26 @@ def oom_error(device: str, workload: Workload, precision: str) -> GobrrrError:
         "--batch, --checkpoint blocks, or a lower precision")
 
 
-def gpu_for(device_name: str, gpu: str | GpuSpec | None) -> GpuSpec | None:
-    """The spec of the GPU measured on: the one given, else the one CUDA names."""
-    if isinstance(gpu, GpuSpec):
-        return gpu
-    if gpu:
-        from gobrrr.hardware import get_gpu
+def target_for(device_name: str, gpu: str | GpuSpec | Target | None,
+               calibration: Calibration | None = None) -> Target | None:
+    """The GPU measured on, with its calibration (`Target.resolve`): the one given, else the
+    one CUDA names; None when CUDA names a GPU gobrrr has no spec for and none was given (the
+    profile then reports no roofline regimes and no MFU, and says why)."""
+    cal = calibration if calibration is not None else True
+    if gpu is not None and gpu != "":
+        return Target.resolve(gpu, cal)
+    try:
+        return Target.resolve(device_name, cal)
+    except GobrrrError:
+        if match_device_name(device_name) is not None:
+            raise  # the GPU is known: its calibration is what failed
+        return None
 
-        return get_gpu(gpu)
-    return match_device_name(device_name)
+
+def unnamed_gpu(device_name: str) -> str:
+    """The label of a profile on a GPU gobrrr cannot name."""
+    return (f"CUDA reports {device_name!r}, which no built-in spec names: pass --gpu (a "
+            "built-in name or a .toml/.json spec file) for regimes and MFU")
 
 
 def batch_on(workload: Workload) -> str:
@@ -286,17 +274,6 @@ def load_graph_arg(graph: StepGraph | str | Path | None) -> StepGraph | None:
     if graph is None or isinstance(graph, StepGraph):
         return graph
     return StepGraph.load(graph)
-
-
-def calibration_for(gpu: GpuSpec | None) -> Calibration | None:
-    if gpu is None:
-        return None
-    from gobrrr.hardware import find_calibration
-
-    try:
-        return find_calibration(gpu)
-    except (OSError, ValueError, TypeError, GobrrrError):
-        return None
 
 
 def time_workload(workload: Workload, device: str, precision: str, steps: int, warmup: int,
@@ -319,4 +296,4 @@ def _stepper(workload: Workload, device: str, precision: str, checkpoint: str, c
 def _warm_up(step, warmup: int, device: str) -> None:
     for _ in range(max(warmup, 1)):
         step()
-    _sync(device)
+    sync(device)

@@ -152,10 +152,10 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
            dev: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
     """({direction: [outputs, depth, FLOP/s]}, {"forward" | "backward": workspace fraction})
     of shape s at batch n."""
+    from gobrrr.calibrate.timing import time_op
     from gobrrr.cost import conv
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.shapes import gemm_dims
-    from gobrrr.calibrate.timing import time_op
 
     rates, spaces = {}, {}
     x, w, gy, args = _tensors(s, n, dtype, layout, dev)
@@ -263,8 +263,8 @@ def depthwise_bandwidths(dev: torch.device,
     latency), so the dense grid says nothing about it; how cuDNN's kernels split the
     channels sets their speed (ConvNeXt's 96 channels at 56x56 ran 35% slower per byte than
     128), so one channel count cannot stand for the rest."""
-    from gobrrr.cost.flops import op_cost
     from gobrrr.calibrate.timing import time_op
+    from gobrrr.cost.flops import op_cost
 
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gobrrr.calibrate.sections.step import PHASES, _sync
+from gobrrr.calibrate.sections.step import PHASES
+from gobrrr.profile.timing import sync
 
 
 def _tiny_workloads():
@@ -102,17 +103,17 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Time
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:
     out = {}
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     loss = wl.compute_loss(wl.batch)
-    _sync(dev)
+    sync(dev)
     t1 = time.perf_counter()
     loss.backward()
-    _sync(dev)
+    sync(dev)
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _sync(dev)
+    sync(dev)
     t3 = time.perf_counter()
     out["forward"], out["backward"], out["optimizer"] = t1 - t0, t2 - t1, t3 - t2
     return out
@@ -182,12 +183,12 @@ def optimizer_host(dev: torch.device, reps: int = 15) -> dict[str, dict[str, lis
                 for r in range(reps + 3):
                     for p, g in zip(params, grads, strict=True):
                         p.grad = g
-                    _sync(dev)
+                    sync(dev)
                     t0 = time.perf_counter()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     t = time.perf_counter() - t0
-                    _sync(dev)
+                    sync(dev)
                     if r >= 3:
                         times.append(t)
                 points.append([float(n), statistics.median(times)])
@@ -261,12 +262,12 @@ def per_call(fn, dev: torch.device, calls: int, rounds: int, warmup: int) -> flo
     fn(), after `warmup` calls; the device is synchronised outside the timed loops."""
     for _ in range(warmup):
         fn()
-    _sync(dev)
+    sync(dev)
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t0) / calls)
-        _sync(dev)
+        sync(dev)
     return best

@@ -31,11 +31,11 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     the output's dtype, 16-bit or not: the generic kernel's time follows its elements more
     than its bytes), L2 flushed before each run. Raises if a case does not take the path it
     stands for."""
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import elementwise_path
     from gobrrr.calibrate.sections.shapes import kernel_latency
     from gobrrr.calibrate.sections.step import _record
     from gobrrr.calibrate.timing import flush_buffer, time_op
+    from gobrrr.cost.flops import op_cost
+    from gobrrr.cost.shapes import elementwise_path
 
     flush = flush_buffer(dev)
     lat = kernel_latency(dev)
@@ -125,9 +125,9 @@ def _foreach_cases(dev: torch.device) -> Iterator[tuple[str, str, Callable[[], o
 def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     """{"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]} for _log_softmax, _softmax and
     their backwards over the row width and the rows, bytes as the cost model counts them."""
-    from gobrrr.cost.flops import op_cost
     from gobrrr.calibrate.sections.step import _record
     from gobrrr.calibrate.timing import flush_buffer, time_op
+    from gobrrr.cost.flops import op_cost
 
     aten, flush = torch.ops.aten, flush_buffer(dev)
     out: dict[str, list[list[float]]] = {}

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from gobrrr.profile.timing import sync, time_parts
+
 #: (matmuls, copies) per repeat of the pattern: duties from about 0.2 to 1
 PATTERNS = ((1, 4), (1, 2), (1, 1), (2, 1), (4, 1), (8, 1), (1, 0))
 MM = 4096  # an (MM x MM) @ (MM x MM) bf16 matmul: ~0.17 ms at full rate on an H100
@@ -84,46 +86,28 @@ def steady(matmul, copy, i: int, j: int, dev: torch.device, heat_s: float, reps:
                 matmul()
             for _ in range(j):
                 copy()
-        _sync(dev)
+        sync(dev)
     return _groups(matmul, copy, i, j, reps, dev)
 
 
 def _groups(mm, copy, i: int, j: int, reps: int, dev: torch.device) -> tuple[float, float]:
     """(seconds per matmul, per copy): medians over `reps` repeats of the pattern, each
-    group between CUDA events (on a CPU: the host's clock around each group, synchronised)."""
-    if dev.type != "cuda":
-        mms, copies = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(i):
-                mm()
-            t1 = time.perf_counter()
-            for _ in range(j):
-                copy()
-            t2 = time.perf_counter()
-            mms.append((t1 - t0) / i)
-            copies.append((t2 - t1) / j if j else 0.0)
-        return statistics.median(mms), statistics.median(copies)
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(reps)]
-    for e0, e1, e2 in ev:
-        e0.record()
+    group between CUDA events, every repeat queued before one wait so the GPU never idles
+    (on a CPU: the host's clock around each group)."""
+    def mms() -> None:
         for _ in range(i):
             mm()
-        e1.record()
+
+    def copies() -> None:
         for _ in range(j):
             copy()
-        e2.record()
-    torch.cuda.synchronize(dev)
-    mm_t = statistics.median(e0.elapsed_time(e1) for e0, e1, _ in ev) * 1e-3 / i
-    copy_t = statistics.median(e1.elapsed_time(e2) for _, e1, e2 in ev) * 1e-3 / j if j else 0.0
+
+    runs = time_parts([mms, copies], reps, dev, sync_each=False)
+    mm_t = statistics.median(r[0] for r in runs) / i
+    copy_t = statistics.median(r[1] for r in runs) / j if j else 0.0
     return mm_t, copy_t
 
 
 def settle(dev: torch.device, seconds: float) -> None:
-    _sync(dev)
+    sync(dev)
     time.sleep(seconds)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)

@@ -13,12 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gobrrr.profile.timing import sync
+
 PHASES = ("forward", "backward", "optimizer")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
@@ -98,8 +95,8 @@ def attention_variants(dev: torch.device, tokens: int = 16384,
     {"<direction>:<dtype>:<variant>": [[S, FLOP/s], ...]}. fp32 at head dim 64 only. FLOPs
     by FlashAttention's count (causal halved, a mask tensor counted in full, as the cost
     model counts them)."""
-    from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
     from gobrrr.calibrate.timing import time_op
+    from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
 
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -185,10 +182,10 @@ def blaslt_workspace(dev: torch.device) -> int | None:
     a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     bias = torch.randn(256, device=dev, dtype=torch.bfloat16)
     _ = a @ a
-    _sync(dev)
+    sync(dev)
     before = torch.cuda.memory_allocated(dev)
     c = torch.addmm(bias, a, a)
-    _sync(dev)
+    sync(dev)
     gained = torch.cuda.memory_allocated(dev) - before - c.untyped_storage().nbytes()
     return int(gained) if gained >= 0 else None
 
@@ -312,8 +309,8 @@ def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     the cost model counts them: {"native_layer_norm:fp32" | "native_layer_norm_backward:bf16"
     | ...: [[width, rows, B/s], ...]}. The width sets the kernel's block shape and the rows
     its parallelism: one point at 16384 x 1024 cannot stand for ViT's 768 or a 4096-wide LM."""
-    from gobrrr.cost.flops import op_cost
     from gobrrr.calibrate.timing import time_op
+    from gobrrr.cost.flops import op_cost
 
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
@@ -371,8 +368,8 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
     (layer norm, log-softmax, embedding backward, pooling; batch norm and sums over tokens have
     their own curves, `batch_norm_bandwidths`, `outer_sum_bandwidths`), counting the bytes
     exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
-    from gobrrr.cost.flops import op_cost
     from gobrrr.calibrate.timing import time_op
+    from gobrrr.cost.flops import op_cost
 
     return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
             for name, fn in _op_cases(dev)}
@@ -429,8 +426,8 @@ def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_RO
     dtype: {"sum:bf16" | "sum:fp32": [[cols, rows, B/s], ...]}. The columns set the kernel's
     parallelism across the output, the rows how far it splits each column's sum (a second
     kernel adds the partial sums); bytes as the cost model counts them."""
-    from gobrrr.cost.flops import op_cost
     from gobrrr.calibrate.timing import time_op
+    from gobrrr.cost.flops import op_cost
 
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
@@ -460,11 +457,11 @@ def _record(fn, name: str):
 def _allocated_inside(fn, dev: torch.device) -> int:
     """Bytes fn() allocated and freed again within the call (its peak above both what was
     allocated before and what is left after)."""
-    _sync(dev)
+    sync(dev)
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     out = fn()
-    _sync(dev)
+    sync(dev)
     inside = torch.cuda.max_memory_allocated(dev) - max(before, torch.cuda.memory_allocated(dev))
     del out
     return max(int(inside), 0)

@@ -1,27 +1,13 @@
-"""The measured regime of an op: what held it back on the real device.
-
-Thresholds (fractions of the GPU's datasheet roofs; `NEAR` = 0.4):
-
-- **overhead**: the device sat idle right before the op for at least as long as the op ran
-  (gap >= device time: the host, not the GPU, set the pace), or the op's device time is
-  shorter than one eager launch (`launch_overhead`, ~10 us of host time on an H100 host),
-  so the host cannot keep the GPU fed through it.
-- **compute**: achieved FLOP/s >= NEAR x the dense peak of the op's math mode (bf16/fp16/tf32
-  tensor cores, fp32 CUDA cores), and this fraction is the larger of the two.
-- **memory**: achieved bytes/s >= NEAR x HBM bandwidth, and this fraction is the larger.
-- **latency**: neither roof is near although the op ran long enough (small matmuls that do
-  not fill the SMs, strided or uncoalesced access, serial reductions).
-- **unknown**: no FLOPs or bytes known, or no GPU (a CPU run).
+"""What the profiler's record of an op says: its kind (for grouping), its math mode, and its
+FLOPs and bytes read from the recorded shapes, for an op no step-graph node was joined to
+(a node's cost comes from gobrrr.cost, as the prediction's does; see profile.analyze).
 """
 
 from __future__ import annotations
 
 from math import prod
 
-from gobrrr.hardware import GpuSpec
 from gobrrr.profile.join import TraceOp
-
-NEAR = 0.4
 
 _DTYPE_BYTES = {
     "float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
@@ -85,7 +71,7 @@ def shape_cost(op: TraceOp, tf32: bool = False, causal: bool = True) -> tuple[fl
     Everything else: 1 FLOP per output element; bytes = all tensor inputs + one output the
     size of the largest input (an in-place op writes its first input). Views move nothing.
     The profiler records no shapes inside TensorLists, so foreach optimizer ops cost (0, 0)
-    here (regime "unknown"): give profile() the StepGraph to cost them.
+    here (regime "none"): give profile() the StepGraph to cost them.
     """
     fam = op.family
     kind = op_kind(fam)
@@ -128,32 +114,3 @@ def _attention_cost(ts, backward: bool, causal: bool, math: str) -> tuple[float,
     fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     nbytes = 4.0 * b * h * s * d * qkv[0][1]
     return (2.5 * fwd, 2 * nbytes, math) if backward else (fwd, nbytes, math)
-
-
-def roofline_time(flops: float, nbytes: float, math: str, gpu: GpuSpec) -> float:
-    """The op's floor on this GPU in seconds: max(FLOPs / peak[math], bytes / bandwidth)."""
-    peak = gpu.peak_flops.get(math or "fp32", gpu.peak_flops.get("fp32", 0.0))
-    t_c = flops / peak if peak > 0 else 0.0
-    return max(t_c, nbytes / gpu.bandwidth)
-
-
-def classify(device_s: float, gap_s: float, flops: float, nbytes: float, math: str,
-             gpu: GpuSpec | None, launch_overhead: float | None = None) -> tuple[str, float | None]:
-    """(regime, roofline fraction) of one op; see the module docstring for the thresholds.
-
-    device_s: summed kernel time (s); gap_s: device idle right before it (s).
-    """
-    if gpu is None or device_s <= 0:
-        return "unknown", None
-    launch = gpu.launch_overhead if launch_overhead is None else launch_overhead
-    frac = roofline_time(flops, nbytes, math, gpu) / device_s if (flops or nbytes) else None
-    if gap_s >= device_s or device_s < launch:
-        return "overhead", frac
-    if not (flops or nbytes):
-        return "unknown", None
-    peak = gpu.peak_flops.get(math or "fp32", gpu.peak_flops["fp32"])
-    f_c = flops / device_s / peak
-    f_m = nbytes / device_s / gpu.bandwidth
-    if max(f_c, f_m) < NEAR:
-        return "latency", frac
-    return ("compute" if f_c >= f_m else "memory"), frac

@@ -1,0 +1,229 @@
+"""Calibration of NCCL's collectives: time over message size, ranks and dtype, as
+`torch.distributed` runs them, and what a collective and a matmul cost each other when they
+overlap.
+
+    torchrun --nproc-per-node 4 -m gobrrr.calibrate.sections.collectives --out coll.json
+
+Every rank runs the same loop; rank 0 writes the JSON. For each collective (all-reduce,
+all-gather into one tensor, reduce-scatter from one tensor), dtype and size (bytes of the
+*whole* buffer: the all-reduce's tensor, the all-gather's output, the reduce-scatter's input),
+the collective is queued `iters` times between barriers and timed with CUDA events on the
+communication stream: the median per call over `rounds` rounds, and the slowest rank's
+figure (a collective ends when its slowest rank does). Bus bandwidth is NCCL's convention
+(nccl-tests' PERFORMANCE.md): bytes × 2(n-1)/n / time for all-reduce, bytes × (n-1)/n / time
+for all-gather and reduce-scatter; it is the figure a cost model can hold roughly constant
+across rank counts, and small messages show NCCL's fixed latency under it.
+
+Overlap: a bf16 matmul loop on the default stream and a collective loop on a second stream,
+each timed alone and then together, so the slowdown each causes the other is measured, not
+assumed (NCCL's kernels take SMs and memory bandwidth from the compute they overlap).
+
+Only torch is imported, so the module runs on any machine with CUDA and NCCL, whatever
+version of gobrrr is installed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+#: message sizes (bytes of the whole buffer): 4 KiB to 1 GiB, four per octave pair
+SIZES = [2**k for k in range(12, 31)] + [3 * 2**k for k in range(12, 29)]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: the environment that changes what NCCL does, recorded with the figures
+ENV = ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "TORCH_NCCL_AVOID_RECORD_STREAMS")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bus bytes per buffer byte (nccl-tests): 2(n-1)/n for all-reduce, (n-1)/n otherwise."""
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _buffers(op: str, nbytes: int, dtype: torch.dtype, n: int, dev) -> tuple:
+    """(input, output) of one call of `op` over a whole buffer of `nbytes`."""
+    numel = max(nbytes // torch.tensor([], dtype=dtype).element_size() // n * n, n)
+    if op == "all_reduce":
+        t = torch.randn(numel, dtype=dtype, device=dev)
+        return t, t
+    if op == "all_gather":
+        return (torch.randn(numel // n, dtype=dtype, device=dev),
+                torch.empty(numel, dtype=dtype, device=dev))
+    return (torch.randn(numel, dtype=dtype, device=dev),
+            torch.empty(numel // n, dtype=dtype, device=dev))
+
+
+def _call(op: str, inp, out, group=None):
+    if op == "all_reduce":
+        return dist.all_reduce(inp, group=group)
+    if op == "all_gather":
+        return dist.all_gather_into_tensor(out, inp, group=group)
+    return dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def _timed(fn, iters: int, rounds: int, stream) -> list[float]:
+    """Seconds per call of `fn` queued `iters` times on `stream`, once per round, the ranks
+    lined up by a barrier before each round."""
+    out = []
+    for _ in range(rounds):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for _ in range(iters):
+                fn()
+            end.record(stream)
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / iters)
+    return out
+
+
+def _slowest(x: float) -> float:
+    """The largest of every rank's `x`."""
+    t = torch.tensor([x], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream) -> dict:
+    """One (op, dtype, size) point: seconds per call and bus bandwidth, slowest rank."""
+    n = dist.get_world_size()
+    inp, out = _buffers(op, nbytes, DTYPES[dtype], n, torch.device("cuda"))
+    whole = (out if op == "all_gather" else inp).numel() * inp.element_size()
+    iters = max(4, min(100, int(2**29 // max(whole, 1))))
+    with torch.cuda.stream(stream):
+        for _ in range(iters):
+            _call(op, inp, out)  # warm-up: NCCL's communicator, channels and buffers set up
+    stream.synchronize()
+    times = _timed(lambda: _call(op, inp, out), iters, rounds, stream)
+    t = _slowest(statistics.median(times))
+    return {"op": op, "dtype": dtype, "bytes": whole, "ranks": n, "iters": iters,
+            "seconds": t, "min_s": _slowest(min(times)), "max_s": _slowest(max(times)),
+            "bus_bytes_per_s": whole * bus_factor(op, n) / t if t > 0 else None}
+
+
+def measure_overlap(op: str, nbytes: int, rounds: int, stream) -> dict:
+    """A bf16 8192x8192x8192 matmul loop on the default stream against a loop of `op` on
+    `stream`: each alone, then both queued together (seconds for the whole loop, slowest
+    rank)."""
+    n = dist.get_world_size()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    inp, out = _buffers(op, nbytes, torch.bfloat16, n, torch.device("cuda"))
+    mm_iters, coll_iters = 20, 10
+    main = torch.cuda.current_stream()
+
+    def mm_loop():
+        with torch.cuda.stream(main):
+            for _ in range(mm_iters):
+                a @ b
+
+    def coll_loop():
+        with torch.cuda.stream(stream):
+            for _ in range(coll_iters):
+                _call(op, inp, out)
+
+    def both() -> tuple[float, float]:
+        dist.barrier()
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record(main)
+        ev[2].record(stream)
+        mm_loop()
+        coll_loop()
+        ev[1].record(main)
+        ev[3].record(stream)
+        torch.cuda.synchronize()
+        return ev[0].elapsed_time(ev[1]) / 1e3, ev[2].elapsed_time(ev[3]) / 1e3
+
+    def alone(loop, s) -> float:
+        dist.barrier()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(s)
+        loop()
+        e1.record(s)
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / 1e3
+
+    mm_loop(), coll_loop()
+    torch.cuda.synchronize()
+    mm_alone = statistics.median(alone(mm_loop, main) for _ in range(rounds))
+    coll_alone = statistics.median(alone(coll_loop, stream) for _ in range(rounds))
+    pairs = [both() for _ in range(rounds)]
+    mm_both = statistics.median(p[0] for p in pairs)
+    coll_both = statistics.median(p[1] for p in pairs)
+    whole = (out if op == "all_gather" else inp).numel() * inp.element_size()
+    return {"op": op, "bytes": whole, "ranks": n, "matmul": "bf16 8192^3",
+            "matmul_iters": mm_iters, "collective_iters": coll_iters,
+            "matmul_alone_s": _slowest(mm_alone), "collective_alone_s": _slowest(coll_alone),
+            "matmul_overlapped_s": _slowest(mm_both),
+            "collective_overlapped_s": _slowest(coll_both)}
+
+
+def environment() -> dict:
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "world_size": dist.get_world_size(), "host": platform.node(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "env": {k: os.environ.get(k) for k in ENV}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--max-bytes", type=int, default=2**30)
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        print("error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
+              "gobrrr.calibrate.sections.collectives --out coll.json", file=sys.stderr)
+        return 2
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                            timeout=datetime.timedelta(seconds=120))
+    stream = torch.cuda.Stream()
+    points = []
+    for dtype in args.dtypes.split(","):
+        for op in OPS:
+            if dtype == "fp32" and op == "all_gather":
+                continue  # FSDP2 gathers parameters in param_dtype: bf16 is the case
+            for size in sorted(s for s in SIZES if s <= args.max_bytes):
+                points.append(measure_op(op, dtype, size, args.rounds, stream))
+    overlap = [measure_overlap(op, size, args.rounds, stream)
+               for op in OPS for size in (2**24, 2**27)]
+    if dist.get_rank() == 0:
+        result = {"version": 1, "kind": "collectives", "meta": environment(),
+                  "points": points, "overlap": overlap}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        for p in points:
+            if p["dtype"] == "bf16" and p["bytes"] in (2**20, 2**26, 2**28, 2**30):
+                print(f"{p['op']:>14} {p['bytes'] / 2**20:8.0f} MiB {p['seconds'] * 1e6:9.1f} us "
+                      f"{(p['bus_bytes_per_s'] or 0) / 1e9:6.1f} GB/s")
+        for o in overlap:
+            print(f"overlap {o['op']:>14} {o['bytes'] / 2**20:5.0f} MiB: matmul "
+                  f"{o['matmul_alone_s'] * 1e3:.2f} -> {o['matmul_overlapped_s'] * 1e3:.2f} ms, "
+                  f"collective {o['collective_alone_s'] * 1e3:.2f} -> "
+                  f"{o['collective_overlapped_s'] * 1e3:.2f} ms")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

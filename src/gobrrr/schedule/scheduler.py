@@ -98,7 +98,15 @@ def schedule(ops: tuple[OpTime, ...], streams: Sequence[str], syncs: set[int],
     waits of `syncs` (op indices) and of CPU offload (`param_of`, see `offload_waits`), the
     segment `repeat` (start, end, times) repeated."""
     waits = (*sync_waits(syncs), *offload_waits(streams, param_of or {}))
-    return _Run(ops, streams, waits).timeline(repeat)
+    return place(ops, streams, waits, repeat)
+
+
+def place(ops: tuple[OpTime, ...], streams: Sequence[str], waits: Sequence[Wait],
+          repeat: tuple[int, int, int] | None = None) -> Timeline:
+    """Every op on its stream (`streams[i]`) with the waits given (e.g. a collective on the
+    comm stream waiting for the op producing its input, the op consuming its output waiting
+    for the collective), the segment `repeat` (start, end, times) repeated."""
+    return _Run(ops, streams, tuple(waits)).timeline(repeat)
 
 
 class _Run:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from gobrrr.cost import conv
+from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.cost.fusion import extern, fuse, regions
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
 from gobrrr.cost.shapes import (
@@ -189,9 +190,6 @@ def compiled_times(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...
     generated wrapper, so no per-op eager dispatch cost remains. A misaligned 16-bit matmul
     runs at the aligned rate on padded copies of its operands (pad_mm), whose copy kernels
     (each reads its operand and writes the padded copy: `cost.pad_mm`) it pays for."""
-    from gobrrr.cost import pad_mm
-    from gobrrr.cost.fusion import extern, fuse, regions
-
     out = list(ops)
     region = regions(graph)
     pads = pad_mm.by_op(graph, costs)

@@ -210,7 +210,7 @@ def predicted(cfg, kernels, batch: int) -> dict:
     """gobrrr's prediction of this configuration's eager step on this GPU's calibration, with
     and without the measured host cost of gobrrr's kernel ops (`Calibration.kernel_host`)."""
     import gobrrr
-    from gobrrr.cost.roofline import predict
+    from gobrrr.evaluate import predict
     from gobrrr.hardware import find_calibration, get_gpu
 
     gpu = get_gpu("h100")

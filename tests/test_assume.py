@@ -24,6 +24,7 @@ import gobrrr
 from gobrrr.capture import assume, capture
 from gobrrr.cost.flops import op_cost
 from gobrrr.errors import GobrrrError
+from gobrrr.report.estimate import estimate_dict
 from gobrrr.report.terminal import assumption_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,7 +386,7 @@ def test_grouped_mm_flops_are_the_sum_of_the_per_group_matmuls():
 
 def test_estimate_and_terminal_name_each_assumption_kind():
     est = gobrrr.estimate(layerdrop(0.1), gpu="h100", precision="fp32")
-    d = est.to_dict()
+    d = estimate_dict(est)
     assert d["assumptions"] == est.graph.meta["assumptions"] and "assumptions" not in d["workload"]
     lines = assumption_lines(d["assumptions"] + [dict(d["assumptions"][0], kind="derived",
                                                       value="False", module="enc")])

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from gobrrr.capture import capture
-from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
-from gobrrr.evaluate import saved_activations
+from gobrrr.evaluate import predict, saved_activations
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.memory.replay import step_memory
 from gobrrr.models.registry import get_workload

@@ -7,7 +7,7 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.cost.flops import graph_costs
 from gobrrr.cost.fusion import fuse
-from gobrrr.cost.roofline import predict
+from gobrrr.evaluate import predict
 from gobrrr.hardware import get_gpu
 
 

@@ -232,7 +232,8 @@ def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
     # rate, plus two copy kernels that read each operand and write its padded copy
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.rates import Rates
-    from gobrrr.cost.roofline import predict, time_op
+    from gobrrr.cost.roofline import time_op
+    from gobrrr.evaluate import predict
     from gobrrr.hardware import get_gpu
 
     m, k, n = 4096, 1001, 1024

@@ -10,6 +10,7 @@ import gobrrr
 from gobrrr.capture import capture
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
 from gobrrr.memory.replay import module_rollup, round_alloc, simulate
+from gobrrr.report.estimate import estimate_dict
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +205,7 @@ def test_reserved_peak_matches_the_recorded_suite(model, batch, precision, check
                    checkpoint=checkpoint, calibration=cal)
     measured = case["measured"]["reserved_peak"]
     assert abs(est.memory.reserved / measured - 1) <= 0.02
-    mem = est.to_dict()["memory"]
+    mem = estimate_dict(est)["memory"]
     assert mem["reserved_bytes"] == est.memory.reserved
     assert mem["budget_bytes"] == cal.meta["memory"] - CUDA_CONTEXT_BYTES
     assert mem["headroom_bytes"] == mem["budget_bytes"] - mem["reserved_bytes"] > 0

@@ -9,8 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gobrrr
 from gobrrr.capture import capture
-from gobrrr.cost.roofline import model_flops, model_flops_6n, predict
-from gobrrr.evaluate import checkpointing, throughput_unit
+from gobrrr.cost.roofline import model_flops, model_flops_6n
+from gobrrr.evaluate import checkpointing, predict, throughput_unit
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import get_workload
 

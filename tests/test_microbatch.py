@@ -15,8 +15,8 @@ from torch import nn
 
 import gobrrr
 from gobrrr.capture import capture
-from gobrrr.cost.roofline import predict
 from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import predict
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.memory.replay import step_memory

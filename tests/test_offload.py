@@ -15,11 +15,17 @@ import torch
 
 from gobrrr.capture import capture
 from gobrrr.cli.main import main
-from gobrrr.cost.roofline import OpTime, _schedule
+from gobrrr.cost.roofline import OpTime
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Target, evaluate
 from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.models.registry import get_workload
+from gobrrr.passes.accumulate import accumulate
+from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.result import no_fit_message
+from gobrrr.plan.search import Planner
+from gobrrr.schedule.scheduler import schedule
+from gobrrr.schedule.streams import COMPUTE, COPY_D2H, COPY_H2D, HOST
 from gobrrr.training.offload import (
     CPU_STEP,
     D2H,
@@ -30,10 +36,6 @@ from gobrrr.training.offload import (
     pinned_bytes,
     stand_in,
 )
-from gobrrr.passes.accumulate import accumulate
-from gobrrr.plan.knobs import Knobs, every_kth
-from gobrrr.plan.result import no_fit_message
-from gobrrr.plan.search import Planner
 from gobrrr.training.step import TrainStep
 
 GB = 1e9
@@ -175,6 +177,15 @@ def test_host_bytes_are_what_torchao_holds(traced, torchao_step):
 # -- the schedule, by hand -------------------------------------------------------------------
 def op(i, kind="matmul", host=0.0, device=0.0, side=0.0, phase="backward") -> OpTime:
     return OpTime(i, "x", "", phase, kind, "vector", 0, 0, 0, 0, 0, device, host, "none", side)
+
+
+STREAM = {"d2h": COPY_D2H, "h2d": COPY_H2D, "cpu_step": HOST}
+
+
+def _schedule(ops, syncs, repeat, param_of):
+    """(host end, device end) of `ops`, each on its offload op's stream or the compute one."""
+    t = schedule(ops, [STREAM.get(o.kind, COMPUTE) for o in ops], syncs, repeat, param_of)
+    return t.host_end, t.device_end
 
 
 def test_d2h_waits_for_the_compute_stream_and_copies_run_one_after_another():

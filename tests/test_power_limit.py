@@ -1,4 +1,4 @@
-"""The power limit's hold on compute-bound kernels (`cost.roofline._power_limited`, calibrated
+"""The power limit's hold on compute-bound kernels (`schedule.power.power_limited`, calibrated
 by `profile.calibrate_power.power_duty`): hand-derived fixed points on synthetic ops, what is
 left alone, and the shipped H100 curve against the in-step matmul rate a GPU run recorded."""
 
@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gobrrr.cost.rates import Rates
-from gobrrr.cost.roofline import OpTime, _power_limited
-from gobrrr.hardware import find_calibration, get_gpu
 from gobrrr.calibrate.sections.power import PATTERNS, power_duty
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import OpTime
+from gobrrr.hardware import find_calibration, get_gpu
+from gobrrr.report.estimate import estimate_dict
+from gobrrr.schedule.power import power_limited as _power_limited
+from gobrrr.schedule.scheduler import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CURVE = [[0.5, 1.0], [1.0, 0.8]]  # full rate up to half the time, 80% at all of it
@@ -30,9 +33,14 @@ def _rates(curve):
     return Rates(get_gpu("h100"), replace(cal, power_duty={"bf16": curve} if curve else {}))
 
 
+def _ends(host, device):
+    """A timeline that only ends: the host at `host`, the device at `device` (s)."""
+    return Timeline((), host_end=host, device_end=device)
+
+
 def _serial(ops):
     """The device runs every op back to back; the host never waits."""
-    return 0.0, sum(o.device_s for o in ops)
+    return _ends(0.0, sum(o.device_s for o in ops))
 
 
 def _fixed_point(hot, other):
@@ -48,7 +56,8 @@ def _fixed_point(hot, other):
 
 def test_compute_bound_tensor_core_ops_slow_to_the_curves_fixed_point():
     ops = (_op(0, "bf16", 0.9, 0.1), _op(1, "vector", 0.0, 0.1))
-    out, fraction, (_, device_t) = _power_limited(ops, [1, 1], _rates(CURVE), _serial)
+    out, fraction, timeline = _power_limited(ops, [1, 1], _rates(CURVE), _serial)
+    device_t = timeline.device_end
     f = _fixed_point(0.9, 0.1)
     assert fraction == pytest.approx(f, abs=1e-3)
     assert 0.8 < f < 0.9
@@ -69,7 +78,7 @@ def test_idle_time_counts_against_the_duty():
     ops = (_op(0, "bf16", 0.9, 0.1, host=1.0), _op(1, "vector", 0.0, 0.1, host=1.0))
 
     def host_bound(ops):
-        return sum(o.host_s for o in ops), sum(o.device_s for o in ops)
+        return _ends(sum(o.host_s for o in ops), sum(o.device_s for o in ops))
 
     _, fraction, _ = _power_limited(ops, [1, 1], _rates(CURVE), host_bound)
     assert fraction == 1.0  # 0.9 s of matmul in a 2 s step: duty 0.45
@@ -81,7 +90,7 @@ def test_fp32_cuda_core_ops_and_repeats():
 
     def weighted(ops):
         w = [1, 2, 2]
-        return 0.0, sum(o.device_s * k for o, k in zip(ops, w, strict=True))
+        return _ends(0.0, sum(o.device_s * k for o, k in zip(ops, w, strict=True)))
 
     out, fraction, _ = _power_limited(ops, [1, 2, 2], _rates(CURVE), weighted)
     assert out[0] == ops[0]  # CUDA cores: not what the curve measured
@@ -129,12 +138,14 @@ def test_the_shipped_curve_gives_the_in_step_matmul_time_recorded_on_an_h100(
         llama5b_plan3, monkeypatch):
     """At burst rates the plan's matmuls are predicted 9% short of what the GPU took; the
     power limit, at the step's own duty, brings them within 5%."""
-    import gobrrr.cost.roofline as roofline
+    import importlib
+
+    evaluate = importlib.import_module("gobrrr.evaluate")  # the module, not gobrrr.evaluate()
 
     graph, target, measured = llama5b_plan3
     got = measured["by_class"]["matmul"]["s"]
     assert _matmul_seconds(graph, target) == pytest.approx(got, rel=0.05)
-    monkeypatch.setattr(roofline, "_power_limited",
+    monkeypatch.setattr(evaluate, "power_limited",
                         lambda ops, weights, rates, schedule: (ops, 1.0, schedule(ops)))
     assert _matmul_seconds(graph, target) < 0.92 * got
 
@@ -155,6 +166,6 @@ def test_the_estimate_says_when_compute_is_power_limited(llama5b_plan3):
 
     graph, target, _ = llama5b_plan3
     est = evaluate(graph, target)
-    fraction = est.to_dict()["time"]["clock_fraction"]
+    fraction = estimate_dict(est)["time"]["clock_fraction"]
     assert 0.85 < fraction < 0.99
     assert f"compute at {fraction:.0%} of its burst rate" in str(summary_lines(est)[2])

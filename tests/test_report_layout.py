@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gobrrr
 from gobrrr.hardware import BUILTIN_GPUS
+from gobrrr.report.estimate import estimate_dict
 from gobrrr.report.terminal import op_label, print_estimate, print_gpus, summary_lines
 
 LONG = "a_module_name_far_too_long_for_any_column_of_an_eighty_column_table"
@@ -83,7 +84,7 @@ def test_cut_lists_say_so_and_how_to_see_all(est):
     timed = sum(1 for o in est.time.ops if o.device_s > 0)
     text = render(print_estimate, est, top=3)
     assert f"Top 3 of {timed} ops by predicted time (--top N for more" in text
-    assert len(est.to_dict(top=3)["top_ops"]) == 3 and est.to_dict()["ops"] == len(
+    assert len(estimate_dict(est, top=3)["top_ops"]) == 3 and estimate_dict(est)["ops"] == len(
         est.graph.nodes)
     assert f"{timed} ops by predicted time" in render(print_estimate, est, top=10_000)
 
@@ -102,14 +103,14 @@ def test_the_header_says_the_model_checkpoints_itself():
                                                   batch=torch.randn(4, 32)), "h100")
     header = str(summary_lines(est)[0])
     assert "checkpoint by the model itself" in header and "ops recomputed" in header
-    assert est.to_dict()["workload"]["checkpointing"] == "model"
+    assert estimate_dict(est)["workload"]["checkpointing"] == "model"
 
 
 def test_the_units_are_the_workloads():
     cnn = gobrrr.estimate("convnet", "h100", batch=2)
     lines = " ".join(str(x) for x in summary_lines(cnn))
     assert "2 samples/step" in lines and "samples/s" in lines and "tokens" not in lines
-    d = cnn.to_dict()["time"]
+    d = estimate_dict(cnn)["time"]
     assert d["unit"] == "samples" and "tokens_per_s" not in d
     assert d["per_s"] == pytest.approx(2 / d["step_s"])
 
@@ -120,7 +121,7 @@ def test_mfu_states_its_peak_and_the_6n_convention_is_labelled():
     assert "of the bf16 peak (989 TFLOP/s)" in step
     text = render(print_estimate, est)
     assert "6·N·T + attention (PaLM" in text
-    t = est.to_dict()["time"]
+    t = estimate_dict(est)["time"]
     assert t["mfu"] <= t["hfu"] and "mfu_6n_attention" in t and t["peak_flops"] == 989.4e12
     f = est.formulas  # the traced parameters close the textbook's gap exactly
     assert f["params_textbook_12d2L_2dV"] + sum(d for _, d in f["params_gap"]) == \

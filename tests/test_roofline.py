@@ -8,8 +8,9 @@ from fake_tensors import contiguous as t
 from gobrrr.cost.curves import grid_value
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import MISALIGNED_FRACTION, Rates
-from gobrrr.cost.roofline import predict, time_op
+from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import misaligned, misaligned_nt, outer_sum_columns, wave_efficiency
+from gobrrr.evaluate import predict
 from gobrrr.graph.ir import OpNode, StepGraph
 from gobrrr.hardware import get_gpu
 

@@ -3,19 +3,46 @@
 Everything that turns a graph into numbers goes through `evaluate`: `gobrrr estimate` (capture
 and evaluate), `profile --compare`, the planner (which evaluates hundreds of graphs made by
 passes from one trace) and the benchmarks. The GPU spec and its calibration are resolved once,
-into a `Target`.
+into a `Target`. It runs as named stages:
+
+    costs     each op's FLOPs, bytes and launches (`op_costs`, cost/flops.py)
+    times     each op's roofline time on the GPU (`op_times`, cost/roofline.py)
+    schedule  the ops on the host and the GPU's streams (`step_schedule`, schedule/)
+    power     the power limit's fixed point over the schedule (schedule/power.py)
+    memory    the allocation replay (memory/replay.py)
+
+Rendering an `Estimate` (JSON) is `gobrrr.report.estimate`; what it advises,
+`gobrrr.report.advice`.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gobrrr import formulas
-from gobrrr.cost.roofline import Prediction, predict
+from gobrrr.cost._ops_common import tf32_of
+from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
+from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import (
+    OpTime,
+    compiled_times,
+    model_flops,
+    model_flops_6n,
+    optimizer_host,
+    time_op,
+)
+from gobrrr.cost.shapes import checkpointed_modules, host_key, selective_modules
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
-from gobrrr.memory.replay import MemoryResult, module_rollup, step_memory
+from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
+from gobrrr.precision import peak_mode
+from gobrrr.schedule.power import power_limited
+from gobrrr.schedule.scheduler import Timeline, schedule
+from gobrrr.schedule.streams import stream_of
 
 
 def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
@@ -29,12 +56,143 @@ def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
     if compiled is None:
         compiled = bool(graph.meta.get("compiled"))
     t = Target.resolve(target)
+    time = predict(graph, t.gpu, t.cal, compiled=compiled)
     return Estimate(graph=graph, gpu=t.gpu, memory=step_memory(graph, t.gpu, t.cal),
-                    time=predict(graph, t.gpu, t.cal, compiled=compiled), cal=t.cal,
-                    formulas=closed_forms(graph), capture_s=capture_s, compiled=compiled)
+                    time=time, cal=t.cal, formulas=closed_forms(graph), capture_s=capture_s,
+                    compiled=compiled)
 
 
-ESTIMATE_VERSION = 1
+def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,
+            compiled: bool = False) -> Prediction:
+    """The step's time on `gpu`: the stages costs -> times -> schedule -> power. `compiled`:
+    the model runs under torch.compile (forward and backward fused by Inductor; the
+    optimizer stays eager)."""
+    rates = Rates(gpu, calibration)
+    costs = op_costs(graph)
+    ops = op_times(graph, costs, rates, compiled)
+    ops, fraction, timeline = power_limited(ops, graph.weights(), rates,
+                                            step_schedule(graph, ops))
+    return prediction(graph, costs, ops, timeline, gpu, calibration, fraction)
+
+
+def op_costs(graph: StepGraph) -> list[OpCost]:
+    """Stage costs: each node's FLOPs, bytes, kind and launches."""
+    tf32 = tf32_of(graph.meta)
+    return [op_cost(n, tf32) for n in graph.nodes]
+
+
+def op_times(graph: StepGraph, costs: list[OpCost], rates: Rates, compiled: bool
+             ) -> tuple[OpTime, ...]:
+    """Stage times: each node's roofline time (s), a checkpointed forward op at its host
+    cost; under torch.compile, Inductor's kernels; the optimizer's measured host time."""
+    under, selective = checkpointed_modules(graph), selective_modules(graph)
+    ops = tuple(time_op(n, c, rates, host_phase=host_key(n, under, selective))
+                for n, c in zip(graph.nodes, costs, strict=True))
+    if compiled:
+        ops = compiled_times(graph, costs, ops, rates)
+    return optimizer_host(graph, ops, rates)
+
+
+def step_schedule(graph: StepGraph, ops: tuple[OpTime, ...]
+                  ) -> Callable[[tuple[OpTime, ...]], Timeline]:
+    """Stage schedule: the scheduler of `graph`'s ops, given their times (the power limit
+    changes the ops' times, never which ops they are, on which streams or what they wait
+    for)."""
+    syncs, param_of = set(graph.meta.get("syncs") or ()), _offloaded(graph, ops)
+    streams = [stream_of(n) for n in graph.nodes]
+    repeat = graph.repeat
+    return lambda times: schedule(times, streams, syncs, repeat, param_of)
+
+
+def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
+    """{op index: its parameter's storage} for CPU offload's ops (their first input)."""
+    return {o.index: graph.nodes[o.index].inputs[0].storage for o in ops
+            if o.kind in OFFLOAD_KINDS and graph.nodes[o.index].inputs}
+
+
+def prediction(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
+               timeline: Timeline, gpu: GpuSpec, calibration: Calibration | None,
+               fraction: float) -> Prediction:
+    """The step's figures from its scheduled ops: busy device time, FLOPs, time by phase
+    and by regime, each op counted as often as it runs (`StepGraph.weights`)."""
+    weights = graph.weights()
+    step = timeline.step_s
+    device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
+    phase_s: dict[str, float] = defaultdict(float)
+    regime_s: dict[str, float] = defaultdict(float)
+    for o, w in zip(ops, weights, strict=True):
+        phase_s[o.phase] += o.device_s * w
+        if o.device_s > 0:
+            regime_s[o.regime] += o.device_s * w
+    return Prediction(
+        gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
+        device_s=device_busy, host_s=timeline.host_end, idle_s=max(step - device_busy, 0.0),
+        flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
+        model_flops=model_flops(graph, costs),
+        tokens=int(graph.meta.get("tokens") or 0),
+        peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
+        phase_s=dict(phase_s), regime_s=dict(regime_s), clock_fraction=fraction,
+        timeline=timeline,
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The step on one GPU. Times in seconds, FLOP/s as fractions of the dense peak."""
+
+    gpu: str
+    calibrated: bool
+    ops: tuple[OpTime, ...] = field(repr=False)
+    step_s: float
+    device_s: float
+    host_s: float
+    idle_s: float
+    flops: float
+    model_flops: float
+    tokens: int
+    peak_flops: float
+    phase_s: dict[str, float]
+    regime_s: dict[str, float]
+    #: compute-bound kernels' share of their burst rate under the power limit (`power_limited`)
+    clock_fraction: float = 1.0
+    #: every op on the host and its stream (`gobrrr.schedule`); None where not scheduled
+    timeline: Timeline | None = field(default=None, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over `peak_flops`, the precision's dense matmul peak. Model
+        FLOPs: those of the traced forward and backward, without recomputation (see
+        `model_flops`), so MFU <= HFU."""
+        return self.model_flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """Every FLOP the step runs (recompute and optimizer included) per second over the
+        same peak."""
+        return self.flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
+
+    def regime_share(self) -> dict[str, float]:
+        """Share of the step's time by regime; idle device time counts as overhead."""
+        total = self.step_s or 1.0
+        out = {k: v / total for k, v in self.regime_s.items()}
+        out["overhead"] = out.get("overhead", 0.0) + self.idle_s / total
+        return out
+
+    def by_module(self, depth: int = 2) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for o in self.ops:
+            out[".".join((o.module or "<top>").split(".")[:depth])] += o.device_s
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def backward_forward_ratio(self) -> float:
+        fwd = sum(o.flops for o in self.ops if o.phase == "forward")
+        bwd = sum(o.flops for o in self.ops if o.phase in ("backward", "recompute"))
+        return bwd / fwd if fwd else 0.0
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -60,51 +218,6 @@ class Estimate:
         memory CUDA leaves to the process (`gobrrr.memory.replay.process_budget`)."""
         return self.memory.fits()
 
-    def to_dict(self, top: int = 15) -> dict[str, Any]:
-        """JSON-ready summary (bytes, seconds, FLOP/s fractions). `top`: rows of the op and
-        module lists (`ops` and `modules` say how many there are in all)."""
-        t, m = self.time, self.memory
-        ops = sorted(t.ops, key=lambda o: -o.device_s)
-        modules = t.by_module()
-        ckpt, recomputed = checkpointing(self.graph)
-        return {
-            "version": ESTIMATE_VERSION,
-            "workload": {**{k: v for k, v in self.graph.meta.items()
-                            if k not in ("info", "assumptions", "autograd")},
-                         "compiled": self.compiled, "checkpointing": ckpt,
-                         "recomputed_ops": recomputed},
-            "assumptions": list(self.graph.meta.get("assumptions") or []),
-            "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
-                    "calibration": self.calibration},
-            "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,
-                       "fits": self.fits, "reserved_bytes": m.reserved,
-                       "budget_bytes": m.budget, "headroom_bytes": m.headroom,
-                       "headroom_share": m.headroom_share, "oom_op_index": m.oom_index,
-                       "segments": m.allocator.segments_peak if m.allocator else None,
-                       "fragmentation_bytes": m.allocator.fragmentation if m.allocator else None,
-                       "peak_op": m.peak_op,
-                       "peak_module": m.peak_module, "peak_phase": m.peak_phase,
-                       "at_peak": m.at_peak, "persistent": m.persistent,
-                       "activations_saved_bytes": saved_activations(self.graph),
-                       "at_peak_by_module": module_rollup(m.by_module)},
-            "time": {"step_s": t.step_s, "device_s": t.device_s, "host_s": t.host_s,
-                     "idle_s": t.idle_s, "clock_fraction": t.clock_fraction,
-                     **self.throughput(), **self.utilization(),
-                     "regime_share": t.regime_share(), "phase_s": t.phase_s,
-                     "backward_forward_flops": t.backward_forward_ratio(),
-                     "modules_s": dict(list(modules.items())[:top])},
-            "top_ops": [{"index": o.index, "op": o.op, "module": o.module, "phase": o.phase,
-                         "kind": o.kind, "device_s": o.device_s, "flops": o.flops,
-                         "bytes": o.bytes, "regime": o.regime,
-                         "intensity": o.intensity if o.intensity != float("inf") else None}
-                        for o in ops[:top]],
-            "formulas": self.formulas,
-            "hints": hints(self),
-            "ops": len(self.graph.nodes),
-            "modules": len(modules),
-            "capture_s": self.capture_s,
-        }
-
     def throughput(self) -> dict[str, Any]:
         """Units per second in the workload's unit: tokens for sequences, samples otherwise."""
         unit = throughput_unit(self.graph)
@@ -118,9 +231,6 @@ class Estimate:
     def utilization(self) -> dict[str, Any]:
         """MFU and HFU against one peak (the precision's dense matmul peak), with their
         definitions; for sequence models also MFU by the 6·N + attention convention."""
-        from gobrrr.cost.roofline import model_flops_6n
-        from gobrrr.precision import peak_mode
-
         t = self.time
         out: dict[str, Any] = {
             "mfu": t.mfu, "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
@@ -163,55 +273,8 @@ def checkpointing(graph: StepGraph) -> tuple[str, int]:
     return ("model" if recomputed else "none"), recomputed
 
 
-def hints(est: Estimate) -> list[str]:
-    """What the prediction says to change, with the time it would save."""
-    from gobrrr.cost.rates import Rates
-    from gobrrr.cost.shapes import misaligned, misaligned_nt
-
-    out = []
-    slow = [o for o in est.time.ops if o.kind == "matmul" and o.device_s > 0
-            and o.math not in ("fp32",) and misaligned(est.graph.nodes[o.index])]
-    if slow:
-        rates = Rates(est.gpu, est.cal)
-        fracs = [rates.misaligned_fraction(o.math, misaligned_nt(est.graph.nodes[o.index]))
-                 for o in slow]
-        lo, hi = min(fracs), max(fracs)
-        saved = sum(o.device_s * (1 - f) for o, f in zip(slow, fracs, strict=True))
-        mods = sorted({o.module or "<top>" for o in slow})
-        shapes = sorted({n for o in slow for t in est.graph.nodes[o.index].outputs
-                         for n in t.shape if (n * t.itemsize) % 16})
-        dims = _listed([str(n) for n in shapes], 3)
-        out.append(f"{len(slow)} matmuls in {_listed(mods, 3)} have a dimension that is "
-                   f"not a multiple of 16 bytes ({dims}): they run at "
-                   f"{f'{lo:.0%}-{hi:.0%}' if hi - lo >= 0.005 else f'{lo:.0%}'} of the aligned "
-                   "rate; padding it (e.g. a vocabulary to a multiple of 64) would save "
-                   f"≈{saved * 1e3:.1f} ms per step")
-    if not est.fits:
-        cap, gib = est.memory.budget or est.gpu.memory_bytes, 2**30
-        state = sum(est.memory.at_peak.get(k, 0) for k in ("parameter", "gradient",
-                                                           "optimizer_state"))
-        if state > cap:
-            gpus = -(-state // cap)
-            out.append(f"parameters, gradients and optimizer states alone need {state / gib:.1f}"
-                       f" GiB of {cap / gib:.1f} GiB: shard them over ≥{gpus} GPUs (FSDP), keep"
-                       " them in bf16 (--precision bf16) or offload the optimizer states to CPU")
-        else:
-            out.append(f"the step needs {est.memory.reserved / gib:.1f} GiB reserved of "
-                       f"{cap / gib:.1f} GiB, mostly activations: try --checkpoint full or a "
-                       "smaller --batch")
-    return out
-
-
-def _listed(items: list[str], n: int) -> str:
-    """The first n items, and how many more there are."""
-    more = f" and {len(items) - n} more (--json lists every op)" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
-
-
 def saved_activations(graph: StepGraph) -> int:
     """Bytes created in forward and still alive when backward starts (saved for backward)."""
-    from gobrrr.memory.replay import round_alloc
-
     return sum(round_alloc(s.nbytes) for s in graph.storages if s.kind == "activation")
 
 

@@ -146,7 +146,10 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.save_graph:
         est.graph.save(args.save_graph)
     if args.json:
-        print(json.dumps({**est.to_dict(top=args.top), "warnings": args.warnings}, indent=2))
+        from gobrrr.report.estimate import estimate_dict
+
+        print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings},
+                         indent=2))
     else:
         from gobrrr.report.terminal import print_estimate
 

@@ -1,41 +1,34 @@
-"""Roofline time of every op on a target GPU, and the step time they add up to.
+"""Roofline time of one op on a target GPU (`time_op`), and what changes it: a compiled
+step's fused kernels (`compiled_times`), an optimizer's measured host time
+(`optimizer_host`). The step those times add up to is `gobrrr.schedule`'s.
 
 Per kernel: device time = max(flops / achieved FLOP/s, bytes / achieved bandwidth) + a fixed
-kernel latency. Per op: host time = the eager dispatch + launch cost. The step is simulated
-as two queues, the host issuing ops in order and the device running them as soon as they are
-issued and the previous kernel is done; when the host is slower than the device, the device
-idles and the step is overhead-bound.
+kernel latency. Per op: host time = the eager dispatch + launch cost.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from gobrrr.cost import conv
+from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
-from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
+from gobrrr.cost.fusion import extern, fuse, regions
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
 from gobrrr.cost.shapes import (
     alignment,
-    checkpointed_modules,
     gemm_dims,
-    host_key,
     layout_bytes,
     misaligned,
     misaligned_nt,
-    selective_modules,
     wave_efficiency,
 )
 from gobrrr.graph.ir import OpNode, StepGraph
-from gobrrr.hardware import Calibration, GpuSpec
-from gobrrr.precision import peak_mode
 
 MATMUL_MATH = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
@@ -59,62 +52,6 @@ class OpTime:
     host_s: float
     regime: str  # "compute" | "memory" | "overhead" | "none" (views: no kernel)
     side_s: float = 0.0  # on the side stream of the host link (CPU offload's copies)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """The step on one GPU. Times in seconds, FLOP/s as fractions of the dense peak."""
-
-    gpu: str
-    calibrated: bool
-    ops: tuple[OpTime, ...] = field(repr=False)
-    step_s: float
-    device_s: float
-    host_s: float
-    idle_s: float
-    flops: float
-    model_flops: float
-    tokens: int
-    peak_flops: float
-    phase_s: dict[str, float]
-    regime_s: dict[str, float]
-    #: compute-bound kernels' share of their burst rate under the power limit (`_power_limited`)
-    clock_fraction: float = 1.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_s if self.step_s > 0 else 0.0
-
-    @property
-    def mfu(self) -> float:
-        """Model FLOPs per second over `peak_flops`, the precision's dense matmul peak. Model
-        FLOPs: those of the traced forward and backward, without recomputation (see
-        `model_flops`), so MFU <= HFU."""
-        return self.model_flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
-
-    @property
-    def hfu(self) -> float:
-        """Every FLOP the step runs (recompute and optimizer included) per second over the
-        same peak."""
-        return self.flops / self.step_s / self.peak_flops if self.step_s > 0 else 0.0
-
-    def regime_share(self) -> dict[str, float]:
-        """Share of the step's time by regime; idle device time counts as overhead."""
-        total = self.step_s or 1.0
-        out = {k: v / total for k, v in self.regime_s.items()}
-        out["overhead"] = out.get("overhead", 0.0) + self.idle_s / total
-        return out
-
-    def by_module(self, depth: int = 2) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for o in self.ops:
-            out[".".join((o.module or "<top>").split(".")[:depth])] += o.device_s
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-    def backward_forward_ratio(self) -> float:
-        fwd = sum(o.flops for o in self.ops if o.phase == "forward")
-        bwd = sum(o.flops for o in self.ops if o.phase in ("backward", "recompute"))
-        return bwd / fwd if fwd else 0.0
 
 
 # the `op_host` names: the CPU trace and CUDA pick different overloads of one op
@@ -213,153 +150,6 @@ def fused_loss_fraction(node: OpNode, cost: OpCost, rates: Rates) -> float:
     return cost.flops / (fwd / f_nt + grads / f)
 
 
-def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,
-            compiled: bool = False) -> Prediction:
-    """Predict the step's time on `gpu`. `compiled`: the model runs under torch.compile
-    (forward and backward fused by Inductor; the optimizer stays eager)."""
-    tf32 = tf32_of(graph.meta)
-    rates = Rates(gpu, calibration)
-    costs = [op_cost(n, tf32) for n in graph.nodes]
-    under, selective = checkpointed_modules(graph), selective_modules(graph)
-    ops = tuple(time_op(n, c, rates, host_phase=host_key(n, under, selective))
-                for n, c in zip(graph.nodes, costs, strict=True))
-    if compiled:
-        ops = _compiled(graph, costs, ops, rates)
-    ops = _optimizer_host(graph, ops, rates)
-
-    syncs, param_of = set(graph.meta.get("syncs") or ()), _offloaded(graph, ops)
-    weights = graph.weights()
-
-    def schedule(ops):  # the power limit changes the ops' times, never which ops they are
-        return _schedule(ops, syncs, graph.repeat, param_of)
-
-    ops, fraction, (host_t, device_t) = _power_limited(ops, weights, rates, schedule)
-    step = max(host_t, device_t)
-    device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
-    phase_s: dict[str, float] = defaultdict(float)
-    regime_s: dict[str, float] = defaultdict(float)
-    for o, w in zip(ops, weights, strict=True):
-        phase_s[o.phase] += o.device_s * w
-        if o.device_s > 0:
-            regime_s[o.regime] += o.device_s * w
-    return Prediction(
-        gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
-        device_s=device_busy, host_s=host_t, idle_s=max(step - device_busy, 0.0),
-        flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
-        model_flops=model_flops(graph, costs),
-        tokens=int(graph.meta.get("tokens") or 0),
-        peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
-        phase_s=dict(phase_s), regime_s=dict(regime_s), clock_fraction=fraction,
-    )
-
-
-#: math modes whose compute-bound kernels run on the tensor cores (the power limit's hold on
-#: them is calibrated on bf16 matmuls; CUDA-core fp32 is left at its burst rate)
-TENSOR_CORE_MATH = ("bf16", "fp16", "fp8", "tf32")
-
-
-def _power_limited(ops: tuple[OpTime, ...], weights, rates: Rates, schedule
-                   ) -> tuple[tuple[OpTime, ...], float, tuple[float, float]]:
-    """The ops with their compute-bound tensor-core kernels slowed to the rate the power limit
-    leaves them, the fraction of the burst rate they run at, and `schedule`'s (host, device)
-    end times of those ops.
-
-    Every compute rate is calibrated in bursts; a GPU at its power limit lowers its clock
-    once compute-bound kernels take most of its time (`calibrate_power`). Their duty here is
-    their share of the step's time (idle time included: the board cools while the host is the
-    bottleneck), read off the step as scheduled; the calibrated curve gives the fraction
-    their rate keeps at that duty, and the fraction, applied, gives a new duty. Repeated to a
-    fixed point (a few rounds: the duty grows as the kernels slow, so the fraction settles
-    from above). Without `power_duty` in the calibration, the ops as they are."""
-    curve = rates.cal.power_duty.get("bf16") if rates.cal else None
-    if not curve:
-        return ops, 1.0, schedule(ops)
-    xs, ys = [0.0, *(p[0] for p in curve)], [1.0, *(min(p[1], 1.0) for p in curve)]
-    hot = [i for i, o in enumerate(ops) if o.math in TENSOR_CORE_MATH and o.compute_s > 0
-           and o.compute_s >= o.memory_s and o.device_s > 0]
-    fraction, out = 1.0, ops
-    for _ in range(8):
-        out = _slowed(ops, hot, fraction)
-        host_t, device_t = schedule(out)
-        step = max(host_t, device_t)
-        busy = sum(out[i].device_s * weights[i] for i in hot)
-        new = interp(xs, ys, busy / step) if step > 0 else 1.0
-        if abs(new - fraction) < 1e-4:
-            break
-        fraction = new
-    else:
-        out = _slowed(ops, hot, fraction)
-        host_t, device_t = schedule(out)
-    return out, fraction, (host_t, device_t)
-
-
-def _slowed(ops: tuple[OpTime, ...], hot: list[int], fraction: float) -> tuple[OpTime, ...]:
-    """`ops` with the compute time of those at `hot` over `fraction` (their device time
-    follows: the larger of compute and memory, plus what else it holds)."""
-    if fraction >= 1.0:
-        return ops
-    out = list(ops)
-    for i in hot:
-        o = ops[i]
-        compute = o.compute_s / fraction
-        rest = o.device_s - max(o.compute_s, o.memory_s)  # launch latency, layout copies
-        device = max(compute, o.memory_s) + rest
-        out[i] = replace(o, compute_s=compute, device_s=device,
-                         regime="overhead" if o.host_s >= device else "compute")
-    return tuple(out)
-
-
-def _schedule(ops: tuple[OpTime, ...], syncs: set[int],
-              repeat: tuple[int, int, int] | None,
-              param_of: dict[int, int] | None = None) -> tuple[float, float]:
-    """When the host has issued the last op and when the device has run it (s). Two queues:
-    the host issues each op in turn; the device runs it once issued and free. A repeated
-    segment (`StepGraph.repeat`) runs twice, and its second run, the steady state, stands
-    for the runs after it.
-
-    CPU offload (gobrrr.training.offload) adds a third, the side stream of the host link (`link_t`),
-    whose copies run one after another: a gradient's copy to the host (d2h) once the compute
-    stream has run what was issued before it; the CPU step (on the host) once that
-    parameter's gradient has landed (`param_of`: op index -> its parameter's storage); the
-    parameter's copy back (h2d) once the host has queued it. The optimizer's step returns
-    when the last copy has landed: the host waits for the link at the end."""
-    host_t = device_t = link_t = 0.0
-    param_of = param_of or {}
-    landed: dict[int, float] = {}  # parameter -> when its gradient's latest copy landed
-
-    def run(part) -> None:
-        nonlocal host_t, device_t, link_t
-        for o in part:
-            if o.kind == "cpu_step":  # the host waits for the gradient, then steps
-                host_t = max(host_t, landed.get(param_of.get(o.index), 0.0))
-            host_t += o.host_s
-            if o.device_s > 0:
-                device_t = max(device_t, host_t) + o.device_s
-            if o.kind == "d2h":  # behind the compute stream's work issued so far
-                link_t = max(link_t, device_t, host_t) + o.side_s
-                landed[param_of.get(o.index)] = link_t
-            elif o.kind == "h2d":
-                link_t = max(link_t, host_t) + o.side_s
-            if o.index in syncs:  # the host reads a GPU value (e.g. GradScaler's found_inf)
-                host_t = max(host_t, device_t)
-
-    if repeat is None:
-        run(ops)
-        return max(host_t, link_t), device_t
-    start, end, times = repeat
-    run(ops[:end])
-    if times > 1:
-        before = (host_t, device_t, link_t)
-        run(ops[start:end])
-        host_t += (times - 2) * (host_t - before[0])
-        device_t += (times - 2) * (device_t - before[1])
-        shift = (times - 2) * (link_t - before[2])
-        link_t += shift
-        landed.update((p, t + shift) for p, t in landed.items())
-    run(ops[end:])
-    return max(host_t, link_t), device_t
-
-
 def _per_tensor(points: list[list[float]], tensors: int) -> float:
     """Host seconds per parameter tensor of an optimizer step over `tensors` of them, from
     [[tensors, seconds], ...]: seconds per tensor interpolated in the count, held at the
@@ -367,7 +157,7 @@ def _per_tensor(points: list[list[float]], tensors: int) -> float:
     return interp([p[0] for p in points], [p[1] / p[0] for p in points], tensors)
 
 
-def _optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
+def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
                     ) -> tuple[OpTime, ...]:
     """The optimizer step's host seconds as measured for its optimizer, by its number of
     parameter tensors and how many are large (the calibration's `optimizer_host`: per tensor
@@ -394,21 +184,12 @@ def _optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
     return tuple(out)
 
 
-def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
-    """{op index: its parameter's storage} for CPU offload's ops (their first input)."""
-    return {o.index: graph.nodes[o.index].inputs[0].storage for o in ops
-            if o.kind in OFFLOAD_KINDS and graph.nodes[o.index].inputs}
-
-
-def _compiled(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
+def compiled_times(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
               rates: Rates) -> tuple[OpTime, ...]:
     """Replace each fused group by one kernel; compiled code launches kernels from a
     generated wrapper, so no per-op eager dispatch cost remains. A misaligned 16-bit matmul
     runs at the aligned rate on padded copies of its operands (pad_mm), whose copy kernels
     (each reads its operand and writes the padded copy: `cost.pad_mm`) it pays for."""
-    from gobrrr.cost import pad_mm
-    from gobrrr.cost.fusion import extern, fuse, regions
-
     out = list(ops)
     region = regions(graph)
     pads = pad_mm.by_op(graph, costs)

@@ -120,6 +120,7 @@ class OpNode:
     kwargs: dict[str, Any] = field(default_factory=dict)
     allocs: tuple[int, ...] = ()  # storages this op created
     frees: tuple[int, ...] = ()  # storages that died right after this op
+    stream: str = "compute"  # the stream it runs on (gobrrr.schedule.streams)
 
     @property
     def name(self) -> str:
@@ -211,6 +212,7 @@ class StepGraph:
                 outputs=tuple(tinfo(t) for t in n["outputs"]),
                 args=tuple(n["args"]), kwargs=n["kwargs"],
                 allocs=tuple(n["allocs"]), frees=tuple(n["frees"]),
+                stream=n.get("stream", "compute"),
             )
             for n in data["nodes"]
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gobrrr.cost.roofline import Prediction
+from gobrrr.evaluate import Prediction
 from gobrrr.graph.ir import StepGraph
 from gobrrr.memory.replay import round_alloc
 from gobrrr.training.checkpointing import SELECTIVE_SAVE

@@ -12,10 +12,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gobrrr.evaluate import Estimate, checkpointing, hints, throughput_unit
+from gobrrr.evaluate import Estimate, checkpointing, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
 from gobrrr.precision import peak_mode
+from gobrrr.report.advice import hints
 
 KIND_ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation",
               "temporary", "workspace")

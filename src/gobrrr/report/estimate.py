@@ -1,0 +1,57 @@
+"""An `Estimate` as JSON-ready data (`gobrrr estimate --json`, the benchmarks' records)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gobrrr.evaluate import Estimate, checkpointing, saved_activations
+from gobrrr.memory.replay import module_rollup
+from gobrrr.report.advice import hints
+
+ESTIMATE_VERSION = 1
+
+
+def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
+    """`est` as JSON-ready data (bytes, seconds, FLOP/s fractions). `top`: rows of the op and
+    module lists (`ops` and `modules` say how many there are in all)."""
+    t, m = est.time, est.memory
+    ops = sorted(t.ops, key=lambda o: -o.device_s)
+    modules = t.by_module()
+    ckpt, recomputed = checkpointing(est.graph)
+    return {
+        "version": ESTIMATE_VERSION,
+        "workload": {**{k: v for k, v in est.graph.meta.items()
+                        if k not in ("info", "assumptions", "autograd")},
+                     "compiled": est.compiled, "checkpointing": ckpt,
+                     "recomputed_ops": recomputed},
+        "assumptions": list(est.graph.meta.get("assumptions") or []),
+        "gpu": {"name": est.gpu.name, "memory_bytes": est.gpu.memory_bytes,
+                "calibration": est.calibration},
+        "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,
+                   "fits": est.fits, "reserved_bytes": m.reserved,
+                   "budget_bytes": m.budget, "headroom_bytes": m.headroom,
+                   "headroom_share": m.headroom_share, "oom_op_index": m.oom_index,
+                   "segments": m.allocator.segments_peak if m.allocator else None,
+                   "fragmentation_bytes": m.allocator.fragmentation if m.allocator else None,
+                   "peak_op": m.peak_op,
+                   "peak_module": m.peak_module, "peak_phase": m.peak_phase,
+                   "at_peak": m.at_peak, "persistent": m.persistent,
+                   "activations_saved_bytes": saved_activations(est.graph),
+                   "at_peak_by_module": module_rollup(m.by_module)},
+        "time": {"step_s": t.step_s, "device_s": t.device_s, "host_s": t.host_s,
+                 "idle_s": t.idle_s, "clock_fraction": t.clock_fraction,
+                 **est.throughput(), **est.utilization(),
+                 "regime_share": t.regime_share(), "phase_s": t.phase_s,
+                 "backward_forward_flops": t.backward_forward_ratio(),
+                 "modules_s": dict(list(modules.items())[:top])},
+        "top_ops": [{"index": o.index, "op": o.op, "module": o.module, "phase": o.phase,
+                     "kind": o.kind, "device_s": o.device_s, "flops": o.flops,
+                     "bytes": o.bytes, "regime": o.regime,
+                     "intensity": o.intensity if o.intensity != float("inf") else None}
+                    for o in ops[:top]],
+        "formulas": est.formulas,
+        "hints": hints(est),
+        "ops": len(est.graph.nodes),
+        "modules": len(modules),
+        "capture_s": est.capture_s,
+    }

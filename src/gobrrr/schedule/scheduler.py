@@ -1,0 +1,199 @@
+"""The step as a timeline: when the host issues each op, and when and on which stream the GPU
+runs it.
+
+The host issues the ops in program order, each taking its host time (`OpTime.host_s`). A
+device stream runs an op once the host has issued it, the previous op on its resource is done
+and its waits (`streams.Wait`) are met, for its time on that stream: `device_s` on the compute
+stream, `side_s` on a copy stream. When the host is slower than the device, the device idles
+and the step is overhead-bound.
+
+A repeated segment (`StepGraph.repeat`: the later micro-batches of an accumulated step) runs
+twice; its second run, the steady state, stands for the runs after it: every clock moves on by
+(times - 2) x what the second run added to it. In the `Timeline`, an op of the segment has the
+times of its first run (`ops`) and of its second (`repeat_run`); ops after the segment have
+their own times, after every run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gobrrr.cost.roofline import OpTime
+from gobrrr.schedule.streams import (
+    COMPUTE,
+    COPY_D2H,
+    COPY_STREAMS,
+    HOST,
+    RESOURCE,
+    Event,
+    Wait,
+)
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    """One op on the timeline (s from the step's start). `issue_start`/`issue_end`: the host
+    issuing it (for an op of the host stream, e.g. offload's CPU step: running it). `start`/
+    `end`: it running on `stream`; None where it runs on no device stream (a host op, a view
+    or an op fused into another: no kernel)."""
+
+    index: int
+    stream: str
+    issue_start: float
+    issue_end: float
+    start: float | None = None
+    end: float | None = None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The step as scheduled (s). `host_end`: the host is done, the last copy landed included
+    (the optimizer's step returns once it has); `device_end`: the compute stream has run its
+    last kernel; `copy_end`: the host link's last copy has landed. `repeat_run`: the second
+    run of the repeated segment, `repeat_shift`: what each later run adds to each clock
+    (by stream or resource; see the module's docstring)."""
+
+    ops: tuple[OpSpan, ...]
+    host_end: float
+    device_end: float
+    copy_end: float = 0.0
+    waits: tuple[Wait, ...] = field(default=(), repr=False)
+    repeat_run: tuple[OpSpan, ...] = field(default=(), repr=False)
+    repeat_shift: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        """The step's time: the later of the host and the compute stream."""
+        return max(self.host_end, self.device_end)
+
+
+def offload_waits(streams: Sequence[str], param_of: dict[int, int]) -> list[Wait]:
+    """CPU offload's waits (gobrrr.training.offload). A gradient's copy to the host waits for
+    the compute stream's work issued before it (the gradient is among it); the CPU step
+    (on the host) for the latest copy of its parameter's gradient before it (`param_of`: op
+    index -> its parameter's storage). The copy back needs no event: the host queues it after
+    the CPU step."""
+    out, last = [], {}
+    for i, s in enumerate(streams):
+        if s == COPY_D2H:
+            out.append(Wait(i, COPY_D2H, Event(COMPUTE)))
+            last[param_of.get(i)] = i
+        elif s == HOST and (k := last.get(param_of.get(i))) is not None:
+            out.append(Wait(i, HOST, Event(COPY_D2H, k)))
+    return out
+
+
+def sync_waits(syncs: set[int]) -> list[Wait]:
+    """The host waits for the compute stream once it has issued a sync op (it reads a GPU
+    value, e.g. GradScaler's found_inf)."""
+    return [Wait(i, HOST, Event(COMPUTE), after=True) for i in sorted(syncs)]
+
+
+def schedule(ops: tuple[OpTime, ...], streams: Sequence[str], syncs: set[int],
+             repeat: tuple[int, int, int] | None,
+             param_of: dict[int, int] | None = None) -> Timeline:
+    """Every op of the step on its stream (`streams[i]`, see `streams.stream_of`), with the
+    waits of `syncs` (op indices) and of CPU offload (`param_of`, see `offload_waits`), the
+    segment `repeat` (start, end, times) repeated."""
+    waits = (*sync_waits(syncs), *offload_waits(streams, param_of or {}))
+    return place(ops, streams, waits, repeat)
+
+
+def place(ops: tuple[OpTime, ...], streams: Sequence[str], waits: Sequence[Wait],
+          repeat: tuple[int, int, int] | None = None) -> Timeline:
+    """Every op on its stream (`streams[i]`) with the waits given (e.g. a collective on the
+    comm stream waiting for the op producing its input, the op consuming its output waiting
+    for the collective), the segment `repeat` (start, end, times) repeated."""
+    return _Run(ops, streams, tuple(waits)).timeline(repeat)
+
+
+class _Run:
+    """The clocks as the ops run: the host's, each device resource's, each stream's tail (its
+    last op's end) and each op's latest end."""
+
+    def __init__(self, ops: tuple[OpTime, ...], streams: Sequence[str],
+                 waits: tuple[Wait, ...]) -> None:
+        self.ops, self.streams, self.waits = ops, streams, waits
+        self.before: dict[int, list[Wait]] = defaultdict(list)  # the host's, before issuing
+        self.on_device: dict[int, list[Wait]] = defaultdict(list)
+        self.after: dict[int, list[Wait]] = defaultdict(list)
+        for w in waits:
+            where = self.after if w.after else self.before if w.stream == HOST else self.on_device
+            where[w.op].append(w)
+        self.host = 0.0
+        self.free: dict[str, float] = defaultdict(float)  # resource -> when it is free
+        self.tail: dict[str, float] = defaultdict(float)  # stream -> its last op's end
+        self.ended: dict[int, float] = {}  # op -> its latest run's end
+        self.clock: dict[int, str] = {}  # op -> the clock it ended on (a resource, the host)
+
+    def _at(self, event: Event) -> float | None:
+        """When `event` has happened; None: never recorded (nothing to wait for)."""
+        if event.op is None:
+            return self.host if event.stream == HOST else self.tail[event.stream]
+        return self.ended.get(event.op)
+
+    def _wait(self, t: float, waits: list[Wait]) -> float:
+        for w in waits:
+            if (at := self._at(w.event)) is not None:
+                t = max(t, at)
+        return t
+
+    def op(self, i: int) -> OpSpan:
+        """Issue op i and run it on its stream."""
+        o, stream = self.ops[i], self.streams[i]
+        self.host = self._wait(self.host, self.before[i])
+        issue_start = self.host
+        self.host += o.host_s
+        issue_end, start, end = self.host, None, None
+        # a copy always occupies the link (its time is never 0: a copy's latency); a compute
+        # op without device time is no kernel (a view, an op fused into another)
+        if stream in COPY_STREAMS or (stream != HOST and o.device_s > 0):
+            resource = RESOURCE[stream]
+            start = self._wait(max(self.free[resource], self.host), self.on_device[i])
+            end = start + (o.side_s if stream in COPY_STREAMS else o.device_s)
+            self.free[resource] = self.tail[stream] = self.ended[i] = end
+            self.clock[i] = resource
+        else:
+            self.ended[i], self.clock[i] = issue_end, HOST
+        self.host = self._wait(self.host, self.after[i])
+        return OpSpan(i, stream, issue_start, issue_end, start, end)
+
+    def part(self, lo: int, hi: int) -> list[OpSpan]:
+        return [self.op(i) for i in range(lo, hi)]
+
+    def shift(self, before: dict[str, float], times: int) -> dict[str, float]:
+        """Move every clock on by (times - 2) x what the last run added to it: the runs of the
+        segment after its second. Returns each clock's shift (s)."""
+        by = {k: (times - 2) * (self._clocks()[k] - v) for k, v in before.items()}
+        self.host += by[HOST]
+        for r in list(self.free):
+            self.free[r] += by[r]
+        for s in list(self.tail):
+            self.tail[s] += by[RESOURCE[s]]
+        for i, t in self.ended.items():
+            self.ended[i] = t + by[self.clock[i]]
+        return by
+
+    def _clocks(self) -> dict[str, float]:
+        return {HOST: self.host, **{r: self.free[r] for r in set(RESOURCE.values())}}
+
+    def timeline(self, repeat: tuple[int, int, int] | None) -> Timeline:
+        n, again, shift = len(self.ops), [], {}
+        if repeat is None:
+            spans = self.part(0, n)
+        else:
+            start, end, times = repeat
+            spans = self.part(0, end)
+            if times > 1:
+                before = self._clocks()
+                again = self.part(start, end)
+                shift = self.shift(before, times)
+            spans += self.part(end, n)
+        link = RESOURCE[COPY_D2H]
+        # the optimizer's step returns when the last copy has landed: the host waits for the
+        # link at the end
+        return Timeline(tuple(spans), host_end=max(self.host, self.free[link]),
+                        device_end=self.tail[COMPUTE], copy_end=self.free[link],
+                        waits=self.waits, repeat_run=tuple(again), repeat_shift=shift)

@@ -23,11 +23,11 @@ def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
     `target`. compiled: the model's forward and backward run under torch.compile; None =
-    as the graph was captured (meta "compiled": `capture(compile=True)`, whose graph holds
+    as the graph was captured (meta.compiled: `capture(compile=True)`, whose graph holds
     the compiled step's own tensors). True on an eager trace: the eager step's memory (an
     upper bound) with the compiled time model."""
     if compiled is None:
-        compiled = bool(graph.meta.get("compiled"))
+        compiled = bool(graph.meta.compiled)
     t = Target.resolve(target)
     return Estimate(graph=graph, gpu=t.gpu, memory=step_memory(graph, t.gpu, t.cal),
                     time=predict(graph, t.gpu, t.cal, compiled=compiled), cal=t.cal,
@@ -69,11 +69,11 @@ class Estimate:
         ckpt, recomputed = checkpointing(self.graph)
         return {
             "version": ESTIMATE_VERSION,
-            "workload": {**{k: v for k, v in self.graph.meta.items()
+            "workload": {**{k: v for k, v in self.graph.meta.to_dict().items()
                             if k not in ("info", "assumptions", "autograd")},
                          "compiled": self.compiled, "checkpointing": ckpt,
                          "recomputed_ops": recomputed},
-            "assumptions": list(self.graph.meta.get("assumptions") or []),
+            "assumptions": list(self.graph.meta.assumptions or []),
             "gpu": {"name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,
                     "calibration": self.calibration},
             "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,
@@ -119,16 +119,15 @@ class Estimate:
         """MFU and HFU against one peak (the precision's dense matmul peak), with their
         definitions; for sequence models also MFU by the 6·N + attention convention."""
         from gobrrr.cost.roofline import model_flops_6n
-        from gobrrr.precision import peak_mode
 
         t = self.time
         out: dict[str, Any] = {
             "mfu": t.mfu, "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
             "peak_flops": t.peak_flops,
-            "peak": f"dense {peak_mode(self.graph.meta.get('precision', ''))} matmul peak",
+            "peak": f"dense {self.graph.meta.precision.peak_mode} matmul peak",
             "mfu_definition": MFU_DEFINITION, "hfu_definition": HFU_DEFINITION,
         }
-        if self.graph.meta.get("seq_len") and t.step_s > 0:
+        if self.graph.meta.seq_len and t.step_s > 0:
             flops_6n = model_flops_6n(self.graph)
             out["model_flops_6n_attention"] = flops_6n
             out["mfu_6n_attention"] = flops_6n / t.step_s / t.peak_flops
@@ -143,13 +142,13 @@ HFU_DEFINITION = "every FLOP the step runs (recompute, optimizer) per second ove
 def throughput_unit(graph: StepGraph) -> str:
     """"tokens" for a sequence workload (a seq_len, or its units counted from an integer
     (batch, sequence) input), else "samples"."""
-    if graph.meta.get("seq_len"):
+    if graph.meta.seq_len:
         return "tokens"
     inputs = {s.id for s in graph.storages if s.kind == "input"}
     for n in graph.nodes:
         for t in n.inputs:
             if t.storage in inputs and t.dtype.startswith(("int", "uint")) and len(t.shape) >= 2:
-                return "tokens" if t.numel == graph.meta.get("tokens") else "samples"
+                return "tokens" if t.numel == graph.meta.tokens else "samples"
     return "samples"
 
 
@@ -158,7 +157,7 @@ def checkpointing(graph: StepGraph) -> tuple[str, int]:
     it recomputes: "full" (gobrrr's --checkpoint full), "model" (the model checkpoints
     itself, e.g. gradient_checkpointing_enable()) or "none"."""
     recomputed = sum(1 for n in graph.nodes if n.phase == "recompute")
-    if graph.meta.get("checkpoint") == "full":
+    if graph.meta.checkpoint == "full":
         return "full", recomputed
     return ("model" if recomputed else "none"), recomputed
 
@@ -230,15 +229,15 @@ def parameter_shapes(graph: StepGraph) -> list[tuple[str, tuple[int, ...]]]:
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:
     """The textbook numbers for a transformer, beside the traced ones."""
-    info = graph.meta.get("info") or {}
+    info = graph.meta.info or {}
     if not all(k in info for k in ("layers", "hidden", "vocab", "heads")):
         return {}
     L, d, V, a = info["layers"], info["hidden"], info["vocab"], info["heads"]
-    seq = graph.meta.get("seq_len") or 0
-    batch = (graph.meta.get("tokens") or 0) // seq if seq else 0
-    elem = 4 if graph.meta.get("precision") in ("fp32", "tf32") else 2
+    seq = graph.meta.seq_len or 0
+    batch = (graph.meta.tokens or 0) // seq if seq else 0
+    elem = graph.meta.precision.element_size
     out: dict[str, Any] = {
-        "params_traced": graph.meta.get("params"),
+        "params_traced": graph.meta.params,
         "params_textbook_12d2L_2dV": formulas.textbook_params(L, d, V),
         "params_gap": [list(g) for g in formulas.textbook_param_gap(L, d, V,
                                                                      parameter_shapes(graph))],
@@ -247,7 +246,7 @@ def closed_forms(graph: StepGraph) -> dict[str, Any]:
         out["activations_traced_bytes"] = saved_activations(graph)
         out["activations_lecture_bytes"] = batch * formulas.activation_bytes_per_sequence(
             L, d, seq, a, V, elem)
-        recompute = "full" if graph.meta.get("checkpoint") == "full" else "flash"
+        recompute = "full" if graph.meta.checkpoint == "full" else "flash"
         out["activations_megatron_bytes"] = formulas.megatron_activation_bytes(
             seq, batch, d, a, L, recompute=recompute)
         out["megatron_variant"] = recompute

@@ -121,7 +121,7 @@ class Planner:
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
         self.search = _Search(self.req, self.target, self.steps,
-                              list(self.base.meta.get("blocks") or ()), variants)
+                              list(self.base.meta.blocks or ()), variants)
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
@@ -181,7 +181,7 @@ class Planner:
         plans = self.search.run()
         user = self.search.user()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
-        return PlanResult(workload=str(self.base.meta.get("name")), gpu=self.target.gpu.name,
+        return PlanResult(workload=str(self.base.meta.name), gpu=self.target.gpu.name,
                           precision=self.precision, global_batch=self.req.global_batch,
                           budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
                           plans=tuple(ranked), considered=self.search.evaluated,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gobrrr.cost._ops_common import tf32_of
 from gobrrr.graph.ir import StepGraph
+from gobrrr.graph.meta import StepMeta
 from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.precision import Precision
 from gobrrr.profile.join import JoinedTrace, TraceOp, align_graph
 from gobrrr.profile.regimes import classify, op_kind, shape_cost
 from gobrrr.profile.result import GroupTime, MeasuredOp
@@ -39,7 +40,8 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     keep = _step_filter(joined, step)
     nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))
     launch = calibration.launch_overhead if calibration is not None else None
-    tf32 = tf32_of(graph.meta if graph is not None else {"precision": precision})
+    tf32 = (graph.meta if graph is not None else StepMeta(precision=Precision.parse(precision))
+            ).tf32_mode
     ops = []
     for o in joined.ops:
         if not keep(o):

@@ -272,8 +272,7 @@ def predicted(results: dict, calibration=None) -> dict:
     {name: {"predicted": {...}, "measured": {...}, "errors": {...}}}."""
     import dataclasses
 
-    from gobrrr.hardware import Target
-    from gobrrr.hardware import find_calibration, get_gpu
+    from gobrrr.hardware import Target, find_calibration, get_gpu
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
 

@@ -240,10 +240,10 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
     results file, and, given `into`, set that section in a calibration file."""
     from dataclasses import replace
 
+    from gobrrr.calibrate.sections.optim import summarize
     from gobrrr.hardware import Calibration
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
-    from gobrrr.calibrate.sections.optim import summarize
 
     path = Path(results)
     data = json.loads(path.read_text())

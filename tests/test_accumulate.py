@@ -10,8 +10,8 @@ from torch import nn
 
 from gobrrr import Workload
 from gobrrr.capture import capture
-from gobrrr.memory.scratch import norm as norm_scratch
 from gobrrr.graph.ir import OpNode, TensorInfo
+from gobrrr.memory.scratch import norm as norm_scratch
 
 
 class Residual(nn.Module):
@@ -67,10 +67,10 @@ def test_gradient_sums_as_pytorchs_engine_makes_them(permuted):
         assert first.nbytes == 0 and out.nbytes == 8 * 16 * 4
         assert out.created == first.created < s.index
         assert out.id not in s.allocs and out.id in g.nodes[out.created].allocs
-        assert g.meta["gradient_sums_in_place"] == 1
+        assert g.meta.gradient_sums_in_place == 1
     else:
         assert first.nbytes == out.nbytes == 8 * 16 * 4 and out.id in s.allocs
-        assert g.meta["gradient_sums_in_place"] == 0
+        assert g.meta.gradient_sums_in_place == 0
 
 
 def _ln_backward(rows: tuple[int, ...], n: int, mask=(True, True, True),

@@ -145,17 +145,17 @@ def test_layerdrop_takes_the_likely_branch_and_says_so(p, kind, value, layers):
     g = capture(layerdrop(p), precision="fp32")
     fwd = [n for n in g.nodes if n.phase == "forward" and n.name == "addmm"]
     assert len(fwd) == layers + 1  # the head always runs
-    assert g.meta["assumptions"] == [{
+    assert list(g.meta.assumptions) == [{
         "kind": kind, "what": assume.KINDS[kind], "op": "aten._local_scalar_dense",
         "module": "", "phase": "forward", "value": value, "count": 4}]
     draws = [n.index for n in g.nodes if n.name == "lt"]
-    assert len(draws) == 4 and not set(draws) & set(g.meta["syncs"])  # read on the host
+    assert len(draws) == 4 and not set(draws) & set(g.meta.syncs)  # read on the host
 
 
 def test_a_read_of_a_gpu_tensor_makes_the_host_wait():
     g = capture(layerdrop(0.1, on_device=True), precision="fp32")
     draws = [n.index for n in g.nodes if n.name == "lt"]
-    assert len(draws) == 4 and set(draws) <= set(g.meta["syncs"])
+    assert len(draws) == 4 and set(draws) <= set(g.meta.syncs)
 
 
 class Checked(nn.Module):
@@ -179,7 +179,7 @@ class Checked(nn.Module):
 def test_checks_take_their_common_branch():
     w = lambda: gobrrr.Workload(model=Checked(), batch=(torch.randint(0, 32, (4, 16)),))
     g = capture(w, precision="fp32")
-    kinds = {(a["kind"], a["value"], a["phase"]) for a in g.meta["assumptions"]}
+    kinds = {(a["kind"], a["value"], a["phase"]) for a in g.meta.assumptions}
     assert kinds == {("derived", "False", "forward"), ("check-passes", "False", "forward")}
 
 
@@ -198,7 +198,7 @@ def test_boolean_indexing_selects_every_element_an_upper_bound():
                 precision="fp32")
     index = next(n for n in g.nodes if n.name == "index" and n.phase == "forward")
     assert index.outputs[0].shape == (12,)
-    assert g.meta["assumptions"][0] | {"what": ""} == {
+    assert g.meta.assumptions[0] | {"what": ""} == {
         "kind": "all-selected", "what": "", "op": "aten.index.Tensor", "module": "",
         "phase": "forward", "value": "12 of 12", "count": 1}
 
@@ -254,7 +254,7 @@ def test_adafactor_reads_its_norms_and_runs_the_ops_a_real_step_runs():
             opt.zero_grad(set_to_none=True)
     real = Counter({k: v for k, v in counter.counts.items() if "_local_scalar_dense" not in k})
     assert traced == real
-    assert {(a["kind"], a["phase"], a["count"]) for a in g.meta["assumptions"]} == {
+    assert {(a["kind"], a["phase"], a["count"]) for a in g.meta.assumptions} == {
         ("optimizer-scale", "warm-up", 8), ("optimizer-scale", "optimizer", 8)}
 
 
@@ -320,7 +320,7 @@ def test_a_model_from_outside_the_workload_function_is_left_untouched():
     values = model.weight.detach().clone()
     g = capture(lambda: gobrrr.Workload(model=model, batch=(torch.randn(2, 4),),
                                         loss=lambda y, b: y.mean()), precision="fp32")
-    assert g.meta["params"] == 5
+    assert g.meta.params == 5
     assert model.weight is before and not isinstance(model.weight, FakeTensor)
     assert torch.equal(model.weight, values)
 
@@ -355,7 +355,7 @@ def test_grouped_mm_runs_cuda_fallback_in_fp32_under_autocast(precision, dtype, 
     # 2 forward; backward: both weight gradients, one input gradient (the batch needs none)
     assert len(grouped) == 5
     assert {n.outputs[0].dtype for n in grouped} == {dtype}
-    assert sum(n.index in g.meta["syncs"] for n in grouped) == syncs  # fallback: offs to host
+    assert sum(n.index in g.meta.syncs for n in grouped) == syncs  # fallback: offs to host
     torch_dtype = getattr(torch, dtype)
     x, w = torch.randn(64, 16, dtype=torch_dtype), torch.randn(4, 16, 32, dtype=torch_dtype)
     real = torch._grouped_mm(x, w, offs=torch.tensor([16, 32, 48, 64], dtype=torch.int32))
@@ -387,7 +387,8 @@ def test_grouped_mm_flops_are_the_sum_of_the_per_group_matmuls():
 def test_estimate_and_terminal_name_each_assumption_kind():
     est = gobrrr.estimate(layerdrop(0.1), gpu="h100", precision="fp32")
     d = estimate_dict(est)
-    assert d["assumptions"] == est.graph.meta["assumptions"] and "assumptions" not in d["workload"]
+    assert d["assumptions"] == list(est.graph.meta.assumptions)
+    assert "assumptions" not in d["workload"]
     lines = assumption_lines(d["assumptions"] + [dict(d["assumptions"][0], kind="derived",
                                                       value="False", module="enc")])
     assert len(lines) == 2
@@ -431,4 +432,4 @@ def test_zoo_steps_that_read_values_run_the_ops_cuda_ran(name, transformers_logg
     g = capture(case.factory(), precision=case.precision)
     counts = Counter(n.op for n in g.nodes)
     assert {op: counts[op] for op in ZOO_OPS[name]} == {op: measured[op] for op in ZOO_OPS[name]}
-    assert g.meta["assumptions"], "every value the step read is named"
+    assert g.meta.assumptions, "every value the step read is named"

@@ -81,7 +81,7 @@ def test_default_adamw_runs_foreach_as_on_cuda_and_fused_when_asked():
 
 def test_checkpoint_full_recomputes_every_block():
     g = capture(tiny_gpt(), precision="fp32", checkpoint="full")
-    assert g.meta["checkpointed_blocks"] == 2
+    assert g.meta.checkpointed_blocks == 2
     rec = [n for n in g.nodes if n.phase == "recompute"]
     assert {n.module.split(".")[2] for n in rec if n.module.startswith("transformer.h.")} == \
         {"0", "1"}
@@ -133,7 +133,7 @@ def test_a_real_workload_is_traced_without_touching_its_tensors():
     before = [p.detach().clone() for p in model.parameters()]
     g = capture(w, precision="fp32")
     assert sum(s.nbytes for s in g.storages if s.kind == "parameter") == (8 * 8 + 8 + 8 + 1) * 4
-    assert g.meta["params"] == 8 * 8 + 8 + 8 + 1
+    assert g.meta.params == 8 * 8 + 8 + 8 + 1
     # the user's own parameters: still real, the same values, no gradient, and the model
     # holds the same Parameter objects (the trace ran a fake copy's step)
     for p, b in zip(model.parameters(), before, strict=True):

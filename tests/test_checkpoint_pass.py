@@ -130,7 +130,7 @@ def same_step(a, b) -> list[str]:
 def test_pass_is_the_step_traced_with_checkpointing(model, policy):
     g0 = plain(model)
     make, precision = WORKLOADS[model]
-    policies = POLICIES[policy](g0.meta["blocks"])
+    policies = POLICIES[policy](g0.meta.blocks)
     fresh = capture(make, precision=precision, checkpoint=policies)
     passed = checkpoint(g0, policies)
     assert same_step(fresh, passed) == []
@@ -141,13 +141,13 @@ def test_pass_is_the_step_traced_with_checkpointing(model, policy):
     assert saved_activations(passed) == saved_activations(fresh) < saved_activations(g0)
     t_fresh, t_pass = predict(fresh, gpu, cal).step_s, predict(passed, gpu, cal).step_s
     assert t_pass == pytest.approx(t_fresh, rel=0.005)
-    assert passed.meta["checkpoint"] == fresh.meta["checkpoint"]
-    assert passed.meta["checkpointed_blocks"] == fresh.meta["checkpointed_blocks"]
+    assert passed.meta.checkpoint == fresh.meta.checkpoint
+    assert passed.meta.checkpointed_blocks == fresh.meta.checkpointed_blocks
 
 
 def _recomputed(model, policy, op):
     g0 = plain(model)
-    block = g0.meta["blocks"][1]
+    block = g0.meta.blocks[1]
     g = checkpoint(g0, {block: policy})
     return [n.module.removeprefix(block + ".") for n in g.nodes
             if n.phase == "recompute" and n.name == op]
@@ -182,14 +182,14 @@ def test_selective_runs_again_all_but_matmuls_and_attention():
 
 def test_meta_records_the_pass():
     g0 = plain("gpt2")
-    blocks = g0.meta["blocks"]
+    blocks = g0.meta.blocks
     g = checkpoint(g0, dict.fromkeys(blocks, "full"))
-    assert g.meta["checkpoint"] == "full" and g.meta["checkpointed_blocks"] == len(blocks)
-    assert g.meta["passes"] == [{"pass": "checkpoint", "policies": dict.fromkeys(blocks, "full")}]
+    assert g.meta.checkpoint == "full" and g.meta.checkpointed_blocks == len(blocks)
+    assert g.meta.passes == ({"pass": "checkpoint", "policies": dict.fromkeys(blocks, "full")},)
     g = checkpoint(g0, {blocks[2]: "selective"})
-    assert g.meta["checkpoint"] == {blocks[2]: "selective"}
+    assert g.meta.checkpoint == {blocks[2]: "selective"}
     assert checkpoint(g0, {}) is g0
-    assert g0.meta.get("passes") is None and g0.meta["checkpoint"] == "none"  # not changed
+    assert g0.meta.passes is None and g0.meta.checkpoint == "none"  # not changed
 
 
 def test_bad_input_is_one_clear_error():
@@ -204,21 +204,21 @@ def test_bad_input_is_one_clear_error():
     with pytest.raises(GobrrrError, match="already checkpointed"):
         checkpoint(done, {"transformer.h.1": "full"})
     old = type(g0)(nodes=g0.nodes, storages=g0.storages,
-                   meta={k: v for k, v in g0.meta.items() if k != "autograd"})
+                   meta=g0.meta.replace(autograd=None))
     with pytest.raises(GobrrrError, match="capture it again"):
         checkpoint(old, {"transformer.h.0": "full"})
 
 
 def test_capture_records_blocks_and_saved_tensors():
     g0 = plain("llama")
-    assert g0.meta["blocks"] == [f"layers.{i}" for i in range(4)]
+    assert list(g0.meta.blocks) == [f"layers.{i}" for i in range(4)]
     # the input RMSNorm's x * rsqrt(...) saves both operands, before it runs
     mul = next(n for n in g0.nodes if n.module == "layers.0.input_layernorm" and
                n.op == "aten.mul.Tensor")
-    rows = [r for r in g0.meta["autograd"]["saved"] if r[0] == mul.index]
+    rows = [r for r in g0.meta.autograd.saved if r[0] == mul.index]
     assert sorted(r[1] for r in rows) == sorted(t.storage for t in mul.inputs)
     assert not any(r[2] for r in rows)  # inputs: saved before the op ran
-    spans = {r[0]: r[1:] for r in g0.meta["autograd"]["node_spans"]}
+    spans = {r[0]: r[1:] for r in g0.meta.autograd.node_spans}
     first, last = spans[mul.index]
     assert g0.nodes[first].phase == "backward" and first <= last
 
@@ -308,7 +308,7 @@ def test_pass_is_fast():
     """A 32-block Llama's graph (≈7,600 ops): every block, each policy, in well under a second."""
     g0 = capture(lambda: get_workload("llama3-8b", batch_size=1, seq_len=256),
                  precision="bf16-mixed")
-    blocks = g0.meta["blocks"]
+    blocks = g0.meta.blocks
     for policy in ("full", "selective"):
         t = time.perf_counter()
         checkpoint(g0, dict.fromkeys(blocks, policy))
@@ -363,7 +363,7 @@ def test_capture_notes_when_python_lets_go_of_a_saved_tensor():
                                batch=(torch.randn(4, 8),), loss=lambda y, b: y.sum())
 
     g0 = capture(wl, precision="fp32")
-    let_go = dict(g0.meta["autograd"]["unreferenced"])
+    let_go = dict(g0.meta.autograd.unreferenced)
     fwd = [n for n in g0.nodes if n.phase == "forward"]
     ys = [n.outputs[0].storage for n in fwd if n.name == "addmm"]
     sin0 = next(n for n in fwd if n.name == "sin" and n.module == "0")

@@ -70,7 +70,7 @@ def inductor_saved(model: nn.Module, x: torch.Tensor) -> Counter:
 def traced_saved(g) -> Counter:
     """(shape, dtype) of the activations the traced compiled forwards create (allocated)."""
     out = Counter()
-    for kind, first, last in g.meta["compiled_regions"]:
+    for kind, first, last in g.meta.compiled_regions:
         if kind != "forward":
             continue
         for n in g.nodes[first:last + 1]:
@@ -96,7 +96,7 @@ def test_the_compiled_forward_saves_what_inductor_saves(graph_break):
     g = capture(_workload(Halves(graph_break)), precision="fp32", compile=True)
     assert traced_saved(g) == want
     graphs = 2 if graph_break else 1
-    assert g.meta["compiled_graphs"] == {"forward": graphs, "backward": graphs}
+    assert g.meta.compiled_graphs == {"forward": graphs, "backward": graphs}
     eager = capture(_workload(Halves(graph_break)), precision="fp32")
     assert _activation_bytes(eager) > _activation_bytes(g)  # eager keeps the GELU's input too
 
@@ -122,7 +122,7 @@ def test_an_mlp_keeps_each_relu_output_but_the_last_layer_s_matmul_output():
     g = _mlp(compile=True)
     kept = Counter()
     optimizer = next(n.index for n in g.nodes if n.phase == "optimizer")
-    for kind, first, last in g.meta["compiled_regions"]:
+    for kind, first, last in g.meta.compiled_regions:
         for n in g.nodes[first:last + 1] if kind == "forward" else ():
             for sid in n.allocs:
                 s = g.storages[sid]
@@ -145,11 +145,11 @@ def test_what_fused_kernels_make_takes_no_memory():
     for n in g.nodes:
         if extern(n, costs[n.index]) and regions(g)[n.index] >= 0:
             assert all(g.storages[t.storage].nbytes > 0 for t in (*n.inputs, *n.outputs))
-    fwd = next(r for r in g.meta["compiled_regions"] if r[0] == "forward")
+    fwd = next(r for r in g.meta.compiled_regions if r[0] == "forward")
     sub = next(n for n in g.nodes[fwd[1]:fwd[2] + 1] if n.name == "sub")
     assert g.storages[sub.outputs[0].storage].nbytes == 0
     assert sub.outputs[0].shape == (64, 256) and sub.outputs[0].dtype == "float32"
-    assert g.meta["inductor"]["unallocated"] > 0
+    assert g.meta.inductor["unallocated"] > 0
     assert evaluate(g).memory.peak <= evaluate(_mlp(compile=False)).memory.peak
 
 
@@ -174,8 +174,8 @@ def test_a_compiled_step_is_a_steady_state_one():
     the same ops as micro-batch 1."""
     g = capture(lambda: get_workload("mlp", 6, layers=2, width=64), precision="bf16-mixed",
                 compile=True, accumulation=3)
-    assert g.meta["compiled_graphs"] == {"forward": 1, "backward": 1}
-    runs = [r for r in g.meta["compiled_regions"] if r[0] == "forward"]
+    assert g.meta.compiled_graphs == {"forward": 1, "backward": 1}
+    runs = [r for r in g.meta.compiled_regions if r[0] == "forward"]
     assert len(runs) == 3
     ops = [[n.op for n in g.nodes[a:b + 1]] for _, a, b in runs]
     assert ops[0] == ops[1] == ops[2]

@@ -18,6 +18,7 @@ from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, gemm_dims
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
+from gobrrr.graph.meta import StepMeta, Tf32
 from gobrrr.hardware import get_gpu
 from gobrrr.memory.replay import simulate
 from gobrrr.models.registry import get_workload
@@ -94,7 +95,7 @@ def test_memory_counts_scratch_while_the_op_runs():
     nodes = [OpNode(index=i, op="aten.add.Tensor", phase="forward", module="m", inputs=(),
                     outputs=(), allocs=a, frees=f)
              for i, (a, f) in enumerate([((1,), ()), ((2,), ()), ((), (2,))])]
-    g = StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta={})
+    g = StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta=StepMeta())
     m = simulate(g, scratch={0: 10_000})
     # op 0: 1024 + 4096 + 10240 (rounded scratch) > op 1: 1024 + 4096 + 2048
     assert m.peak == 1024 + 4096 + 10240 and m.peak_index == 0
@@ -244,8 +245,8 @@ def test_fp32_convolutions_follow_cudnns_tf32_setting_at_trace_time():
         off = _convnet_graph("fp32")
     finally:
         torch.backends.cudnn.allow_tf32 = old
-    assert on.meta["tf32"] == {"matmul": False, "conv": True}
-    assert off.meta["tf32"] == {"matmul": False, "conv": False}
+    assert on.meta.tf32 == Tf32(matmul=False, conv=True)
+    assert off.meta.tf32 == Tf32(matmul=False, conv=False)
     maths = lambda g: {(c.kind, c.math) for c in graph_costs(g) if c.kind in ("conv", "matmul")}
     assert maths(on) == {("conv", "tf32"), ("matmul", "fp32")}
     assert maths(off) == {("conv", "fp32"), ("matmul", "fp32")}

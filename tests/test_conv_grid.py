@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import gobrrr
+from gobrrr.calibrate.sections import conv as cc
 from gobrrr.capture import capture
 from gobrrr.cost import conv
 from gobrrr.cost.flops import op_cost
@@ -19,7 +20,6 @@ from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import conv_class, conv_directions, conv_layout, gemm_dims
 from gobrrr.hardware import Calibration, get_gpu
-from gobrrr.calibrate.sections import conv as cc
 
 H100 = get_gpu("h100")
 OLD_CAL = Path(__file__).parent / "fixtures" / "calibration_h100_channels_first.json"

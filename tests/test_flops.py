@@ -21,6 +21,8 @@ from gobrrr.cost._ops_attention import causal_fraction
 from gobrrr.cost._ops_optim import mta_launches
 from gobrrr.cost.flops import UNKNOWN_OPS, OpCost, graph_costs, op_cost, register_cost
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
+from gobrrr.graph.meta import StepMeta
+from gobrrr.precision import Precision
 
 aten = torch.ops.aten
 
@@ -554,7 +556,8 @@ def test_register_cost_overload_wins():
 def test_graph_costs_tf32_and_json_round_trip():
     nodes, _ = record(_mlp_step)
     for precision, math_ in (("fp32", "fp32"), ("tf32", "tf32")):
-        graph = StepGraph(nodes=tuple(nodes), storages=(), meta={"precision": precision})
+        graph = StepGraph(nodes=tuple(nodes), storages=(),
+                          meta=StepMeta(precision=Precision.parse(precision)))
         costs = graph_costs(graph)
         assert {c.math for c in costs if c.kind == "matmul"} == {math_}
         assert graph_costs(StepGraph.from_json(graph.to_json())) == costs

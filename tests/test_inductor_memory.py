@@ -20,6 +20,7 @@ from torch._inductor.utils import run_and_get_code
 
 from gobrrr.cost import pad_mm
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.meta import Region, StepMeta
 from gobrrr.memory.replay import simulate
 from gobrrr.passes.compile import inductor
 
@@ -74,7 +75,7 @@ class _Builder:
         storages = tuple(StorageInfo(sid, self.sizes[sid], "activation", self.created[sid],
                                      freed[sid]) for sid in sorted(self.sizes))
         return StepGraph(nodes=tuple(nodes), storages=storages,
-                         meta={"compiled_regions": [list(r) for r in regions]})
+                         meta=StepMeta(compiled_regions=tuple(Region(*r) for r in regions)))
 
 
 def _peak(g: StepGraph) -> int:
@@ -95,7 +96,7 @@ def test_a_fused_kernel_holds_its_inputs_until_its_outputs_are_made():
     assert g.storages[2].nbytes == 0
     assert g.storages[1].freed == 2 and 1 in g.nodes[2].frees
     assert _peak(g) == 8 * MB + 8 * MB + 4 * MB + 512  # x alive while the output is made
-    assert g.meta["inductor"]["in_place"] == 0
+    assert g.meta.inductor["in_place"] == 0
 
 
 def test_a_fused_kernel_writes_in_place_into_an_intermediate_it_reads_last():
@@ -107,12 +108,12 @@ def test_a_fused_kernel_writes_in_place_into_an_intermediate_it_reads_last():
     b.op("relu", reads=(1,), makes=((2, 8 * MB),))
     b.op("sum", reads=(2,), makes=((3, 512),))
     g = inductor(b.graph([("forward", 0, 1)], survive=(3,)))
-    assert g.meta["inductor"]["in_place"] == 1
+    assert g.meta.inductor["in_place"] == 1
     assert _peak(g) == 8 * MB + 8 * MB + 512  # one 8 MiB block for x and y
     # an input of the graph itself is never reused: the same ops in a region starting after
     # the extern kernel hold both blocks
     g = inductor(b.graph([("forward", 1, 1)], survive=(3,)))
-    assert g.meta["inductor"]["in_place"] == 0
+    assert g.meta.inductor["in_place"] == 0
     assert _peak(g) == 3 * 8 * MB + 512  # and the previous step's sum, until it is made anew
 
 
@@ -125,7 +126,7 @@ def test_in_place_needs_the_same_dtype_and_95_to_100_percent_of_the_size():
         b.op("relu", reads=(1,), makes=((2, out_bytes),), dtype=dtype)
         b.op("sum", reads=(2,), makes=((3, 512),))
         g = inductor(b.graph([("forward", 0, 1)], survive=(3,)))
-        assert g.meta["inductor"]["in_place"] == expect, (out_bytes, dtype)
+        assert g.meta.inductor["in_place"] == expect, (out_bytes, dtype)
 
 
 def test_a_saved_tensor_only_backward_reads_is_donated_to_backward():
@@ -141,7 +142,7 @@ def test_a_saved_tensor_only_backward_reads_is_donated_to_backward():
         b.op("mul", reads=(1, 2), makes=((4, 16 * MB),), phase="backward")  # backward graph
         b.op(EXTERN, reads=(4, 0), makes=((5, 16 * MB),), phase="backward")
         g = inductor(b.graph([("forward", 0, 1), ("backward", 3, 4)], survive=(3, 5)))
-        assert g.meta["inductor"]["in_place"] == expect, user_reads
+        assert g.meta.inductor["in_place"] == expect, user_reads
 
 
 def test_a_dead_buffer_of_the_same_dtype_and_size_is_reused_by_a_later_allocation():
@@ -156,7 +157,7 @@ def test_a_dead_buffer_of_the_same_dtype_and_size_is_reused_by_a_later_allocatio
     b.op(EXTERN, reads=(3,), makes=((4, 4 * MB),))
     b.op("sum", reads=(4,), makes=((5, 512),))
     g = inductor(b.graph([("forward", 0, 3)], survive=(5,)))
-    assert g.meta["inductor"]["reused"] == 1
+    assert g.meta.inductor["reused"] == 1
     assert g.storages[1].freed == 2  # held until the op before d
     # at c: a's buffer, b, c, with the parameter and the previous step's sum (512 B each)
     assert _peak(g) == 2 * 512 + 4 * MB + 1 * MB + 2 * MB
@@ -222,7 +223,7 @@ def test_pad_copies_are_a_compiled_matmul_s_scratch_and_free_an_operand_it_reads
         g = StepGraph(tuple(nodes), g.storages, g.meta)
         assert pad_mm.scratch(g) == {1: expect}
         planned = inductor(g)
-        assert planned.meta["inductor"]["padded"] == 1
+        assert planned.meta.inductor["padded"] == 1
         assert g.storages[2].freed == 1
         assert planned.storages[2].freed == (0 if made_in_forward else 1)
 
@@ -246,9 +247,9 @@ def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
                 StorageInfo(1, b.nbytes, "parameter", -1, None),
                 StorageInfo(2, m * n * 2, "activation", 0, None))
     gpu = get_gpu("h100")
-    eager = StepGraph((node,), storages, {"tokens": 1, "precision": "bf16-mixed"})
-    compiled = StepGraph((node,), storages, {**eager.meta, "compiled_regions": [
-        ["forward", 0, 0]]})
+    eager = StepGraph((node,), storages, StepMeta(tokens=1))
+    compiled = StepGraph((node,), storages, eager.meta.replace(
+        compiled_regions=(Region("forward", 0, 0),)))
     copies = pad_mm.copies(node)
     assert [c for _, c in copies] == [m * 1008 * 2, 1008 * n * 2]
     moved = a.nbytes + b.nbytes + sum(c for _, c in copies)
@@ -337,5 +338,5 @@ def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
                                loss=lambda y, b: (y * y).mean(),
                                optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 
-    done = capture(make, precision="fp32", compile=True).meta["inductor"]
+    done = capture(make, precision="fp32", compile=True).meta.inductor
     assert done["in_place"] + done["reused"] == written == _WRITTEN[name]

@@ -9,6 +9,7 @@ from torch import nn
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
+from gobrrr.graph.meta import StepMeta
 from gobrrr.memory.replay import module_rollup, round_alloc, simulate
 from gobrrr.report.estimate import estimate_dict
 
@@ -22,7 +23,7 @@ def test_round_alloc_matches_the_caching_allocator(n, expected):
 
 
 def _graph(storages, nodes):
-    return StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta={})
+    return StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta=StepMeta())
 
 
 def _node(i, allocs=(), frees=(), phase="forward"):
@@ -95,7 +96,7 @@ def test_checkpointing_saves_only_block_inputs():
     plain = capture(wl, precision="fp32")
     ckpt = capture(wl, precision="fp32", checkpoint="full")
     block_input = 2 * 64 * 768 * 4  # (B, T, d) fp32 per block
-    assert ckpt.meta["checkpointed_blocks"] == 4
+    assert ckpt.meta.checkpointed_blocks == 4
     assert saved_activations(ckpt) < saved_activations(plain) / 4
     assert saved_activations(ckpt) >= 4 * block_input
     assert any(n.phase == "recompute" for n in ckpt.nodes)

@@ -71,7 +71,7 @@ def test_throughput_unit():
         return gobrrr.Workload(model=model, batch=(ids,), loss=lambda y, b: y.mean())
 
     g = capture(lm_without_seq_len)
-    assert g.meta["tokens"] == 32 and throughput_unit(g) == "tokens"
+    assert g.meta.tokens == 32 and throughput_unit(g) == "tokens"
 
 
 class SelfCheckpointing(nn.Module):
@@ -93,7 +93,7 @@ class SelfCheckpointing(nn.Module):
 def test_a_model_that_checkpoints_itself_is_seen_in_the_graph(use):
     g = capture(lambda: gobrrr.Workload(model=SelfCheckpointing(use), batch=torch.randn(4, 16)))
     how, recomputed = checkpointing(g)
-    assert g.meta["checkpoint"] == "none"  # the flag knows nothing of it
+    assert g.meta.checkpoint == "none"  # the flag knows nothing of it
     assert (how, recomputed > 0) == (("model", True) if use else ("none", False))
     # each block's forward runs again in backward: its linear and GELU at least
     assert not use or recomputed >= 2 * 3

@@ -120,9 +120,9 @@ def test_derived_graph_is_the_fresh_trace(name, b):
     assert first_mismatch(derived, traced) is None
     assert derived.nodes == traced.nodes  # op, phase, module, shapes, strides, args
     assert derived.storages == traced.storages
-    assert derived.meta["tokens"] == traced.meta["tokens"]
-    assert derived.meta["micro_batch"] == b
-    assert derived.meta["passes"][-1] == {"pass": "micro_batch", "micro_batch": b}
+    assert derived.meta.tokens == traced.meta.tokens
+    assert derived.meta.micro_batch == b
+    assert derived.meta.passes[-1] == {"pass": "micro_batch", "micro_batch": b}
     _same_predictions(derived, traced)
 
 
@@ -143,7 +143,7 @@ def test_a_batch_of_one_is_traced_not_derived(name):
     assert fam.check(traced, 1) is not None  # what deriving 1 from (2, 4) would get wrong
     one = fam.at(1)
     assert one.nodes == traced.nodes and one.storages == traced.storages
-    assert one.meta["passes"][-1] == {"pass": "micro_batch", "micro_batch": 1, "traced": True}
+    assert one.meta.passes[-1] == {"pass": "micro_batch", "micro_batch": 1, "traced": True}
     _same_predictions(one, traced)
 
 
@@ -178,7 +178,7 @@ def test_a_quarter_million_tokens_is_a_plain_extrapolation():
     """Far from the traced sizes the derivation holds: tokens, the embedding's output and the
     optimizer's untouched parameter shapes."""
     g = _family("gpt2").at(8192)
-    assert g.meta["tokens"] == 8192 * 32
+    assert g.meta.tokens == 8192 * 32
     emb = next(n for n in g.nodes if n.name == "embedding")
     assert emb.outputs[0].shape == (8192, 32, 768)
     opt = [n for n in g.nodes if n.phase == "optimizer"]
@@ -305,10 +305,10 @@ def test_a_first_trace_that_differs_from_the_later_ones_is_traced_again():
 def test_earlier_passes_are_kept_and_this_one_appended():
     def traced_after_a_pass(b: int) -> StepGraph:
         g = _trace("mlp", b)
-        return StepGraph(g.nodes, g.storages, {**g.meta, "passes": [{"pass": "earlier"}]})
+        return StepGraph(g.nodes, g.storages, g.meta.replace(passes=({"pass": "earlier"},)))
 
     g = family(traced_after_a_pass).at(5)
-    assert g.meta["passes"] == [{"pass": "earlier"}, {"pass": "micro_batch", "micro_batch": 5}]
+    assert list(g.meta.passes) == [{"pass": "earlier"}, {"pass": "micro_batch", "micro_batch": 5}]
 
 
 class _Selects(nn.Module):
@@ -326,5 +326,5 @@ class _Selects(nn.Module):
 def test_an_assumed_count_follows_the_batch_in_meta_too():
     fam = family(partial(_toy, _Selects))
     g = fam.at(6)
-    assert [a["value"] for a in g.meta["assumptions"]] == ["6 of 6"]
+    assert [a["value"] for a in g.meta.assumptions] == ["6 of 6"]
     assert fam.check(_toy(_Selects, 6), 6) is None

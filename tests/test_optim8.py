@@ -16,9 +16,9 @@ from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.evaluate import Target, evaluate
 from gobrrr.graph.ir import OpNode, TensorInfo
-from gobrrr.training.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import BASE, Planner, _persistent, plan
+from gobrrr.training.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
 from gobrrr.workload import Workload
 
 MiB = 2**20

@@ -11,12 +11,12 @@ from gobrrr.capture import capture
 from gobrrr.cli.main import main
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import evaluate
-from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.blocks import BlockCosts, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.search import Planner, plan
+from gobrrr.training.fused_loss import use_fused_loss
 
 MiB = 2**20
 
@@ -56,7 +56,7 @@ def test_accumulate_counts_the_later_micro_batches_in_time_and_flops():
     one = capture(lambda: tiny_gpt2(batch_size=2))
     e1 = evaluate(one, "h100")
     e4, e8 = (evaluate(accumulate(one, n), "h100") for n in (4, 8))
-    fwd_bwd, grads = e1.time.model_flops, one.meta["trainable_params"]
+    fwd_bwd, grads = e1.time.model_flops, one.meta.trainable_params
     # n forward+backward, and n - 1 additions of every gradient (AccumulateGrad's add_)
     assert e4.time.model_flops == pytest.approx(4 * fwd_bwd + 3 * grads, rel=1e-12)
     assert e8.time.model_flops == pytest.approx(8 * fwd_bwd + 7 * grads, rel=1e-12)

@@ -12,7 +12,9 @@ from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import misaligned, misaligned_nt, outer_sum_columns, wave_efficiency
 from gobrrr.evaluate import predict
 from gobrrr.graph.ir import OpNode, StepGraph
+from gobrrr.graph.meta import OptimizerInfo, StepMeta
 from gobrrr.hardware import get_gpu
+from gobrrr.precision import Precision
 
 H100 = get_gpu("h100")
 
@@ -70,8 +72,8 @@ def test_misaligned_leading_dimension():
 
 
 def _graph(nodes, **meta):
-    return StepGraph(nodes=tuple(nodes), storages=(), meta={"tokens": 1, "precision": "fp32",
-                                                            **meta})
+    return StepGraph(nodes=tuple(nodes), storages=(), meta=StepMeta.from_dict(
+        {"tokens": 1, "precision": "fp32", **meta}))
 
 
 def test_overhead_bound_step_is_the_host_time():
@@ -98,10 +100,10 @@ def test_model_flops_6n_plus_attention():
 
     L, d, S, B, V = 2, 768, 64, 2, 96
     g = capture(lambda: get_workload("gpt2", B, S, n_layer=L, vocab_size=V), precision="fp32")
-    n = g.meta["trainable_params"] - g.meta["embedding_params"]
+    n = g.meta.trainable_params - g.meta.embedding_params
     # 6·N·tokens with the position table excluded and the tied head counted, plus
     # 12·L·d·S per token for attention (not halved for causal)
-    assert g.meta["embedding_params"] == 1024 * d  # wpe only: wte is tied to lm_head
+    assert g.meta.embedding_params == 1024 * d  # wpe only: wte is tied to lm_head
     assert model_flops_6n(g) == pytest.approx(6 * n * B * S + 12 * L * d * S * B * S)
     assert math.isclose(predict(g, H100).backward_forward_ratio(), 2.0, rel_tol=0.1)
 
@@ -203,7 +205,7 @@ def test_forward_ops_under_checkpointing_cost_the_checkpointed_host_time(make_ca
     nodes = [OpNode(0, "aten.add.Tensor", "forward", "h.0", (x, x), (x,)),
              OpNode(1, "aten.add.Tensor", "forward", "head", (x, x), (x,)),
              OpNode(2, "aten.add.Tensor", "recompute", "h.0", (x, x), (x,))]
-    graph = StepGraph(nodes=tuple(nodes), storages=(), meta={"tokens": 1, "precision": "fp32"})
+    graph = StepGraph(nodes=tuple(nodes), storages=(), meta=StepMeta(tokens=1, precision=Precision.parse("fp32")))
     cal = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6, "recompute": 20e-6,
                                 "checkpointed": 30e-6})
     hosts = [o.host_s for o in predict(graph, H100, cal).ops]
@@ -289,8 +291,8 @@ def test_the_optimizer_step_host_is_per_parameter_tensor():
 
     g = capture(lambda: get_workload("gpt2", batch_size=1, seq_len=16, n_layer=2),
                 precision="fp32")
-    info = g.meta["optimizer"]
-    assert info == {"key": "AdamW:foreach", "tensors": 28, "large": 10}  # wte, wpe, 4 x 2
+    info = g.meta.optimizer
+    assert info == OptimizerInfo(key="AdamW:foreach", tensors=28, large=10)  # wte, wpe, 4 x 2
     gpu = get_gpu("h100")
     cal = find_calibration(gpu)
     curves = {"64": [[16.0, 16 * 10e-6], [64.0, 64 * 6e-6]],

@@ -89,7 +89,7 @@ def _graph(dropout=0.1, mask=False, s=512, precision="bf16-mixed", checkpoint=Fa
     (0.1, False, "cudnn"), (0.0, True, "cudnn"), (0.1, True, "cudnn"), (0.0, False, "cudnn")])
 def test_trace_keeps_no_score_matrix_on_a_fused_backend(dropout, mask, backend):
     g = _graph(dropout, mask)
-    assert g.meta["sdpa_backends"] == {backend: 1}
+    assert g.meta.sdpa_backends == {backend: 1}
     assert any(backend in n.op for n in g.nodes if "attention" in n.op)
     s = 512
     # no tensor of the S x S scores per head (the math path's attention weights and dropout
@@ -101,7 +101,7 @@ def test_trace_keeps_no_score_matrix_on_a_fused_backend(dropout, mask, backend):
 
 def test_the_math_path_is_taken_where_cuda_takes_it():
     g = _graph(dropout=0.1, precision="fp32", s=512)  # fp32 with dropout: efficient
-    assert g.meta["sdpa_backends"] == {"efficient": 1}
+    assert g.meta.sdpa_backends == {"efficient": 1}
 
 
 @pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet "
@@ -143,8 +143,8 @@ def _bwd_visible(r) -> tuple[int, int]:
 
 @pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet")
 def test_attention_scratch_matches_the_h100_record():
-    from gobrrr.memory.scratch.attention import op_scratch
     from gobrrr.graph.ir import OpNode, TensorInfo
+    from gobrrr.memory.scratch.attention import op_scratch
 
     data = json.loads(RECORD.read_text())
     checked = 0
@@ -191,7 +191,7 @@ def test_grouped_query_attention_traces_on_every_backend():
         g = capture(lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=2,
                                          dim=64, n_head=4, n_kv_head=2, ffn_dim=128,
                                          vocab_size=128), precision=precision, sdpa=H100)
-        assert g.meta["sdpa_backends"] == {backend: 2}
+        assert g.meta.sdpa_backends == {backend: 2}
         fwd = [n for n in g.nodes if n.phase == "forward" and "attention" in n.op]
         # the kernel's K: repeated to 4 heads for the efficient kernel, 2 (native GQA) for cuDNN
         assert {n.inputs[1].shape[1] for n in fwd} == {4 if backend == "efficient" else 2}

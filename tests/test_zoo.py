@@ -78,7 +78,7 @@ def test_case_traces(name):
     est = _estimate(name)  # raises (the test fails) when the case does not trace
     with torch.device("meta"):
         model = case.build(case.batch, case.seq).model
-    assert est.graph.meta["params"] == sum(p.numel() for p in model.parameters())
+    assert est.graph.meta.params == sum(p.numel() for p in model.parameters())
     assert {"forward", "backward", "optimizer"} <= {n.phase for n in est.graph.nodes}
     assert est.memory.peak > 0 and est.time.step_s > 0
 

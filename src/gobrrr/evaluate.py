@@ -39,7 +39,6 @@ from gobrrr.cost.shapes import checkpointed_modules, host_key, selective_modules
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
-from gobrrr.precision import peak_mode
 from gobrrr.schedule.power import power_limited
 from gobrrr.schedule.scheduler import Timeline, schedule
 from gobrrr.schedule.streams import stream_of
@@ -50,11 +49,11 @@ def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
     `target`. compiled: the model's forward and backward run under torch.compile; None =
-    as the graph was captured (meta "compiled": `capture(compile=True)`, whose graph holds
+    as the graph was captured (meta.compiled: `capture(compile=True)`, whose graph holds
     the compiled step's own tensors). True on an eager trace: the eager step's memory (an
     upper bound) with the compiled time model."""
     if compiled is None:
-        compiled = bool(graph.meta.get("compiled"))
+        compiled = bool(graph.meta.compiled)
     t = Target.resolve(target)
     time = predict(graph, t.gpu, t.cal, compiled=compiled)
     return Estimate(graph=graph, gpu=t.gpu, memory=step_memory(graph, t.gpu, t.cal),
@@ -98,7 +97,7 @@ def step_schedule(graph: StepGraph, ops: tuple[OpTime, ...]
     """Stage schedule: the scheduler of `graph`'s ops, given their times (the power limit
     changes the ops' times, never which ops they are, on which streams or what they wait
     for)."""
-    syncs, param_of = set(graph.meta.get("syncs") or ()), _offloaded(graph, ops)
+    syncs, param_of = set(graph.meta.syncs or ()), _offloaded(graph, ops)
     streams = [stream_of(n) for n in graph.nodes]
     repeat = graph.repeat
     return lambda times: schedule(times, streams, syncs, repeat, param_of)
@@ -129,8 +128,8 @@ def prediction(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
         device_s=device_busy, host_s=timeline.host_end, idle_s=max(step - device_busy, 0.0),
         flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
         model_flops=model_flops(graph, costs),
-        tokens=int(graph.meta.get("tokens") or 0),
-        peak_flops=gpu.peak(peak_mode(graph.meta.get("precision", "bf16-mixed"))),
+        tokens=int(graph.meta.tokens or 0),
+        peak_flops=gpu.peak(graph.meta.precision.peak_mode),
         phase_s=dict(phase_s), regime_s=dict(regime_s), clock_fraction=fraction,
         timeline=timeline,
     )
@@ -235,10 +234,10 @@ class Estimate:
         out: dict[str, Any] = {
             "mfu": t.mfu, "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
             "peak_flops": t.peak_flops,
-            "peak": f"dense {peak_mode(self.graph.meta.get('precision', ''))} matmul peak",
+            "peak": f"dense {self.graph.meta.precision.peak_mode} matmul peak",
             "mfu_definition": MFU_DEFINITION, "hfu_definition": HFU_DEFINITION,
         }
-        if self.graph.meta.get("seq_len") and t.step_s > 0:
+        if self.graph.meta.seq_len and t.step_s > 0:
             flops_6n = model_flops_6n(self.graph)
             out["model_flops_6n_attention"] = flops_6n
             out["mfu_6n_attention"] = flops_6n / t.step_s / t.peak_flops
@@ -253,13 +252,13 @@ HFU_DEFINITION = "every FLOP the step runs (recompute, optimizer) per second ove
 def throughput_unit(graph: StepGraph) -> str:
     """"tokens" for a sequence workload (a seq_len, or its units counted from an integer
     (batch, sequence) input), else "samples"."""
-    if graph.meta.get("seq_len"):
+    if graph.meta.seq_len:
         return "tokens"
     inputs = {s.id for s in graph.storages if s.kind == "input"}
     for n in graph.nodes:
         for t in n.inputs:
             if t.storage in inputs and t.dtype.startswith(("int", "uint")) and len(t.shape) >= 2:
-                return "tokens" if t.numel == graph.meta.get("tokens") else "samples"
+                return "tokens" if t.numel == graph.meta.tokens else "samples"
     return "samples"
 
 
@@ -268,7 +267,7 @@ def checkpointing(graph: StepGraph) -> tuple[str, int]:
     it recomputes: "full" (gobrrr's --checkpoint full), "model" (the model checkpoints
     itself, e.g. gradient_checkpointing_enable()) or "none"."""
     recomputed = sum(1 for n in graph.nodes if n.phase == "recompute")
-    if graph.meta.get("checkpoint") == "full":
+    if graph.meta.checkpoint == "full":
         return "full", recomputed
     return ("model" if recomputed else "none"), recomputed
 
@@ -293,15 +292,15 @@ def parameter_shapes(graph: StepGraph) -> list[tuple[str, tuple[int, ...]]]:
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:
     """The textbook numbers for a transformer, beside the traced ones."""
-    info = graph.meta.get("info") or {}
+    info = graph.meta.info or {}
     if not all(k in info for k in ("layers", "hidden", "vocab", "heads")):
         return {}
     L, d, V, a = info["layers"], info["hidden"], info["vocab"], info["heads"]
-    seq = graph.meta.get("seq_len") or 0
-    batch = (graph.meta.get("tokens") or 0) // seq if seq else 0
-    elem = 4 if graph.meta.get("precision") in ("fp32", "tf32") else 2
+    seq = graph.meta.seq_len or 0
+    batch = (graph.meta.tokens or 0) // seq if seq else 0
+    elem = graph.meta.precision.element_size
     out: dict[str, Any] = {
-        "params_traced": graph.meta.get("params"),
+        "params_traced": graph.meta.params,
         "params_textbook_12d2L_2dV": formulas.textbook_params(L, d, V),
         "params_gap": [list(g) for g in formulas.textbook_param_gap(L, d, V,
                                                                      parameter_shapes(graph))],
@@ -310,7 +309,7 @@ def closed_forms(graph: StepGraph) -> dict[str, Any]:
         out["activations_traced_bytes"] = saved_activations(graph)
         out["activations_lecture_bytes"] = batch * formulas.activation_bytes_per_sequence(
             L, d, seq, a, V, elem)
-        recompute = "full" if graph.meta.get("checkpoint") == "full" else "flash"
+        recompute = "full" if graph.meta.checkpoint == "full" else "flash"
         out["activations_megatron_bytes"] = formulas.megatron_activation_bytes(
             seq, batch, d, a, L, recompute=recompute)
         out["megatron_variant"] = recompute

@@ -26,15 +26,21 @@ from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
-from gobrrr.graph.saved import AUTOGRAD, SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
-from gobrrr.training.fused_loss import as_on_cuda
 from gobrrr.graph.ir import StepGraph
+from gobrrr.graph.meta import OptimizerInfo, StepMeta, Tf32
+from gobrrr.graph.saved import SavedTracker
+from gobrrr.precision import Precision
+from gobrrr.training.checkpointing import (
+    apply_checkpointing,
+    block_names,
+    checkpoint_meta,
+    checkpointed,
+)
+from gobrrr.training.fused_loss import as_on_cuda
 from gobrrr.training.optimizers import LARGE_TENSOR_BYTES, optimizer_key
-from gobrrr.precision import autocast_dtype, check_precision
 from gobrrr.training.step import TrainStep, make_scaler, split_batch
-from gobrrr.training.checkpointing import apply_checkpointing, block_names, checkpoint_meta, checkpointed
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
 CHECKPOINTS = ("none", "full")
@@ -215,11 +221,12 @@ def _fake_rest(w: Workload, mode: FakeTensorMode, values: assume.Values, made) -
         return dataclasses.replace(w, batch=map_tensors(w.batch, _faker(mode, values)))
 
 
-def _prepare(w: Workload, precision: str) -> Workload:
-    if precision == "bf16":
-        _convert_tensors(w.model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+def _prepare(w: Workload, precision: Precision) -> Workload:
+    if precision.casts_weights:
+        dtype = precision.param_dtype
+        _convert_tensors(w.model, lambda t: t.to(dtype) if t.is_floating_point() else t)
         w = dataclasses.replace(w, batch=map_tensors(
-            w.batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t))
+            w.batch, lambda t: t.to(dtype) if t.is_floating_point() else t))
     return w
 
 
@@ -238,7 +245,7 @@ class _Step(TrainStep):
     driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its
     value read (see optimizer_step)."""
 
-    def __init__(self, w: Workload, precision: str, driver: _Driver | None = None,
+    def __init__(self, w: Workload, precision: Precision, driver: _Driver | None = None,
                  accumulation: int = 1) -> None:
         opt = w.make_optimizer()
         _cuda_optimizer_defaults(opt)
@@ -287,14 +294,14 @@ class _Step(TrainStep):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_meta(opt: torch.optim.Optimizer) -> OptimizerInfo:
     """The optimizer as the time model looks its host cost up (`Calibration.optimizer_host`):
     its class and implementation, the parameter tensors it steps and how many of those are
     large (over LARGE_TENSOR_BYTES)."""
     groups = opt.param_groups
     params = [p for g in groups for p in g["params"] if p.requires_grad]
-    return {"key": optimizer_key(opt), "tensors": len(params),
-            "large": sum(1 for p in params if p.numel() * p.element_size() > LARGE_TENSOR_BYTES)}
+    return OptimizerInfo(key=optimizer_key(opt), tensors=len(params), large=sum(
+        1 for p in params if p.numel() * p.element_size() > LARGE_TENSOR_BYTES))
 
 
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
@@ -344,12 +351,12 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     `compile`: the model runs under torch.compile (the optimizer eager): the forward and
     backward are the graphs AOTAutograd partitions (`gobrrr.capture.compiled`), and what
     Inductor fuses is not allocated (`gobrrr.passes.compile.inductor`)."""
-    check_precision(precision)
+    precision = Precision.parse(precision)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
                           f"choose {', '.join(CHECKPOINTS)} or a {{block: policy}} mapping")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    rules = cuda_autocast_rules() if autocast_dtype(precision) else contextlib.nullcontext()
+    rules = cuda_autocast_rules() if precision.is_mixed else contextlib.nullcontext()
     values = assume.Values()
     regions = compiled.Regions() if compile else None
     with mode, assume.ValueMode(values), rules, cuda_dropout(), as_on_cuda(), \
@@ -362,11 +369,12 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
         with real_to_libraries(values.answerable):
             graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
                            accumulation=accumulation, regions=regions)
-    meta = dict(graph.meta, checkpoint=checkpoint_meta(checkpointed(w.model), names),
-                checkpointed_blocks=len(blocks), blocks=_in_forward_order(names, graph),
-                sdpa_backends=dict(chosen.chosen),
-                assumptions=[a.to_dict() for a in values.assumptions()],
-                syncs=sorted({*graph.meta["syncs"], *values.syncs}))
+    meta = graph.meta.replace(
+        checkpoint=checkpoint_meta(checkpointed(w.model), names),
+        checkpointed_blocks=len(blocks), blocks=tuple(_in_forward_order(names, graph)),
+        sdpa_backends=dict(chosen.chosen),
+        assumptions=tuple(a.to_dict() for a in values.assumptions()),
+        syncs=tuple(sorted({*graph.meta.syncs, *values.syncs})))
     graph = dataclasses.replace(graph, meta=meta)
     if regions is None:
         return graph
@@ -398,7 +406,7 @@ def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
     return sorted(names, key=lambda b: first.get(b, never))
 
 
-def _trace(w: Workload, precision: str, values: assume.Values,
+def _trace(w: Workload, precision: Precision, values: assume.Values,
            on_step: Callable[[], None] = lambda: None, accumulation: int = 1,
            regions: compiled.Regions | None = None) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
@@ -438,10 +446,9 @@ def _trace(w: Workload, precision: str, values: assume.Values,
     in_place = accumulate.in_place(table.records, rec.nodes, rec.engine_sums)
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
-    return dataclasses.replace(graph, meta={**graph.meta, "syncs": step.syncs,
-                                            AUTOGRAD: saved.meta(),
-                                            "gradient_sums_in_place": in_place,
-                                            "optimizer": _optimizer_meta(step.optimizer)})
+    return dataclasses.replace(graph, meta=graph.meta.replace(
+        syncs=tuple(step.syncs), autograd=saved.meta(), gradient_sums_in_place=in_place,
+        optimizer=_optimizer_meta(step.optimizer)))
 
 
 def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:
@@ -458,7 +465,8 @@ def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> to
     return runner
 
 
-def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -> StepGraph:
+def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precision
+              ) -> StepGraph:
     frees: dict[int, list[int]] = {}
     for r in table.records:
         if r.freed is not None and r.freed >= 0:
@@ -466,15 +474,14 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: str) -
     nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in rec.nodes)
     params = list(w.model.parameters())
     n_params = sum(p.numel() for p in params)
-    meta: dict[str, Any] = {
-        "name": w.name, "precision": precision, "tokens": w.token_count(), "seq_len": w.seq_len,
-        "params": n_params, "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-        "embedding_params": embedding_only_params(w.model), "info": dict(w.info),
-        "traced_on": "cpu-fake", "torch": torch.__version__,
+    meta = StepMeta(
+        name=w.name, precision=precision, tokens=w.token_count(), seq_len=w.seq_len,
+        params=n_params, trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        embedding_params=embedding_only_params(w.model), info=dict(w.info),
+        traced_on="cpu-fake", torch=torch.__version__,
         # read after the user's workload ran: it may set them
-        "tf32": {"matmul": precision == "tf32" or torch.backends.cuda.matmul.allow_tf32,
-                 "conv": precision == "tf32" or torch.backends.cudnn.allow_tf32},
-    }
+        tf32=Tf32(matmul=precision.tf32 or torch.backends.cuda.matmul.allow_tf32,
+                  conv=precision.tf32 or torch.backends.cudnn.allow_tf32))
     return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
 
 

@@ -6,7 +6,7 @@ so each such op is answered here from what the trace knows about the tensor (`fa
 exactly where the way it was made decides it (a uniform draw compared with 0, a mask of ids
 that are all in range), else under a named assumption (checks pass, routing is balanced, a
 mask selects every element). Every answer is recorded (kind, op, module, phase, count) and
-lands in the graph's meta["assumptions"]; where no assumption is sound, one GobrrrError names
+lands in the graph's meta.assumptions; where no assumption is sound, one GobrrrError names
 the op, the module and what to change.
 
 While the workload is built, `RealSmall` runs ops on small real tensors for real (schedules

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gobrrr.errors import GobrrrError
+from gobrrr.graph.meta import Region
 
 _ACTIVE = contextvars.ContextVar("gobrrr_compiled_capture", default=False)
 _MODULE: contextvars.ContextVar[str | None] = contextvars.ContextVar("gobrrr_compiled_module",
@@ -62,8 +63,8 @@ class Regions:
     graphs: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
 
-    def meta(self) -> list[list[Any]]:
-        return [list(r) for r in self.runs]
+    def meta(self) -> tuple[Region, ...]:
+        return tuple(Region(*r) for r in self.runs)
 
 
 class _Runner(torch.fx.Interpreter):
@@ -191,10 +192,9 @@ def tag(graph, regions: Regions):
             "torch.compile ran no compiled graph in the traced step (dynamo skipped the model "
             f"under torch {torch.__version__}'s dispatch modes): estimate it without compile")
     made = Counter(kind for kind, _ in regions.graphs)
-    return dataclasses.replace(graph, meta={**graph.meta, "compiled": True,
-                                            "compiled_regions": regions.meta(),
-                                            "compiled_graphs": dict(made),
-                                            "sdpa_backends": _backends(graph)})
+    return dataclasses.replace(graph, meta=graph.meta.replace(
+        compiled=True, compiled_regions=regions.meta(), compiled_graphs=dict(made),
+        sdpa_backends=_backends(graph)))
 
 
 _SDPA = {"_scaled_dot_product_cudnn_attention": "cudnn",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gobrrr.graph.ir import OpNode, TensorInfo
+from gobrrr.graph.meta import StepMeta, Tf32
 
 
 @dataclass(frozen=True)
@@ -29,23 +30,10 @@ class OpCost:
     launches: int
 
 
-@dataclass(frozen=True)
-class Tf32:
-    """Which fp32 work runs on TF32 tensor cores. PyTorch's defaults: matmuls no
-    (`torch.backends.cuda.matmul.allow_tf32` False), cuDNN convolutions yes
-    (`torch.backends.cudnn.allow_tf32` True)."""
-
-    matmul: bool = False
-    conv: bool = True
-
-
-def tf32_of(meta: dict) -> Tf32:
+def tf32_of(meta: StepMeta) -> Tf32:
     """The TF32 settings a traced step ran under (its graph's meta), PyTorch's defaults for
     graphs traced before they were recorded; precision "tf32" turns both on."""
-    if meta.get("precision") == "tf32":
-        return Tf32(True, True)
-    rec = meta.get("tf32") or {}
-    return Tf32(bool(rec.get("matmul", False)), bool(rec.get("conv", True)))
+    return meta.tf32_mode
 
 
 CostFn = Callable[[OpNode, "Tf32 | bool"], OpCost]

@@ -7,7 +7,7 @@ produce once and writes only what is used after it (or outlives the step). A red
 a kernel, so a group launches one kernel per reduction-like op (at least one). Views cost
 nothing.
 
-On a compiled capture (`gobrrr.capture.compiled`: meta "compiled_regions") the groups are
+On a compiled capture (`gobrrr.capture.compiled`: meta.compiled_regions) the groups are
 cut from the compiled graphs' runs only (the optimizer, and a loss computed outside the
 model, stay eager); on an eager trace, from the forward and backward phases.
 """
@@ -125,7 +125,7 @@ def regions(graph: StepGraph,
             phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> list[int]:
     """Each node's compiled region (an index; -1: runs eagerly): the compiled graphs' runs
     on a compiled capture, else one region per run of consecutive nodes in `phases`."""
-    runs = graph.meta.get("compiled_regions")
+    runs = graph.meta.compiled_regions
     out = [-1] * len(graph.nodes)
     if runs is not None:
         for r, (_, first, last) in enumerate(runs):

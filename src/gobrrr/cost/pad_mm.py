@@ -73,7 +73,7 @@ def copies(node: OpNode, planned=lambda t: False) -> list[tuple[TensorInfo, int]
 def by_op(graph: StepGraph, costs: list | None = None):
     """{op index: [(operand, copy bytes)]} of the matmuls in a compiled capture's regions.
     `costs`: the graph's `graph_costs`, where the caller has them."""
-    runs = graph.meta.get("compiled_regions")
+    runs = graph.meta.compiled_regions
     if not runs:
         return {}
     from gobrrr.cost.flops import graph_costs

@@ -164,10 +164,10 @@ def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
     at that count, the small and the large ones each at their own size's curve), in place of
     its ops' per-op costs, shared among them as those were. Unchanged where the graph does not
     name its optimizer or the calibration did not measure it."""
-    info = graph.meta.get("optimizer") or {}
-    curves = (rates.cal.optimizer_host if rates.cal else {}).get(info.get("key", ""))
+    info = graph.meta.optimizer
+    curves = (rates.cal.optimizer_host if rates.cal else {}).get(info.key if info else "")
     idx = [o.index for o in ops if o.phase == "optimizer"]
-    tensors, large = info.get("tensors") or 0, info.get("large") or 0
+    tensors, large = (info.tensors, info.large) if info else (0, 0)
     if not curves or not idx or tensors <= 0:
         return ops
     by_size = sorted((int(k), v) for k, v in curves.items())
@@ -232,7 +232,7 @@ def model_flops_6n(graph: StepGraph) -> float:
     a tied output head included) plus 3 × the forward score and value matmuls over the full
     S×S (12·L·d·S per token, not halved for causal). Meaningful for dense transformers only:
     it counts images as tokens and every expert of an MoE."""
-    n = graph.meta.get("trainable_params", 0) - graph.meta.get("embedding_params", 0)
+    n = graph.meta.trainable_params - graph.meta.embedding_params
     attn = 0.0
     for node, w in zip(graph.nodes, graph.weights(), strict=True):
         if node.phase == "forward" and _is_attention_forward(node):
@@ -240,7 +240,7 @@ def model_flops_6n(graph: StepGraph) -> float:
             b, h, s_q, d = _bhsd(q)
             s_k = k.shape[-2]
             attn += 4.0 * b * h * s_q * s_k * d * w
-    return 6.0 * n * graph.meta.get("tokens", 0) + 3.0 * attn
+    return 6.0 * n * graph.meta.tokens + 3.0 * attn
 
 
 def _is_attention_forward(node: OpNode) -> bool:

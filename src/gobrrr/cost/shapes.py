@@ -25,9 +25,9 @@ def checkpointed_modules(graph: StepGraph) -> set[str]:
 
 
 def selective_modules(graph: StepGraph) -> set[str]:
-    """Modules inside the blocks the step checkpoints selectively (meta["checkpoint"] maps
+    """Modules inside the blocks the step checkpoints selectively (meta.checkpoint maps
     block names to policies when the blocks are not all checkpointed fully)."""
-    policies = graph.meta.get("checkpoint")
+    policies = graph.meta.checkpoint
     if not isinstance(policies, dict):
         return set()
     blocks = {b for b, p in policies.items() if p == "selective"}

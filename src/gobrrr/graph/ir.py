@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gobrrr.errors import GobrrrError
+from gobrrr.graph.meta import StepMeta
 
 SCHEMA_VERSION = 1
 
@@ -144,12 +145,18 @@ class OpNode:
 @dataclass(frozen=True)
 class StepGraph:
     """One full training step. `meta` says what was traced: model, batch, seq, precision,
-    tokens per step, parameter counts, the device the ops were traced on."""
+    tokens per step, parameter counts, the device the ops were traced on, and what the
+    passes did (`gobrrr.graph.meta.StepMeta`)."""
 
     nodes: tuple[OpNode, ...]
     storages: tuple[StorageInfo, ...]
-    meta: dict[str, Any]
+    meta: StepMeta
     version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.meta, StepMeta):  # a dict would be read by key, untyped
+            raise TypeError(f"StepGraph.meta must be a StepMeta, got {type(self.meta).__name__}"
+                            ": build it with StepMeta(...) or StepMeta.from_dict(d)")
 
     def storage(self, sid: int) -> StorageInfo:
         return self.storages[sid]
@@ -166,8 +173,8 @@ class StepGraph:
         """(start, end, times): nodes[start:end] stand for `times` identical runs of
         themselves (the later micro-batches of an accumulated step; `passes.accumulate`),
         or None. Memory needs them once; time and FLOPs count them `times` times."""
-        r = self.meta.get("repeat")
-        return (int(r["start"]), int(r["end"]), int(r["times"])) if r else None
+        r = self.meta.repeat
+        return (r.start, r.end, r.times) if r else None
 
     def weights(self) -> list[int]:
         """How many times each node runs in the step (see `repeat`)."""
@@ -178,7 +185,10 @@ class StepGraph:
 
     # -- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        data = {"nodes": [asdict(n) for n in self.nodes],
+                "storages": [asdict(s) for s in self.storages],
+                "meta": self.meta.to_dict(), "version": self.version}
+        return json.dumps(data, separators=(",", ":"))
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a half-written graph never exists on disk."""
@@ -217,7 +227,8 @@ class StepGraph:
             for n in data["nodes"]
         )
         storages = tuple(StorageInfo(**s) for s in data["storages"])
-        return StepGraph(nodes=nodes, storages=storages, meta=data["meta"], version=version)
+        return StepGraph(nodes=nodes, storages=storages, meta=StepMeta.from_dict(data["meta"]),
+                         version=version)
 
     @staticmethod
     def load(path: str | Path) -> StepGraph:

@@ -23,24 +23,15 @@ from typing import Any
 import torch
 
 from gobrrr.capture.recorder import StorageTable
+from gobrrr.graph.meta import AUTOGRAD_VERSION, Autograd, NodeSpan, SavedRow, Unreferenced
 from gobrrr.workload import iter_tensors
 
-AUTOGRAD = "autograd"  # the graph's meta key
-AUTOGRAD_VERSION = 1
+AUTOGRAD = "autograd"  # the graph's meta key (StepMeta.autograd)
 
-#: One row of meta["autograd"]["saved"]: the forward op, the storage it saved, whether the
-#: save happens after the op ran (one of its outputs) or before (an input), whether the saved
-#: tensor requires grad, and the saved view.
-SAVED_FIELDS = ("op", "storage", "after", "requires_grad", "shape", "stride", "dtype", "offset")
-#: One row of meta["autograd"]["node_spans"]: the forward op whose node saved tensors, and
-#: the first and last op its backward ran (first = last + 1: it ran no op). Autograd unpacks
-#: what the node saved before its first op and lets go of it after its last.
-SPAN_FIELDS = ("op", "first", "last")
-#: One row of meta["autograd"]["unreferenced"]: a saved storage, and the forward op after
-#: which no Python reference to it was left (saved ones only: what checkpointing frees).
-UNREFERENCED_FIELDS = ("storage", "op")
-#: meta["autograd"]["block_inputs"]: {block name: the storages of the tensors passed to its call}. A
-#: checkpointed block keeps its arguments until its last node in backward is done.
+#: The fields of the rows StepMeta.autograd holds (gobrrr.graph.meta documents each).
+SAVED_FIELDS = SavedRow._fields
+SPAN_FIELDS = NodeSpan._fields
+UNREFERENCED_FIELDS = Unreferenced._fields
 
 _WINDOW = 16  # ops an output is watched for its node before it is given up
 
@@ -88,11 +79,12 @@ class SavedTracker:
             self._resolve(index)
             self.rows = [] if self.hooked else self._walk()
 
-    def meta(self) -> dict[str, Any]:
-        """What the trace learnt, for meta[AUTOGRAD]."""
-        return {"version": AUTOGRAD_VERSION, "hooked": self.hooked, "saved": self.rows or [],
-                "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
-                "block_inputs": self.block_inputs}
+    def meta(self) -> Autograd:
+        """What the trace learnt, for StepMeta.autograd."""
+        return Autograd.from_dict({
+            "version": AUTOGRAD_VERSION, "hooked": self.hooked, "saved": self.rows or [],
+            "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
+            "block_inputs": self.block_inputs})
 
     def watch_blocks(self, model: torch.nn.Module, names: list[str]) -> list[Any]:
         """Record the tensors each block in `names` is called with; returns the hook handles."""

@@ -27,14 +27,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gobrrr.memory.allocator import AllocatorStats, CachingAllocator, OutOfMemory
 from gobrrr.cost import conv, pad_mm
-from gobrrr.memory.scratch import attention as attention_scratch
-from gobrrr.memory.scratch import norm as norm_scratch
-from gobrrr.memory.scratch import reduce as reduce_scratch
 from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.memory.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gobrrr.memory.scratch import attention as attention_scratch
+from gobrrr.memory.scratch import norm as norm_scratch
+from gobrrr.memory.scratch import reduce as reduce_scratch
 
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
 STEPS = 4  # steps replayed: the measured protocol's 3 warm-ups + the measured step

@@ -1,5 +1,5 @@
 """What the checkpoint pass needs to know about each checkpointed block, read off a graph
-traced without checkpointing: its forward ops, what its autograd nodes saved (meta["autograd"]),
+traced without checkpointing: its forward ops, what its autograd nodes saved (meta.autograd),
 where torch's recomputation stops, where backward first unpacks it, and when each saved
 tensor would have died had it not been saved (`python_death`)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gobrrr.graph.saved import AUTOGRAD
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
+from gobrrr.graph.meta import SavedRow
 from gobrrr.training.checkpointing import SELECTIVE_SAVE
 
 DETACH = "aten.detach.default"
@@ -27,7 +27,7 @@ class Save:
     view: TensorInfo
 
     @staticmethod
-    def from_row(row: list) -> Save:
+    def from_row(row: SavedRow) -> Save:
         op, sid, after, rg, shape, stride, dtype, offset = row
         return Save(op, bool(after), bool(rg),
                     TensorInfo(tuple(shape), tuple(stride), dtype, sid, offset))
@@ -84,8 +84,8 @@ class Facts:
             for sid in {t.storage for t in n.inputs}:
                 self.readers.setdefault(sid, []).append(n.index)
         self.saves: dict[int, list[Save]] = {}
-        autograd = graph.meta[AUTOGRAD]
-        for row in autograd["saved"]:
+        autograd = graph.meta.autograd
+        for row in autograd.saved:
             s = Save.from_row(row)
             self.saves.setdefault(s.op, []).append(s)
         self.saved_by: dict[int, set[int]] = {}
@@ -94,12 +94,12 @@ class Facts:
                 self.saved_by.setdefault(s.view.storage, set()).add(op)
         self.spans: dict[int, list[tuple[int, int]]] = {}
         self.owner: dict[int, int] = {}  # backward op -> the forward op whose node ran it
-        for op, first, last in autograd["node_spans"]:
+        for op, first, last in autograd.node_spans:
             self.spans.setdefault(op, []).append((first, last))
             self.owner.update(dict.fromkeys(range(first, last + 1), op))
-        self.let_go = dict(autograd["unreferenced"])
-        self.block_inputs = {k: set(v) for k, v in autograd["block_inputs"].items()}
-        self.autocast = str(graph.meta.get("precision", "")).endswith("-mixed")
+        self.let_go = dict(autograd.unreferenced)
+        self.block_inputs = {k: set(v) for k, v in autograd.block_inputs.items()}
+        self.autocast = graph.meta.precision.is_mixed
 
     def fwd_reads(self, sid: int) -> list[int]:
         return [i for i in self.readers.get(sid, ()) if i < self.first_bwd]
@@ -113,7 +113,7 @@ def make_block(facts: Facts, name: str, policy: str) -> Block:
     nodes = facts.graph.nodes
     if name not in facts.modules:
         raise GobrrrError(f"checkpoint: no forward op ran in module {name!r}; name a block "
-                          f"from the graph's meta['blocks'] ({_listed(facts)})")
+                          f"from the graph's meta.blocks ({_listed(facts)})")
     lo, hi, count = facts.modules[name]
     ops = range(lo, hi + 1)
     if hi - lo + 1 != count:
@@ -134,7 +134,7 @@ def make_block(facts: Facts, name: str, policy: str) -> Block:
 
 
 def _listed(facts: Facts) -> str:
-    blocks = facts.graph.meta.get("blocks") or []
+    blocks = facts.graph.meta.blocks or ()
     return ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "") or "none recorded"
 
 
@@ -168,7 +168,7 @@ def _end_of_apply(nodes, first: int, last: int) -> int:
 def python_death(facts: Facts, sid: int) -> int | None:
     """The forward op after which storage `sid` (made in the forward, saved for backward in
     the original graph) dies once nothing saves it: where the trace saw Python let go of it
-    (meta["autograd"]["unreferenced"]), except autocast's cast of a parameter, which
+    (meta.autograd.unreferenced), except autocast's cast of a parameter, which
     autocast's cache keeps to the end of the forward. None: Python held it into backward."""
     nodes = facts.graph.nodes
     made = nodes[facts.graph.storages[sid].created]

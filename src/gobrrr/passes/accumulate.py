@@ -12,7 +12,7 @@ accumulated step as PyTorch runs it (`loss / n` backward per micro-batch, one
 - the optimizer runs once, at the end.
 
 Micro-batches 2..n are identical, so the graph holds two micro-batches and marks the second
-as standing for n - 1 runs (`meta["repeat"]`): memory replays it once (its peak is every later
+as standing for n - 1 runs (`StepMeta.repeat`): memory replays it once (its peak is every later
 micro-batch's), time and FLOPs count it n - 1 times. The batch lives on the device whole, as
 the global batch the step is given: input storages grow n-fold (the micro-batches are views
 of it). The `loss / n` scaling (one scalar op per micro-batch) is left out of the graph.
@@ -58,17 +58,8 @@ def accumulate(graph: StepGraph, n: int) -> StepGraph:
     copies = {new: graph.storages[old] for old, new in remap.items()}
     storages = [_placed(s, split, shift, n) if s.id not in copies else
                 _copied(s, copies[s.id], pos, added) for s in storages]
-    meta = dict(graph.meta, accumulation=n,
-                repeat={"start": split, "end": split + shift, "times": n - 1},
-                tokens=int(graph.meta.get("tokens") or 0) * n,
-                syncs=_syncs(graph.meta.get("syncs") or (), split, shift),
-                passes=[*graph.meta.get("passes", ()), {"pass": "accumulate", "n": n}])
-    if graph.meta.get("compiled_regions"):  # micro-batch 2 runs the same compiled graphs
-        meta["compiled_regions"] = [*graph.meta["compiled_regions"],
-                                    *([k, pos[a], pos[b]] for k, a, b in
-                                      graph.meta["compiled_regions"] if b < split)]
     return StepGraph(nodes=(*graph.nodes[:split], *second, *rest), storages=tuple(storages),
-                     meta=meta)
+                     meta=graph.meta.with_repeated(split, shift, pos, n))
 
 
 def _second_storages(graph: StepGraph, split: int, storages: list[StorageInfo]
@@ -137,8 +128,3 @@ def _copied(s: StorageInfo, orig: StorageInfo, pos: dict[int, int],
     temporary dies at its add_."""
     freed = added.get(s.id, pos.get(orig.freed) if orig.freed is not None else None)
     return dataclasses.replace(s, created=pos[orig.created], freed=freed)
-
-
-def _syncs(syncs, split: int, shift: int) -> list[int]:
-    return sorted({*(i for i in syncs if i < split), *(i + shift for i in syncs if i < split),
-                   *(i + shift for i in syncs if i >= split)})

@@ -19,7 +19,7 @@ apply_checkpointing` do, op for op:
   tensor that requires grad) and reads the recomputed copies.
 
 What autograd saved, when each node ran in backward, when Python let go of each saved tensor
-and what each block was called with come from the trace (meta["autograd"],
+and what each block was called with come from the trace (meta.autograd,
 `gobrrr.graph.saved`). The new graph describes the checkpointed step and no longer carries
 them (the pass applies to graphs traced without checkpointing).
 """
@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from gobrrr.graph.saved import AUTOGRAD, AUTOGRAD_VERSION
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.meta import AUTOGRAD_VERSION, StepMeta
 from gobrrr.passes import gc_paused
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
 from gobrrr.training.checkpointing import POLICIES, checkpoint_meta
@@ -39,7 +39,7 @@ from gobrrr.training.checkpointing import POLICIES, checkpoint_meta
 
 def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
     """The step of `graph` (traced without checkpointing) with each block in `policies`
-    ({block name: "full" | "selective"}, names as meta["blocks"] lists them) checkpointed.
+    ({block name: "full" | "selective"}, names as meta.blocks lists them) checkpointed.
     Returns a new graph; `graph` is not changed."""
     _check(graph, policies)
     if not policies:
@@ -53,10 +53,10 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
                 raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one "
                                   "is inside the other); checkpoint one of them")
         out = _Builder(facts, blocks).build()
-    meta = dict(out.meta, checkpoint=checkpoint_meta(policies, graph.meta.get("blocks") or []),
-                checkpointed_blocks=len(policies),
-                passes=[*graph.meta.get("passes", []),
-                        {"pass": "checkpoint", "policies": dict(policies)}])
+    meta = out.meta.with_pass(
+        {"pass": "checkpoint", "policies": dict(policies)},
+        checkpoint=checkpoint_meta(policies, list(graph.meta.blocks or [])),
+        checkpointed_blocks=len(policies))
     return dataclasses.replace(out, meta=meta)
 
 
@@ -65,18 +65,18 @@ def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
         if policy not in POLICIES:
             raise GobrrrError(f"checkpoint: unknown policy {policy!r} for block {name!r}: "
                               f"choose {', '.join(POLICIES)}")
-    if graph.meta.get("checkpoint", "none") != "none" or any(
+    if graph.meta.checkpoint_mode != "none" or any(
             n.phase == "recompute" for n in graph.nodes):
         raise GobrrrError("checkpoint: the graph is already checkpointed (by gobrrr, or by the "
                           "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
                           "to a graph traced without checkpointing")
-    autograd = graph.meta.get(AUTOGRAD) or {}
-    if autograd.get("hooked"):
+    autograd = graph.meta.autograd
+    if autograd is not None and autograd.hooked:
         raise GobrrrError("checkpoint: the step saves tensors for backward through saved-tensor "
                           "hooks (the model checkpoints or offloads itself); trace it without")
-    if autograd.get("version") != AUTOGRAD_VERSION or "blocks" not in graph.meta:
+    if autograd is None or autograd.version != AUTOGRAD_VERSION or graph.meta.blocks is None:
         raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
-                          "backward (meta['autograd'] of this version); capture it again with "
+                          "backward (meta.autograd of this version); capture it again with "
                           "this gobrrr")
 
 
@@ -94,7 +94,7 @@ class _Builder:
         self.remap: dict[int, tuple[int, Block]] = {}  # backward reads of sid -> copy
         self.dropped = self._dropped()
         self.rc: dict[int, int] = {}  # original op -> its recomputed copy's new index
-        self.syncs = set(self.g.meta.get("syncs") or ())
+        self.syncs = set(self.g.meta.syncs or ())
         self.new_syncs: list[int] = []
         self.kernel_clone = self._kernel_clones()
         self.inside = {i for c in blocks for i in range(c.lo, c.hi + 1)}  # checkpointed ops
@@ -344,11 +344,9 @@ class _Builder:
                       for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 
-    def _meta(self) -> dict:
-        meta = dict(self.g.meta)
-        meta["syncs"] = sorted([self._at(i) for i in self.syncs] + self.new_syncs)
-        del meta[AUTOGRAD]  # what autograd did in the plain step
-        return meta
+    def _meta(self) -> StepMeta:
+        # autograd: what it did in the plain step
+        return self.g.meta.with_ops_moved(self._at, self.new_syncs).replace(autograd=None)
 
 
 def _on(t: TensorInfo, storage: int) -> TensorInfo:

@@ -11,7 +11,7 @@ intermediate values stay in registers. So a tensor made inside a fused group is 
 only if something outside the group reads it: an extern kernel, a later group, the
 backward (the tensors the forward saves are its graph's outputs), the eager code after the
 compiled region, or the next step. The rest become storages of 0 bytes (their ops keep their
-shapes, so the time model still sees what the group computes); meta["inductor"] says how many
+shapes, so the time model still sees what the group computes); meta.inductor says how many
 and how many bytes.
 
 What is allocated, Inductor's generated code allocates and frees as its wrapper writes it
@@ -32,7 +32,7 @@ What is allocated, Inductor's generated code allocates and frees as its wrapper 
 - a misaligned 16-bit matmul runs on zero-padded copies of its operands (pad_mm; the copies'
   bytes are `gobrrr.cost.pad_mm`'s, allocated with the matmul), and an operand read
   last by it is freed once its copy is made.
-meta["inductor"] counts the buffers written in place ("in_place"), taken from the pool
+meta.inductor counts the buffers written in place ("in_place"), taken from the pool
 ("reused") and the matmuls padded ("padded").
 """
 
@@ -61,10 +61,10 @@ def unallocated(graph: StepGraph) -> set[int]:
 
 
 def inductor(graph: StepGraph) -> StepGraph:
-    """`graph` (a compiled capture: meta["compiled_regions"]) with the storages Inductor
+    """`graph` (a compiled capture: meta.compiled_regions) with the storages Inductor
     fuses away at 0 bytes, and the rest allocated and freed as Inductor's generated code
     does (see the module docstring). A graph without compiled regions is returned as it is."""
-    if not graph.meta.get("compiled_regions") or graph.meta.get("inductor"):
+    if not graph.meta.compiled_regions or graph.meta.inductor:
         return graph
     gone = unallocated(graph)
     fused_bytes = sum(graph.storages[sid].nbytes for sid in gone)
@@ -74,8 +74,8 @@ def inductor(graph: StepGraph) -> StepGraph:
     storages = tuple(dataclasses.replace(s, created=life.created, freed=life.freed,
                                          nbytes=life.nbytes)
                      for s, life in zip(graph.storages, plan.storages, strict=True))
-    meta = {**graph.meta, "inductor": {"unallocated": len(gone), "unallocated_bytes":
-                                       fused_bytes, **counts}}
+    meta = graph.meta.replace(inductor={"unallocated": len(gone), "unallocated_bytes":
+                                        fused_bytes, **counts})
     return dataclasses.replace(graph, nodes=tuple(plan.nodes), storages=storages, meta=meta)
 
 
@@ -100,7 +100,7 @@ class _Planner:
         self.graph, self.storages = graph, storages
         self.nodes = list(graph.nodes)
         self.region = regions(graph)
-        self.runs = graph.meta["compiled_regions"]
+        self.runs = graph.meta.compiled_regions
         self.costs = graph_costs(graph)
         self.made_by = graph.allocated_by()
         self.dtype: dict[int, str] = {}

@@ -3,7 +3,7 @@
 A step traced at micro-batches b1 < b2 runs, for the workloads gobrrr traces, the same ops on
 the same storages at both; only integers differ: tensor shapes, strides and offsets, integer
 arguments (view sizes, split sizes, numels; whole-number floats such as the token count a
-router's auxiliary loss divides by), storage bytes, meta["tokens"] and counts in meta's
+router's auxiliary loss divides by), storage bytes, meta.tokens and counts in meta's
 assumptions. Each is taken as an exact affine function of the micro-batch,
 
     v(b) = v1 + (v2 - v1) * (b - b1) / (b2 - b1),
@@ -39,6 +39,7 @@ from typing import Any
 
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.meta import StepMeta
 from gobrrr.passes import gc_paused
 
 #: The micro-batches the planner traces a workload at, to derive every other one.
@@ -242,7 +243,7 @@ class BatchFamily:
         self._nodes = _diff_nodes(differ, g1, g2)
         self._storages = _diff_storages(differ, g1, g2)
         self._meta = differ.tree(_own_meta(g1.meta, False), _own_meta(g2.meta, False),
-                                 "meta", "meta")
+                                 "meta", "meta")  # in its JSON form: integers at the leaves
         self.step, self._coarsest = _period(differ.deltas, b2 - b1)
         self.varying = len(differ.deltas)  # integers that follow the batch
 
@@ -283,7 +284,8 @@ class BatchFamily:
             storages = tuple(s if type(s) is StorageInfo else _storage_at(s, k, den)
                              for s in self._storages)
         _check_sizes(b, storages)
-        meta = _with_pass({**self.graph1.meta, **_fill(self._meta, k, den)}, b, traced=False)
+        filled = {**self.graph1.meta.to_dict(), **_fill(self._meta, k, den)}
+        meta = _with_pass(StepMeta.from_dict(filled), b, traced=False)
         return StepGraph(nodes=nodes, storages=storages, meta=meta, version=self.graph1.version)
 
     def check(self, graph: StepGraph, b: int) -> Mismatch | None:
@@ -308,10 +310,10 @@ def family(trace: Callable[[int], StepGraph], b1: int = TRACE_AT[0],
         return BatchFamily(trace(b1), b1, g2, b2, trace=trace)
 
 
-def _with_pass(meta: dict[str, Any], b: int, traced: bool) -> dict[str, Any]:
-    """`meta` with the micro-batch set and this pass appended to meta["passes"]."""
+def _with_pass(meta: StepMeta, b: int, traced: bool) -> StepMeta:
+    """`meta` with the micro-batch set and this pass appended to meta.passes."""
     step = {"pass": "micro_batch", "micro_batch": b, **({"traced": True} if traced else {})}
-    return {**meta, "micro_batch": b, "passes": [*meta.get("passes", ()), step]}
+    return meta.with_pass(step, micro_batch=b)
 
 
 def _check_batch(b: Any, name: str) -> None:
@@ -319,8 +321,9 @@ def _check_batch(b: Any, name: str) -> None:
         raise GobrrrError(f"{name} must be a whole number >= 1, got {b!r}")
 
 
-def _own_meta(meta: dict[str, Any], keep: bool) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if (k in _META_OWN) == keep}
+def _own_meta(meta: StepMeta, keep: bool) -> dict[str, Any]:
+    """`meta`'s JSON form, with only (keep) or without this pass's own keys."""
+    return {k: v for k, v in meta.to_dict().items() if (k in _META_OWN) == keep}
 
 
 def _diff_nodes(differ: _Differ, g1: StepGraph, g2: StepGraph) -> tuple[Any, ...]:

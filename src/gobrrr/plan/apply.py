@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.plan.knobs import Knobs
+from gobrrr.precision import Precision, check_precision
+from gobrrr.training.checkpointing import apply_checkpointing
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.optimizers import states_optimizer
-from gobrrr.plan.knobs import Knobs
-from gobrrr.precision import check_precision
 from gobrrr.training.step import TrainStep, batch_size, cast_batch, make_scaler
-from gobrrr.training.checkpointing import apply_checkpointing
 from gobrrr.workload import Batch, Workload, map_tensors
 
 
@@ -97,11 +97,11 @@ def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
     device it is on. Every error is one GobrrrError line naming the value and the fix."""
     knobs = as_knobs(knobs)
     check_precision(precision)
-    precision = knobs.precision(precision)
+    precision = Precision.parse(knobs.precision(precision))
     model = workload.model
     changes = []
-    if precision == "bf16":
-        model.to(torch.bfloat16)
+    if precision.casts_weights:
+        model.to(precision.param_dtype)
         changes.append("weights in bfloat16")
     if knobs.fused_loss:
         changes.append(_fused_loss(workload))
@@ -115,7 +115,7 @@ def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
     if knobs.compile:
         runner = torch.compile(model)
         changes.append("torch.compile(model)")
-    return AppliedStep(workload, model, runner, optimizer, knobs, precision, tuple(changes))
+    return AppliedStep(workload, model, runner, optimizer, knobs, precision.name, tuple(changes))
 
 
 def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:

@@ -23,13 +23,13 @@ from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
 from gobrrr.memory.replay import process_budget
-from gobrrr.training.offload import host_bytes
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.result import Plan, PlanResult
+from gobrrr.training.offload import host_bytes
 
 #: The share of the budget a plan leaves unplanned by default: none. What fits is judged as
 #: `gobrrr estimate` judges it: the predicted reserved peak within the budget. Measured on an
@@ -121,7 +121,7 @@ class Planner:
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
         self.search = _Search(self.req, self.target, self.steps,
-                              list(self.base.meta.get("blocks") or ()), variants)
+                              list(self.base.meta.blocks or ()), variants)
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
@@ -181,7 +181,7 @@ class Planner:
         plans = self.search.run()
         user = self.search.user()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
-        return PlanResult(workload=str(self.base.meta.get("name")), gpu=self.target.gpu.name,
+        return PlanResult(workload=str(self.base.meta.name), gpu=self.target.gpu.name,
                           precision=self.precision, global_batch=self.req.global_batch,
                           budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
                           plans=tuple(ranked), considered=self.search.evaluated,

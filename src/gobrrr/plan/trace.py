@@ -10,13 +10,13 @@ from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
-from gobrrr.hardware import Target
-from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.graph.ir import StepGraph
-from gobrrr.training.offload import stand_in
-from gobrrr.training.optimizers import adam_hyper
-from gobrrr.training.optim_trace import traced_states_optimizer
+from gobrrr.hardware import Target
 from gobrrr.plan.knobs import Knobs
+from gobrrr.training.fused_loss import use_fused_loss
+from gobrrr.training.offload import stand_in
+from gobrrr.training.optim_trace import traced_states_optimizer
+from gobrrr.training.optimizers import adam_hyper
 from gobrrr.workload import Workload, iter_tensors, map_tensors
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import MATMUL_MATH, time_op
 from gobrrr.graph.ir import StepGraph
+from gobrrr.graph.meta import StepMeta
 from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.precision import Precision
 from gobrrr.profile.join import JoinedTrace, TraceOp, align_graph
 from gobrrr.profile.result import GroupTime, MeasuredOp
 from gobrrr.profile.shapes import op_kind, shape_cost
@@ -56,7 +57,8 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     keep = _step_filter(joined, step)
     nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))
     rates = Rates(gpu, calibration) if gpu is not None and joined.has_device else None
-    tf32 = tf32_of(graph.meta if graph is not None else {"precision": precision})
+    tf32 = (graph.meta if graph is not None else StepMeta(precision=Precision.parse(precision))
+            ).tf32_mode
     ops = []
     for o in joined.ops:
         if not keep(o):

@@ -37,17 +37,16 @@ class StepFlops:
 
 def step_flops(graph: StepGraph) -> StepFlops:
     """The counts of a traced step (no GPU, no time: FLOPs of the graph's ops)."""
-    from gobrrr.cost._ops_common import tf32_of
     from gobrrr.cost.flops import op_cost
     from gobrrr.cost.roofline import model_flops, model_flops_6n
     from gobrrr.evaluate import throughput_unit
 
-    tf32 = tf32_of(graph.meta)
+    tf32 = graph.meta.tf32_mode
     costs = [op_cost(n, tf32) for n in graph.nodes]
-    palm = float(model_flops_6n(graph)) if graph.meta.get("seq_len") else None
+    palm = float(model_flops_6n(graph)) if graph.meta.seq_len else None
     return StepFlops(model=float(model_flops(graph, costs)),
                      executed=float(sum(c.flops for c in costs)), palm=palm,
-                     unit=throughput_unit(graph), units=int(graph.meta.get("tokens") or 0),
+                     unit=throughput_unit(graph), units=int(graph.meta.tokens or 0),
                      source="traced step graph")
 
 

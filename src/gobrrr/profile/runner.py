@@ -26,7 +26,7 @@ from gobrrr.capture import CHECKPOINTS
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GiB, GpuSpec, Target, match_device_name
-from gobrrr.precision import check_precision
+from gobrrr.precision import Precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
 from gobrrr.profile.timing import sync
 from gobrrr.profile.timing import time_steps as time_steps  # benchmarks import it here
@@ -48,8 +48,9 @@ def matmul_precision(precision: str) -> Iterator[None]:
     cuDNN's setting left as it is (PyTorch's default: TF32 convolutions, which the trace
     records and the cost model follows); restored after."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    if precision == "tf32":
+    tf32 = Precision.parse(precision).tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if tf32:
         torch.backends.cudnn.allow_tf32 = True
     try:
         yield
@@ -77,11 +78,11 @@ def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "
 
     The workload's own tensors are moved (its model in place); "bf16" casts the model and the
     floating inputs to bfloat16. `checkpoint` "none", or "full" (each repeated block)."""
-    check_precision(precision)
+    p = Precision.parse(precision)
     model = workload.model.to(device)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    if p.casts_weights:
+        model = model.to(p.param_dtype)
+    dtype = p.param_dtype if p.casts_weights else None
     batch = map_tensors(workload.batch, lambda t: t.to(
         device, dtype=dtype if dtype is not None and t.is_floating_point() else None))
     if checkpoint not in CHECKPOINTS:

@@ -20,11 +20,11 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
     ckpt, recomputed = checkpointing(est.graph)
     return {
         "version": ESTIMATE_VERSION,
-        "workload": {**{k: v for k, v in est.graph.meta.items()
+        "workload": {**{k: v for k, v in est.graph.meta.to_dict().items()
                         if k not in ("info", "assumptions", "autograd")},
                      "compiled": est.compiled, "checkpointing": ckpt,
                      "recomputed_ops": recomputed},
-        "assumptions": list(est.graph.meta.get("assumptions") or []),
+        "assumptions": list(est.graph.meta.assumptions or []),
         "gpu": {"name": est.gpu.name, "memory_bytes": est.gpu.memory_bytes,
                 "calibration": est.calibration},
         "memory": {"peak_bytes": m.peak, "peak_rounded_bytes": m.peak_rounded,

@@ -15,7 +15,6 @@ from rich.text import Text
 from gobrrr.evaluate import Estimate, checkpointing, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
-from gobrrr.precision import peak_mode
 from gobrrr.report.advice import hints
 
 KIND_ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation",
@@ -80,7 +79,7 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
         c.print(_formulas_table(est))
     for h in hints(est):
         c.print(Text.assemble(("hint: ", "yellow"), h))
-    for line in assumption_lines(est.graph.meta.get("assumptions") or []):
+    for line in assumption_lines(est.graph.meta.assumptions or []):
         c.print(line)
 
 
@@ -91,12 +90,12 @@ def summary_lines(est: Estimate) -> list[Text]:
            else "datasheet peaks, no calibration")
     mode = " · torch.compile" if est.compiled else ""
     unit = throughput_unit(est.graph)
-    head = Text.assemble((str(meta.get("name")), "bold"), f" · {meta.get('precision')}{mode} · "
+    head = Text.assemble((str(meta.name), "bold"), f" · {meta.precision}{mode} · "
                          f"{_checkpoint(est)} · {t.tokens:,} {unit}/step · "
-                         f"{human_count(meta.get('params', 0))} params · on ",
+                         f"{human_count(meta.params)} params · on ",
                          (est.gpu.name, "bold"), f" ({cal})")
     verdict = Text("fits", "green") if est.fits else Text("does NOT fit", "red")
-    if est.compiled and not meta.get("compiled"):  # an eager trace costed as compiled
+    if est.compiled and not meta.compiled:  # an eager trace costed as compiled
         verdict.append(" (eager step's memory: compiled graphs save less, so this is an upper "
                        "bound)")
     room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
@@ -106,7 +105,7 @@ def summary_lines(est: Estimate) -> list[Text]:
                          f"{room} (peak at op #{m.peak_index} {op_label(m.peak_op)} in "
                          f"'{m.peak_module or '<top>'}', {m.peak_phase})")
     share = t.regime_share()
-    pmode = peak_mode(meta.get("precision", ""))
+    pmode = meta.precision.peak_mode
     step = Text(f"step {human_time(t.step_s)} · {t.tokens_per_s:,.0f} {unit}/s · MFU "
                 f"{t.mfu:.1%} · HFU {t.hfu:.1%} of the {pmode} peak "
                 f"({t.peak_flops / 1e12:,.0f} TFLOP/s) · compute {share.get('compute', 0):.0%}"

@@ -181,7 +181,7 @@ def checkpointed(model: nn.Module) -> dict[str, str]:
 
 
 def checkpoint_meta(policies: Mapping[str, str], blocks: list[str]) -> str | dict[str, str]:
-    """How a graph's meta["checkpoint"] names a step's checkpointing: "none", "full" (every
+    """How a graph's meta.checkpoint names a step's checkpointing: "none", "full" (every
     repeated block, "full"), or the {block: policy} mapping itself."""
     if not policies:
         return "none"

@@ -24,29 +24,30 @@ from typing import Any
 import torch
 
 from gobrrr.errors import GobrrrError
-from gobrrr.precision import autocast_dtype, check_precision
+from gobrrr.precision import Precision, autocast_dtype, check_precision
 from gobrrr.workload import Batch, Workload, _leaves, map_tensors
 
 PhaseContext = Callable[[str], contextlib.AbstractContextManager]
 
 
-def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+def autocast_for(precision: str | Precision, device_type: str) -> contextlib.AbstractContextManager:
     """torch.autocast for the mixed precisions, a no-op otherwise."""
     dtype = autocast_dtype(precision)
     return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:
+def make_scaler(precision: str | Precision, device_type: str) -> torch.amp.GradScaler | None:
     """The loss scaler fp16-mixed needs (fp16 gradients underflow without it); None otherwise."""
-    return torch.amp.GradScaler(device_type) if precision == "fp16-mixed" else None
+    return torch.amp.GradScaler(device_type) if Precision.parse(precision).needs_scaler else None
 
 
-def cast_batch(batch: Batch, precision: str) -> Batch:
+def cast_batch(batch: Batch, precision: str | Precision) -> Batch:
     """The batch as the precision runs it: floating tensors in bfloat16 for pure "bf16"
     (the model's weights are bf16 too), unchanged otherwise."""
-    if precision != "bf16":
+    dtype = Precision.parse(precision).param_dtype
+    if dtype == torch.float32:
         return batch
-    return map_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+    return map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def batch_size(batch: Batch) -> int:
@@ -100,7 +101,8 @@ class TrainStep:
             backward (the trace of the step then holds it no longer than it must).
     """
 
-    def __init__(self, workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
+    def __init__(self, workload: Workload, optimizer: torch.optim.Optimizer,
+                 precision: str | Precision,
                  *, device_type: str = "cuda", accumulation: int = 1,
                  scaler: torch.amp.GradScaler | None = None, phase: PhaseContext | None = None,
                  keep_loss: bool = True) -> None:

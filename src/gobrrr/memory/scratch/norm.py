@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-from gobrrr.memory.scratch.reduce import SMS, reduce_buffers
 from gobrrr.graph.ir import OpNode, StepGraph, itemsize
+from gobrrr.memory.scratch.reduce import SMS, reduce_buffers
 
 # op name -> positions of the tensor inputs the CUDA kernel makes contiguous
 COPIED = {"native_layer_norm": (0,), "native_layer_norm_backward": (0, 1)}

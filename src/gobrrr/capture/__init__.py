@@ -30,7 +30,7 @@ from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
 from gobrrr.graph.meta import OptimizerInfo, StepMeta, Tf32
-from gobrrr.graph.saved import SavedTracker
+from gobrrr.capture.saved import SavedTracker
 from gobrrr.precision import Precision
 from gobrrr.training.checkpointing import (
     apply_checkpointing,

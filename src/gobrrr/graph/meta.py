@@ -68,7 +68,7 @@ class Unreferenced(NamedTuple):
 
 @dataclass(frozen=True)
 class Autograd:
-    """What autograd did in the traced step (`gobrrr.graph.saved.SavedTracker`): the input
+    """What autograd did in the traced step (`gobrrr.capture.saved.SavedTracker`): the input
     of the checkpoint pass, which drops it from the graph it returns.
 
     version: AUTOGRAD_VERSION of the tracker that wrote it.

@@ -20,7 +20,7 @@ apply_checkpointing` do, op for op:
 
 What autograd saved, when each node ran in backward, when Python let go of each saved tensor
 and what each block was called with come from the trace (meta.autograd,
-`gobrrr.graph.saved`). The new graph describes the checkpointed step and no longer carries
+`gobrrr.capture.saved`). The new graph describes the checkpointed step and no longer carries
 them (the pass applies to graphs traced without checkpointing).
 """
 

@@ -42,7 +42,7 @@ def main() -> None:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "gobrrr.cli.main", "estimate", *args,
+            proc = subprocess.run([sys.executable, "-m", "gobrrr", "estimate", *args,
                                    "--json"], capture_output=True, text=True, env=env)
             times.append(time.perf_counter() - t0)
             if proc.returncode:

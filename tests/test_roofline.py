@@ -205,7 +205,8 @@ def test_forward_ops_under_checkpointing_cost_the_checkpointed_host_time(make_ca
     nodes = [OpNode(0, "aten.add.Tensor", "forward", "h.0", (x, x), (x,)),
              OpNode(1, "aten.add.Tensor", "forward", "head", (x, x), (x,)),
              OpNode(2, "aten.add.Tensor", "recompute", "h.0", (x, x), (x,))]
-    graph = StepGraph(nodes=tuple(nodes), storages=(), meta=StepMeta(tokens=1, precision=Precision.parse("fp32")))
+    meta = StepMeta(tokens=1, precision=Precision.parse("fp32"))
+    graph = StepGraph(nodes=tuple(nodes), storages=(), meta=meta)
     cal = make_cal(op_overhead={"forward": 10e-6, "backward": 12e-6, "recompute": 20e-6,
                                 "checkpointed": 30e-6})
     hosts = [o.host_s for o in predict(graph, H100, cal).ops]

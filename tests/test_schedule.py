@@ -7,6 +7,7 @@ import pytest
 
 from gobrrr.cost.roofline import OpTime
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
+from gobrrr.graph.meta import StepMeta
 from gobrrr.schedule.power import slowed
 from gobrrr.schedule.scheduler import OpSpan, place, schedule
 from gobrrr.schedule.streams import (
@@ -51,7 +52,7 @@ def _offload_graph():
     return StepGraph((node(0, "aten.mm.default", "backward"),
                       node(1, "gobrrr.offload_grad_d2h.default", "backward"),
                       node(2, "gobrrr.offload_cpu_step.default", "optimizer"),
-                      node(3, "gobrrr.offload_param_h2d.default", "optimizer")), (), {})
+                      node(3, "gobrrr.offload_param_h2d.default", "optimizer")), (), StepMeta())
 
 
 def _param():

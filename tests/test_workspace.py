@@ -5,6 +5,7 @@ made by its first matmul; cuBLASLt its own once an addmm ran. Expected bytes by 
 from dataclasses import replace
 
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo
+from gobrrr.graph.meta import StepMeta
 from gobrrr.hardware import get_gpu
 from gobrrr.memory.replay import blas_workspace_ops, blas_workspaces, step_memory
 
@@ -26,7 +27,7 @@ def _linear_step():
                 StorageInfo(3, 4 * KiB, "gradient", 1, None))
     nodes = (OpNode(0, "aten.addmm.default", "forward", "fc", (), (), allocs=(2,)),
              OpNode(1, "aten.mm.default", "backward", "fc", (), (), allocs=(3,), frees=(2,)))
-    return StepGraph(nodes, storages, {})
+    return StepGraph(nodes, storages, StepMeta())
 
 
 def test_each_handle_and_cublaslt_keep_a_workspace():

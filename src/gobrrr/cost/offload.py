@@ -1,9 +1,10 @@
 """Times of CPU offload's ops (cost/_ops_offload.py) from the calibration's "offload" section
 (gobrrr.calibrate.sections.offload): copies over the host link, the CPU's optimizer step.
 
-The schedule (roofline._schedule) puts each on its timeline: a copy on the side stream
-(`side_s`), serial with the others; the CPU step on the host (`host_s`), after its gradient
-has landed. Nothing of them runs on the compute stream (`device_s` 0).
+The scheduler (gobrrr.schedule.scheduler) puts each on its timeline: a copy on its copy
+stream (`side_s`), serial with the others on the one host link; the CPU step on the host
+(`host_s`), after its gradient has landed. Nothing of them runs on the compute stream
+(`device_s` 0).
 """
 
 from __future__ import annotations

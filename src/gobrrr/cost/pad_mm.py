@@ -5,7 +5,7 @@ dimension is not a multiple of 8 elements (`torch/_inductor/fx_passes/pad_mm.py`
 `get_alignment_size`) into a matmul of zero-padded copies: the operands that hold the
 misaligned dimension are written into new buffers padded up to the next multiple, the matmul
 runs on those, and the copies are freed after it. The time model takes such matmuls at the
-aligned rate (`roofline._compiled`); this module gives the copies' bytes, allocated with the
+aligned rate (`roofline.compiled_times`); this module gives the copies' bytes, allocated with the
 matmul and freed after it. A copy Inductor writes itself gets its row stride padded too when
 it is over 1024 elements and not a multiple of 128 bytes (`config.comprehensive_padding`,
 `padding_alignment_bytes`, `padding_stride_threshold`).

@@ -339,8 +339,7 @@ class _Builder:
             storages.append(StorageInfo(s.id, s.nbytes, kind, created, freed, s.label, s.module))
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(OpNode(n.index, n.op, n.phase, n.module, n.inputs, n.outputs, n.args,
-                             n.kwargs, n.allocs, tuple(frees.get(n.index, ())))
+        nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ())))
                       for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 

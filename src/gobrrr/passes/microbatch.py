@@ -211,7 +211,7 @@ def _node_at(r: Any, k: int, den: int) -> OpNode:
         outputs=tuple(_tensor_at(t, k, den) for t in outs) if outs is not None else n.outputs,
         args=_fill(args, k, den) if args is not None else n.args,
         kwargs=_fill(kwargs, k, den) if kwargs is not None else n.kwargs,
-        allocs=n.allocs, frees=n.frees)
+        allocs=n.allocs, frees=n.frees, stream=n.stream)
 
 
 # -- the family ---------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ What each knob does to the real model (in the order applied, and why that order)
     2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
        cross-entropy (gobrrr.training.fused_loss); a change of the forward, so before compile.
     3. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
-       their policy (gobrrr.training.checkpointing.apply_checkpointing); before compile, which traces
-       through them.
+       their policy (gobrrr.training.checkpointing.apply_checkpointing); before compile,
+       which traces through them.
     4. optimizer_states / offload: the workload's optimizer is built, its hyper-parameters
        read, and it is replaced by one keeping bf16 or 8-bit moments, on the host when
        offloaded (gobrrr.training.optimizers); it holds the parameters themselves, compiled or not.

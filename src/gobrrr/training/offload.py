@@ -1,6 +1,6 @@
 """CPU offload of the optimizer, as the step graph sees it: a trace-time stand-in of torchao's
-CPUOffloadOptimizer (what `gobrrr.apply` runs for offload=True, gobrrr.training.optimizers) and the host
-memory it needs.
+CPUOffloadOptimizer (what `gobrrr.apply` runs for offload=True, gobrrr.training.optimizers)
+and the host memory it needs.
 
 What torchao's CPUOffloadOptimizer does (torchao/optim/cpu_offload.py), and the ops that
 stand for it in the graph (gobrrr:: custom ops, no kernels, costed in cost/_ops_offload.py
@@ -124,8 +124,9 @@ def _gpu_defaults(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def stand_in(opt: torch.optim.Optimizer) -> OffloadStandIn:
-    """The stand-in of `gobrrr.training.optimizers.states_optimizer(opt, "as-is", offload=True)`: the user's
-    Adam/AdamW, its groups and hyper-parameters, around torch's AdamW (fused) or Adam."""
+    """The stand-in of `gobrrr.training.optimizers.states_optimizer(opt, "as-is",
+    offload=True)`: the user's Adam/AdamW, its groups and hyper-parameters, around torch's
+    AdamW (fused) or Adam."""
     from gobrrr.training.optimizers import adam_hyper
 
     decoupled, groups = adam_hyper(opt)

@@ -101,8 +101,9 @@ def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
 
 
 class Planner:
-    """One workload at one global batch on one GPU: traced (twice) when made, then any
-    Knobs costed by passes over the traces (`cost`), or the whole search (`run`)."""
+    """One workload at one global batch on one GPU: probed (built once and asked, `Probe`)
+    and traced (twice) when made, then any Knobs costed by passes over the traces (`cost`),
+    or the whole search (`run`)."""
 
     def __init__(self, source, gpu: str | Target = "h100", *, global_batch: int | None = None,
                  seq: int | None = None, precision: str = "bf16-mixed",

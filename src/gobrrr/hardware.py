@@ -377,6 +377,11 @@ class Calibration:
     #: back by `save`, so a newer file survives an older reader's round trip
     unknown_sections: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def device_memory(self) -> int | None:
+        """The device memory CUDA reported where this calibration was measured (bytes)."""
+        return self.meta.get("memory")
+
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON object: every known field, then the unknown sections as read."""
         out = asdict(self)

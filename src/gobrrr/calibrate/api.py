@@ -241,7 +241,7 @@ def _meta(dev: torch.device, sizes, nbytes: int, seconds: float) -> dict:
         try:
             import triton
 
-            meta["triton"] = triton.__version__
+            meta.update(triton=triton.__version__)
         except ImportError:
             pass
     return meta

@@ -300,8 +300,8 @@ def bwd_dkdv(dout, q, k, v, lse, delta, causal, scale, dq_acc=None, config=None)
     bd, bucket, atomic = block_d(d), seq_bucket(max(s_q, s_k)), dq_acc is not None
     dq_arg = dq_acc if atomic else dk  # unused placeholder when not atomic
 
-    def grid(meta):
-        return (triton.cdiv(s_k, meta["BLOCK_N"]), b * hkv)
+    def grid(META):  # Triton passes the launch's meta-parameters
+        return (triton.cdiv(s_k, META["BLOCK_N"]), b * hkv)
 
     args = (q, k, v, dout, lse, delta, dk, dv, dq_arg,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
@@ -327,8 +327,8 @@ def bwd_dq(dout, q, k, v, out, lse, causal, scale, config=None):
     delta = torch.empty((b, h, s_q), device=q.device, dtype=torch.float32)
     bd, bucket = block_d(d), seq_bucket(max(s_q, s_k))
 
-    def grid(meta):
-        return (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)
+    def grid(META):  # Triton passes the launch's meta-parameters
+        return (triton.cdiv(s_q, META["BLOCK_M"]), b * h)
 
     args = (q, k, v, out, dout, lse, delta, dq,
             *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),

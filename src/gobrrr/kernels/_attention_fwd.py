@@ -236,8 +236,8 @@ def attention_forward(q, k, v, causal: bool, scale: float, config: triton.Config
     lse = torch.empty((b, h, s_q), device=q.device, dtype=torch.float32)
     bd, bucket = block_d(d), seq_bucket(max(s_q, s_k))
 
-    def grid(meta):
-        return (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)
+    def grid(META):  # Triton passes the launch's meta-parameters
+        return (triton.cdiv(s_q, META["BLOCK_M"]), b * h)
 
     args = (q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out),
             h, h // hkv, s_q, s_k, bucket, scale * LOG2E)

@@ -299,7 +299,7 @@ def process_budget(gpu: GpuSpec, cal: Calibration | None = None) -> int:
     """Bytes the caching allocator may reserve on `gpu`: the device memory CUDA reports (the
     calibration's measured total where it has one, else the spec's) minus what the process
     holds outside the allocator (CUDA_CONTEXT_BYTES, measured on an H100)."""
-    total = (cal.meta.get("memory") if cal else None) or gpu.memory_bytes
+    total = (cal.device_memory if cal else None) or gpu.memory_bytes
     return int(total) - CUDA_CONTEXT_BYTES
 
 

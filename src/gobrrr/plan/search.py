@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from gobrrr.cost.offload import NOT_CALIBRATED
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
@@ -28,8 +29,11 @@ from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.probe import Probe
 from gobrrr.plan.result import Plan, PlanResult
+from gobrrr.plan.trace import Tracer
 from gobrrr.training.offload import host_bytes
+from gobrrr.training.optim_trace import state_bytes
 
 #: The share of the budget a plan leaves unplanned by default: none. What fits is judged as
 #: `gobrrr estimate` judges it: the predicted reserved peak within the budget. Measured on an
@@ -97,26 +101,25 @@ def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
 
 
 class Planner:
-    """One workload at one global batch on one GPU: traced (twice) when made, then any
-    Knobs costed by passes over the traces (`cost`), or the whole search (`run`)."""
+    """One workload at one global batch on one GPU: probed (built once and asked, `Probe`)
+    and traced (twice) when made, then any Knobs costed by passes over the traces (`cost`),
+    or the whole search (`run`)."""
 
     def __init__(self, source, gpu: str | Target = "h100", *, global_batch: int | None = None,
                  seq: int | None = None, precision: str = "bf16-mixed",
                  memory_budget: int | None = None, allow: Iterable[str] = (),
                  margin: float = MARGIN, calibration=True) -> None:
-        from gobrrr.plan.trace import Tracer
-
         self.t0 = time.perf_counter()
         self.precision = precision
         self.target = Target.resolve(gpu, calibration)
-        self.tracer = Tracer(source, seq=seq, precision=precision, target=self.target)
-        self.req = _request(self.tracer, self.target, global_batch, memory_budget, allow,
-                            margin)
+        self.probe = Probe(source, seq)
+        self.req = _request(global_batch if global_batch is not None else self.probe.batch,
+                            self.target, memory_budget, allow, margin)
         if memory_budget is not None:
-            _check_state_budget(self.tracer.parameter_bytes(), self.req)
+            _check_state_budget(self.probe.parameter_bytes, self.req)
         self.steps = _Steps(lambda variant: Tracer(
             source, seq=seq, precision=precision, target=self.target, variant=variant),
-            self.req.global_batch, self.tracer)
+            self.req.global_batch)
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
@@ -128,7 +131,7 @@ class Planner:
         """The variants worth tracing: the fused loss where the model takes it, bf16
         optimizer states and weights where allowed, each compiled too where allowed; none
         whose parameters, gradients and optimizer states alone exceed the budget."""
-        refusal = self.tracer.fused_loss_refusal()
+        refusal = self.probe.fused_loss_refusal
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
         states = ["as-is", *self._states(notes)]
@@ -137,7 +140,7 @@ class Planner:
         out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
                for w in weights for st in states for fused in (False, True)
                if w == "as-is" or st == "as-is"]
-        if "offload" in self.req.allow and _offload_allowed(self.target, self.tracer, notes):
+        if "offload" in self.req.allow and _offload_allowed(self.target, self.probe, notes):
             out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
         out = [v for v in out if not v.fused_loss or not refusal]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
@@ -157,7 +160,7 @@ class Planner:
         for st in ("bf16", "8bit"):
             if f"{st}-states" not in self.req.allow:
                 continue
-            refusal = self.tracer.states_refusal(st)
+            refusal = self.probe.states_refusal(st)
             if refusal:
                 notes.append(f"{st} optimizer states not planned: {refusal}")
                 continue
@@ -189,7 +192,7 @@ class Planner:
                           notes=tuple(self.search.notes))
 
 
-def _request(tracer, target: Target, global_batch: int | None, memory_budget: int | None,
+def _request(global_batch: int, target: Target, memory_budget: int | None,
              allow: Iterable[str], margin: float) -> Request:
     allowed = frozenset(a.strip() for a in allow if a.strip())
     unknown = sorted(allowed - set(ALLOW))
@@ -197,9 +200,9 @@ def _request(tracer, target: Target, global_batch: int | None, memory_budget: in
         raise GobrrrError(f"--allow {','.join(unknown)}: unknown; "
                           + (f"choose from {', '.join(ALLOW)}" if ALLOW else
                              "this version plans at the user's numerics only"))
-    g = global_batch if global_batch is not None else tracer.default_batch()
-    if g < 1:
-        raise GobrrrError(f"--global-batch must be a positive number of samples, got {g}")
+    if global_batch < 1:
+        raise GobrrrError(f"--global-batch must be a positive number of samples, got "
+                          f"{global_batch}")
     cap = process_budget(target.gpu, target.cal)
     if memory_budget is not None:
         if memory_budget <= 0:
@@ -207,16 +210,16 @@ def _request(tracer, target: Target, global_batch: int | None, memory_budget: in
         cap = min(cap, memory_budget)
     if not 0 <= margin < 1:
         raise GobrrrError(f"--margin must be a fraction of the budget in [0, 1), got {margin}")
-    return Request(g, cap, allowed, margin)
+    return Request(global_batch, cap, allowed, margin)
 
 
 class _Steps:
     """The step's graph for each variant and micro-batch; a variant is traced when first
-    asked for (`tracer` serves the base variant)."""
+    asked for (`make_tracer(variant)` traces it)."""
 
-    def __init__(self, make_tracer, global_batch: int, tracer) -> None:
+    def __init__(self, make_tracer: Callable[[Variant], Tracer], global_batch: int) -> None:
         self.make_tracer, self.global_batch = make_tracer, global_batch
-        self.tracers = {BASE: tracer}
+        self.tracers: dict[Variant, Tracer] = {}
         self._at: dict[Variant, Callable[[int], StepGraph]] = {}
 
     def at(self, variant: Variant, micro_batch: int) -> StepGraph:
@@ -230,18 +233,16 @@ class _Steps:
         return sum(t.traces for t in self.tracers.values())
 
 
-def _offload_allowed(target: Target, tracer, notes: list[str]) -> bool:
+def _offload_allowed(target: Target, probe: Probe, notes: list[str]) -> bool:
     """Whether offload can be costed: a calibration with the offload section (the host link
     and the CPU's AdamW step), and the user's AdamW (the CPU step measured); else a note
     saying why not."""
-    from gobrrr.cost.offload import NOT_CALIBRATED
-
     section = target.cal.offload if target.cal else {}
     if not section.get("d2h") or not section.get("adamw:fp32"):
         notes.append("offload not planned: " + NOT_CALIBRATED.format(
             what=f"{target.gpu.name}'s calibration"))
         return False
-    refusal = tracer.offload_refusal()
+    refusal = probe.offload_refusal
     if refusal:
         notes.append(f"offload not planned: {refusal}")
     return not refusal
@@ -270,8 +271,6 @@ def _persistent(g: StepGraph, variant: Variant) -> int:
 def _states_8bit(g: StepGraph) -> int:
     """Bytes of torchao's 8-bit moments for the parameters whose Adam moments `g` holds
     (the host step counts hold none on the GPU)."""
-    from gobrrr.training.optim_trace import state_bytes
-
     size = {t.storage: t.itemsize for n in g.nodes for t in (*n.inputs, *n.outputs)}
     return sum(state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))
                for s in g.storages
@@ -294,7 +293,7 @@ def _notes_8bit(target: Target) -> list[str]:
     return out
 
 
-def _graphs(tracer, global_batch: int) -> Callable[[int], StepGraph]:
+def _graphs(tracer: Tracer, global_batch: int) -> Callable[[int], StepGraph]:
     """micro-batch -> its step graph: derived from traces at two micro-batches where the
     step's structure does not depend on the batch, else traced at each."""
     if global_batch < 2:

@@ -98,8 +98,8 @@ class _Runner(torch.fx.Interpreter):
 def module_of(n: torch.fx.Node) -> str:
     """The module that made an FX node ("transformer.h.0.attn"), from dynamo's
     nn_module_stack (a backward node carries its forward node's, `fwd_nn_module_stack`)."""
-    fx_meta = n.meta  # torch.fx's own per-node dict, not a step graph's StepMeta
-    stack = fx_meta.get("nn_module_stack") or fx_meta.get("fwd_nn_module_stack")
+    node_info = n.meta  # torch.fx's own per-node dict, not a step graph's StepMeta
+    stack = node_info.get("nn_module_stack") or node_info.get("fwd_nn_module_stack")
     if not stack:
         return ""
     path = list(stack.values())[-1][0]

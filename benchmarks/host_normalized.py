@@ -100,9 +100,8 @@ def _with_sections(sections: dict):
 
 
 def compare(path: Path) -> None:
-    from zoo.cases import get_case
-
     import gobrrr
+    from zoo.cases import get_case
 
     doc = json.loads(path.read_text())
     for row in doc["rows"]:

@@ -33,9 +33,7 @@ FILES = ("zoo_h100.json", "zoo_h100_holdout.json")
 
 
 def main(argv=None) -> int:
-    from zoo import compare as zc
-    from zoo.cases import get_case
-
+    from gobrrr.calibrate.sections.host import _tiny_workloads
     from gobrrr.capture import capture
     from gobrrr.capture.sdpa import target_for
     from gobrrr.cost import rates as rates_mod
@@ -43,7 +41,8 @@ def main(argv=None) -> int:
     from gobrrr.evaluate import Target, evaluate
     from gobrrr.hardware import find_calibration, get_gpu
     from gobrrr.kernels.bench import write_json
-    from gobrrr.calibrate.sections.host import _tiny_workloads
+    from zoo import compare as zc
+    from zoo.cases import get_case
 
     out = (argv or sys.argv[1:])[0]
     spec = get_gpu("h100")

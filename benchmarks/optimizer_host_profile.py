@@ -28,10 +28,10 @@ CASES = ("efficientnet_v2_s-tv-cl", "resnet50-tv-cl", "gpt2-124m")
 
 def one(name: str) -> dict:
     import torch
-    from zoo.cases import prepared
 
     from gobrrr.profile.runner import run_step
     from gobrrr.training.step import autocast_for
+    from zoo.cases import prepared
 
     case, wl, opt, scaler = prepared(name)
     for _ in range(3):

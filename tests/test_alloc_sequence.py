@@ -1,7 +1,7 @@
 """The predicted allocation sequence held against the real one, request by request.
 
-benchmarks/results/zoo_diagnose_h100.json holds the caching allocator's own trace of zoo steps
-on an H100 (benchmarks/zoo_diagnose.py): every alloc and free, tagged with the ATen op that
+tests/fixtures/zoo_diagnose_h100.json holds the caching allocator's own trace of zoo steps
+on an H100 (benchmarks/zoo/diagnose.py): every alloc and free, tagged with the ATen op that
 made it. Here the requests that ops allocate inside themselves (reduction staging buffers,
 LayerNorm's contiguous copies, cuDNN attention's backward workspace) and where the BLAS
 workspaces appear are held against that trace, and the staging-buffer arithmetic against
@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -28,9 +27,8 @@ from gobrrr.capture import capture
 from gobrrr.memory.scratch.reduce import reduce_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-TRACES = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100.json"
-TRACES2 = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100_run2.json"  # ConvNeXt-gc
+TRACES = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100.json"
+TRACES2 = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100_run2.json"  # ConvNeXt-gc
 STEP = 4  # the measured step (3 warm-ups before it)
 
 
@@ -62,14 +60,14 @@ def test_a_reduction_within_blocks_stages_nothing():
 @functools.cache
 def _rows() -> dict[str, dict]:
     if not TRACES.exists():
-        pytest.skip(f"{TRACES.name} is not recorded: run benchmarks/zoo_diagnose.py on a GPU")
+        pytest.skip(f"{TRACES.name} is not recorded: run benchmarks/zoo/diagnose.py on a GPU")
     return {r["name"]: r for r in json.loads(TRACES.read_text())["alloc"] if "error" not in r}
 
 
 @functools.cache
 def _rows2() -> dict[str, dict]:
     if not TRACES2.exists():
-        pytest.skip(f"{TRACES2.name} is not recorded: run benchmarks/zoo_diagnose.py on a GPU")
+        pytest.skip(f"{TRACES2.name} is not recorded: run benchmarks/zoo/diagnose.py on a GPU")
     return {r["name"]: r for r in json.loads(TRACES2.read_text())["alloc"] if "error" not in r}
 
 
@@ -86,11 +84,11 @@ def _predict(name: str):
 
 @functools.cache
 def _steps(name: str):
-    import zoo_allocdiff
+    from zoo import allocdiff
 
     row = _rows()[name] if name in _rows() else _rows2()[name]
     est = _predict(name)
-    return zoo_allocdiff.real_steps(row), zoo_allocdiff.predicted_steps(est)
+    return allocdiff.real_steps(row), allocdiff.predicted_steps(est)
 
 
 def _requests(step: dict, ops: set[str]) -> Counter:

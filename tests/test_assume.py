@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -421,10 +420,9 @@ def transformers_logging():
 
 @pytest.mark.parametrize("name", list(ZOO_OPS))
 def test_zoo_steps_that_read_values_run_the_ops_cuda_ran(name, transformers_logging):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from zoo.cases import get_case
 
-    doc = json.loads((ROOT / "benchmarks" / "results" / "zoo_h100.json").read_text())
+    doc = json.loads((ROOT / "tests" / "fixtures" / "zoo_h100.json").read_text())
     measured = next(r for r in doc["cases"] if r["name"] == name)["aten_ops"]
     case = get_case(name)
     g = capture(case.factory(), precision=case.precision)

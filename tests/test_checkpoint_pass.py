@@ -14,9 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,9 +35,6 @@ from gobrrr.training.checkpointing import (
     checkpointed,
     remove_checkpointing,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 WORKLOADS = {
     # dropout in every block: the recomputation draws the same masks again

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from gobrrr.calibrate.sections.paths import _path_cases
+from gobrrr.calibrate.sections.step import _record
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.cost.shapes import cat_path, elementwise_path
 from gobrrr.graph.ir import OpNode, TensorInfo
 from gobrrr.hardware import find_calibration, get_gpu
-from gobrrr.calibrate.sections.paths import _path_cases
-from gobrrr.calibrate.sections.step import _record
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 # the kernel template each path runs (ATen's CUDALoops.cuh)
 KERNEL_OF = {"vector": "vectorized_elementwise_kernel", "cast_down":

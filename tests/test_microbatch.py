@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +27,7 @@ from gobrrr.passes.microbatch import (
     family,
     first_mismatch,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from zoo import cases as zoo  # noqa: E402
+from zoo import cases as zoo
 
 # The zoo's configurations, shrunk (hidden 64, 2 layers, small vocabularies): the same
 # builders, recipes and losses, traced in a fraction of a second.

@@ -1,17 +1,15 @@
-"""The planner's predictions against its H100 runs (benchmarks/results/plan_h100_*.json,
-written by bench_plan.py): every configuration that ran in two scenarios, costed again here
-with the shipped calibration as `Planner.cost` costs it (benchmarks/plan_repredict.py):
+"""The planner's predictions against its H100 runs (tests/fixtures/plan_h100_*.json, written
+by benchmarks/plan/bench_plan.py): every configuration that ran in two scenarios, costed again
+here with the shipped calibration as `Planner.cost` costs it (zoo.scenarios.repredict):
 throughput within 10% and the allocated peak within 1% of what was measured."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from zoo.scenarios import repredict
 
-from plan_repredict import RESULTS, repredict  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.mark.parametrize("file, scenario", [("plan_h100_llama1b.json", "llama3-1b-seq16k"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(HERE.parents[1])]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch  # noqa: E402
 
@@ -29,7 +29,7 @@ from gobrrr.errors import GobrrrError  # noqa: E402
 from zoo import compare  # noqa: E402
 
 VERSION = 1
-RESULTS = ROOT / "benchmarks" / "results" / "zoo_h100.json"
+RESULTS = ROOT / "tests" / "fixtures" / "zoo_h100.json"
 
 
 def _commit() -> str | None:

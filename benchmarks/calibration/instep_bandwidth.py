@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 from gobrrr.calibrate.timing import flush_buffer
+from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 
 N = 2**26  # elements (128 MiB bf16)
 REPS = 20

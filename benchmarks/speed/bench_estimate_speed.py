@@ -36,7 +36,7 @@ COMMANDS = [
 
 def main() -> None:
     out_path = Path(sys.argv[1])
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
     rows = []
     for name, args, target in COMMANDS:
         times = []

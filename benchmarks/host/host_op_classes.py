@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 VERSION = 1
 CHAIN = 256
@@ -106,7 +108,7 @@ def node_cost(torch, dev, kind: str, rounds: int = 5, reps: int = 20) -> float:
 
 def main(argv=None) -> int:
     import torch
-    from bench_estimate_suite import environment
+    from suite.bench_estimate_suite import environment
 
     from gobrrr.calibrate.sections.host import per_call
 

@@ -30,62 +30,24 @@ import statistics
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
+import measure  # noqa: E402  (benchmarks/zoo/measure.py)
 import torch  # noqa: E402
-from zoo import measure  # noqa: E402
-from zoo.cases import ZooCase, get_case  # noqa: E402
 
 from gobrrr.errors import GobrrrError  # noqa: E402
-from gobrrr.models.registry import get_workload  # noqa: E402
 from gobrrr.profile.runner import prepare  # noqa: E402
 from gobrrr.training.step import TrainStep  # noqa: E402
+from zoo.cases import ZooCase  # noqa: E402
+from zoo.compiled import _BY_NAME, CASES, case_named  # noqa: E402
 
 VERSION = 1
 KEEP_SIZES = 600  # requested sizes listed per case in forward_kept
-
-
-def builtin(batch: int, seq: int | None, *, name: str, **overrides):
-    """gobrrr's built-in workload `name` (config fields overridden), as a zoo builder."""
-    return get_workload(name, batch, seq, **overrides)
-
-
-def _compiled(case: ZooCase, name: str | None = None) -> ZooCase:
-    return ZooCase(name or f"{case.name}-compiled", case.family, case.library, case.precision,
-                   case.batch, case.seq, True, (*case.recipe, "compiled"), case.build)
-
-
-def _eager(case: ZooCase) -> ZooCase:
-    return ZooCase(case.name.removesuffix("-compiled"), case.family, case.library,
-                   case.precision, case.batch, case.seq, False,
-                   tuple(r for r in case.recipe if r != "compiled"), case.build)
-
-
-_G = "gobrrr"
-MLP = ZooCase("mlp-compiled", "mlp", _G, "bf16-mixed", 1024, None, True, ("compiled",),
-              partial(builtin, name="mlp"))
-GPT2 = ZooCase("gpt2-compiled", "gpt2", _G, "bf16-mixed", 8, 1024, True, ("compiled",),
-               partial(builtin, name="gpt2"))
-GPT2_DROP = ZooCase("gpt2-6l-dropout-compiled", "gpt2", _G, "bf16-mixed", 8, 1024, True,
-                    ("dropout-0.1", "layers-cut", "compiled"),
-                    partial(builtin, name="gpt2", n_layer=6, dropout=0.1))
-LLAMA = ZooCase("llama3-1b-4l-compiled", "llama", _G, "bf16-mixed", 2, 2048, True,
-                ("layers-cut", "compiled"), partial(builtin, name="llama3-1b", n_layer=4))
-COMPILED = [GPT2, _compiled(get_case("resnet50-tv-cl")), _compiled(get_case("bert-base-mlm")),
-            MLP, LLAMA, GPT2_DROP]
-# eager twins of the built-ins (the zoo's own eager rows are in benchmarks/results/zoo_h100.json)
-CASES = COMPILED + [_eager(c) for c in (MLP, GPT2, LLAMA, GPT2_DROP)]
-_BY_NAME = {c.name: c for c in CASES}
-
-
-def case_named(name: str) -> ZooCase:
-    if name not in _BY_NAME:
-        raise GobrrrError(f"unknown case {name!r}: choose one of {', '.join(_BY_NAME)}")
-    return _BY_NAME[name]
 
 
 # -- the child: one case ----------------------------------------------------------------------

@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gobrrr.kernels.bench import env_info, write_json
 from gobrrr.calibrate.timing import time_op
+from gobrrr.kernels.bench import env_info, write_json
 
 SEQS = (128, 192, 197, 256, 320, 384, 448, 512, 577, 640, 1024, 1500, 1536, 2048)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 from gobrrr.calibrate.timing import time_op
+from gobrrr.kernels.bench import cuda_kernels, gpu_out_arg, write_json
 
 LENGTHS = (496, 499, 500, 511, 512, 999, 1000, 1024)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from gobrrr.calibrate.api import gpu_sections
+from gobrrr.calibrate.sections import host as ch
 from gobrrr.hardware import Calibration
 from gobrrr.kernels.bench import env_info, write_json
-from gobrrr.calibrate.sections import host as ch
-from gobrrr.calibrate.api import gpu_sections
 
 # section -> the calibration fields it measures, {field: value}: the GPU sections of a full
 # calibration, and the host's per-op cost by phase, merged as ratios to the forward's (below)

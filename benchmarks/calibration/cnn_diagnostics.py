@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from gobrrr.estimate import estimate  # noqa: E402
 from gobrrr.models.registry import get_workload  # noqa: E402

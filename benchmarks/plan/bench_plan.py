@@ -28,27 +28,15 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
+from zoo.scenarios import SCENARIOS  # noqa: E402
+
 VERSION = 1
-
-#: name -> (workload source, seq, global batch, precision[, allow, grid]). Sources are
-#: built-in names or "file.py:function" specs taking batch_size (and seq_len). allow: what
-#: `--allow` gives the planner; grid: "all" (default) or "least" (only the grid's
-#: least-memory point, micro-batch 1 with every block checkpointed: where the prediction says
-#: the whole grid runs out of memory, one run shows it).
-SCENARIOS: dict[str, tuple] = {
-    "llama3-1b-seq16k": ("llama3-1b", 16384, 4, "bf16-mixed"),
-    "llama3-3b-seq4k": ("llama3-3b", 4096, 8, "bf16-mixed"),
-    "resnet50-cl-b2048": (f"{HERE.parent / 'plan_scenarios.py'}:resnet50", None, 2048,
-                          "bf16-mixed"),
-    "gpt2-xl-seq1k": ("gpt2-xl", 1024, 32, "bf16-mixed"),
-    "llama-5b-seq4k-states": (f"{HERE.parent / 'plan_scenarios.py'}:llama_5b", 4096, 8,
-                              "bf16-mixed", ("8bit-states", "offload"), "least"),
-}
-
 
 #: The grid's micro-batches: those that divide the global batch with at most this many
 #: accumulation steps (what a careful user would try by hand).

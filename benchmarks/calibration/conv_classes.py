@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-from gobrrr.hardware import Calibration
-from gobrrr.kernels.bench import cuda_kernels, env_info, write_json
 from gobrrr.calibrate.sections.conv import (
     INSIDE,
     _calls,
@@ -33,6 +31,8 @@ from gobrrr.calibrate.sections.conv import (
     conv_shapes,
     snap,
 )
+from gobrrr.hardware import Calibration
+from gobrrr.kernels.bench import cuda_kernels, env_info, write_json
 
 
 def kernels_of(shape, dev) -> dict[str, list[str]]:

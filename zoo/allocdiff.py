@@ -1,15 +1,16 @@
-"""Where gobrrr's predicted allocator sequence departs from the real one (zoo_diagnose.py's).
+"""The zoo's compact allocator trace (written on a GPU by benchmarks/zoo/diagnose.py), and
+where gobrrr's predicted allocator sequence departs from it.
 
-    python benchmarks/zoo_allocdiff.py benchmarks/results/zoo_diagnose_h100.json \
+    PYTHONPATH=src:. python -m zoo.allocdiff tests/fixtures/zoo_diagnose_h100.json \
         [--cases NAME,NAME] [--step 4] [--show 40]
 
-For each case traced by zoo_diagnose.py: the real events are replayed through
+For each case traced by benchmarks/zoo/diagnose.py: the real events are replayed through
 gobrrr.memory.allocator (a check that the replay itself is exact on them: its reserved and allocated
 peaks against the GPU's), the case is predicted on the CPU and its process replayed as
 gobrrr.memory.replay does, recording the same kind of events. Printed: per step, the segments each
 side obtained (bytes, pool) and the op that asked; the allocated bytes by op name; and the
 first runs where the request sequences of one step differ (difflib over (op, bytes); over
-bytes alone for a trace recorded with zoo_diagnose.py --plain, whose events carry no op).
+bytes alone for a trace recorded with diagnose.py --plain, whose events carry no op).
 """
 
 from __future__ import annotations
@@ -17,17 +18,58 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
-
-from gobrrr import memory  # noqa: E402
-from gobrrr.memory.allocator import SMALL_SIZE, CachingAllocator, replay  # noqa: E402
+from gobrrr.memory import replay as memory  # the step replay: STEPS, _Process, scratch
+from gobrrr.memory.allocator import SMALL_SIZE, CachingAllocator, replay
 
 MiB = 2**20
+KINDS = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}
+
+
+# -- the trace, as the GPU side writes it ---------------------------------------------------
+
+
+def compact_trace(trace: list[dict], marks: list[tuple], phases: list[tuple]) -> dict:
+    """The allocator's events as [kind, bytes | alloc id, op]; `op` indexes the returned ops
+    (only ops that own an event are kept; -1: before the first op). A free names the alloc it
+    frees by its index among the allocs (its address matched to the live alloc there)."""
+    live: dict[int, int] = {}  # address -> alloc id
+    events, ops, op_ids = [], [], {}
+    n_alloc = n_free = 0
+    i = -1
+    for e in trace:
+        kind = KINDS.get(e["action"])
+        if kind is None:
+            continue
+        while i + 1 < len(marks) and marks[i + 1][0] <= n_alloc and marks[i + 1][1] <= n_free:
+            i += 1
+        op = -1 if i < 0 else op_ids.setdefault(i, len(op_ids))
+        if op == len(ops):
+            ops.append(list(marks[i][2:]))
+        if kind == 0:
+            live[e["addr"]] = n_alloc
+            events.append([0, e["size"], op])
+            n_alloc += 1
+        elif kind == 1:
+            events.append([1, live.pop(e["addr"], -1), op])
+            n_free += 1
+        else:  # a segment: its address too (replays break best-fit ties by address)
+            events.append([kind, e["size"], op, e["addr"]])
+    starts = [[name, _event_at(events, trace_counts)] for name, trace_counts in phases]
+    return {"events": events, "ops": ops, "phase_starts": starts}
+
+
+def _event_at(events: list[list], counts: tuple[int, int]) -> int:
+    """Index of the first event after `counts` (allocs, frees) had been made."""
+    a = f = 0
+    for k, ev in enumerate(events):
+        if a >= counts[0] and f >= counts[1]:
+            return k
+        a += ev[0] == 0
+        f += ev[0] == 1
+    return len(events)
 
 
 # -- the real side ---------------------------------------------------------------------------

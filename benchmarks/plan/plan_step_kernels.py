@@ -25,9 +25,16 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
+
+from zoo import scenarios  # noqa: E402
+from zoo.scenarios import SCENARIOS  # noqa: E402
+
+FIXTURES = HERE.parents[2] / "tests" / "fixtures"  # plan_h100_*.json, which tests read too
 
 VERSION = 1
 
@@ -119,15 +126,13 @@ def predicted(rec: dict, knobs: dict) -> dict:
     with every kernel at its burst rate (the calibration without `power_duty`)."""
     from dataclasses import replace
 
-    from bench_plan import SCENARIOS
-
     from gobrrr.evaluate import Target, evaluate
     from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
 
-    name = next(n for n, s in SCENARIOS.items() if Path(s[0]).name.startswith(
-        rec["source"].split(":")[0]) and s[1] == rec["seq"] and s[2] == rec["global_batch"])
+    name = next(n for n, s in SCENARIOS.items() if s[0].rsplit(":", 1)[-1] == rec["source"].rsplit(
+        ":", 1)[-1] and s[1] == rec["seq"] and s[2] == rec["global_batch"])
     source, seq, g, precision, *rest = SCENARIOS[name]
     planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
                       allow=(list(rest) + [()])[0])
@@ -151,7 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?")
     ap.add_argument("--from", dest="src", default=str(
-        HERE.parent / "results" / "plan_h100_llama5b.json"))
+        FIXTURES / "plan_h100_llama5b.json"))
     ap.add_argument("--roles", default="plan#1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=500)
@@ -164,7 +169,7 @@ def main() -> None:
     if args.compare:
         doc = json.loads(path.read_text())
         for row in doc["rows"]:
-            src = json.loads((HERE.parent / "results" / row["file"]).read_text())
+            src = json.loads((FIXTURES / row["file"]).read_text())
             rec = src["scenarios"][row["scenario"]]
             row["predicted"] = predicted(rec, row["knobs"])
         path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -172,8 +177,8 @@ def main() -> None:
     out = {"version": VERSION, "environment": env_row(str(HERE)), "rows": []}
     for name, rec, c in configs(Path(args.src), args.roles.split(",")):
         source = rec["source"]
-        if source.startswith("plan_scenarios.py"):
-            source = str(HERE.parent / source)
+        if source.startswith("plan_scenarios.py"):  # recorded before it moved to zoo/
+            source = f"{scenarios.HERE}:{source.split(':', 1)[1]}"
         cmd = [sys.executable, str(HERE), "x", "--one", json.dumps(
             [source, rec["seq"], rec["global_batch"], rec["precision"], c["knobs"]]),
             "--device", args.device]

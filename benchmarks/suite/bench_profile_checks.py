@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from gobrrr.models.registry import get_workload, load_workload
 from gobrrr.calibrate.api import calibrate
+from gobrrr.models.registry import get_workload, load_workload
 from gobrrr.profile import profile, scaling
 from gobrrr.profile.api import environment
 

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 from child_rows import cases_main  # noqa: E402
 

@@ -31,7 +31,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 VERSION = 1
 
@@ -87,7 +89,7 @@ def _wrapper_lines(log: str, limit: int = 400) -> list[str]:
 
 
 def case_child(spec: list, warmup: int, steps: int) -> dict:
-    from bench_plan import run_one
+    from plan.bench_plan import run_one
 
     source, seq, g, states = spec
     knobs = {"micro_batch": g, "accumulation": 1, "optimizer_states": states}
@@ -131,7 +133,7 @@ def main() -> None:
 
 
 def run(args) -> None:
-    from bench_plan import child_environment
+    from plan.bench_plan import child_environment
 
     t0 = time.perf_counter()
     path = Path(args.out)
@@ -240,16 +242,16 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
     results file, and, given `into`, set that section in a calibration file."""
     from dataclasses import replace
 
+    from gobrrr.calibrate.sections.optim import summarize
     from gobrrr.hardware import Calibration
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
-    from gobrrr.calibrate.sections.optim import summarize
 
     path = Path(results)
     data = json.loads(path.read_text())
     measured = data["section"]["optim8"]  # summarised again: as the section's code does now
     section = summarize(measured["points"], measured["host_distinct"])
-    base = Calibration.load(into or HERE.parents[1] / "src/gobrrr/data/calibration/h100-sxm.json")
+    base = Calibration.load(into or HERE.parents[2] / "src/gobrrr/data/calibration/h100-sxm.json")
     cal = replace(base, optim8=section)
     planners: dict = {}
     out = {}

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 START = "<!-- plan-table: start (benchmarks/plan_report.py --readme) -->"
 END = "<!-- plan-table: end -->"
@@ -40,7 +40,7 @@ def repredicted() -> dict[tuple[str, str], list[dict]]:
 def rows() -> list[dict]:
     out = []
     again = repredicted()
-    for path in sorted(RESULTS.glob("plan_h100_*.json")):
+    for path in sorted((ROOT / "tests" / "fixtures").glob("plan_h100_*.json")):
         if path == REPREDICTED:
             continue
         data = json.loads(path.read_text())

@@ -12,51 +12,17 @@ tokens/s errors, allocated and reserved peaks. Errors are predicted / measured -
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(HERE.parent)]
+ROOT = HERE.parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from bench_plan import SCENARIOS  # noqa: E402
+from zoo.scenarios import repredict  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
-
-
-def repredict(path: Path, names: list[str] | None = None) -> list[dict]:
-    from gobrrr.plan.knobs import Knobs
-    from gobrrr.plan.search import Planner
-
-    data = json.loads(path.read_text())
-    rows = []
-    for name, sc in data["scenarios"].items():
-        if names and name not in names:
-            continue
-        source, seq, g, precision, *rest = SCENARIOS[name]
-        allow = rest[0] if rest else ()
-        t = time.perf_counter()
-        planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                          allow=allow)
-        for c in sc["configs"]:
-            m = c["measured"]
-            if "step_s" not in m:
-                continue
-            now = planner.cost(Knobs.from_dict(c["knobs"]))
-            rows.append({
-                "file": path.name, "scenario": name, "role": c["role"],
-                "changes": c["changes"], "measured_step_s": m["step_s"],
-                "recorded_step_s": c["predicted"]["step_s"], "predicted_step_s": now.step_s,
-                "step_err": now.step_s / m["step_s"] - 1,
-                "recorded_step_err": c["predicted"]["step_s"] / m["step_s"] - 1,
-                "units_per_s_err": m["step_s"] / now.step_s - 1,
-                "alloc_err": now.peak_bytes / m["peak_allocated"] - 1,
-                "reserved_err": now.reserved_bytes / m["peak_reserved"] - 1})
-        print(f"{name}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    return rows
+RUNS = ROOT / "tests" / "fixtures"  # plan_h100_*.json: the GPU runs, which tests read too
 
 
 def main(argv=None) -> int:
@@ -65,9 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", nargs="*", default=None)
     args = ap.parse_args(argv)
     rows = []
-    for path in sorted(RESULTS.glob("plan_h100_*.json")):
-        if path.name == "plan_h100_repredicted.json":
-            continue
+    for path in sorted(RUNS.glob("plan_h100_*.json")):
         rows += repredict(path, args.scenarios)
     for r in rows:
         print(f"{r['scenario']:24s} {r['role']:7s} step {r['measured_step_s'] * 1e3:8.1f} ms  "

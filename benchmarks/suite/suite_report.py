@@ -18,12 +18,12 @@ from gobrrr.estimate import estimate
 from gobrrr.evaluate import Target, evaluate
 from gobrrr.hardware import Calibration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 
 def rows() -> list[dict]:
-    data = json.loads((ROOT / "benchmarks/results/estimate_suite_h100.json").read_text())
+    data = json.loads((ROOT / "tests/fixtures/estimate_suite_h100.json").read_text())
     cal = Calibration.load(ROOT / "src/gobrrr/data/calibration/h100-sxm.json")
     out = []
     for c in data["cases"]:

@@ -1,9 +1,9 @@
 """Why a zoo case's reserved peak or step time is off: the real allocator sequence, op by op,
 and the device time per kernel kind, recorded on a GPU.
 
-    PYTHONUNBUFFERED=1 python benchmarks/zoo_diagnose.py --out OUT.json \
+    PYTHONUNBUFFERED=1 python benchmarks/zoo/diagnose.py --out OUT.json \
         [--alloc-cases NAME,NAME] [--profile-cases NAME,NAME] [--parallel 5]
-    python benchmarks/zoo_diagnose.py --out /tmp/d.json --device cpu --alloc-cases \
+    python benchmarks/zoo/diagnose.py --out /tmp/d.json --device cpu --alloc-cases \
         vit_b_16-tv --profile-cases "" --batch 2      # a dry run of the tagging on the CPU
 
 1. Allocator traces (`--alloc-cases`), each case in a fresh process as measure.py runs it:
@@ -18,7 +18,7 @@ and the device time per kernel kind, recorded on a GPU.
    peaks of the last step (reset at its start) and the segments at the end.
    With `--plain`, neither the dispatch mode nor the module hooks run: the events are those of
    the step exactly as measure.py runs it, without op labels (a Python dispatch mode can change
-   which kernels, and so which workspaces, an op takes), and zoo_allocdiff.py compares bytes.
+   which kernels, and so which workspaces, an op takes), and zoo/allocdiff.py compares bytes.
 2. Per-kernel comparisons (`--profile-cases`): as zoo/profile_compare.py (gobrrr's prediction
    beside gobrrr.profile of the same step, joined kernel by kernel: per kernel kind, module,
    phase), plus per ATen op, the single ops with the largest gaps and the measured ops joined
@@ -45,10 +45,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1] / "src"), str(HERE.parent)]
+# src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
+                str(HERE.parent)]
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from zoo.allocdiff import compact_trace  # noqa: E402
 
 VERSION = 1
 STEPS = 4  # measure.py: 3 warm-ups, then the peaks are reset and the timed steps run
@@ -56,7 +60,6 @@ ALLOC_CASES = ("mobilenet_v3_large-tv", "bert-base-mlm-fp32", "efficientnet_b0-t
                "vit_b_16-tv", "resnet50-tv-fp32", "resnet50-tv-cl", "resnet50d-timm-cl",
                "whisper-base", "bert-base-mlm")
 PROFILE_CASES = ("deberta-v3-base-mlm", "wav2vec2-base-ctc", "qwen2-moe-small-bf16")
-KINDS = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}
 
 
 # -- the child: one case's allocator trace ---------------------------------------------------
@@ -135,47 +138,6 @@ def module_names(model: torch.nn.Module, where: dict):
         h2.remove()
 
 
-def compact_trace(trace: list[dict], marks: list[tuple], phases: list[tuple]) -> dict:
-    """The allocator's events as [kind, bytes | alloc id, op]; `op` indexes the returned ops
-    (only ops that own an event are kept; -1: before the first op). A free names the alloc it
-    frees by its index among the allocs (its address matched to the live alloc there)."""
-    live: dict[int, int] = {}  # address -> alloc id
-    events, ops, op_ids = [], [], {}
-    n_alloc = n_free = 0
-    i = -1
-    for e in trace:
-        kind = KINDS.get(e["action"])
-        if kind is None:
-            continue
-        while i + 1 < len(marks) and marks[i + 1][0] <= n_alloc and marks[i + 1][1] <= n_free:
-            i += 1
-        op = -1 if i < 0 else op_ids.setdefault(i, len(op_ids))
-        if op == len(ops):
-            ops.append(list(marks[i][2:]))
-        if kind == 0:
-            live[e["addr"]] = n_alloc
-            events.append([0, e["size"], op])
-            n_alloc += 1
-        elif kind == 1:
-            events.append([1, live.pop(e["addr"], -1), op])
-            n_free += 1
-        else:  # a segment: its address too (replays break best-fit ties by address)
-            events.append([kind, e["size"], op, e["addr"]])
-    starts = [[name, _event_at(events, trace_counts)] for name, trace_counts in phases]
-    return {"events": events, "ops": ops, "phase_starts": starts}
-
-
-def _event_at(events: list[list], counts: tuple[int, int]) -> int:
-    """Index of the first event after `counts` (allocs, frees) had been made."""
-    a = f = 0
-    for k, ev in enumerate(events):
-        if a >= counts[0] and f >= counts[1]:
-            return k
-        a += ev[0] == 0
-        f += ev[0] == 1
-    return len(events)
-
-
 def segments_now() -> list[list]:
     """[pool ("small" | "large"), total bytes, [[block bytes, allocated?], ...]] per segment,
     by address."""
@@ -194,10 +156,9 @@ class _NoMarks(contextlib.nullcontext):
 def trace_case(name: str, device: str, batch: int | None, plain: bool = False) -> dict:
     """One case's allocator trace, from the build through STEPS steps (see the docstring).
     `plain`: no dispatch mode and no module hooks (the events carry no op labels)."""
-    from zoo.cases import get_case
-
     from gobrrr.profile.runner import prepare
     from gobrrr.training.step import TrainStep
+    from zoo.cases import get_case
 
     case = get_case(name)
     cuda = device.startswith("cuda")
@@ -262,12 +223,11 @@ def profile_case(name: str, device: str, batch: int | None) -> dict:
     """zoo/profile_compare.py's comparison (per kernel kind, module, phase), plus the same per
     ATen op, the ops with the largest device-time gap and the measured ops joined to no
     predicted op, by name."""
-    from zoo.cases import get_case
-
     import gobrrr
     from gobrrr.hardware import find_calibration, get_gpu, match_device_name
     from gobrrr.profile.api import profile
     from gobrrr.profile.compare import compare
+    from zoo.cases import get_case
 
     case = get_case(name)
     spec = (match_device_name(torch.cuda.get_device_name()) if device == "cuda" else None) \

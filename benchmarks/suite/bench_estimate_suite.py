@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from gobrrr.estimate import estimate  # noqa: E402
 from gobrrr.hardware import Calibration, match_device_name  # noqa: E402

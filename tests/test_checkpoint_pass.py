@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import time
 
 import pytest
 import torch
@@ -298,17 +297,6 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
         apply_checkpointing(model, dict.fromkeys(block_names(model), policy))
         for n, g in grads(model).items():
             torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6)
-
-
-def test_pass_is_fast():
-    """A 32-block Llama's graph (≈7,600 ops): every block, each policy, in well under a second."""
-    g0 = capture(lambda: get_workload("llama3-8b", batch_size=1, seq_len=256),
-                 precision="bf16-mixed")
-    blocks = g0.meta["blocks"]
-    for policy in ("full", "selective"):
-        t = time.perf_counter()
-        checkpoint(g0, dict.fromkeys(blocks, policy))
-        assert time.perf_counter() - t < 0.5
 
 
 def test_module_without_saved_tensors_is_left_alone():

@@ -1,6 +1,6 @@
 """How long `gobrrr plan` takes on this machine's CPU, end to end (a fresh process each).
 
-    python benchmarks/bench_plan_speed.py OUT.json
+    python benchmarks/speed/bench_plan_speed.py OUT.json
 
 Targets: `--model llama3-70b --seq 4096` under 60 s and `--model gpt2` under 15 s on a 2-core
 CPU. Each command runs 3 times; the median wall time is reported, with how many step graphs
@@ -42,8 +42,8 @@ def main(argv=None) -> None:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "gobrrr.cli.main", "plan", *args, "--json"],
-                                  capture_output=True, text=True, env=env)
+            proc = subprocess.run([sys.executable, "-m", "gobrrr.cli.main", "plan", *args,
+                                   "--json"], capture_output=True, text=True, env=env)
             times.append(time.perf_counter() - t0)
             if proc.returncode not in (0, 1):
                 raise SystemExit(f"{name} failed: {proc.stderr}")

@@ -13,7 +13,6 @@ ConvNeXt's trace, zoo_diagnose_h100_run2.json) and 1x1 weight gradients' partial
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch import nn
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.memory.scratch.reduce import reduce_buffers
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100.json"
@@ -77,7 +77,7 @@ def _predict(name: str):
     from zoo.cases import get_case
 
     case = get_case(name)
-    if importlib.util.find_spec(case.library) is None:
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed")
     return compare.predict(case)
 

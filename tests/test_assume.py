@@ -6,7 +6,6 @@ recorded where it happened, and a read no assumption covers is one clear error."
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ from gobrrr.capture import assume, capture
 from gobrrr.cost.flops import op_cost
 from gobrrr.errors import GobrrrError
 from gobrrr.report.terminal import assumption_lines
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -410,7 +410,7 @@ ZOO_OPS = {  # ops whose count the reads decide, held against the H100's count f
 def transformers_logging():
     """transformers binds its log handler to the stderr of the moment it first logs (here,
     this test's capture); unbound afterwards, so later tests' own capture sees its notices."""
-    if importlib.util.find_spec("transformers") is None:
+    if not available("transformers"):
         pytest.skip("transformers is not installed: pip install 'gobrrr[zoo]'")
     yield
     from transformers.utils import logging as hf_logging

@@ -78,9 +78,9 @@ CASES = [(m, p) for m in ("gpt2", "llama", "convnet", "hf-llama") for p in POLIC
 def plain(model: str):
     make, precision = WORKLOADS[model]
     if model == "hf-llama":
-        pytest.importorskip("transformers")
+        pytest.importorskip("transformers", exc_type=ImportError)
     if model == "resnet18":
-        pytest.importorskip("torchvision")
+        pytest.importorskip("torchvision", exc_type=ImportError)
     return capture(make, precision=precision)
 
 
@@ -278,7 +278,7 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
     """transformers builds a KV cache in training unless told not to; a checkpointed layer that
     wrote it would write it again while recomputing, and a selective checkpoint would fail.
     Each policy runs a real step and gives the plain step's gradients."""
-    tf = pytest.importorskip("transformers")
+    tf = pytest.importorskip("transformers", exc_type=ImportError)
     cfg = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          use_cache=True)

@@ -11,11 +11,12 @@ against the prediction's activations. Skipped while no results file exists.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted((ROOT / "tests" / "fixtures").glob("compiled_h100_*.json"))
@@ -53,7 +54,7 @@ def _predict(name: str):
     from zoo.compiled import case_named
 
     case = case_named(name)
-    if case.library not in ("gobrrr",) and importlib.util.find_spec(case.library) is None:
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
     return gobrrr.estimate(case.factory(), gpu="h100", precision=case.precision,
                            compile=case.compile)

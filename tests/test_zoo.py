@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from zoo import compare
 from zoo.cases import CASES, get_case
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -61,7 +61,7 @@ RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS",
 
 def _needs(name: str):
     case = get_case(name)
-    if importlib.util.find_spec(case.library) is None:
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
     return case
 
@@ -169,7 +169,7 @@ def _measured_errors(path: Path) -> list[compare.CaseError]:
         pytest.skip(f"{path.name} is not recorded yet: run benchmarks/zoo/measure.py on an "
                     "H100 and commit its JSON")
     rows = [r for r in compare.measured_rows(json.loads(path.read_text()))
-            if importlib.util.find_spec(get_case(r["name"]).library) is not None]
+            if available(get_case(r["name"]).library)]
     if not rows:
         pytest.skip(f"{path.name} has no GPU measurement of the cases as defined now")
     reruns = compare.rerun_steps(path.parent)

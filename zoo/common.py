@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -20,6 +21,16 @@ def require(module: str) -> ModuleType:
     except ImportError as e:
         raise GobrrrError(f"this zoo case needs {module.split('.')[0]}, which is not installed "
                           f"({e}): {INSTALL}") from None
+
+
+@functools.cache
+def available(module: str) -> bool:
+    """Whether an optional zoo library imports here (a missing or broken install: False)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

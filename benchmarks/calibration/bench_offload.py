@@ -1,7 +1,7 @@
 """CPU offload of the optimizer states on a real GPU: the calibration section it is costed
 from, and real offloaded steps to hold the prediction against.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_offload.py --out OUT.json [--steps 4]
+    PYTHONUNBUFFERED=1 python benchmarks/calibration/bench_offload.py --out OUT.json [--steps 4]
 
 1. The "offload" calibration section (gobrrr.calibrate.sections.offload): pinned D2H / H2D
    bandwidth over sizes, the CPU's fused AdamW time per parameter size (fp32, bf16), the host
@@ -17,7 +17,7 @@ from, and real offloaded steps to hold the prediction against.
    where torch has it); the process's peak resident memory; what was offloaded.
 Every item catches its own errors (recorded, the run goes on); OUT.json is rewritten after
 each. The prediction is computed from this file on any CPU (tests/test_offload.py and
-`python benchmarks/bench_offload.py --compare OUT.json`).
+`python benchmarks/calibration/bench_offload.py --compare OUT.json`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """8-bit optimizer states (torchao's AdamW8bit) measured on a GPU: the calibration section the
 cost model reads, and real training steps with and without 8-bit states.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/bench_optim_states.py \\
-        --out benchmarks/results/optim8_h100.json [--steps 5] [--warmup 3]
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/calibration/bench_optim_states.py \\
+        --out tests/fixtures/optim8_h100.json [--steps 5] [--warmup 3]
 
 1. The `optim8` calibration section (gobrrr.calibrate.sections.optim): torchao's AdamW8bit step
    over parameter sizes x parameters per step — device seconds, host seconds and kernels per
    update, the bytes an update allocates and frees.
-2. Real steps, bf16-mixed, each configuration in a fresh process (benchmarks/bench_plan.py's
+2. Real steps, bf16-mixed, each configuration in a fresh process (benchmarks/plan/bench_plan.py's
    child: gobrrr.apply, warm-up — the first 8-bit step compiles —, peak stats reset, `--steps`
    steps timed with CUDA events, median): gobrrr's gpt2 and a Llama-3 1B shape, optimizer
    states as-is (fused-less AdamW, foreach) and 8-bit. The predictions are computed apart on

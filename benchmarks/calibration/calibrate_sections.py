@@ -6,7 +6,7 @@ A full `gobrrr calibrate` measures everything on one machine. This re-measures c
 calibration, recording where and when each was measured in its meta (under the section's
 name); the measurement is also written as results JSON.
 
-    PYTHONPATH=src python benchmarks/calibrate_sections.py OUT.json \\
+    PYTHONPATH=src python benchmarks/calibration/calibrate_sections.py OUT.json \\
         --sections matmul_grid attention_curve kernel_host \\
         [--into src/gobrrr/data/calibration/h100-sxm.json]
 """

@@ -1,6 +1,6 @@
 """Where a convolutional step's memory and time go, op by op (a diagnostic for the cost model).
 
-    python benchmarks/cnn_diagnostics.py OUT.json
+    python benchmarks/calibration/cnn_diagnostics.py OUT.json
 
 1. Memory, per ATen op: the built-in convnet's steady-state step (fp32 b32, bf16-mixed b64)
    runs under a dispatch mode that reads the caching allocator around every op: allocated

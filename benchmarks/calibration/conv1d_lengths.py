@@ -2,7 +2,7 @@
 position convolution (768 channels, 16 groups, kernel 128, padding 64, bf16) timed forward and
 backward at batch 8 over lengths around 500 and 1000, with the kernels cuDNN ran.
 
-    PYTHONPATH=src python benchmarks/conv1d_lengths.py OUT.json
+    PYTHONPATH=src python benchmarks/calibration/conv1d_lengths.py OUT.json
 """
 
 from __future__ import annotations

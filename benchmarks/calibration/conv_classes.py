@@ -6,9 +6,9 @@ their "inside:<layout>:<class>:<direction>" workspace fractions in an existing c
 leaving every other class and the typical workspace fractions as they were; the measurement
 is also written as results JSON, with the kernels cuDNN ran for one point of each class.
 
-    PYTHONPATH=src python benchmarks/conv_classes.py OUT.json --classes grouped-1d \\
+    PYTHONPATH=src python benchmarks/calibration/conv_classes.py OUT.json --classes grouped-1d \\
         [--into src/gobrrr/data/calibration/h100-sxm.json]
-    python benchmarks/conv_classes.py - --classes grouped-1d --into CAL.json \
+    python benchmarks/calibration/conv_classes.py - --classes grouped-1d --into CAL.json \
         --from-results benchmarks/results/conv_classes_grouped1d_h100.json
 """
 

@@ -10,7 +10,7 @@ timed by the profiler's kernel durations in four settings:
 Also the kernel each case runs, as the evidence for the calibration's kernel paths
 (`calibrate_paths`): one short profile of every path case.
 
-    PYTHONPATH=src python benchmarks/instep_bandwidth.py OUT.json [--paths-only]
+    PYTHONPATH=src python benchmarks/calibration/instep_bandwidth.py OUT.json [--paths-only]
 
 `--paths-only`: only the kernel each path case runs (no settings), a few seconds.
 """

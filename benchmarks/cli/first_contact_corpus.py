@@ -1,6 +1,6 @@
 """How many first-contact cases (tests/test_first_contact.py) a version of gobrrr passes.
 
-    python benchmarks/first_contact_corpus.py --before 4fd43f3 --out results/first_contact.json
+    python benchmarks/cli/first_contact_corpus.py --before 4fd43f3 --out results/first_contact.json
 
 Runs the corpus of this checkout against this checkout's sources and against the sources
 of the commit `--before` (checked out into a temporary git worktree; the corpus file itself

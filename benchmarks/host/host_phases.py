@@ -1,8 +1,8 @@
 """How long the host takes to issue each phase of a zoo step, on a GPU, beside the prediction.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/host_phases.py OUT.json \
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/host/host_phases.py OUT.json \
         [--cases NAME,NAME]                      # on the GPU machine
-    python benchmarks/host_phases.py OUT.json --compare  # on any machine: the predictions
+    python benchmarks/host/host_phases.py OUT.json --compare  # on any machine: the predictions
 
 Each case in a fresh process, as benchmarks/zoo/measure.py runs it (built on the GPU,
 prepared, 3 warm-up steps; a zoo case by name, a built-in model as

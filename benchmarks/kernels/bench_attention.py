@@ -7,7 +7,7 @@ for causal), backward 2.5x forward, forward+backward 3.5x. Times: triton.testing
 checks against an fp32 reference (run in worker processes, which also warm Triton's compile cache
 in parallel), then each benchmark shape is checked against SDPA's flash backend.
 
-    PYTHONPATH=src python benchmarks/bench_attention.py OUT.json [--quick] [--experiments]
+    PYTHONPATH=src python benchmarks/kernels/bench_attention.py OUT.json [--quick] [--experiments]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Kernels flags swap in gobrrr's attention, LayerNorm, fused linear+cross-entropy 
 Reports tokens/s, MFU (6 N + 12 L d S FLOPs per token; N counts every weight that multiplies,
 the tied embedding once as the output layer, not the position table) and peak memory.
 
-    PYTHONPATH=src python benchmarks/bench_gpt2_kernels.py OUT.json
+    PYTHONPATH=src python benchmarks/kernels/bench_gpt2_kernels.py OUT.json
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):
 
 def workload(batch_size: int = 16, seq_len: int = 1024, kernels: Kernels = Kernels()):
     """This model as a gobrrr Workload (for `gobrrr estimate` / `gobrrr profile`
-    benchmarks/bench_gpt2_kernels.py:workload; `workload_gobrrr` uses all of gobrrr's kernels)."""
+    benchmarks/kernels/bench_gpt2_kernels.py:workload; `workload_gobrrr` uses all of gobrrr's
+    kernels)."""
     import gobrrr
 
     cfg = replace(GPTConfig(), seq=seq_len)

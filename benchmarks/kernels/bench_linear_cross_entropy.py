@@ -3,7 +3,7 @@
 Shape: tokens 8192, hidden 4096, vocab 128256, bf16 (a Llama-3-8B output layer). Baselines in
 the same process: eager F.cross_entropy((h @ W.T).float(), t) and torch.compile of it.
 
-    PYTHONPATH=src python benchmarks/bench_linear_cross_entropy.py OUT.json [--sweep]
+    PYTHONPATH=src python benchmarks/kernels/bench_linear_cross_entropy.py OUT.json [--sweep]
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ and writes dx, dw (, db). Shapes 16384x4096 and 4096x16384. GPU time from CUDA-g
 (inputs are 2.5x the L2, so no flush); host-inclusive times (launch_*) are recorded beside.
 Inputs come from a private generator; every timing failure is recorded, not raised.
 
-    PYTHONPATH=src python benchmarks/bench_norms.py OUT.json [--sweep] [--impls gobrrr eager]
+    PYTHONPATH=src python benchmarks/kernels/bench_norms.py OUT.json [--sweep] \
+        [--impls gobrrr eager]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ up, writes dgate, dup (5); gelu fwd 2 tensors, bwd 3. Shape 8192x14336 bf16 (a L
 at 8k tokens). Target: >= 90% of the copy's bandwidth measured in the same run. GPU times from
 CUDA-graph replays (inputs far larger than L2); host-inclusive times (launch_*) beside.
 
-    PYTHONPATH=src python benchmarks/bench_pointwise.py OUT.json [--sweep]
+    PYTHONPATH=src python benchmarks/kernels/bench_pointwise.py OUT.json [--sweep]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fall from ln 512 towards 0 (by copying from 97 tokens back, or by memorising the
 seed, same init, same batches for both runs; reports the largest gap of the smoothed losses
 (EMA, 0.9).
 
-    PYTHONPATH=src python benchmarks/convergence_gpt.py OUT.json
+    PYTHONPATH=src python benchmarks/kernels/convergence_gpt.py OUT.json
 """
 
 from __future__ import annotations

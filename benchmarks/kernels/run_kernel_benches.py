@@ -1,7 +1,8 @@
 """Run every kernel benchmark into one folder in one GPU call, then print a summary table.
 
-    PYTHONPATH=src python benchmarks/run_kernel_benches.py OUT [--sweep lce norms] [--budget-s N]
-    PYTHONPATH=src python benchmarks/run_kernel_benches.py benchmarks/results --report
+    PYTHONPATH=src python benchmarks/kernels/run_kernel_benches.py OUT [--sweep lce norms] \
+        [--budget-s N]
+    PYTHONPATH=src python benchmarks/kernels/run_kernel_benches.py benchmarks/results --report
 
 Sections run in order (lce, norms, pointwise, convergence, gpt2_kernels); each writes its own
 JSON as soon as it is done, so a section that fails or runs out of time loses only itself.

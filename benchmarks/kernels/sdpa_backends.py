@@ -1,6 +1,6 @@
 """Which SDPA backend CUDA runs, and what it allocates, over a grid of attention calls.
 
-    python benchmarks/sdpa_backends.py OUT.json
+    python benchmarks/kernels/sdpa_backends.py OUT.json
 
 For each case (dtype, head dim, heads and KV heads, sequence lengths, mask kind, dropout, causal,
 autocast): F.scaled_dot_product_attention forward and backward on the GPU under a dispatch mode
@@ -180,5 +180,5 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/sdpa_backends.py OUT.json")
+        raise SystemExit("usage: python benchmarks/kernels/sdpa_backends.py OUT.json")
     main(sys.argv[1])

@@ -1,6 +1,6 @@
 """Ground truth for gobrrr's replay of CUDA's caching allocator (`gobrrr.memory.allocator`).
 
-    python benchmarks/allocator_truth.py benchmarks/results/allocator_truth_h100.json \
+    python benchmarks/memory/allocator_truth.py tests/fixtures/allocator_truth_h100.json \
         [--steps gpt2:1:256:bf16-mixed gpt2-medium:4:1024:bf16-mixed ...]
 
 In one process, runs deterministic sequences of `torch.empty` allocations and frees of mixed

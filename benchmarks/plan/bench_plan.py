@@ -1,6 +1,6 @@
 """The planner against the grid a careful user would try by hand, measured on a real GPU.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_plan.py OUT.json [--scenarios NAME,NAME]
+    PYTHONUNBUFFERED=1 python benchmarks/plan/bench_plan.py OUT.json [--scenarios NAME,NAME]
         [--warmup 2] [--steps 5] [--device cuda]
 
 For each scenario (a workload, a sequence length and a global batch where memory binds):

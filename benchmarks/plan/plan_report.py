@@ -1,8 +1,8 @@
 """The planner's measured scenarios as a table, from the committed results.
 
-    python benchmarks/plan_report.py [--readme [README.md]]
+    python benchmarks/plan/plan_report.py [--readme [README.md]]
 
-Reads benchmarks/results/plan_h100_*.json (written by bench_plan.py on an H100) and prints, per
+Reads tests/fixtures/plan_h100_*.json (written by bench_plan.py on an H100) and prints, per
 scenario: the grid a careful user would try (micro-batch x every block checkpointed or not,
 at most 8 accumulation steps) with how many of its points ran out of memory and its best
 measured throughput; the plan; the plan's measured throughput over the grid's best; and the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-START = "<!-- plan-table: start (benchmarks/plan_report.py --readme) -->"
+START = "<!-- plan-table: start (benchmarks/plan/plan_report.py --readme) -->"
 END = "<!-- plan-table: end -->"
 
 
@@ -121,7 +121,7 @@ def table(rs: list[dict]) -> str:
     if now:
         within = sum(abs(x["units_per_s_err"]) <= 0.10 for x in now)
         lines.append(f"Predicted now: every configuration that ran, costed again with the "
-                     f"calibration as shipped (`benchmarks/plan_repredict.py`, "
+                     f"calibration as shipped (`benchmarks/plan/plan_repredict.py`, "
                      f"`{REPREDICTED.name}`): {within} of {len(now)} within 10% of the "
                      f"measured throughput.")
     return "\n".join(lines)

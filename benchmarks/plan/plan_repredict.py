@@ -1,9 +1,9 @@
 """The planner's measured configurations predicted again with the shipped calibration.
 
-    python benchmarks/plan_repredict.py [--out benchmarks/results/plan_h100_repredicted.json]
+    python benchmarks/plan/plan_repredict.py [--out benchmarks/results/plan_h100_repredicted.json]
         [--scenarios NAME ...]
 
-Reads benchmarks/results/plan_h100_*.json (bench_plan.py's GPU runs), costs every
+Reads tests/fixtures/plan_h100_*.json (bench_plan.py's GPU runs), costs every
 configuration that ran with `Planner.cost` as the planner does now (on this machine's CPU), and
 prints each beside the prediction recorded in the run and the measurement: step time and
 tokens/s errors, allocated and reserved peaks. Errors are predicted / measured - 1.

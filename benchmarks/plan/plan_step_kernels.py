@@ -1,9 +1,9 @@
 """Where an applied plan's step spends its GPU time, kernel class by kernel class, beside the
 prediction: for a plan whose measured step is off, which kernels are.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/plan_step_kernels.py OUT.json \
-        --from benchmarks/results/plan_h100_llama5b.json --roles plan#1,plan#3   # on the GPU
-    python benchmarks/plan_step_kernels.py OUT.json --compare   # on any machine: predictions
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/plan/plan_step_kernels.py OUT.json \
+        --from tests/fixtures/plan_h100_llama5b.json --roles plan#1,plan#3   # on the GPU
+    python benchmarks/plan/plan_step_kernels.py OUT.json --compare   # on any machine: predictions
 
 For each configuration (a scenario and role of a committed bench_plan.py result), in a fresh
 process: build the workload on the GPU at the global batch, `gobrrr.apply` the knobs, 2 warm-up

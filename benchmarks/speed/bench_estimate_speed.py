@@ -1,6 +1,6 @@
 """How long `gobrrr estimate` takes on this machine's CPU, end to end (a fresh process each).
 
-    python benchmarks/bench_estimate_speed.py OUT.json
+    python benchmarks/speed/bench_estimate_speed.py OUT.json
 
 Targets: `--model llama3-70b --seq 4096` under 20 s and `--model gpt2` under 3 s on a 2-core
 CPU. Each command runs 3 times; the median wall time is reported. Beside them, the floor no

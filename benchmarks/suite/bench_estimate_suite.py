@@ -1,7 +1,7 @@
 """Measure the built-in workloads on a real GPU: peak memory and step time, per case.
 
-    python benchmarks/bench_estimate_suite.py OUT.json [--cases 0-9] [--calibration CAL.json]
-    python benchmarks/bench_estimate_suite.py OUT.json --merge PART.json PART.json ...
+    python benchmarks/suite/bench_estimate_suite.py OUT.json [--cases 0-9] [--calibration CAL.json]
+    python benchmarks/suite/bench_estimate_suite.py OUT.json --merge PART.json PART.json ...
 
 For each case: build the workload on the GPU, 3 warm-up steps, reset the peak-memory stats,
 one step for the peak, then 10 timed steps (CUDA events, median). Recorded per case: the

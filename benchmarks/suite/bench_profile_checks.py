@@ -7,7 +7,7 @@
 5. GPT-2 124M bf16-mixed with its step graph: join fraction and predicted vs measured;
 6. fixtures: small real traces (+ step graphs) for the CPU tests, in one .tar.gz.
 
-    PYTHONPATH=src python benchmarks/bench_profile_checks.py --out benchmarks/results
+    PYTHONPATH=src python benchmarks/suite/bench_profile_checks.py --out benchmarks/results
 
 Every check is recorded in one JSON (with versions and GPU); a failing check records its
 error and the others still run. A short table is printed last.

@@ -1,11 +1,12 @@
 """Markdown tables of the recorded estimate suite: measured vs predicted, per case.
 
-    PYTHONPATH=src python benchmarks/suite_report.py
+    PYTHONPATH=src python benchmarks/suite/suite_report.py
 
-Reads benchmarks/results/estimate_suite_h100.json (written on an H100 by
+Reads tests/fixtures/estimate_suite_h100.json (written on an H100 by
 bench_estimate_suite.py), recomputes gobrrr's predictions on this machine with the shipped H100
-calibration, and prints the tables that benchmarks/README.md carries. PyTorch's
-RuntimeEstimator column is what it predicted in the same GPU run.
+calibration, and prints the tables of
+docs/investigations/2026-11-22-built-in-suite-against-the-h100.md. PyTorch's RuntimeEstimator
+column is what it predicted in the same GPU run.
 """
 
 from __future__ import annotations

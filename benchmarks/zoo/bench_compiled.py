@@ -1,8 +1,8 @@
 """Measure compiled training steps (torch.compile(model), optimizer eager) on a real GPU.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_compiled.py --out OUT.json [--cases A,B]
+    PYTHONUNBUFFERED=1 python benchmarks/zoo/bench_compiled.py --out OUT.json [--cases A,B]
         [--budget 140] [--timeout 90]
-    python benchmarks/bench_compiled.py --out /tmp/dry.json --device cpu --cases mlp-compiled \
+    python benchmarks/zoo/bench_compiled.py --out /tmp/dry.json --device cpu --cases mlp-compiled \
         --warmup 1 --steps 2                                  # a dry run on the CPU
 
 The ground truth for gobrrr's compiled-step prediction. Each case runs in a fresh process

@@ -1,6 +1,6 @@
 """The zoo's errors: measured (measure.py's JSON) against fresh predictions, as a table.
 
-    python benchmarks/zoo/report.py [benchmarks/results/zoo_h100.json]
+    python benchmarks/zoo/report.py [tests/fixtures/zoo_h100.json]
         [--predictions benchmarks/results/zoo_h100_predictions.json] [--markdown FILE]
 
 Predicts every case the results file measured (on this machine's CPU, as tests/test_zoo.py

@@ -47,7 +47,7 @@ def serve_child(args, one) -> bool:
     """In a child process (`child_flags` given): print its line, `one(SPEC)`'s row or the
     environment, and return True; False in the parent."""
     if args.env:
-        from bench_estimate_suite import environment
+        from suite.bench_estimate_suite import environment
 
         print("ENV " + json.dumps(environment()))
         return True
@@ -63,7 +63,7 @@ def run_cases(script: str, out: str, names: list[str], version: int, report) -> 
     each; `report(row)` prints it. Returns the document."""
     from pathlib import Path
 
-    from bench_estimate_suite import environment
+    from suite.bench_estimate_suite import environment
 
     doc = {"version": version, "environment": environment(), "rows": []}
     for name in names:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path[:0] = [str(ROOT / "src"), str(HERE.parent), str(HERE.parent / "plan")]
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 PARTS = ("suite", "zoo", "holdout", "plan")
 
@@ -46,7 +46,7 @@ def figures(est) -> dict:
 def suite() -> dict:
     import gobrrr
 
-    data = json.loads((RESULTS / "estimate_suite_h100.json").read_text())
+    data = json.loads((FIXTURES / "estimate_suite_h100.json").read_text())
     out = {}
     for c in data["cases"]:
         key = (f"{c['model']} b{c['batch']} s{c['seq']} {c['precision']} "
@@ -72,13 +72,12 @@ def zoo(holdout: bool) -> dict:
 
 
 def plan() -> dict:
-    from bench_plan import SCENARIOS
-
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
+    from zoo.scenarios import SCENARIOS
 
     out = {}
-    for path in sorted(RESULTS.glob("plan_h100_*.json")):
+    for path in sorted(FIXTURES.glob("plan_h100_*.json")):
         data = json.loads(path.read_text())
         for name, sc in (data.get("scenarios") or {}).items():
             source, seq, g, precision, *rest = SCENARIOS[name]

@@ -1,7 +1,7 @@
 """The predicted allocation sequence held against the real one, request by request.
 
-benchmarks/results/zoo_diagnose_h100.json holds the caching allocator's own trace of zoo steps
-on an H100 (benchmarks/zoo_diagnose.py): every alloc and free, tagged with the ATen op that
+tests/fixtures/zoo_diagnose_h100.json holds the caching allocator's own trace of zoo steps
+on an H100 (benchmarks/zoo/diagnose.py): every alloc and free, tagged with the ATen op that
 made it. Here the requests that ops allocate inside themselves (reduction staging buffers,
 LayerNorm's contiguous copies, cuDNN attention's backward workspace) and where the BLAS
 workspaces appear are held against that trace, and the staging-buffer arithmetic against
@@ -13,9 +13,7 @@ ConvNeXt's trace, zoo_diagnose_h100_run2.json) and 1x1 weight gradients' partial
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,11 +24,11 @@ from torch import nn
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.memory.scratch.reduce import reduce_buffers
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-TRACES = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100.json"
-TRACES2 = ROOT / "benchmarks" / "results" / "zoo_diagnose_h100_run2.json"  # ConvNeXt-gc
+TRACES = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100.json"
+TRACES2 = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100_run2.json"  # ConvNeXt-gc
 STEP = 4  # the measured step (3 warm-ups before it)
 
 
@@ -62,14 +60,14 @@ def test_a_reduction_within_blocks_stages_nothing():
 @functools.cache
 def _rows() -> dict[str, dict]:
     if not TRACES.exists():
-        pytest.skip(f"{TRACES.name} is not recorded: run benchmarks/zoo_diagnose.py on a GPU")
+        pytest.skip(f"{TRACES.name} is not recorded: run benchmarks/zoo/diagnose.py on a GPU")
     return {r["name"]: r for r in json.loads(TRACES.read_text())["alloc"] if "error" not in r}
 
 
 @functools.cache
 def _rows2() -> dict[str, dict]:
     if not TRACES2.exists():
-        pytest.skip(f"{TRACES2.name} is not recorded: run benchmarks/zoo_diagnose.py on a GPU")
+        pytest.skip(f"{TRACES2.name} is not recorded: run benchmarks/zoo/diagnose.py on a GPU")
     return {r["name"]: r for r in json.loads(TRACES2.read_text())["alloc"] if "error" not in r}
 
 
@@ -79,18 +77,18 @@ def _predict(name: str):
     from zoo.cases import get_case
 
     case = get_case(name)
-    if importlib.util.find_spec(case.library) is None:
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed")
     return compare.predict(case)
 
 
 @functools.cache
 def _steps(name: str):
-    import zoo_allocdiff
+    from zoo import allocdiff
 
     row = _rows()[name] if name in _rows() else _rows2()[name]
     est = _predict(name)
-    return zoo_allocdiff.real_steps(row), zoo_allocdiff.predicted_steps(est)
+    return allocdiff.real_steps(row), allocdiff.predicted_steps(est)
 
 
 def _requests(step: dict, ops: set[str]) -> Counter:

@@ -2,13 +2,12 @@
 
 Hand-derived: each case below works out, from the rules in CUDACachingAllocator.cpp, the
 blocks and segments a sequence of torch.empty requests gets (comments carry the arithmetic).
-Recorded: benchmarks/allocator_truth.py ran the same kinds of sequences on an H100 and wrote
-max_memory_allocated, max_memory_reserved and the segment count of each; every sequence is
-replayed here and must match exactly.
+Recorded: benchmarks/memory/allocator_truth.py ran the same kinds of sequences (zoo/
+allocator_sequences.py) on an H100 and wrote max_memory_allocated, max_memory_reserved and the
+segment count of each; every sequence is replayed here and must match exactly.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,10 @@ from gobrrr.memory.allocator import (
     round_size,
     segment_size,
 )
+from zoo import allocator_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
-TRUTH = ROOT / "benchmarks" / "results" / "allocator_truth_h100.json"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import allocator_truth  # noqa: E402  (the GPU script's sequences, built without a GPU)
+TRUTH = ROOT / "tests" / "fixtures" / "allocator_truth_h100.json"
 
 KiB, MiB = 1024, 1024**2
 
@@ -59,7 +57,7 @@ HAND = {
         [_a(0, 600 * KiB), _a(1, 600 * KiB), _a(2, 600 * KiB)], None,
         3 * 600 * KiB, 2 * MiB, 1, 0),
     "small_pack": (
-        allocator_truth.small_pack().events, None, 4 * 600 * KiB, 4 * MiB, 2, 0),
+        allocator_sequences.small_pack().events, None, 4 * 600 * KiB, 4 * MiB, 2, 0),
     "5mib_takes_20mib": ([_a(0, 5 * MiB)], None, 5 * MiB, 20 * MiB, 1, 0),
     # 11 MiB: a 12 MiB segment; the 1 MiB remainder is not > 1 MiB, so it stays in the block
     "11mib_takes_12mib": ([_a(0, 11 * MiB)], None, 12 * MiB, 12 * MiB, 1, 0),
@@ -69,27 +67,28 @@ HAND = {
     # segment. 3 MiB into the freed 4 MiB hole keeps all 4 (1 MiB remainder not split);
     # 2 MiB + 512 and 9.5 MiB come out of the second segment's 16 MiB
     "mid_pack": (
-        allocator_truth.mid_pack().events, None, 6 * 4 * MiB + 2 * MiB + 512 + 9 * MiB + 512 * KiB,
+        allocator_sequences.mid_pack().events, None,
+        6 * 4 * MiB + 2 * MiB + 512 + 9 * MiB + 512 * KiB,
         40 * MiB, 2, 0),
     # 19.5 MiB -> 20 MiB segment, kept whole; 9.5 MiB -> 20 MiB segment cut 9.5 + 10.5; 9.59 MiB
     # takes the whole 10.5 (0.91 MiB remainder); 8 MiB into the freed 9.5 (1.5 MiB split off);
     # 11 MiB -> 12 MiB whole; 10 MiB -> 10 MiB; 10 MiB + 1 -> 12 MiB segment cut;
     # 33 MiB + 1 -> 34 MiB whole
     "split_rules": (
-        allocator_truth.split_rules().events, None,
+        allocator_sequences.split_rules().events, None,
         20 * MiB + 21 * MiB // 2 + 8 * MiB + 12 * MiB + 10 * MiB + 10 * MiB + 512 + 34 * MiB,
         (20 + 20 + 12 + 10 + 12 + 34) * MiB, 6, 0),
     # 64 MiB segment freed; 32 from it, 40 new, 30 into the 32 MiB remainder (best fit);
     # freeing 32 and 30 coalesces the whole 64 MiB again, which serves 48; 100 is new; 12 goes
     # into the 16 MiB left. Allocated peak 48 + 100 + 12
     "large_reuse": (
-        allocator_truth.large_reuse().events, None, 160 * MiB, 204 * MiB, 3, 0),
+        allocator_sequences.large_reuse().events, None, 160 * MiB, 204 * MiB, 3, 0),
     # budget 256 MiB: two cached 100 MiB segments are released for 150 MiB (retry 1); 4 MiB
     # (20 MiB segment) and 600 KiB (2 MiB) are split, so unreleasable: 90 MiB fails (retry 2,
     # OOM); the freed 150 MiB is released for 200 MiB (retry 3); 30 MiB fits (252 MiB);
     # 8 MiB comes from the 16 MiB left in the 20 MiB segment
     "oom_retry": (
-        allocator_truth.oom_retry().events, 256 * MiB,
+        allocator_sequences.oom_retry().events, 256 * MiB,
         4 * MiB + 600 * KiB + 200 * MiB + 30 * MiB + 8 * MiB, 252 * MiB, 4, 1),
 }
 
@@ -103,7 +102,7 @@ def test_hand_derived_sequences(name):
 
 
 def test_oom_path_releases_only_wholly_free_segments():
-    s = replay(allocator_truth.oom_retry().events, 256 * MiB).stats
+    s = replay(allocator_sequences.oom_retry().events, 256 * MiB).stats
     assert (s.alloc_retries, s.device_allocs, s.device_frees) == (3, 7, 3)
     assert s.reserved == 252 * MiB
 
@@ -148,8 +147,9 @@ def test_best_fit_prefers_the_smallest_block_then_the_lowest_address():
 # ------------------------------------------------------------------------------- recorded
 def _truth() -> dict:
     if not TRUTH.exists():
-        pytest.skip(f"{TRUTH.relative_to(ROOT)} is absent: run benchmarks/allocator_truth.py "
-                    "on an H100 and commit its JSON to check the replay against the device")
+        pytest.skip(f"{TRUTH.relative_to(ROOT)} is absent: run "
+                    "benchmarks/memory/allocator_truth.py on an H100 and commit its JSON to "
+                    "check the replay against the device")
     return json.loads(TRUTH.read_text())
 
 
@@ -163,11 +163,11 @@ def _budget(rec: dict) -> int | None:
 def test_recorded_sequences_are_the_scripts():
     truth = _truth()
     for name, rec in truth["sequences"].items():
-        build, _limit = allocator_truth.SEQUENCES[name]
+        build, _limit = allocator_sequences.SEQUENCES[name]
         assert [list(e) for e in build().events] == rec["events"], name
 
 
-@pytest.mark.parametrize("name", list(allocator_truth.SEQUENCES))
+@pytest.mark.parametrize("name", list(allocator_sequences.SEQUENCES))
 def test_recorded_peaks_match_exactly(name):
     truth = _truth()
     if name not in truth["sequences"]:
@@ -244,7 +244,7 @@ def test_cuda_context_assumption_is_near_the_recording():
         f"{CUDA_CONTEXT_BYTES / MiB:.0f} MiB assumed")
 
 
-PLAIN = ROOT / "benchmarks" / "results" / "zoo_diagnose_plain_h100.json"
+PLAIN = ROOT / "tests" / "fixtures" / "zoo_diagnose_plain_h100.json"
 #: the zoo cases whose reserved peak depends on where cudaMalloc puts each segment
 ADDRESS_SENSITIVE = {"convnext_tiny-timm-gc": -0.109}
 
@@ -264,7 +264,7 @@ def test_zoo_steps_replay_exactly_and_addresses_matter_only_where_known(row):
     same, except where equal-size free blocks in different segments compete and the real
     addresses decide otherwise: ConvNeXt-T with checkpointing, whose real requests replay
     10.9% low with modelled addresses, its prediction's -11.0% (tests/test_zoo.py)."""
-    from zoo_allocdiff import real_steps
+    from zoo.allocdiff import real_steps
 
     steps = real_steps(row)
     events = [("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])

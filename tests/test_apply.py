@@ -48,6 +48,7 @@ TOL = {"fp32": 2e-5, "bf16-mixed": 3e-2}  # max |error| / max |reference|, per t
 
 
 def _hf_llama() -> Workload:
+    pytest.importorskip("transformers", exc_type=ImportError)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -59,6 +60,7 @@ def _hf_llama() -> Workload:
 
 
 def _resnet() -> Workload:
+    pytest.importorskip("torchvision", exc_type=ImportError)
     from torchvision.models import resnet18
 
     return Workload(model=resnet18(num_classes=10),
@@ -337,6 +339,7 @@ def test_fused_hf_model_without_labels_still_returns_its_logits():
 
 
 def test_fused_loss_refuses_what_it_cannot_take_over():
+    pytest.importorskip("transformers", exc_type=ImportError)
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -6,9 +6,7 @@ recorded where it happened, and a read no assumption covers is one clear error."
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from gobrrr.cost.flops import op_cost
 from gobrrr.errors import GobrrrError
 from gobrrr.report.estimate import estimate_dict
 from gobrrr.report.terminal import assumption_lines
+from zoo.common import available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -413,7 +412,7 @@ ZOO_OPS = {  # ops whose count the reads decide, held against the H100's count f
 def transformers_logging():
     """transformers binds its log handler to the stderr of the moment it first logs (here,
     this test's capture); unbound afterwards, so later tests' own capture sees its notices."""
-    if importlib.util.find_spec("transformers") is None:
+    if not available("transformers"):
         pytest.skip("transformers is not installed: pip install 'gobrrr[zoo]'")
     yield
     from transformers.utils import logging as hf_logging
@@ -423,10 +422,9 @@ def transformers_logging():
 
 @pytest.mark.parametrize("name", list(ZOO_OPS))
 def test_zoo_steps_that_read_values_run_the_ops_cuda_ran(name, transformers_logging):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from zoo.cases import get_case
 
-    doc = json.loads((ROOT / "benchmarks" / "results" / "zoo_h100.json").read_text())
+    doc = json.loads((ROOT / "tests" / "fixtures" / "zoo_h100.json").read_text())
     measured = next(r for r in doc["cases"] if r["name"] == name)["aten_ops"]
     case = get_case(name)
     g = capture(case.factory(), precision=case.precision)

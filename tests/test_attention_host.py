@@ -17,7 +17,7 @@ from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.hardware import find_calibration, get_gpu
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 
 

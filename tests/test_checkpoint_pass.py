@@ -14,9 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,9 +33,6 @@ from gobrrr.training.checkpointing import (
     checkpointed,
     remove_checkpointing,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 WORKLOADS = {
     # dropout in every block: the recomputation draws the same masks again
@@ -83,9 +77,9 @@ CASES = [(m, p) for m in ("gpt2", "llama", "convnet", "hf-llama") for p in POLIC
 def plain(model: str):
     make, precision = WORKLOADS[model]
     if model == "hf-llama":
-        pytest.importorskip("transformers")
+        pytest.importorskip("transformers", exc_type=ImportError)
     if model == "resnet18":
-        pytest.importorskip("torchvision")
+        pytest.importorskip("torchvision", exc_type=ImportError)
     return capture(make, precision=precision)
 
 
@@ -283,7 +277,7 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
     """transformers builds a KV cache in training unless told not to; a checkpointed layer that
     wrote it would write it again while recomputing, and a selective checkpoint would fail.
     Each policy runs a real step and gives the plain step's gradients."""
-    tf = pytest.importorskip("transformers")
+    tf = pytest.importorskip("transformers", exc_type=ImportError)
     cfg = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          use_cache=True)
@@ -302,17 +296,6 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
         apply_checkpointing(model, dict.fromkeys(block_names(model), policy))
         for n, g in grads(model).items():
             torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6)
-
-
-def test_pass_is_fast():
-    """A 32-block Llama's graph (≈7,600 ops): every block, each policy, in well under a second."""
-    g0 = capture(lambda: get_workload("llama3-8b", batch_size=1, seq_len=256),
-                 precision="bf16-mixed")
-    blocks = g0.meta.blocks
-    for policy in ("full", "selective"):
-        t = time.perf_counter()
-        checkpoint(g0, dict.fromkeys(blocks, policy))
-        assert time.perf_counter() - t < 0.5
 
 
 def test_module_without_saved_tensors_is_left_alone():

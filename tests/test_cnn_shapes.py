@@ -19,7 +19,7 @@ from gobrrr.cost.roofline import time_op
 from gobrrr.graph.ir import OpNode, TensorInfo
 from gobrrr.hardware import find_calibration, get_gpu
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 PIXELS = 64 * 56 * 56
 # the step profiled on three leases; each keeps its 40 ops furthest from the prediction

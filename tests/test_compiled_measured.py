@@ -1,6 +1,6 @@
-"""Compiled steps measured on an H100 (benchmarks/bench_compiled.py), predicted again here.
+"""Compiled steps measured on an H100 (benchmarks/zoo/bench_compiled.py), predicted again here.
 
-Each measured case of benchmarks/results/compiled_h100_*.json is predicted on the CPU
+Each measured case of tests/fixtures/compiled_h100_*.json is predicted on the CPU
 (`gobrrr.estimate(..., compile=True)` for the compiled ones, their eager twins as they are)
 and held against the zoo's bounds (tests/test_zoo.py): allocated peak within 3% (never more
 than 2% under), reserved within 5%, step time within 15%; and what the forward keeps for
@@ -11,17 +11,15 @@ against the prediction's activations. Skipped while no results file exists.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from zoo.common import available
 
-RESULTS = sorted((ROOT / "benchmarks" / "results").glob("compiled_h100_*.json"))
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = sorted((ROOT / "tests" / "fixtures").glob("compiled_h100_*.json"))
 ALLOC_MAX, ALLOC_UNDER_MAX, RESERVED_MAX, TIME_MAX = 0.03, 0.02, 0.05, 0.15
 KEPT_MAX = 0.05  # what the forward keeps, |error| (ResNet-50's -4.4%: the H100 forward keeps
 # one more 196 MiB bf16 activation of the stem or first stage; not yet traced to its op)
@@ -52,12 +50,11 @@ ROWS = _rows()
 
 @functools.cache
 def _predict(name: str):
-    import bench_compiled
-
     import gobrrr
+    from zoo.compiled import case_named
 
-    case = bench_compiled.case_named(name)
-    if case.library not in ("gobrrr",) and importlib.util.find_spec(case.library) is None:
+    case = case_named(name)
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
     return gobrrr.estimate(case.factory(), gpu="h100", precision=case.precision,
                            compile=case.compile)
@@ -84,7 +81,7 @@ def breaks(name: str, err: dict[str, float]) -> dict[str, str]:
     return out
 
 
-@pytest.mark.skipif(not ROWS, reason="no benchmarks/results/compiled_h100_*.json yet")
+@pytest.mark.skipif(not ROWS, reason="no tests/fixtures/compiled_h100_*.json yet")
 @pytest.mark.parametrize("name", [r["name"] for r in ROWS])
 def test_measured_compiled_step_is_predicted(name):
     row = next(r for r in ROWS if r["name"] == name)

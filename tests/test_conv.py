@@ -69,7 +69,7 @@ def test_layout_copies_match_the_transients_recorded_on_an_h100():
     """cnn_diagnostics_h100.json: every op's allocator peak inside the call, bf16 convnet b64.
     The 3x3 forward convolutions allocate exactly their NHWC copies; backward ones up to a
     quarter more (cuDNN's own workspace)."""
-    data = json.loads((ROOT / "benchmarks/results/cnn_diagnostics_h100.json").read_text())
+    data = json.loads((ROOT / "tests/fixtures/cnn_diagnostics_h100.json").read_text())
     case = next(m for m in data["memory"] if m["precision"] == "bf16-mixed")
     measured = [r[2] - max(r[1], r[3]) for r in case["ops"]
                 if r[0] in ("convolution", "convolution_backward")]

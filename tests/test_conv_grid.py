@@ -381,8 +381,7 @@ def test_grouped_1d_convolution_against_a_separate_h100_run():
     the same convolution timed alone in another run (conv1d_lengths_h100.json, batch 8 at
     499 positions: 12.8 ms forward, cuDNN at 3 TFLOP/s): within 15%. Read as the 3x3
     grouped class it was 0.7 ms."""
-    doc = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" /
-                      "conv1d_lengths_h100.json").read_text())
+    doc = json.loads((Path(__file__).parent / "fixtures" / "conv1d_lengths_h100.json").read_text())
     measured = next(r for r in doc["rows"] if r["length"] == 499)["forward_s"]
     node = _conv1d_node()
     rates = Rates(H100, gobrrr.hardware.find_calibration(H100))

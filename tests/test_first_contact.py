@@ -2,7 +2,7 @@
 
 Every case asserts the exit code, exactly one line on stderr and no traceback, the words that
 name the problem and the fix, and under --json that stdout is one JSON object (with "error"
-and "hint" when the command failed). `benchmarks/first_contact_corpus.py` runs this corpus
+and "hint" when the command failed). `benchmarks/cli/first_contact_corpus.py` runs this corpus
 against another version of gobrrr to count how many cases it passes.
 """
 

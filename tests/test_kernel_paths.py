@@ -17,7 +17,7 @@ from gobrrr.cost.shapes import cat_path, elementwise_path
 from gobrrr.graph.ir import OpNode, TensorInfo
 from gobrrr.hardware import find_calibration, get_gpu
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 # the kernel template each path runs (ATen's CUDALoops.cuh)
 KERNEL_OF = {"vector": "vectorized_elementwise_kernel", "cast_down":

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import gobrrr
 from gobrrr.capture import capture
 
-T = pytest.importorskip("transformers")
+T = pytest.importorskip("transformers", exc_type=ImportError)
 
 
 def _calls(run) -> list[tuple[bool, bool]]:

@@ -184,7 +184,7 @@ def test_budget_decides_fits_and_headroom():
     assert tight.reserved == 60 * MiB and tight.headroom == -10 * MiB
 
 
-SUITE = ROOT / "benchmarks" / "results" / "estimate_suite_h100.json"
+SUITE = ROOT / "tests" / "fixtures" / "estimate_suite_h100.json"
 
 
 @pytest.mark.parametrize("model,batch,precision,checkpoint", [

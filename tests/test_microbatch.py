@@ -4,10 +4,8 @@ trace at the same micro-batch, node by node, and through the memory and time pre
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +26,8 @@ from gobrrr.passes.microbatch import (
     family,
     first_mismatch,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from zoo import cases as zoo  # noqa: E402
+from zoo import cases as zoo
+from zoo.common import available
 
 # The zoo's configurations, shrunk (hidden 64, 2 layers, small vocabularies): the same
 # builders, recipes and losses, traced in a fraction of a second.
@@ -82,7 +78,7 @@ def _transformers_logging():
 
 def _needs(name: str) -> None:
     library = CASES[name][3]
-    if library and importlib.util.find_spec(library) is None:
+    if library and not available(library):
         pytest.skip(f"{library} is not installed: pip install 'gobrrr[zoo]'")
 
 

@@ -1,7 +1,6 @@
 """Built-in models: sizes against published counts, numerics against plain PyTorch, the registry."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -198,11 +197,10 @@ def test_mlp_ignores_seq_with_a_note():
     assert wl.seq_len is None and "512" in wl.info["note"]
 
 
-def test_405b_under_fake_mode_is_fast():
-    t0 = time.perf_counter()
+def test_405b_under_fake_mode():
+    """How long the build takes: benchmarks/speed/bench_build_speed.py."""
     with FakeTensorMode():
         wl = get_workload("llama3-405b", seq_len=4096)
-    assert time.perf_counter() - t0 < 5.0
     assert count_params(wl.model) == PUBLISHED["llama3-405b"]
     assert wl.tokens == 4096
 

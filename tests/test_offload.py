@@ -17,8 +17,8 @@ from gobrrr.capture import capture
 from gobrrr.cli.main import main
 from gobrrr.cost.roofline import OpTime
 from gobrrr.errors import GobrrrError
-from gobrrr.evaluate import Target, evaluate
-from gobrrr.hardware import find_calibration, get_gpu
+from gobrrr.evaluate import evaluate
+from gobrrr.hardware import Target, find_calibration, get_gpu
 from gobrrr.models.registry import get_workload
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.plan.knobs import Knobs, every_kth
@@ -354,17 +354,14 @@ def test_offload_with_other_states_and_unknown_allow_are_errors(target, capsys):
 
 
 # -- recorded on an H100 --------------------------------------------------------------------
-RECORDED = Path(__file__).parents[1] / "benchmarks" / "results" / "offload_h100_run2.json"
+RECORDED = Path(__file__).parent / "fixtures" / "offload_h100_run2.json"
 
 
 @pytest.fixture(scope="module")
 def recorded_gpt2():
     """bench_offload's GPT-2 (124M, seq 1024, global batch 8, bf16-mixed) steps on an H100,
     measured, and predicted on the shipped calibration with the offload section of that run."""
-    import sys
-
-    sys.path.insert(0, str(RECORDED.parents[1]))
-    from bench_offload import predicted
+    from zoo.offload import predicted
 
     results = json.loads(RECORDED.read_text())
     results["measured"] = {k: v for k, v in results["measured"].items() if k.startswith("gpt2")}

@@ -14,8 +14,9 @@ from gobrrr.cli.main import main
 from gobrrr.cost._ops_optim import adam8bit_bytes, adam8bit_scratch
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates
-from gobrrr.evaluate import Target, evaluate
+from gobrrr.evaluate import evaluate
 from gobrrr.graph.ir import OpNode, TensorInfo
+from gobrrr.hardware import Target
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import BASE, Planner, _persistent, plan
 from gobrrr.training.optim_trace import Adam8bitTrace, dynamic_map, state_bytes
@@ -23,7 +24,7 @@ from gobrrr.workload import Workload
 
 MiB = 2**20
 EIGHT = Knobs(micro_batch=1, optimizer_states="8bit")  # the traced 8-bit variant
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/optim8_h100.json"
+RESULTS = Path(__file__).resolve().parent / "fixtures" / "optim8_h100.json"
 # the optim8 section as shipped: measured over both layouts (profile.calibrate_optim)
 SECTION = RESULTS.parent / "calibration_sections_h100_run18.json"
 SHAPES = [(64, 256), (100,), (4100,)]  # quantised; small; >= 4096 but not a multiple of 256
@@ -236,7 +237,7 @@ def test_knobs_with_8bit_states_are_costed(planner):
     assert a.peak_bytes < b.peak_bytes and not b.fits
 
 
-# -- against the H100 recording (benchmarks/bench_optim_states.py) ---------------------------
+# -- against the H100 recording (benchmarks/calibration/bench_optim_states.py) ---------------
 def test_the_shipped_section_is_the_recordings():
     from gobrrr.calibrate.sections.optim import summarize
 

@@ -3,7 +3,6 @@ by `profile.calibrate_power.power_duty`): hand-derived fixed points on synthetic
 left alone, and the shipped H100 curve against the in-step matmul rate a GPU run recorded."""
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,14 +108,12 @@ def llama5b_plan3():
     """The planner's graph of a Llama-shaped 5B model's applied plan (micro-batch 8, every
     block checkpointed, fused loss, 8-bit states), and its GPU run's kernel times by class
     (plan_step_kernels_llama5b_h100.json: matmul 1.61 s, busy 2.88 s of a 2.88 s step)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_plan import SCENARIOS
-
     from gobrrr.passes.checkpoint import checkpoint
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
+    from zoo.scenarios import SCENARIOS
 
-    rec = json.loads((ROOT / "benchmarks/results/plan_step_kernels_llama5b_h100.json")
+    rec = json.loads((ROOT / "tests/fixtures/plan_step_kernels_llama5b_h100.json")
                      .read_text())
     row = next(r for r in rec["rows"] if r["role"] == "plan#3")
     source, seq, g, precision, allow, _ = SCENARIOS[row["scenario"]]

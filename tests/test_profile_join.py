@@ -1,5 +1,5 @@
 """The join, regimes and diagnosis on real H100 traces recorded by
-benchmarks/bench_profile_checks.py (a 2-layer GPT-2, d=128, 4 heads, V=1024, batch 4 x 128
+benchmarks/suite/bench_profile_checks.py (a 2-layer GPT-2, d=128, 4 heads, V=1024, batch 4 x 128
 tokens, AdamW; and x.cos().cos() on 2**22 fp32 elements, eager and torch.compile'd)."""
 
 from __future__ import annotations

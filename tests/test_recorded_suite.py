@@ -1,6 +1,6 @@
 """gobrrr's predictions, recomputed here on the CPU, against real H100 measurements.
 
-`benchmarks/results/estimate_suite_h100.json` was written by benchmarks/bench_estimate_suite.py
+`tests/fixtures/estimate_suite_h100.json` was written by benchmarks/suite/bench_estimate_suite.py
 on an H100: for each built-in workload, the real max_memory_allocated of a steady-state step
 and its median time. Each test run traces every case again and requires:
 - peak memory within 5% on each case and 0.5% in the median (a compiled case traced as
@@ -23,7 +23,7 @@ from gobrrr.estimate import estimate
 from gobrrr.hardware import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = json.loads((ROOT / "benchmarks" / "results" / "estimate_suite_h100.json").read_text())
+DATA = json.loads((ROOT / "tests" / "fixtures" / "estimate_suite_h100.json").read_text())
 # the H100 calibration gobrrr ships, written by `gobrrr calibrate` on the same kind of GPU
 CAL = Calibration.load(ROOT / "src" / "gobrrr" / "data" / "calibration" / "h100-sxm.json")
 CASES = {(f"{c['model']}-b{c['batch']}-s{c['seq']}-{c['precision']}-{c['checkpoint']}"

@@ -1,7 +1,7 @@
 """The CUDA SDPA backend choice reproduced in the CPU trace (gobrrr.capture.sdpa).
 
 The rules are PyTorch's CUDA dispatcher's (sdp_utils.cpp); the GPU records in
-benchmarks/results/sdpa_backends_h100.json, when present, say which backend an H100 ran."""
+tests/fixtures/sdpa_backends_h100.json, when present, say which backend an H100 ran."""
 
 import json
 from pathlib import Path
@@ -17,7 +17,7 @@ from gobrrr.capture.sdpa import SdpaTarget, _Call, choose, target_for
 
 H100 = target_for("NVIDIA H100 80GB HBM3")
 A100 = target_for("NVIDIA A100-SXM4-80GB")
-RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sdpa_backends_h100.json"
+RECORD = Path(__file__).resolve().parent / "fixtures" / "sdpa_backends_h100.json"
 
 
 def _call(b=2, hq=4, hk=4, s=128, sk=None, d=64, dtype=torch.bfloat16, mask=None, dropout=0.0,
@@ -105,7 +105,7 @@ def test_the_math_path_is_taken_where_cuda_takes_it():
 
 
 @pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet "
-                    "(benchmarks/sdpa_backends.py writes it on a GPU)")
+                    "(benchmarks/kernels/sdpa_backends.py writes it on a GPU)")
 def test_choice_matches_what_an_h100_ran():
     data = json.loads(RECORD.read_text())
     names = {"cudnn": "_scaled_dot_product_cudnn_attention", "flash":

@@ -73,7 +73,7 @@ HF_WORKLOAD = textwrap.dedent("""
 
 
 def test_transformers_loss_type_notice_is_dropped(capfd, tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", exc_type=ImportError)
     (tmp_path / "hf.py").write_text(HF_WORKLOAD)
     monkeypatch.chdir(tmp_path)
     clear = getattr(logging.Logger, "warning_once", None)

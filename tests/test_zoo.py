@@ -1,8 +1,8 @@
-"""The zoo (benchmarks/zoo): models written by others, predicted on the CPU.
+"""The zoo (zoo/, measured by benchmarks/zoo/): models written by others, predicted on the CPU.
 
 1. Every case traces: gobrrr.estimate runs without an exception, and the traced parameter
    count is the model's own (built apart, on the meta device).
-2. Every case measured on an H100 (benchmarks/results/zoo_h100.json, written by
+2. Every case measured on an H100 (tests/fixtures/zoo_h100.json, written by
    benchmarks/zoo/measure.py) is predicted again here and held against the bounds below; a
    case's step time is the median over that run and the reruns on other hosts
    (`compare.RERUNS`). A failure lists every case's errors. Skipped while the file does not
@@ -12,20 +12,19 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from zoo import compare
+from zoo.cases import CASES, get_case
+from zoo.common import available
 
-from zoo import compare  # noqa: E402
-from zoo.cases import CASES, get_case  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 # The targets (zoo, H100, shipped calibration). Errors are predicted / measured - 1.
 ALLOC_MEDIAN_MAX = 0.01  # median |error| of the allocated peak
@@ -57,12 +56,12 @@ KNOWN_MISSES: dict[str, dict[str, str]] = {
 }
 
 RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS",
-                              ROOT / "benchmarks" / "results" / "zoo_h100.json"))
+                              FIXTURES / "zoo_h100.json"))
 
 
 def _needs(name: str):
     case = get_case(name)
-    if importlib.util.find_spec(case.library) is None:
+    if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
     return case
 
@@ -170,7 +169,7 @@ def _measured_errors(path: Path) -> list[compare.CaseError]:
         pytest.skip(f"{path.name} is not recorded yet: run benchmarks/zoo/measure.py on an "
                     "H100 and commit its JSON")
     rows = [r for r in compare.measured_rows(json.loads(path.read_text()))
-            if importlib.util.find_spec(get_case(r["name"]).library) is not None]
+            if available(get_case(r["name"]).library)]
     if not rows:
         pytest.skip(f"{path.name} has no GPU measurement of the cases as defined now")
     reruns = compare.rerun_steps(path.parent)
@@ -212,12 +211,12 @@ def test_holdout_against_h100():
     _assert_within(errors, HOLDOUT_MISSES, HOLDOUT_TIME_MEDIAN_CLAIMED)
 
 
-HOST_PHASES = ROOT / "benchmarks" / "results" / "host_phases_h100.json"
+HOST_PHASES = FIXTURES / "host_phases_h100.json"
 
 
 def test_the_optimizer_host_follows_its_parameter_tensors():
     """The host's time to issue the optimizer step (and zero_grad), measured on an H100 host
-    for eight zoo models (benchmarks/host_phases.py: 148 to 452 parameter tensors; AdamW and
+    for eight zoo models (benchmarks/host/host_phases.py: 148 to 452 parameter tensors; AdamW and
     SGD with weight decay), against the predicted host seconds of the optimizer phase: one
     ratio for all of them within 2x (the host's speed sets the scale, and varies by host).
     The per-op cost of tiny models alone, blind to the tensor count, left them 4.5x apart."""
@@ -234,9 +233,9 @@ def test_a_rerun_case_shows_its_median_and_spread():
     """A case measured on several hosts: the table gives the median step and the fastest and
     slowest run (zoo_h100_holdout.json and its two reruns: EfficientNetV2-S 91.1, 109.3 and
     118.2 ms)."""
-    doc = json.loads((ROOT / "benchmarks/results/zoo_h100_holdout.json").read_text())
+    doc = json.loads((FIXTURES / "zoo_h100_holdout.json").read_text())
     row = next(r for r in compare.measured_rows(doc) if r["name"] == "efficientnet_v2_s-tv-cl")
-    reruns = compare.rerun_steps(ROOT / "benchmarks/results")
+    reruns = compare.rerun_steps(FIXTURES)
     e = compare.compare_row(row, estimate_of=lambda case: (_ for _ in ()).throw(
         RuntimeError("not traced here")), reruns=reruns)
     assert e.runs == 3

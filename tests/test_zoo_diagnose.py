@@ -1,16 +1,9 @@
-"""benchmarks/zoo_diagnose.py's compact allocator trace and zoo_allocdiff.py's reading of it,
+"""The compact allocator trace benchmarks/zoo/diagnose.py writes and zoo/allocdiff.py reads,
 on a hand-made allocator trace whose op boundaries are known."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import zoo_allocdiff  # noqa: E402
-import zoo_diagnose  # noqa: E402
+from zoo import allocdiff
 
 MiB = 2**20
 
@@ -30,7 +23,7 @@ def _trace():
 
 def test_compact_trace_tags_each_event_with_the_op_running():
     trace, marks = _trace()
-    out = zoo_diagnose.compact_trace(trace, marks, [("build", (0, 0)), ("step1", (2, 1))])
+    out = allocdiff.compact_trace(trace, marks, [("build", (0, 0)), ("step1", (2, 1))])
     # free_requested is left out; the free of x names alloc 0, the free of y alloc 1
     assert out["events"] == [[2, 2 * MiB, 0, 1000], [0, 100, 0], [0, 200, 0], [1, 0, 1],
                              [0, 300, 1], [0, 50, 2], [1, 1, 2]]
@@ -40,12 +33,12 @@ def test_compact_trace_tags_each_event_with_the_op_running():
 
 def test_allocdiff_reads_the_compact_trace_back():
     trace, marks = _trace()
-    row = zoo_diagnose.compact_trace(trace, marks, [("build", (0, 0)), ("step1:forward", (2, 1))])
+    row = allocdiff.compact_trace(trace, marks, [("build", (0, 0)), ("step1:forward", (2, 1))])
     strings = [""] * 40
     strings[10], strings[20], strings[30], strings[11] = "aten.mm.default", "aten.add.Tensor", \
         "aten.mul.Tensor", "fc"
     row.update(strings=strings)
-    build, step = zoo_allocdiff.real_steps(row)
+    build, step = allocdiff.real_steps(row)
     assert [e[:2] for e in build["events"]] == [(2, 2 * MiB), (0, 100), (0, 200), (1, 100)]
     assert [(e[0], e[1], e[2]) for e in step["events"]] == [
         (0, 300, "add @ fc"), (0, 50, "mul @ fc"), (1, 200, "mul @ fc")]

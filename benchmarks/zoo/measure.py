@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[1])]
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1])]
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -157,8 +157,7 @@ def _measure_into(row: dict, case, device, batch, seq, warmup, steps) -> None:
 def environment(device: str) -> dict:
     """Device, driver, CUDA, torch and the zoo libraries' versions, date."""
     if device.startswith("cuda"):
-        sys.path.insert(0, str(HERE.parents[1]))
-        from bench_estimate_suite import environment as gpu_environment
+        from suite.bench_estimate_suite import environment as gpu_environment
 
         env = gpu_environment()
     else:

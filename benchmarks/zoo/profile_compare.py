@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[1])]
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1])]
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The zoo's errors: measured (measure.py's JSON) against fresh predictions, as a table.
 
-    python benchmarks/zoo/report.py [benchmarks/results/zoo_h100.json]
+    python benchmarks/zoo/report.py [tests/fixtures/zoo_h100.json]
         [--predictions benchmarks/results/zoo_h100_predictions.json] [--markdown FILE]
 
 Predicts every case the results file measured (on this machine's CPU, as tests/test_zoo.py
@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(HERE.parents[1])]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch  # noqa: E402
 
@@ -29,7 +29,7 @@ from gobrrr.errors import GobrrrError  # noqa: E402
 from zoo import compare  # noqa: E402
 
 VERSION = 1
-RESULTS = ROOT / "benchmarks" / "results" / "zoo_h100.json"
+RESULTS = ROOT / "tests" / "fixtures" / "zoo_h100.json"
 
 
 def _commit() -> str | None:

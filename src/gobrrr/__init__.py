@@ -9,7 +9,8 @@ Measuring on a GPU: `gobrrr.profile.profile`, `gobrrr.calibrate.api`.
 
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import Estimate, estimate
-from gobrrr.evaluate import Target, evaluate
+from gobrrr.evaluate import evaluate
+from gobrrr.hardware import Target
 from gobrrr.plan.apply import apply
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import plan

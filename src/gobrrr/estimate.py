@@ -11,8 +11,8 @@ from typing import Any
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
-from gobrrr.evaluate import Estimate, Target, evaluate
-from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.evaluate import Estimate, evaluate
+from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.workload import Workload
 
 __all__ = ["Estimate", "estimate", "workload_factory"]

@@ -9,14 +9,14 @@ frees within the op (through PyTorch's caching allocator, so they count in
   the input and the weight (input channels padded up to a multiple of 8, e.g. an RGB stem's
   3 to 8) and of the output; backward, of grad_output, the input and the weight (a 1x1
   weight is channels-last already). Measured on an H100 in
-  `benchmarks/results/cnn_diagnostics_h100.json`: forward exactly, backward within 25%.
+  `tests/fixtures/cnn_diagnostics_h100.json`: forward exactly, backward within 25%.
 - The kernel's own workspace, which depends on the algorithm cuDNN's heuristics pick and
   jumps between neighbouring shapes (in fp32 forward: none for most, 5-25x the tensors for a
   few). It is not derivable from the shapes; a calibration measures it over a grid of
   convolutions and keeps the typical (median) fraction of the op's input + output bytes, per
   math mode and direction (`conv_workspace`).
 
-The allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`) show
+The allocator traces of the zoo's steps (`tests/fixtures/zoo_diagnose_h100.json`) show
 both vary by shape: the NHWC copies happen inside cuDNN's workspace for some convolutions
 (ViT's 16x16 patches, Whisper's 1-D convolutions: the workspace is exactly the copies) and not
 at all for others (MobileNetV3's), fp32 1x1 convolutions ask nothing and 3x3s about twice their

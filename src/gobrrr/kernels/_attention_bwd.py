@@ -10,7 +10,8 @@
                                                  over key blocks (recomputes P and dP); it runs
                                                  first and also computes delta, so no separate
                                                  preprocess pass. Alternative, measured slower
-                                                 on an H100 (benchmarks/README.md):
+                                                 on an H100 (docs/investigations/
+                                                 2026-11-22-attention-kernels-against-sdpa.md):
                                                  dq_mode="atomic", fp32 atomics from the dK/dV
                                                  kernel after a preprocess pass
 """
@@ -45,7 +46,8 @@ DQ_MODE = "separate"  # "separate": dQ kernel, no atomics; "atomic": fp32 atomic
 def dkdv_configs(bd: int) -> list[triton.Config]:
     """dK/dV candidates: the dK and dV accumulators (2 x BLOCK_N x D fp32) fill the registers,
     so D=128 takes BLOCK_M=32 query steps. At D=128 all but (32, 128, 8, 3) spill a little
-    (ptxas, Triton 3.9) and some still win on the H100 (benchmarks/README.md)."""
+    (ptxas, Triton 3.9) and some still win on the H100
+    (docs/investigations/2026-11-22-attention-kernels-against-sdpa.md)."""
     if bd <= 64:
         return [cfg(32, 64, 4, 3), cfg(32, 64, 4, 4), cfg(16, 64, 4, 3), cfg(64, 128, 8, 3),
                 cfg(32, 128, 8, 3)]

@@ -102,8 +102,9 @@ def direct(t: torch.Tensor) -> bool:
     """True when nothing needs to see gobrrr's ops: a plain tensor, outside torch.compile, with
     no dispatch or function mode (FakeTensorMode, op recorders), functorch transform or profiler
     active. The public functions then launch their kernels without the op dispatcher, whose
-    custom-op layers cost more host time than the launches (benchmarks/README.md); in every
-    other case the ops run, so traces, fake tensors and profiles still show the gobrrr:: ops."""
+    custom-op layers cost more host time than the launches
+    (docs/investigations/2026-11-22-kernel-host-time-per-call.md); in every other case the
+    ops run, so traces, fake tensors and profiles still show the gobrrr:: ops."""
     return (
         DIRECT
         and type(t) is torch.Tensor

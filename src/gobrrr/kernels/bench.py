@@ -20,11 +20,11 @@ import torch
 from gobrrr.errors import GobrrrError
 
 SCRIPTS = {
-    "lce": "bench_linear_cross_entropy.py",
-    "norms": "bench_norms.py",
-    "pointwise": "bench_pointwise.py",
-    "gpt2_kernels": "bench_gpt2_kernels.py",
-    "convergence": "convergence_gpt.py",
+    "lce": "kernels/bench_linear_cross_entropy.py",
+    "norms": "kernels/bench_norms.py",
+    "pointwise": "kernels/bench_pointwise.py",
+    "gpt2_kernels": "kernels/bench_gpt2_kernels.py",
+    "convergence": "kernels/convergence_gpt.py",
 }
 GiB = 1024**3
 

@@ -32,7 +32,8 @@ from gobrrr.kernels._util import (
 
 # Launch heuristics; 0 (-1 for bwd_reload) means "by row width" (_bwd_launch). Benchmarks
 # overwrite entries to sweep them; the defaults come from such a sweep on an H100
-# (benchmarks/README.md): the backward runs one program per SM, 8 warps, and pipelines its row
+# (docs/investigations/2026-11-22-triton-kernels-against-pytorch.md): the backward runs one
+# program per SM, 8 warps, and pipelines its row
 # loop 3 deep for rows up to 8192 wide; bwd_chunk is the column chunk of the first read of the
 # two-read path (0: the whole row, which keeps the most bytes in flight). Wide 16-bit rows
 # (bwd_keep16) are read once and held in 16 bits, at bwd_keep16_warps_{rms,ln} warps, 2 stages.
@@ -88,7 +89,8 @@ def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device,
     # fp32 values a thread holds: the x and dy tiles plus the dw (db) accumulators; from 192
     # (16384 wide at 8 warps) ptxas spills. A 16-bit tile is then held in 16 bits (keep16); an
     # fp32 one is read twice. On an H100 (4096x16384 bf16) keep16 beat reading twice, and the
-    # two-read path ran RMSNorm fastest at 16 warps (benchmarks/README.md).
+    # two-read path ran RMSNorm fastest at 16 warps
+    # (docs/investigations/2026-11-22-triton-kernels-against-pytorch.md).
     per_thread = block_m * block_n // (32 * warps) * (4 if has_bias else 3)
     reload = TUNING["bwd_reload"] if TUNING["bwd_reload"] >= 0 else per_thread >= 192
     keep16 = bool(reload and TUNING["bwd_keep16"] and dtype in (torch.bfloat16, torch.float16))

@@ -305,8 +305,8 @@ class Replay:
 def replay(events: Iterable[Sequence], budget: int | None = None,
            addresses: Iterable[int] | None = None) -> Replay:
     """Replay `events`: ("a", id, nbytes) allocates, ("f", id) frees (the format of
-    benchmarks/allocator_truth.py). A request that runs out of memory is recorded and skipped,
-    and a later free of it ignored, as a program that catches torch.OutOfMemoryError would.
+    benchmarks/memory/allocator_truth.py). A request that runs out of memory is recorded and
+    skipped, and a later free of it ignored, as a program that catches torch.OutOfMemoryError would.
     `addresses`: cudaMalloc's address for each new segment in turn (default: modelled)."""
     alloc = CachingAllocator(budget, iter(addresses) if addresses is not None else None)
     handles: dict[int, int] = {}

@@ -40,9 +40,9 @@ BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
 STEPS = 4  # steps replayed: the measured protocol's 3 warm-ups + the measured step
 # Device memory a training process holds outside the caching allocator: the CUDA context with
 # the kernels of cuBLAS and cuDNN loaded (lazily, on first use). Measured on an H100 80GB HBM3
-# (CUDA 13.0, driver 580, torch 2.11) by benchmarks/allocator_truth.py: 527 MiB after the
+# (CUDA 13.0, driver 580, torch 2.11) by benchmarks/memory/allocator_truth.py: 527 MiB after the
 # context is created, 685 MiB after a cuBLAS matmul, 693 MiB after a cuDNN convolution
-# (benchmarks/results/allocator_truth_h100.json, "context"; tests/test_allocator.py holds this
+# (tests/fixtures/allocator_truth_h100.json, "context"; tests/test_allocator.py holds this
 # figure to it). Taken as the same on other GPUs, an assumption.
 CUDA_CONTEXT_BYTES = 726_466_560
 

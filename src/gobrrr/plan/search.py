@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from gobrrr.cost.offload import NOT_CALIBRATED
 from gobrrr.errors import GobrrrError
-from gobrrr.evaluate import Estimate, Target, evaluate, throughput_unit
+from gobrrr.evaluate import Estimate, evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
+from gobrrr.hardware import Target
 from gobrrr.memory.replay import process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
@@ -37,7 +38,7 @@ from gobrrr.training.optim_trace import state_bytes
 
 #: The share of the budget a plan leaves unplanned by default: none. What fits is judged as
 #: `gobrrr estimate` judges it: the predicted reserved peak within the budget. Measured on an
-#: H100 (benchmarks/results/plan_h100_*.json), the allocated peak was predicted within 0.1%
+#: H100 (tests/fixtures/plan_h100_*.json), the allocated peak was predicted within 0.1%
 #: and the reserved peak within -3.3%..+5.3% for every configuration that ran, 75.8-78.1 GiB
 #: reserved within 0.2% at the edge of the 78.5 GiB budget; and when a reservation fails
 #: the caching allocator frees its cached blocks and retries before it gives up. `margin`
@@ -283,8 +284,8 @@ def _notes_8bit(target: Target) -> list[str]:
     if not (target.cal and target.cal.optim8):
         out.append("8-bit optimizer states costed without a measured optim8 calibration "
                    "section: each update's bytes at the pointwise bandwidth and the eager "
-                   "per-op host cost (measure it: benchmarks/calibrate_sections.py --sections "
-                   "optim8)")
+                   "per-op host cost (measure it: benchmarks/calibration/calibrate_sections.py "
+                   "--sections optim8)")
     try:
         import torchao.optim  # noqa: F401
     except ImportError:

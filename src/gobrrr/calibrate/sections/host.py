@@ -34,8 +34,9 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     median of all of them.
 
     On a shared machine the host's speed drifts over seconds to minutes, and a real step sees
-    the same drift. `benchmarks/host_overhead_spread.py` (six back-to-back measurements in one
-    process) found five rounds steadier than one in one trial and no better in another:
+    the same drift. Six back-to-back measurements in one process
+    (docs/investigations/2026-11-22-host-overhead-measurement-spread.md) found five rounds
+    steadier than one in one trial and no better in another:
     spreads of 20% and 32% per forward op against 49% and 30%.
 
     "recompute" and "checkpointed": the same models with every block checkpointed ("_selective":

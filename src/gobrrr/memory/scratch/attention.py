@@ -3,12 +3,12 @@
 The trace sees an attention op's outputs (the meta kernels give CUDA's shapes); buffers the
 kernel allocates and frees within the call go through PyTorch's caching allocator and count in
 `max_memory_allocated`, so the memory model adds them while the op runs. Measured on an H100
-(torch 2.11, cuDNN 9.19) in `benchmarks/results/sdpa_backends_h100.json`, checked by
+(torch 2.11, cuDNN 9.19) in `tests/fixtures/sdpa_backends_h100.json`, checked by
 `tests/test_sdpa.py`:
 
 - cuDNN forward: nothing. cuDNN backward: dQ accumulated in fp32 and the row terms
   (4 x B x Hq x Sq x (D + 1) bytes, plus 256) in one block, seen request by request in the
-  allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`: ViT-B/16 at
+  allocator traces of the zoo's steps (`tests/fixtures/zoo_diagnose_h100.json`: ViT-B/16 at
   S=197, Whisper at Sq=1500 and 128, exact to the byte); with grouped-query attention (fewer
   KV heads than query heads) it computes dK and dV at the query heads in fp32 and sums them
   after instead: 2 x 4 bytes x B x Hq x Sk x D.

@@ -6,7 +6,7 @@ ATen's CUDA `native_layer_norm` and `native_layer_norm_backward` run on contiguo
 that kept a transposed layout, e.g. after `permute` or multi-head attention's output
 projection) is copied first, and the copy freed when the op returns. The trace carries
 CUDA's strides, so the copies follow from it. Checked against the allocator traces of the
-zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`): ViT-B/16 (24 forward and 36
+zoo's steps (`tests/fixtures/zoo_diagnose_h100.json`): ViT-B/16 (24 forward and 36
 backward copies of 37 MiB) and Whisper (13 and 13 of 47 MiB), one for one.
 
 The backward's weight and bias gradients (aten/src/ATen/native/cuda/layer_norm_kernel.cu,

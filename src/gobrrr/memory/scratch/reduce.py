@@ -9,7 +9,7 @@ global-memory buffer of `sizeof(acc) x outputs x ctas_per_output` (x block width
 when the reduced dimension is not the fastest one) and an int semaphore per block column; both
 come from the caching allocator and are freed when the op returns. This module reproduces that
 choice (for an H100: 132 SMs, 2048 threads per SM, warps of 32). Checked request by request
-against the allocator traces of the zoo's steps (`benchmarks/results/zoo_diagnose_h100.json`):
+against the allocator traces of the zoo's steps (`tests/fixtures/zoo_diagnose_h100.json`):
 BERT's bias gradients in fp32 (768 and 3072 wide, 30522 for the decoder: 48 MiB, 132 MiB and
 29.8 MiB buffers), ViT's and Whisper's under autocast, and the bias gradient a
 convolution_backward sums inside itself (ViT's patch embedding, Whisper's second conv).

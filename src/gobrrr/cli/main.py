@@ -27,9 +27,7 @@ from gobrrr.plan.search import plan
 from gobrrr.plan.verify import verify
 from gobrrr.precision import PRECISIONS
 from gobrrr.report.estimate import estimate_dict
-from gobrrr.report.plan import print_plan, print_verified
 from gobrrr.report.streams import command_streams, one_line
-from gobrrr.report.terminal import print_estimate, print_gpus
 
 JSON_VERSION = 1
 
@@ -156,6 +154,8 @@ def _estimate(args: argparse.Namespace) -> int:
         print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings},
                          indent=2))
     else:
+        from gobrrr.report.terminal import print_estimate  # lazy: rich, for tables only
+
         print_estimate(est, top=args.top)
     return 0
 
@@ -171,6 +171,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_dict(top=args.top), **extra,
                           "warnings": args.warnings}, indent=2))
     else:
+        from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
+
         print_plan(result, top=args.top)
         if verified is not None:
             print_verified(verified)
@@ -190,6 +192,8 @@ def _gpus(args: argparse.Namespace) -> int:
              "memory_bytes": g.memory_bytes, "bandwidth": g.bandwidth,
              "peak_flops": g.peak_flops, "sms": g.sms} for g in BUILTIN_GPUS]}, indent=2))
     else:
+        from gobrrr.report.terminal import print_gpus  # lazy: rich, for tables only
+
         print_gpus()
     return 0
 

@@ -13,6 +13,7 @@ from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, evaluate
 from gobrrr.hardware import Calibration, GpuSpec, Target
+from gobrrr.models.registry import get_workload, load_workload, model_names
 from gobrrr.workload import Workload
 
 __all__ = ["Estimate", "estimate", "workload_factory"]
@@ -22,8 +23,6 @@ def workload_factory(source: str | Callable[..., Workload] | Workload,
                      batch: int | None = None, seq: int | None = None) -> Callable[[], Workload]:
     """A zero-argument function building the workload: a built-in model name, a
     "file.py:function" spec, a function taking optional batch_size/seq_len, or a Workload."""
-    from gobrrr.models.registry import get_workload, load_workload, model_names
-
     if isinstance(source, Workload):
         return lambda: source
     if isinstance(source, str):

@@ -21,6 +21,15 @@ from pathlib import Path
 
 import torch
 
+from gobrrr.calibrate.sections import conv as cc
+from gobrrr.calibrate.sections import host as ch
+from gobrrr.calibrate.sections import offload as co
+from gobrrr.calibrate.sections import paths as cpa
+from gobrrr.calibrate.sections import power as cpw
+from gobrrr.calibrate.sections import shapes as csh
+from gobrrr.calibrate.sections import step as cs
+from gobrrr.calibrate.sections.kernels import kernel_host_costs
+from gobrrr.calibrate.sections.optim import optim8_section
 from gobrrr.calibrate.timing import flush_buffer, time_op
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, Target, calibration_dirs
@@ -83,8 +92,6 @@ def _gpu_key(device_name: str) -> str:
 def _step_measurements(dev: torch.device, cuda: bool) -> dict:
     """Per-op host cost inside a training step, and on a GPU every section of `gpu_sections`
     (see calibrate_step, calibrate_host)."""
-    from gobrrr.calibrate.sections import host as ch
-
     overhead = ch.step_overhead(dev) if cuda else ch.step_overhead(dev, 5, rounds=1, warmup=3)
     out: dict = {"op_overhead": overhead}
     if cuda:
@@ -96,16 +103,6 @@ def _step_measurements(dev: torch.device, cuda: bool) -> dict:
 def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     """The calibration sections measured on a GPU, in the order `calibrate` measures them:
     name -> fn(device) -> {Calibration field: value}."""
-    from gobrrr.calibrate.sections import conv as cc
-    from gobrrr.calibrate.sections import host as ch
-    from gobrrr.calibrate.sections import offload as co
-    from gobrrr.calibrate.sections import paths as cpa
-    from gobrrr.calibrate.sections import power as cpw
-    from gobrrr.calibrate.sections import shapes as csh
-    from gobrrr.calibrate.sections import step as cs
-    from gobrrr.calibrate.sections.kernels import kernel_host_costs
-    from gobrrr.calibrate.sections.optim import optim8_section
-
     return {
         "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),
                                         strict=True)),

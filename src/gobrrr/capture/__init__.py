@@ -31,6 +31,7 @@ from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
 from gobrrr.graph.meta import OptimizerInfo, StepMeta, Tf32
+from gobrrr.passes.compile import inductor
 from gobrrr.precision import Precision
 from gobrrr.training.checkpointing import (
     apply_checkpointing,
@@ -378,8 +379,6 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     graph = dataclasses.replace(graph, meta=meta)
     if regions is None:
         return graph
-    from gobrrr.passes.compile import inductor
-
     return inductor(compiled.tag(graph, regions))
 
 

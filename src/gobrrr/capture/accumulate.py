@@ -13,7 +13,8 @@ allocating form: one extra gradient-sized block per join, which on a GPU is not 
 `watch` flags the engine's sums while the trace runs: a post-hook on every node of the
 backward graph marks where the node's own formula ends; an `add` the engine then makes, still
 under that node, is a sum into an input buffer (unless the first gradient is a view: a view
-keeps its base, so its storage is referenced twice). `in_place` rewrites the traced storages
+keeps its base, so its storage is referenced twice); the recorder flags it
+(`recorder.is_engine_sum`). `in_place` rewrites the traced storages
 as the GPU's engine would have them: where the first gradient's storage died at the sum
 (nothing else held it) and it is dense with the sum's dtype and shape, the sum is written
 into it: the sum allocates nothing, and its block is the one made for the first gradient.
@@ -22,15 +23,12 @@ into it: the sum allocates nothing, and its block is the one made for the first 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from gobrrr.capture.recorder import Recorder, _Storage
-    from gobrrr.graph.ir import OpNode
-
-SUM_OP = "aten.add.Tensor"
+from gobrrr.capture.recorder import Recorder, _Storage
+from gobrrr.graph.ir import OpNode
 
 
 def watch(loss: torch.Tensor, recorder: Recorder) -> list[Any]:
@@ -49,17 +47,6 @@ def watch(loss: torch.Tensor, recorder: Recorder) -> list[Any]:
         handles.append(node.register_hook(done))
         todo.extend(f for f, _ in node.next_functions)
     return handles
-
-
-def is_engine_sum(recorder: Recorder, name: str, args: tuple) -> bool:
-    """Whether the op being recorded is the engine summing two gradients in an input buffer
-    that the GPU's engine may sum in place: an `add` under the node whose formula has just
-    run, grad mode off, and a first gradient that is not a view (a view keeps its base, and
-    so its storage, referenced twice: `can_accumulate_inplace` refuses it)."""
-    node = recorder.after_node
-    return (node is not None and name == SUM_OP and not torch.is_grad_enabled()
-            and torch._C._current_autograd_node() is node and len(args) >= 2
-            and isinstance(args[0], torch.Tensor) and not args[0]._is_view())
 
 
 def in_place(records: list[_Storage], nodes: list[OpNode], sums: list[int]) -> int:

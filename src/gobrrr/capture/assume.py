@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from gobrrr.capture.compiled import ignore_compile_internals
-from gobrrr.capture.facts import INF, Fact, FactTable, exact
+from gobrrr.capture.fact_table import FactTable
+from gobrrr.capture.facts import INF, Fact, exact
 from gobrrr.errors import GobrrrError
 
 REAL_LIMIT = 1 << 16  # elements: a build-time op whose outputs are this small runs for real

@@ -18,17 +18,20 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from gobrrr.capture.facts import INF, Fact, FactTable, exact, is_number, safe_mul, span, union
+from gobrrr.capture.facts import INF, Fact, exact, is_number, safe_mul, span, union
+
+# The fact of an op's argument (a tensor, or a Python number: exact), None when unknown.
+FactOf = Callable[[Any], Fact | None]
 
 
-def derive(table: FactTable, name: str, func: Any, args: tuple, kwargs: dict, out: Any
+def derive(fact_of: FactOf, name: str, func: Any, args: tuple, kwargs: dict, out: Any
            ) -> tuple[bool, Fact | list[Fact | None] | None]:
     """(whether a rule knows op `name`, the fact(s) it derives for `out`)."""
     rule = RULES.get(name)
     if rule is None:
         return False, None
     try:
-        return True, rule(Ctx(table, func, args, kwargs, out))
+        return True, rule(Ctx(fact_of, func, args, kwargs, out))
     except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError):
         return True, None  # an argument layout the rule does not know: the facts stay unknown
 
@@ -36,8 +39,8 @@ def derive(table: FactTable, name: str, func: Any, args: tuple, kwargs: dict, ou
 class Ctx:
     """One op's arguments, as a rule reads them."""
 
-    def __init__(self, table: FactTable, func: Any, args: tuple, kwargs: dict, out: Any):
-        self.table, self.func, self.args, self.kwargs, self.out = table, func, args, kwargs, out
+    def __init__(self, fact_of: FactOf, func: Any, args: tuple, kwargs: dict, out: Any):
+        self.fact_of, self.func, self.args, self.kwargs, self.out = fact_of, func, args, kwargs, out
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         if i < len(self.args):
@@ -45,7 +48,7 @@ class Ctx:
         return self.kwargs.get(name, default)
 
     def fact(self, i: int = 0, name: str = "self") -> Fact | None:
-        return self.table.get(self.arg(i, name))
+        return self.fact_of(self.arg(i, name))
 
     @property
     def out0(self) -> torch.Tensor:
@@ -373,13 +376,13 @@ def _histc(ctx: Ctx) -> Fact:
 
 def _cat(ctx: Ctx) -> Fact | None:
     ts = [t for t in ctx.args[0] if isinstance(t, torch.Tensor)]
-    return union([ctx.table.get(t) for t in ts], [t.numel() for t in ts])
+    return union([ctx.fact_of(t) for t in ts], [t.numel() for t in ts])
 
 
 def _where(ctx: Ctx) -> Fact | None:
     if len(ctx.args) < 3:
         return None
-    c, a, b = (ctx.table.get(x) for x in ctx.args[:3])
+    c, a, b = (ctx.fact_of(x) for x in ctx.args[:3])
     if c is not None and c.exact:
         return a if c.lo else b
     return union([a, b])

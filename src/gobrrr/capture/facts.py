@@ -5,24 +5,19 @@ made says so, gives the expected element value (`mean`) and the assumption that 
 rests on (`basis`). Facts come from the ops that make tensors (zeros, arange, randint, rand,
 the indices topk returns, ...) and from the values of real tensors, and they follow the ops
 that transform them (views, casts, arithmetic, comparisons, reductions: fact_rules.py). A
-fact is tied to its tensor's version counter: an in-place op no rule models makes it unknown.
-
-    table = FactTable()
-    table.propagate(func, args, kwargs, out)   # after each op
-    table.get(t)                               # Fact | None
+fact is tied to its tensor's version counter (`fact_table.FactTable`): an in-place op no rule
+models makes it unknown.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakTensorKeyDictionary
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 INF = math.inf
 REAL_FACT_LIMIT = 1 << 16  # elements: real tensors up to this size get facts from their values
@@ -95,72 +90,3 @@ def span(a: Fact, b: Fact, fn: Callable[[float, float], float]) -> tuple[float, 
 
 def is_number(x: Any) -> bool:
     return isinstance(x, (bool, int, float)) and not isinstance(x, torch.SymInt)
-
-
-class FactTable:
-    """Facts of live tensors, tied to each tensor's version counter."""
-
-    def __init__(self) -> None:
-        from gobrrr.capture.fact_rules import derive  # the rules build on this module
-
-        self._facts = WeakTensorKeyDictionary()
-        self._derive = derive
-
-    def get(self, x: Any) -> Fact | None:
-        """The fact of a tensor (or a Python number: exact), None when unknown."""
-        if is_number(x):
-            return exact(x)
-        if not isinstance(x, torch.Tensor):
-            return None
-        hit = self._facts.get(x)
-        if hit is not None:
-            version, fact = hit
-            if _version(x) == version:
-                return fact
-            return None
-        if not isinstance(x, FakeTensor):
-            fact = of_real(x)
-            if fact is not None:
-                self.set(x, fact)
-            return fact
-        return None
-
-    def set(self, t: torch.Tensor, fact: Fact | None, bump: int = 0) -> None:
-        """Record `fact` for `t`; `bump` = 1 for an in-place op whose version counter is
-        incremented once the op returns."""
-        v = _version(t)
-        if fact is None or v is None:
-            self._facts.pop(t, None)
-            return
-        self._facts[t] = (v + bump, fact)
-
-    def propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Give the tensors `func` returned (or mutated) the facts its rule derives."""
-        name = func.__name__.split(".")[0]  # "add_" of aten.add_.Tensor
-        inplace = name.endswith("_") and not name.startswith("_") and bool(args) and \
-            isinstance(args[0], torch.Tensor) and out is args[0]
-        if not _wanted(out):
-            return
-        found, facts = self._derive(self, name.rstrip("_") if inplace else name, func, args,
-                                    kwargs, out)
-        if not found:
-            return
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if isinstance(facts, Fact) or facts is None:
-            facts = [facts] * len(outs)
-        origin = str(func).removesuffix(".default")
-        for t, f in zip(outs, facts, strict=False):
-            self.set(t, f if f is None or f.origin else replace(f, origin=origin),
-                     bump=1 if inplace else 0)
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return None
-
-
-def _wanted(out: Any) -> bool:
-    """Only fake outputs need facts kept: a real tensor's come from its values when asked."""
-    return any(isinstance(t, FakeTensor) for t in tree_leaves(out))

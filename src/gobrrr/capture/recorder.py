@@ -17,9 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gobrrr.capture.accumulate import is_engine_sum
 from gobrrr.capture.compiled import ignore_compile_internals
 from gobrrr.graph.ir import OpNode, StorageInfo, TensorInfo
+
+SUM_OP = "aten.add.Tensor"  # the engine's sum of two gradients in an input buffer
 
 # Ops that only read metadata; they produce no tensor and cost nothing.
 _SKIP = {"aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
@@ -97,6 +98,18 @@ def _jsonable(x: Any, refs: dict[int, int]) -> Any:
 
 # A default repr's memory address differs between two traces of one step.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def is_engine_sum(recorder: Recorder, name: str, args: tuple) -> bool:
+    """Whether the op being recorded is the engine summing two gradients in an input buffer
+    that the GPU's engine may sum in place: an `add` under the node whose formula has just
+    run, grad mode off, and a first gradient that is not a view (a view keeps its base, and
+    so its storage, referenced twice: `can_accumulate_inplace` refuses it). Why the GPU's sum
+    differs from the trace's: gobrrr.capture.accumulate."""
+    node = recorder.after_node
+    return (node is not None and name == SUM_OP and not torch.is_grad_enabled()
+            and torch._C._current_autograd_node() is node and len(args) >= 2
+            and isinstance(args[0], torch.Tensor) and not args[0]._is_view())
 
 
 class Recorder(TorchDispatchMode):

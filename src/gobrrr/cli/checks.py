@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 
 from gobrrr.errors import GobrrrError, GobrrrWarning, did_you_mean
+from gobrrr.hardware import get_gpu
+from gobrrr.models.registry import describe, model_names
 
 # argparse attribute -> the option that set it, for output files
 OUTPUT_FILES = {"save_graph": "--save-graph", "trace": "--trace", "output": "--output"}
@@ -31,8 +33,6 @@ def check_args(args: argparse.Namespace) -> None:
         check_output_dir(args.out, "--out")
     if args.command == "profile":
         if args.gpu is not None:  # named before the run, not after it
-            from gobrrr.hardware import get_gpu
-
             get_gpu(args.gpu)
         for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
             if value < least:
@@ -45,8 +45,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _spec(args: argparse.Namespace) -> str | None:
-    from gobrrr.models.registry import model_names
-
     for name, flag in (("workload", "the workload argument"), ("model", "--model")):
         value = getattr(args, name, None)
         if value is not None and not value.strip():
@@ -108,8 +106,6 @@ def check_unused(spec: str, batch: int | None, seq: int | None) -> None:
                               f"(add `{arg}: int` to its parameters to receive it)",
                               GobrrrWarning, stacklevel=2)
         return
-    from gobrrr.models.registry import describe
-
     if seq is not None and "max_seq_len" not in describe(spec):
         warnings.warn(f"--seq {seq} is not used: {spec} is not a sequence model (drop --seq)",
                       GobrrrWarning, stacklevel=2)

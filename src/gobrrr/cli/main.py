@@ -15,8 +15,18 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from gobrrr.capture import CHECKPOINTS
 from gobrrr.cli.checks import check_args, explain
+from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.estimate import estimate, workload_factory
+from gobrrr.hardware import BUILTIN_GPUS
+from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
+from gobrrr.models.registry import model_names
+from gobrrr.plan.search import plan
+from gobrrr.plan.verify import verify
+from gobrrr.precision import PRECISIONS
+from gobrrr.report.estimate import estimate_dict
 from gobrrr.report.streams import command_streams, one_line
 
 JSON_VERSION = 1
@@ -116,9 +126,6 @@ def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    from gobrrr.capture import CHECKPOINTS
-    from gobrrr.precision import PRECISIONS
-
     p.add_argument("workload", nargs="?", help="path/to/file.py:function returning a "
                    "gobrrr.Workload (or use --model)")
     p.add_argument("--model", help="a built-in model (listed below)")
@@ -138,28 +145,22 @@ def workload_spec(args: argparse.Namespace, default: str = "gpt2") -> str:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from gobrrr.estimate import estimate
-
     est = estimate(workload_spec(args), args.gpu, batch=args.batch, seq=args.seq,
                    precision=args.precision, checkpoint=args.checkpoint,
                    calibration=not args.no_calibration, compile=args.compile)
     if args.save_graph:
         est.graph.save(args.save_graph)
     if args.json:
-        from gobrrr.report.estimate import estimate_dict
-
         print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings},
                          indent=2))
     else:
-        from gobrrr.report.terminal import print_estimate
+        from gobrrr.report.terminal import print_estimate  # lazy: rich, for tables only
 
         print_estimate(est, top=args.top)
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from gobrrr.plan.search import plan
-
     result = plan(workload_spec(args), args.gpu, global_batch=args.global_batch, seq=args.seq,
                   precision=args.precision, memory_budget=args.memory_budget,
                   allow=args.allow, margin=args.margin,
@@ -170,7 +171,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_dict(top=args.top), **extra,
                           "warnings": args.warnings}, indent=2))
     else:
-        from gobrrr.report.plan import print_plan, print_verified
+        from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
         print_plan(result, top=args.top)
         if verified is not None:
@@ -179,32 +180,25 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace, result) -> list:
-    from gobrrr.estimate import workload_factory
-    from gobrrr.plan.verify import verify
-
     fitting = [p for p in result.plans if p.fits][:args.verify]
     make = lambda g: workload_factory(workload_spec(args), g, args.seq)()  # noqa: E731
     return verify(make, fitting, args.precision)
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    from gobrrr.hardware import BUILTIN_GPUS
-
     if args.json:
         print(json.dumps({"version": JSON_VERSION, "gpus": [
             {"name": g.name, "aliases": list(g.aliases), "full_name": g.full_name,
              "memory_bytes": g.memory_bytes, "bandwidth": g.bandwidth,
              "peak_flops": g.peak_flops, "sms": g.sms} for g in BUILTIN_GPUS]}, indent=2))
     else:
-        from gobrrr.report.terminal import print_gpus
+        from gobrrr.report.terminal import print_gpus  # lazy: rich, for tables only
 
         print_gpus()
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from gobrrr.kernels.bench import run_benchmarks
-
     paths = run_benchmarks(args.out, which=tuple(args.which))
     if args.json:
         print(json.dumps({"version": JSON_VERSION, "written": [str(p) for p in paths]},
@@ -216,8 +210,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gobrrr.models.registry import model_names
-
     parser = _Parser(
         prog="gobrrr", description="Where the time and memory of a PyTorch training step go.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,8 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the kernel benchmarks (needs a GPU)",
                        epilog=EXAMPLES["bench"], formatter_class=fmt)
     p.add_argument("target", choices=["kernels"])
-    from gobrrr.kernels.bench import SCRIPTS
-
     p.add_argument("--which", nargs="*", default=["all"], choices=["all", *SCRIPTS],
                    metavar="NAME", help=f"which benchmarks: {', '.join(SCRIPTS)} (default all)")
     p.add_argument("--out", default="benchmarks/results",
@@ -261,8 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub, fmt, models: list[str]) -> None:
-    from gobrrr.precision import PRECISIONS
-
     p = sub.add_parser("plan", help="find the fastest configuration that fits the GPU",
                        epilog=EXAMPLES["plan"] + "\n\nbuilt-in models: " + ", ".join(models),
                        formatter_class=fmt)
@@ -303,10 +291,6 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
 
 
 def _add_profile_commands(sub) -> None:
-    try:
-        from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
-    except ImportError:
-        return
     add_profile_parser(sub)
     add_calibrate_parser(sub)
 

@@ -10,9 +10,13 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 
+from gobrrr.capture import capture
+from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
+from gobrrr.estimate import workload_factory
+from gobrrr.evaluate import evaluate
 from gobrrr.hardware import Target, match_device_name
-from gobrrr.workload import Workload
+from gobrrr.workload import Workload, iter_tensors
 
 PROFILE_DESCRIPTION = """Measure a real training step: time, per-op regimes, MFU / HFU, idle
 time, diagnosis. MFU counts the FLOPs of the traced forward and backward (no
@@ -75,8 +79,6 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _factory(args) -> Callable[[int | None], Workload]:
-    from gobrrr.estimate import workload_factory
-
     if args.workload and args.model:
         raise GobrrrError("give either a workload name / file:function or --model, not both")
     spec = args.workload or args.model
@@ -87,7 +89,7 @@ def _factory(args) -> Callable[[int | None], Workload]:
 
 def run_profile(args) -> int:
     """Handler of `gobrrr profile`."""
-    from gobrrr.profile.api import profile
+    from gobrrr.profile.api import profile  # lazy: loaded for this command only
 
     make = _factory(args)
     out: dict = {}
@@ -101,12 +103,12 @@ def run_profile(args) -> int:
     out["profile"] = asdict(result)
     comparison = scaling = None
     if prediction is not None:
-        from gobrrr.profile.compare import compare
+        from gobrrr.profile.compare import compare  # lazy: loaded for this command only
 
         comparison = compare(prediction, result)
         out["compare"] = comparison.to_dict()
     if args.scaling:
-        from gobrrr.profile.scaling import scaling as run_scaling
+        from gobrrr.profile.scaling import scaling as run_scaling  # lazy: this command only
 
         batch = args.batch or _default_batch(make)
         scaling = run_scaling(make, batch, args.device, args.precision,
@@ -115,7 +117,7 @@ def run_profile(args) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        from gobrrr.profile.show import print_profile
+        from gobrrr.profile.show import print_profile  # lazy: loaded for this command only
 
         print_profile(result, comparison, scaling)
     return 0
@@ -124,8 +126,6 @@ def run_profile(args) -> int:
 def _default_batch(make) -> int:
     """The batch size a workload builds when none is given (built on the meta device)."""
     import torch
-
-    from gobrrr.workload import iter_tensors
 
     with torch.device("meta"):
         ts = list(iter_tensors(make(None).batch))
@@ -136,10 +136,6 @@ def _predict(make, args):
     """The step graph and its prediction on the GPU profiled: traced as that GPU runs it (its
     attention backends, torch.compile when the profiled step is compiled) and evaluated on
     its spec and calibration (`Target.resolve`)."""
-    from gobrrr.capture import capture
-    from gobrrr.capture.sdpa import target_for
-    from gobrrr.evaluate import evaluate
-
     target = _compare_target(args)
     graph = capture(lambda: make(args.batch), precision=args.precision,
                     checkpoint=args.checkpoint, sdpa=target_for(target.gpu.full_name),
@@ -169,14 +165,14 @@ def _compare_target(args) -> Target:
 
 def run_calibrate(args) -> int:
     """Handler of `gobrrr calibrate`."""
-    from gobrrr.calibrate.api import calibrate, default_path
+    from gobrrr.calibrate.api import calibrate, default_path  # lazy: loaded for this command only
 
     save = False if args.no_save else (args.output or True)
     cal = calibrate(args.device, save=save)
     if args.json:
         print(json.dumps(cal.to_dict(), indent=1))
     else:
-        from gobrrr.profile.show import print_calibration
+        from gobrrr.profile.show import print_calibration  # lazy: loaded for this command only
 
         where = args.output or (None if args.no_save else str(default_path(cal.gpu)))
         print_calibration(cal, where)

@@ -44,6 +44,7 @@ where it is smaller (few pixels) and the partials elsewhere.
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
+from gobrrr.cost.flops import op_cost
 from gobrrr.cost.shapes import CONV_FALLBACK, conv_class, conv_layout
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
 from gobrrr.hardware import Calibration
@@ -205,8 +206,6 @@ def pointwise_wgrad_partials(node: OpNode, math_mode: str) -> int | None:
 
 def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
     """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
-    from gobrrr.cost.flops import op_cost
-
     tf32 = tf32_of(graph.meta)
     out = {}
     for node in graph.nodes:

@@ -24,6 +24,8 @@ the logits' gradient inside the backward graph, and that matmul pads only the sa
 
 from __future__ import annotations
 
+from gobrrr.cost.flops import graph_costs
+from gobrrr.cost.fusion import extern
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo, itemsize
 
 ALIGN_ELEMENTS = 8  # 16-bit dtypes: pad_mm's get_alignment_size
@@ -76,9 +78,6 @@ def by_op(graph: StepGraph, costs: list | None = None):
     runs = graph.meta.compiled_regions
     if not runs:
         return {}
-    from gobrrr.cost.flops import graph_costs
-    from gobrrr.cost.fusion import extern
-
     costs = graph_costs(graph) if costs is None else costs
     made_by = graph.allocated_by()
     out: dict[int, list[tuple[TensorInfo, int]]] = {}

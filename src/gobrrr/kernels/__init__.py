@@ -7,11 +7,8 @@ implementation for FakeTensor tracing, and autograd), so a traced step names the
 On CPU they run only under TRITON_INTERPRET=1 (for tests).
 """
 
-try:  # the attention module imports without triton; bind the function over the submodule name
-    from gobrrr.kernels.attention import attention
-except ModuleNotFoundError as e:  # pragma: no cover - only while attention.py is absent
-    if e.name != "gobrrr.kernels.attention":
-        raise
+# attention.py imports without triton; this binds the function over the submodule's name
+from gobrrr.kernels.attention import attention
 from gobrrr.kernels.linear_cross_entropy import linear_cross_entropy
 from gobrrr.kernels.nn import Attention, LayerNorm, LinearCrossEntropy, RMSNorm, SwiGLU
 from gobrrr.kernels.norms import layer_norm, rms_norm

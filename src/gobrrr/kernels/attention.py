@@ -101,7 +101,7 @@ def _kernels():
     if _MODULES:
         return _MODULES
     try:
-        from gobrrr.kernels import _attention_bwd, _attention_fwd
+        from gobrrr.kernels import _attention_bwd, _attention_fwd  # lazy: they import triton
     except ImportError as e:
         raise GobrrrError(
             f"attention: the Triton kernels could not be imported ({e}). Install triton "

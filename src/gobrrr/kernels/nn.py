@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gobrrr.kernels.attention import attention
 from gobrrr.kernels.linear_cross_entropy import linear_cross_entropy
 from gobrrr.kernels.norms import layer_norm, rms_norm
 from gobrrr.kernels.pointwise import swiglu
@@ -76,8 +77,6 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
     ) -> torch.Tensor:
-        from gobrrr.kernels.attention import attention  # lazy: a separate module
-
         return attention(q, k, v, causal=causal, scale=self.scale)
 
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gobrrr.capture import capture
+from gobrrr.capture.sdpa import target_for
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.roofline import model_flops, model_flops_6n
 from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import throughput_unit
 from gobrrr.graph.ir import StepGraph
 from gobrrr.workload import Workload
 
@@ -37,10 +42,6 @@ class StepFlops:
 
 def step_flops(graph: StepGraph) -> StepFlops:
     """The counts of a traced step (no GPU, no time: FLOPs of the graph's ops)."""
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.roofline import model_flops, model_flops_6n
-    from gobrrr.evaluate import throughput_unit
-
     tf32 = graph.meta.tf32_mode
     costs = [op_cost(n, tf32) for n in graph.nodes]
     palm = float(model_flops_6n(graph)) if graph.meta.seq_len else None
@@ -56,9 +57,6 @@ def traced_flops(workload: Workload, precision: str, checkpoint: str,
     no memory; the user's model is left untouched) and count its FLOPs. `gpu_name` (CUDA's
     device name) picks the attention backends the trace takes, as on that GPU. A step the
     trace cannot follow gets no FLOPs (StepFlops.source says why), not a failed profile."""
-    from gobrrr.capture import capture
-    from gobrrr.capture.sdpa import target_for
-
     sdpa = target_for(gpu_name) if gpu_name else None
     try:
         graph = capture(workload, precision=precision, checkpoint=checkpoint, sdpa=sdpa)

@@ -30,6 +30,7 @@ from gobrrr.precision import Precision
 from gobrrr.profile.join import MODULE_PREFIX, PHASE_PREFIX, STEP_LABEL
 from gobrrr.profile.timing import sync
 from gobrrr.profile.timing import time_steps as time_steps  # benchmarks import it here
+from gobrrr.training.checkpointing import apply_checkpointing
 from gobrrr.training.step import TrainStep, make_scaler
 from gobrrr.training.step import (
     autocast_for as autocast_for,  # re-exported: benchmarks import it here
@@ -88,8 +89,6 @@ def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "
     if checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"checkpoint={checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
     if checkpoint != "none":
-        from gobrrr.training.checkpointing import apply_checkpointing
-
         if not apply_checkpointing(model):
             raise GobrrrError(f"checkpoint={checkpoint!r}: the model has no repeated blocks to "
                               "checkpoint; use checkpoint='none'")

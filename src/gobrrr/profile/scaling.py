@@ -17,7 +17,7 @@ import torch
 from gobrrr.errors import GobrrrError
 from gobrrr.precision import check_precision
 from gobrrr.profile.runner import check_device, median, time_workload
-from gobrrr.workload import Workload
+from gobrrr.workload import Workload, iter_tensors
 
 OVERHEAD_RATIO = 1.3
 BOUND_RATIO = 1.8
@@ -75,8 +75,6 @@ def scaling(factory: Callable[[int], Workload], batch: int, device: str = "cuda"
 def factory_units(factory: Callable[[int], Workload], b: int) -> tuple[int, str]:
     """(units per step, "tokens" | "samples") of the workload at batch b: tokens when it has a
     sequence length or its count comes from a (batch, sequence) integer input."""
-    from gobrrr.workload import iter_tensors
-
     with torch.device("meta"):
         wl = factory(b)
         n = wl.token_count()

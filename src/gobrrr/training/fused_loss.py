@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gobrrr.errors import GobrrrError
+from gobrrr.models.gpt2 import GPT2
+from gobrrr.models.llama import Llama
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
@@ -36,7 +38,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     in fp32, as F.cross_entropy over `.float()` logits). hidden (..., d), weight (V, d),
     targets (...) with ignore_index for positions without a target; returns an fp32 scalar."""
     if _kernel_runs(hidden.device):
-        from gobrrr.kernels import linear_cross_entropy
+        from gobrrr.kernels import linear_cross_entropy  # lazy: triton is optional
 
         return linear_cross_entropy(hidden, weight, targets, bias, ignore_index, reduction)
     logits = F.linear(hidden, weight, bias)  # (..., V)
@@ -61,7 +63,7 @@ def as_on_cuda() -> Iterator[None]:
 def _kernel_runs(device: torch.device) -> bool:
     if _AS_ON_CUDA.get():
         return True
-    from gobrrr.kernels._util import is_interpreter, triton
+    from gobrrr.kernels._util import is_interpreter, triton  # lazy: it imports triton
 
     return triton is not None and (device.type == "cuda" or (device.type == "cpu"
                                                              and is_interpreter()))
@@ -73,9 +75,6 @@ def use_fused_loss(model: nn.Module) -> str:
     Hugging Face causal LMs whose forward hands `lm_head`'s output straight to the standard
     causal-LM loss (e.g. LlamaForCausalLM, GPT2LMHeadModel); any other model is a
     GobrrrError saying why."""
-    from gobrrr.models.gpt2 import GPT2
-    from gobrrr.models.llama import Llama
-
     if getattr(model, "_gobrrr_fused_loss", False):
         return "already fused"
     if isinstance(model, (GPT2, Llama)):

@@ -30,6 +30,7 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph
+from gobrrr.training.optimizers import adam_hyper
 
 #: torchao's default: parameters with fewer elements stay on the GPU with their optimizer.
 MINIMAL_SIZE = 4096
@@ -127,8 +128,6 @@ def stand_in(opt: torch.optim.Optimizer) -> OffloadStandIn:
     """The stand-in of `gobrrr.training.optimizers.states_optimizer(opt, "as-is",
     offload=True)`: the user's Adam/AdamW, its groups and hyper-parameters, around torch's
     AdamW (fused) or Adam."""
-    from gobrrr.training.optimizers import adam_hyper
-
     decoupled, groups = adam_hyper(opt)
     return OffloadStandIn(groups, torch.optim.AdamW if decoupled else torch.optim.Adam)
 

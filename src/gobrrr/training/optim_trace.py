@@ -32,6 +32,7 @@ from torch import Tensor
 
 from gobrrr.cost._ops_optim import BLOCK, QMAP, quantized
 from gobrrr.errors import GobrrrError
+from gobrrr.training.optimizers import adam_hyper, states_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -205,8 +206,6 @@ class Adam8bitTrace(torch.optim.Optimizer):
 def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.optim.Optimizer:
     """The optimizer a trace runs for `states`: Adam8bitTrace in place of torchao's 8-bit
     Adam(W) (same groups and hyper-parameters), else what `gobrrr.apply` runs."""
-    from gobrrr.training.optimizers import adam_hyper, states_optimizer
-
     if states != "8bit":
         return states_optimizer(opt, states)
     decoupled, groups = adam_hyper(opt)

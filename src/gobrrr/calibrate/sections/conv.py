@@ -24,6 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from gobrrr.calibrate.sections.step import _allocated_inside, _record
+from gobrrr.calibrate.timing import time_op
+from gobrrr.cost import conv
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.shapes import gemm_dims
 
 LAYOUTS = ("channels_first", "channels_last")
 MODES = (("bf16", torch.bfloat16), ("tf32", torch.float32), ("fp32", torch.float32))
@@ -152,11 +156,6 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
            dev: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
     """({direction: [outputs, depth, FLOP/s]}, {"forward" | "backward": workspace fraction})
     of shape s at batch n."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost import conv
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import gemm_dims
-
     rates, spaces = {}, {}
     x, w, gy, args = _tensors(s, n, dtype, layout, dev)
     for direction, (name, fn) in _calls(x, w, gy, args).items():
@@ -263,9 +262,6 @@ def depthwise_bandwidths(dev: torch.device,
     latency), so the dense grid says nothing about it; how cuDNN's kernels split the
     channels sets their speed (ConvNeXt's 96 channels at 56x56 ran 35% slower per byte than
     128), so one channel count cannot stand for the rest."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost.flops import op_cost
-
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for layout in LAYOUTS:

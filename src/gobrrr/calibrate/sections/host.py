@@ -15,12 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from gobrrr.calibrate.sections.step import PHASES
+from gobrrr.capture import capture
+from gobrrr.cost.shapes import checkpointed_modules
+from gobrrr.models.registry import get_workload
+from gobrrr.profile.runner import prepare
 from gobrrr.profile.timing import sync
+from gobrrr.training.checkpointing import apply_checkpointing, block_names
+from gobrrr.training.optimizers import optimizer_key
 
 
 def _tiny_workloads():
-    from gobrrr.models.registry import get_workload
-
     yield lambda: get_workload("gpt2", batch_size=1, seq_len=16, n_layer=4, n_embd=64,
                                n_head=4, vocab_size=128)
     yield lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=4, dim=64,
@@ -80,11 +84,6 @@ class _Timed(NamedTuple):
 
 def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Timed:
     """A tiny model with `checkpoint`, on the device, warmed up."""
-    from gobrrr.capture import capture
-    from gobrrr.cost.shapes import checkpointed_modules
-    from gobrrr.profile.runner import prepare
-    from gobrrr.training.checkpointing import apply_checkpointing, block_names
-
     policies = checkpoint if checkpoint != "selective" else \
         dict.fromkeys(block_names(make().model), "selective")
     graph = capture(make, precision="fp32", checkpoint=policies)
@@ -168,8 +167,6 @@ def optimizer_host(dev: torch.device, reps: int = 15) -> dict[str, dict[str, lis
     allocations of its list ops' outputs, dearer for large-pool tensors (measured on an H100
     in benchmarks/results/optimizer_host_profile_h100.json: AdamW's step ~25 us of Python
     per tensor, 7 us per large output allocated)."""
-    from gobrrr.training.optimizers import optimizer_key
-
     out: dict[str, dict[str, list[list[float]]]] = {}
     for make in OPTIMIZERS:
         key = optimizer_key(make([torch.zeros(1, device=dev, requires_grad=True)]))

@@ -22,7 +22,7 @@ CHAIN = 16  # calls per measured chain
 def _cases(dev: torch.device):
     """(op name stem, fn, inputs) for each kernel family, bf16 on tiny inputs; fn(y) returns an
     output shaped like y (the chained input, inputs[0])."""
-    from gobrrr import kernels as k
+    from gobrrr import kernels as k  # lazy: triton is optional
 
     def r(*shape):
         return torch.randn(*shape, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from gobrrr.calibrate.timing import time_op
+
 #: bytes of the host-link copies measured: 64 KiB .. 1 GiB
 LINK_SIZES = tuple(2**k for k in range(16, 31, 2))
 #: elements of the CPU AdamW steps measured: 4096 (the smallest offloaded parameter) .. 256 Mi
@@ -42,8 +44,6 @@ def offload_section(dev: torch.device) -> dict:
 
 def link_bandwidths(dev: torch.device, reps: int = 7) -> dict[str, list[list[float]]]:
     """{"d2h": [[bytes, bytes/s], ...], "h2d": [...]} over LINK_SIZES (pinned host memory)."""
-    from gobrrr.calibrate.timing import time_op
-
     out: dict[str, list[list[float]]] = {"d2h": [], "h2d": []}
     for nbytes in LINK_SIZES:
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

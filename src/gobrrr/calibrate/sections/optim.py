@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from gobrrr.calibrate.timing import time_op
 from gobrrr.cost._ops_optim import BLOCK, adam8bit_bytes, quantized
 
 SIZES = (1024, 4096, 65536, 2**20, 2**22, 2**24, 2**26)  # elements per parameter
@@ -109,8 +110,6 @@ def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
 def _point(ao, dev: torch.device, numel: int, count: int, width: int = BLOCK,
            timed: bool = True) -> dict:
     """One grid point: `count` parameters of (numel/width, width) elements."""
-    from gobrrr.calibrate.timing import time_op
-
     params = _params(dev, [(numel // width, width)] * count)
     opt = ao.AdamW8bit(params, lr=1e-3)
     for _ in range(3):  # the first compiles this shape

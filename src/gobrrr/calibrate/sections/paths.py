@@ -19,6 +19,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from gobrrr.calibrate.sections.shapes import kernel_latency
+from gobrrr.calibrate.sections.step import _record
+from gobrrr.calibrate.timing import flush_buffer, time_op
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.shapes import elementwise_path
+
 PATH_ELEMENTS = tuple(2**k for k in range(14, 29, 2))  # 16K .. 256M output elements
 SOFTMAX_WIDTHS = (256, 1024, 4096, 32768, 50257, 128256)
 SOFTMAX_ELEMENTS = (2**22, 2**25, 2**28)  # rows = elements / width
@@ -31,12 +37,6 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     the output's dtype, 16-bit or not: the generic kernel's time follows its elements more
     than its bytes), L2 flushed before each run. Raises if a case does not take the path it
     stands for."""
-    from gobrrr.calibrate.sections.shapes import kernel_latency
-    from gobrrr.calibrate.sections.step import _record
-    from gobrrr.calibrate.timing import flush_buffer, time_op
-    from gobrrr.cost.flops import op_cost
-    from gobrrr.cost.shapes import elementwise_path
-
     flush = flush_buffer(dev)
     lat = kernel_latency(dev)
     out: dict[str, list[list[float]]] = {}
@@ -125,10 +125,6 @@ def _foreach_cases(dev: torch.device) -> Iterator[tuple[str, str, Callable[[], o
 def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     """{"<op>:<bf16|fp32>": [[width, rows, bytes/s], ...]} for _log_softmax, _softmax and
     their backwards over the row width and the rows, bytes as the cost model counts them."""
-    from gobrrr.calibrate.sections.step import _record
-    from gobrrr.calibrate.timing import flush_buffer, time_op
-    from gobrrr.cost.flops import op_cost
-
     aten, flush = torch.ops.aten, flush_buffer(dev)
     out: dict[str, list[list[float]]] = {}
     for key, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from gobrrr.calibrate.timing import time_op
 from gobrrr.profile.timing import sync, time_parts
 
 #: (matmuls, copies) per repeat of the pattern: duties from about 0.2 to 1
@@ -39,8 +40,6 @@ def power_duty(dev: torch.device, heat_s: float = 1.5, reps: int = 20,
     behind a spin kernel) after `settle_s` idle, as the calibration's matmul grid measures.
     Each pattern starts after `settle_s` idle too; its times are medians over `reps` repeats,
     each group timed with CUDA events. `mm`, `copy_elements`: the kernels' sizes."""
-    from gobrrr.calibrate.timing import time_op
-
     matmul, copy = kernels(dev, mm, copy_elements)
     settle(dev, settle_s)
     burst_mm = time_op(matmul, dev, 5)

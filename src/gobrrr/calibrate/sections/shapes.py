@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from gobrrr.calibrate.timing import flush_buffer, time_op
+
 SIZE_ELEMENTS = tuple(2**k for k in range(12, 29, 2))  # 4K .. 256M elements
 
 
 def kernel_latency(dev: torch.device) -> float:
     """GPU seconds of a kernel that does (almost) nothing: a 1-element add."""
-    from gobrrr.calibrate.timing import time_op
-
     x = torch.zeros(1, device=dev)
     return time_op(lambda: x.add_(1), dev, 50)
 
@@ -32,8 +32,6 @@ def size_bandwidths(dev: torch.device, sizes: tuple[int, ...] = SIZE_ELEMENTS
     """{"copy" | "pointwise": [[bytes moved, bytes/s], ...]}: an fp32 -> bf16 cast and a bf16
     add over sizes, L2 flushed before each run (a step's tensors come from HBM), bytes/s
     over the time less the kernel latency."""
-    from gobrrr.calibrate.timing import flush_buffer, time_op
-
     flush = flush_buffer(dev)
     lat = kernel_latency(dev)
     out: dict[str, list[list[float]]] = {"copy": [], "pointwise": []}
@@ -53,8 +51,6 @@ def misaligned_by_alignment(dev: torch.device, n: int = 4096) -> dict[str, float
     """Fractions of the aligned rate of n x n x m matmuls whose m makes the leading dimension
     a multiple of 2, 4 or 8 bytes only, per math mode: {"bf16@4": ..., "nt:bf16@4": ...}
     (`nt`: the second operand a transposed weight, a linear layer's forward)."""
-    from gobrrr.calibrate.timing import time_op
-
     out = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gobrrr.calibrate.timing import flush_buffer, time_op
+from gobrrr.capture.recorder import Recorder, StorageTable
+from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
+from gobrrr.cost.flops import op_cost
 from gobrrr.profile.timing import sync
 
 PHASES = ("forward", "backward", "optimizer")
@@ -24,8 +28,6 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
     with w (n - 1, n): a linear layer whose output width is odd (a language model's head over
     an odd vocabulary), which cuBLAS runs slower still (on an H100 in bf16, 95-102 TFLOP/s
     against 144 for the plain odd matmul)."""
-    from gobrrr.calibrate.timing import time_op
-
     out = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -57,8 +59,6 @@ def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
     fwd+bwd minus fwd): {key: [[S, FLOP/s], ...]}. Each timed run issues ATTENTION_REPS calls
     back to back, so the GPU's rate is measured, not the host's. FlashAttention's count:
     fwd 4·B·H·S²·D / 2, bwd 2.5 x fwd."""
-    from gobrrr.calibrate.timing import time_op
-
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for key in (name, f"forward:{name}", f"backward:{name}"):
@@ -95,9 +95,6 @@ def attention_variants(dev: torch.device, tokens: int = 16384,
     {"<direction>:<dtype>:<variant>": [[S, FLOP/s], ...]}. fp32 at head dim 64 only. FLOPs
     by FlashAttention's count (causal halved, a mask tensor counted in full, as the cost
     model counts them)."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost._ops_attention import VARIANT_HEAD_DIMS
-
     out: dict[str, list[list[float]]] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for d in VARIANT_HEAD_DIMS if name == "bf16" else VARIANT_HEAD_DIMS[:1]:
@@ -150,8 +147,6 @@ def matmul_grid(dev: torch.device,
     of 56x56 maps has k = 200k), which cuBLAS splits over k. Points above
     GRID_MAX_FLOP are left out (large outputs are at full rate by k = 4096 anyway): the grid is
     ragged at its large corner."""
-    from gobrrr.calibrate.timing import time_op
-
     out: dict[str, list[list[float]]] = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -219,9 +214,6 @@ def _op_cases(dev: torch.device):
 def _bn_bytes(shape, dtype) -> tuple[float, float]:
     """Bytes the cost model counts for batch norm forward and backward at this shape, from the
     ops a CPU trace records (meta tensors: nothing is computed)."""
-    from gobrrr.capture.recorder import Recorder, StorageTable
-    from gobrrr.cost.flops import op_cost
-
     c = shape[1]
     x = torch.empty(shape, device="meta", dtype=dtype, requires_grad=True)
     w = torch.empty(c, device="meta", requires_grad=True)
@@ -309,9 +301,6 @@ def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     the cost model counts them: {"native_layer_norm:fp32" | "native_layer_norm_backward:bf16"
     | ...: [[width, rows, B/s], ...]}. The width sets the kernel's block shape and the rows
     its parallelism: one point at 16384 x 1024 cannot stand for ViT's 768 or a 4096-wide LM."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost.flops import op_cost
-
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -341,8 +330,6 @@ def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dty
     """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored
     channels-last if asked); backward is fwd+bwd less forward (grads of input, weight and
     bias)."""
-    from gobrrr.calibrate.timing import time_op
-
     c = shape[1]
     x = torch.randn(shape, device=dev, dtype=dtype)
     if channels_last:
@@ -368,9 +355,6 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
     (layer norm, log-softmax, embedding backward, pooling; batch norm and sums over tokens have
     their own curves, `batch_norm_bandwidths`, `outer_sum_bandwidths`), counting the bytes
     exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost.flops import op_cost
-
     return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
             for name, fn in _op_cases(dev)}
 
@@ -383,8 +367,6 @@ def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
     squares to a grid over vocabulary V, tokens T, width D and dtype (max error 16% on the
     H100's grid; with the tokens' bytes in place of their values, 58%):
     {"fill_Bps", "token_values_per_s", "fixed_s", "points": [[V, T, D, itemsize, s], ...]}."""
-    from gobrrr.calibrate.timing import flush_buffer, time_op
-
     aten = torch.ops.aten
     flush = flush_buffer(dev)
     points = []
@@ -426,9 +408,6 @@ def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_RO
     dtype: {"sum:bf16" | "sum:fp32": [[cols, rows, B/s], ...]}. The columns set the kernel's
     parallelism across the output, the rows how far it splits each column's sum (a second
     kernel adds the partial sums); bytes as the cost model counts them."""
-    from gobrrr.calibrate.timing import time_op
-    from gobrrr.cost.flops import op_cost
-
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -446,8 +425,6 @@ def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_RO
 def _record(fn, name: str):
     """The OpNode of ATen op `name` as fn() runs it (shapes, strides, dtypes as the capture
     records them), so calibration counts FLOPs and bytes exactly as the cost model does."""
-    from gobrrr.capture.recorder import Recorder, StorageTable
-
     rec = Recorder(StorageTable(), lambda: "", lambda: "forward")
     with rec:
         fn()

@@ -19,8 +19,11 @@ def run_row(cmd: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": {"type": "timeout", "oom": False}, "wall_s": timeout}
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash", "oom": False,
-                                                       "message": proc.stderr[-1500:]}}
+    row = (
+        json.loads(rows[-1])
+        if rows
+        else {"error": {"type": "crash", "oom": False, "message": proc.stderr[-1500:]}}
+    )
     row["wall_s"] = time.perf_counter() - t
     return row
 
@@ -28,8 +31,9 @@ def run_row(cmd: list[str], timeout: float) -> dict:
 def env_row(script: str) -> dict:
     """Device and versions as `script --env` prints them in a fresh process (the parent
     never holds a CUDA context: it would take memory from what it measures)."""
-    proc = subprocess.run([sys.executable, script, "--env"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, script, "--env"], capture_output=True, text=True, timeout=120
+    )
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ENV ")]
     return json.loads(rows[-1]) if rows else {"error": proc.stderr[-500:]}
 
@@ -67,16 +71,16 @@ def run_cases(script: str, out: str, names: list[str], version: int, report) -> 
 
     doc = {"version": version, "environment": environment(), "rows": []}
     for name in names:
-        row = {"name": name, **run_row([sys.executable, script, out, "--one", name],
-                                       timeout=300)}
+        row = {"name": name, **run_row([sys.executable, script, out, "--one", name], timeout=300)}
         doc["rows"].append(row)
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
         report(row)
     return doc
 
 
-def cases_main(argv, doc: str, script: str, cases, version: int, one, report,
-               actions: dict | None = None) -> int:
+def cases_main(
+    argv, doc: str, script: str, cases, version: int, one, report, actions: dict | None = None
+) -> int:
     """The command line of a benchmark whose cases each run in a fresh process: `OUT
     [--cases NAME,NAME]` runs `cases` (or those named) through `run_cases`, `--one NAME` (the
     child) prints one(NAME)'s row; `actions` ({"--flag": fn(OUT)}) adds flags that each do

@@ -34,13 +34,24 @@ def figures(est) -> dict:
     t, m = est.time, est.memory
     digest = hashlib.sha256()
     for o in t.ops:
-        digest.update(repr((o.index, o.device_s, o.host_s, o.compute_s, o.memory_s, o.regime,
-                            o.flops, o.bytes)).encode())
-    return {"step_s": repr(t.step_s), "device_s": repr(t.device_s), "host_s": repr(t.host_s),
-            "idle_s": repr(t.idle_s), "flops": repr(t.flops),
-            "model_flops": repr(t.model_flops), "clock_fraction": repr(t.clock_fraction),
-            "peak": m.peak, "reserved": m.reserved, "ops": len(t.ops),
-            "ops_sha256": digest.hexdigest()}
+        digest.update(
+            repr(
+                (o.index, o.device_s, o.host_s, o.compute_s, o.memory_s, o.regime, o.flops, o.bytes)
+            ).encode()
+        )
+    return {
+        "step_s": repr(t.step_s),
+        "device_s": repr(t.device_s),
+        "host_s": repr(t.host_s),
+        "idle_s": repr(t.idle_s),
+        "flops": repr(t.flops),
+        "model_flops": repr(t.model_flops),
+        "clock_fraction": repr(t.clock_fraction),
+        "peak": m.peak,
+        "reserved": m.reserved,
+        "ops": len(t.ops),
+        "ops_sha256": digest.hexdigest(),
+    }
 
 
 def suite() -> dict:
@@ -49,11 +60,19 @@ def suite() -> dict:
     data = json.loads((FIXTURES / "estimate_suite_h100.json").read_text())
     out = {}
     for c in data["cases"]:
-        key = (f"{c['model']} b{c['batch']} s{c['seq']} {c['precision']} "
-               f"ckpt={c['checkpoint']} compile={c['compile']}")
-        est = gobrrr.estimate(c["model"], "h100", batch=c["batch"], seq=c["seq"],
-                              precision=c["precision"], checkpoint=c["checkpoint"],
-                              compile=c["compile"])
+        key = (
+            f"{c['model']} b{c['batch']} s{c['seq']} {c['precision']} "
+            f"ckpt={c['checkpoint']} compile={c['compile']}"
+        )
+        est = gobrrr.estimate(
+            c["model"],
+            "h100",
+            batch=c["batch"],
+            seq=c["seq"],
+            precision=c["precision"],
+            checkpoint=c["checkpoint"],
+            compile=c["compile"],
+        )
         out[key] = figures(est)
     return out
 
@@ -81,13 +100,22 @@ def plan() -> dict:
         data = json.loads(path.read_text())
         for name, sc in (data.get("scenarios") or {}).items():
             source, seq, g, precision, *rest = SCENARIOS[name]
-            planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                              allow=rest[0] if rest else ())
+            planner = Planner(
+                source,
+                "h100",
+                global_batch=g,
+                seq=seq,
+                precision=precision,
+                allow=rest[0] if rest else (),
+            )
             for c in sc["configs"]:
                 key = f"{path.name} {name} {json.dumps(c['knobs'], sort_keys=True)}"
                 p = planner.cost(Knobs.from_dict(c["knobs"]))
-                out[key] = {"step_s": repr(p.step_s), "peak": p.peak_bytes,
-                            "reserved": p.reserved_bytes}
+                out[key] = {
+                    "step_s": repr(p.step_s),
+                    "peak": p.peak_bytes,
+                    "reserved": p.reserved_bytes,
+                }
     return out
 
 
@@ -95,10 +123,13 @@ def snapshot(parts: list[str]) -> dict:
     out = {}
     for part in parts:
         t = time.perf_counter()
-        out[part] = {"suite": suite, "zoo": lambda: zoo(False), "holdout": lambda: zoo(True),
-                     "plan": plan}[part]()
-        print(f"{part}: {len(out[part])} cases in {time.perf_counter() - t:.0f} s",
-              file=sys.stderr)
+        out[part] = {
+            "suite": suite,
+            "zoo": lambda: zoo(False),
+            "holdout": lambda: zoo(True),
+            "plan": plan,
+        }[part]()
+        print(f"{part}: {len(out[part])} cases in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     return out
 
 
@@ -128,16 +159,20 @@ def main() -> int:
         a, b = (json.loads(p.read_text()) for p in args.compare)
         diffs = compare(a["parts"], b["parts"])
         cases = sum(len(v) for v in a["parts"].values())
-        print("\n".join(diffs) or f"identical: {cases} cases in "
-              f"{', '.join(f'{k} {len(v)}' for k, v in a['parts'].items())}")
+        print(
+            "\n".join(diffs)
+            or f"identical: {cases} cases in "
+            f"{', '.join(f'{k} {len(v)}' for k, v in a['parts'].items())}"
+        )
         return 1 if diffs else 0
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     if bad := [p for p in parts if p not in PARTS]:
         ap.error(f"unknown part(s) {', '.join(bad)}: choose from {', '.join(PARTS)}")
     import subprocess
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     result = {"version": 1, "commit": commit, "parts": snapshot(parts)}
     text = json.dumps(result, indent=1, sort_keys=True)
     if args.out:

@@ -24,11 +24,17 @@ class CosCos(nn.Module):
         return x.cos().cos()  # (N,), written to memory: it is the model's output
 
 
-def workload(batch_size: int | None = None, seq_len: int | None = None,
-             numel: int = 2**28) -> Workload:
+def workload(
+    batch_size: int | None = None, seq_len: int | None = None, numel: int = 2**28
+) -> Workload:
     """numel fp32 elements (default 2**28 = 1 GiB); batch_size scales it (default 1)."""
     n = numel * (batch_size or 1)
     model = CosCos()
-    return Workload(model=model, batch=torch.rand(n), name="cos_cos",
-                    loss=lambda y, x: y.mean() * model.scale,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), tokens=n)
+    return Workload(
+        model=model,
+        batch=torch.rand(n),
+        name="cos_cos",
+        loss=lambda y, x: y.mean() * model.scale,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        tokens=n,
+    )

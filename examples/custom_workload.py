@@ -15,9 +15,19 @@ class TinyLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(
-            [nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
-                                        norm_first=True, activation="gelu")
-             for _ in range(layers)])
+            [
+                nn.TransformerEncoderLayer(
+                    d,
+                    heads,
+                    4 * d,
+                    dropout=0.0,
+                    batch_first=True,
+                    norm_first=True,
+                    activation="gelu",
+                )
+                for _ in range(layers)
+            ]
+        )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -33,7 +43,10 @@ class TinyLM(nn.Module):
 def workload(batch_size: int = 8, seq_len: int = 512) -> gobrrr.Workload:
     idx = torch.randint(0, 32000, (batch_size, seq_len))
     return gobrrr.Workload(
-        model=TinyLM(), batch=(idx, torch.roll(idx, -1, dims=1)), loss=None,
+        model=TinyLM(),
+        batch=(idx, torch.roll(idx, -1, dims=1)),
+        loss=None,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
-        name="tiny-lm", seq_len=seq_len,
+        name="tiny-lm",
+        seq_len=seq_len,
     )

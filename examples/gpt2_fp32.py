@@ -1,6 +1,6 @@
 """GPT-2 (124M) meant to be run in true fp32 (TF32 off): its matmuls miss the tensor cores.
 
-    gobrrr profile examples/gpt2_fp32.py:workload --precision fp32
+gobrrr profile examples/gpt2_fp32.py:workload --precision fp32
 """
 
 from gobrrr import Workload

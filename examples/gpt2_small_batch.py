@@ -1,6 +1,6 @@
 """GPT-2 (124M) at a small batch: the step is overhead-bound on an H100 in eager mode.
 
-    gobrrr profile examples/gpt2_small_batch.py:workload --batch 1 --seq 256 --scaling
+gobrrr profile examples/gpt2_small_batch.py:workload --batch 1 --seq 256 --scaling
 """
 
 from gobrrr import Workload

@@ -14,10 +14,13 @@ from torch import nn
 import gobrrr
 
 
-def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1,
-            act: bool = True) -> nn.Sequential:
-    layers = [nn.Conv2d(c_in, c_out, k, stride, k // 2, groups=groups, bias=False),
-              nn.BatchNorm2d(c_out)]
+def conv_bn(
+    c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1, act: bool = True
+) -> nn.Sequential:
+    layers = [
+        nn.Conv2d(c_in, c_out, k, stride, k // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(c_out),
+    ]
     return nn.Sequential(*layers, nn.ReLU6()) if act else nn.Sequential(*layers)
 
 
@@ -28,7 +31,8 @@ class InvertedResidual(nn.Module):
         self.block = nn.Sequential(
             conv_bn(c_in, hidden, 1),
             conv_bn(hidden, hidden, 3, stride, groups=hidden),  # depthwise
-            conv_bn(hidden, c_out, 1, act=False))
+            conv_bn(hidden, c_out, 1, act=False),
+        )
         self.residual = stride == 1 and c_in == c_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +42,15 @@ class InvertedResidual(nn.Module):
 
 class MobileNetV2(nn.Module):
     # (expansion, output channels, blocks, first stride), as in the paper's Table 2
-    STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-              (6, 160, 3, 2), (6, 320, 1, 1))
+    STAGES = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
 
     def __init__(self, num_classes: int = 1000):
         super().__init__()
@@ -61,5 +72,7 @@ def workload(batch_size: int = 64) -> gobrrr.Workload:
     return gobrrr.Workload(
         model=MobileNetV2(),
         batch=(torch.randn(batch_size, 3, 224, 224), torch.randint(0, 1000, (batch_size,))),
-        loss=None, optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-        name="mobilenet-v2")
+        loss=None,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        name="mobilenet-v2",
+    )

@@ -277,7 +277,7 @@ def sequence_model(batch_size=2, seq_len=16):
     return gobrrr.Workload(model=_mlp(), batch=_x(batch_size), loss=_mse, seq_len=seq_len)
 '''
 
-EXIT_AT_IMPORT = '''
+EXIT_AT_IMPORT = """
 import sys
 
 sys.exit(0)
@@ -285,20 +285,20 @@ sys.exit(0)
 
 def workload():
     pass
-'''
+"""
 
-IMPORT_ERROR = '''
+IMPORT_ERROR = """
 import not_a_module_anyone_has
 
 
 def workload():
     pass
-'''
+"""
 
-SYNTAX_ERROR = '''
+SYNTAX_ERROR = """
 def workload(:
     pass
-'''
+"""
 
 GOOD_TOML = 'name = "mygpu"\nmemory_gb = 16\nbandwidth_gbs = 500\nbf16_tflops = 100\n'
 

@@ -44,12 +44,19 @@ def _real_sums(permuted: bool) -> tuple[int, int]:
 
 def _traced(permuted: bool):
     torch.manual_seed(0)
-    w = Workload(Residual(permuted), torch.randn(8, 16),
-                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    w = Workload(
+        Residual(permuted), torch.randn(8, 16), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)
+    )
     g = capture(w, precision="fp32")
-    sums = [n for n in g.nodes if n.phase == "backward" and n.name == "add"
-            and len(n.inputs) == 2 and n.inputs[0].shape == (8, 16)
-            and n.inputs[1].shape == (8, 16)]
+    sums = [
+        n
+        for n in g.nodes
+        if n.phase == "backward"
+        and n.name == "add"
+        and len(n.inputs) == 2
+        and n.inputs[0].shape == (8, 16)
+        and n.inputs[1].shape == (8, 16)
+    ]
     return g, sums
 
 
@@ -73,8 +80,9 @@ def test_gradient_sums_as_pytorchs_engine_makes_them(permuted):
         assert g.meta.gradient_sums_in_place == 0
 
 
-def _ln_backward(rows: tuple[int, ...], n: int, mask=(True, True, True),
-                 dtype: str = "float32") -> OpNode:
+def _ln_backward(
+    rows: tuple[int, ...], n: int, mask=(True, True, True), dtype: str = "float32"
+) -> OpNode:
     shape = (*rows, n)
     stride = tuple(int(torch.empty(shape, device="meta").stride()[i]) for i in range(len(shape)))
     x = TensorInfo(shape, stride, dtype, 0)
@@ -82,10 +90,17 @@ def _ln_backward(rows: tuple[int, ...], n: int, mask=(True, True, True),
     w = TensorInfo((n,), (1,), dtype, 4)
     b = TensorInfo((n,), (1,), dtype, 5)
     inputs = (x, TensorInfo(shape, stride, dtype, 1), stats, stats, w, b)
-    return OpNode(index=0, op="aten.native_layer_norm_backward.default", phase="backward",
-                  module="", inputs=inputs, outputs=(),
-                  args=({"t": 0}, {"t": 1}, [n], {"t": 2}, {"t": 3}, {"t": 4}, {"t": 5},
-                        list(mask)), kwargs={}, allocs=())
+    return OpNode(
+        index=0,
+        op="aten.native_layer_norm_backward.default",
+        phase="backward",
+        module="",
+        inputs=inputs,
+        outputs=(),
+        args=({"t": 0}, {"t": 1}, [n], {"t": 2}, {"t": 3}, {"t": 4}, {"t": 5}, list(mask)),
+        kwargs={},
+        allocs=(),
+    )
 
 
 def test_layer_norm_backward_partial_sums_as_the_h100_trace_shows():
@@ -96,13 +111,20 @@ def test_layer_norm_backward_partial_sums_as_the_h100_trace_shows():
     node = _ln_backward((64, 56, 56), 96)
     assert norm_scratch.partial_sums(node) == (2408448, 2408448, 1204224, 8)
     # only the gradients asked for get a partial tensor
-    assert norm_scratch.partial_sums(_ln_backward((64, 56, 56), 96, (True, True, False)))[:2] \
-        == (2408448, 1204224)
+    assert norm_scratch.partial_sums(_ln_backward((64, 56, 56), 96, (True, True, False)))[:2] == (
+        2408448,
+        1204224,
+    )
     # at most 32Ki / ceil(N / 32) blocks: 384 columns -> 12 per row of blocks -> 2730 rows
     assert norm_scratch.partial_sums(_ln_backward((64, 56, 56), 384))[0] == 2730 * 384 * 4
 
 
-@pytest.mark.parametrize("rows,n", [((64, 1024), 768 * 3),  # wide rows: one-pass kernel
-                                    ((64, 1024), 96)])  # 65536 rows: not more than 64Ki
+@pytest.mark.parametrize(
+    "rows,n",
+    [
+        ((64, 1024), 768 * 3),  # wide rows: one-pass kernel
+        ((64, 1024), 96),
+    ],
+)  # 65536 rows: not more than 64Ki
 def test_layer_norm_backward_one_pass_has_no_partials(rows, n):
     assert norm_scratch.partial_sums(_ln_backward(rows, n)) == ()

@@ -32,12 +32,15 @@ TRACES2 = ROOT / "tests" / "fixtures" / "zoo_diagnose_h100_run2.json"  # ConvNeX
 STEP = 4  # the measured step (3 warm-ups before it)
 
 
-@pytest.mark.parametrize("shape,dtype_bytes,expected", [
-    ((8192, 768), 4, (50331648, 24)),  # BERT fp32: a 768-wide bias gradient
-    ((8192, 3072), 4, (138412032, 96)),  # BERT fp32: the intermediate bias
-    ((8192, 30522), 4, (31254528, 1908)),  # BERT fp32: the decoder bias (odd width)
-    ((64 * 197, 2304), 2, (139198464, 72)),  # ViT-B/16 bf16: the packed in-projection bias
-])
+@pytest.mark.parametrize(
+    "shape,dtype_bytes,expected",
+    [
+        ((8192, 768), 4, (50331648, 24)),  # BERT fp32: a 768-wide bias gradient
+        ((8192, 3072), 4, (138412032, 96)),  # BERT fp32: the intermediate bias
+        ((8192, 30522), 4, (31254528, 1908)),  # BERT fp32: the decoder bias (odd width)
+        ((64 * 197, 2304), 2, (139198464, 72)),  # ViT-B/16 bf16: the packed in-projection bias
+    ],
+)
 def test_reduce_buffers_match_requests_read_off_the_trace(shape, dtype_bytes, expected):
     """Sizes as the allocator trace recorded them for a sum over the tokens (dim 0)."""
     assert reduce_buffers(shape, (shape[1], 1), [0], dtype_bytes) == expected
@@ -48,7 +51,9 @@ def test_a_convolutions_bias_gradient_stages_as_laid_out():
     the permute after it): its bias's sum reduces across blocks, as the trace recorded
     (77,070,336 + 24 bytes); laid out channels-first, the same sum would not."""
     assert reduce_buffers((64, 768, 14, 14), (150528, 1, 10752, 768), [0, 2, 3], 2) == (
-        77070336, 24)
+        77070336,
+        24,
+    )
     assert reduce_buffers((64, 768, 14, 14), (150528, 196, 14, 1), [0, 2, 3], 2) == (0, 0)
 
 
@@ -92,12 +97,19 @@ def _steps(name: str):
 
 
 def _requests(step: dict, ops: set[str]) -> Counter:
-    return Counter((e[2].split(" @ ")[0], e[1]) for e in step["events"]
-                   if e[0] == 0 and e[2].split(" @ ")[0] in ops)
+    return Counter(
+        (e[2].split(" @ ")[0], e[1])
+        for e in step["events"]
+        if e[0] == 0 and e[2].split(" @ ")[0] in ops
+    )
 
 
-INSIDE = {"sum", "native_layer_norm", "native_layer_norm_backward",
-          "_scaled_dot_product_cudnn_attention_backward"}
+INSIDE = {
+    "sum",
+    "native_layer_norm",
+    "native_layer_norm_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+}
 
 
 @pytest.mark.parametrize("name", ["vit_b_16-tv", "whisper-base", "bert-base-mlm-fp32"])
@@ -106,8 +118,9 @@ def test_requests_inside_ops_match_the_trace(name):
     inside), as a multiset of (op, bytes), is the trace's."""
     real, pred = _steps(name)
     r, p = _requests(real[STEP], INSIDE), _requests(pred[STEP], INSIDE)
-    assert r == p, (f"only real: {sorted((r - p).items())[:8]}; "
-                    f"only predicted: {sorted((p - r).items())[:8]}")
+    assert r == p, (
+        f"only real: {sorted((r - p).items())[:8]}; only predicted: {sorted((p - r).items())[:8]}"
+    )
 
 
 @pytest.mark.parametrize("name", ["vit_b_16-tv", "bert-base-mlm-fp32", "mobilenet_v3_large-tv"])
@@ -117,19 +130,27 @@ def test_blas_workspaces_appear_where_the_trace_has_them(name):
     real, pred = _steps(name)
 
     def where(step):
-        return [(e[2].split(" @ ")[0], e[1]) for e in step["events"]
-                if e[0] == 0 and e[1] in (32 * 2**20, 2**20)
-                and e[2].split(" @ ")[0] in ("mm", "addmm", "bmm")]
+        return [
+            (e[2].split(" @ ")[0], e[1])
+            for e in step["events"]
+            if e[0] == 0
+            and e[1] in (32 * 2**20, 2**20)
+            and e[2].split(" @ ")[0] in ("mm", "addmm", "bmm")
+        ]
+
     assert where(real[1]) == where(pred[1])
 
 
 def test_autocast_casts_the_weight_before_the_input():
     """CUDA autocast casts an op's arguments last first (GCC evaluates the C++ call's
     arguments right to left): the traced Linear's weight cast comes before its input's."""
+
     def make():
         model = nn.Linear(64, 32, bias=False)
-        return gobrrr.Workload(model=model, batch=(torch.randn(16, 64),),
-                               loss=lambda y, b: y.float().pow(2).mean())
+        return gobrrr.Workload(
+            model=model, batch=(torch.randn(16, 64),), loss=lambda y, b: y.float().pow(2).mean()
+        )
+
     g = capture(make, precision="bf16-mixed")
     casts = [n for n in g.nodes if n.phase == "forward" and n.name == "_to_copy"]
     assert [tuple(n.outputs[0].shape) for n in casts[:2]] == [(32, 64), (16, 64)]
@@ -155,13 +176,16 @@ def _inside(run: list[tuple]) -> Counter:
     return Counter(e[1] for e in run if e[0] == 0 and e[3] in freed)
 
 
-@pytest.mark.parametrize("name,op,calls", [
-    ("efficientnet_b0-timm-fp32", "convolution", 16),  # channels-first tf32: PyTorch's kernels
-    ("efficientnet_b0-timm-fp32", "convolution_backward", 16),
-    ("mobilenet_v3_large-tv", "convolution", 15),  # channels-first bf16: PyTorch's kernels
-    ("mobilenet_v3_large-tv", "convolution_backward", 15),
-    ("convnext_tiny-timm-gc", "convolution_backward", 18),  # channels-last bf16: cuDNN
-])
+@pytest.mark.parametrize(
+    "name,op,calls",
+    [
+        ("efficientnet_b0-timm-fp32", "convolution", 16),  # channels-first tf32: PyTorch's kernels
+        ("efficientnet_b0-timm-fp32", "convolution_backward", 16),
+        ("mobilenet_v3_large-tv", "convolution", 15),  # channels-first bf16: PyTorch's kernels
+        ("mobilenet_v3_large-tv", "convolution_backward", 15),
+        ("convnext_tiny-timm-gc", "convolution_backward", 18),  # channels-last bf16: cuDNN
+    ],
+)
 def test_depthwise_convolutions_allocate_inside_as_the_trace(name, op, calls):
     """Every depthwise convolution's blocks allocated and freed inside the call (its scratch
     and its bias gradient's staging), call by call, are the trace's: nothing for PyTorch's
@@ -172,8 +196,11 @@ def test_depthwise_convolutions_allocate_inside_as_the_trace(name, op, calls):
     nodes = [n for n in _predict(name).graph.nodes if n.name == op]
     r_runs, p_runs = _op_runs(real[1], op), _op_runs(pred[1], op)
     assert len(r_runs) == len(p_runs) == len(nodes)
-    checked = [(n.module, _inside(r), _inside(p)) for n, r, p in zip(
-        nodes, r_runs, p_runs, strict=True) if conv.depthwise(n)]
+    checked = [
+        (n.module, _inside(r), _inside(p))
+        for n, r, p in zip(nodes, r_runs, p_runs, strict=True)
+        if conv.depthwise(n)
+    ]
     assert len(checked) == calls
     assert [c[1] for c in checked] == [c[2] for c in checked], checked[:3]
 

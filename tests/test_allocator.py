@@ -27,16 +27,25 @@ TRUTH = ROOT / "tests" / "fixtures" / "allocator_truth_h100.json"
 KiB, MiB = 1024, 1024**2
 
 
-@pytest.mark.parametrize("n,expected", [(1, 512), (511, 512), (512, 512), (513, 1024),
-                                        (MiB + 1, MiB + 512)])
+@pytest.mark.parametrize(
+    "n,expected", [(1, 512), (511, 512), (512, 512), (513, 1024), (MiB + 1, MiB + 512)]
+)
 def test_requests_round_to_512_bytes(n, expected):
     assert round_size(n) == expected
 
 
-@pytest.mark.parametrize("size,expected", [
-    (512, 2 * MiB), (MiB, 2 * MiB),  # small pool: 2 MiB segments
-    (MiB + 512, 20 * MiB), (10 * MiB - 512, 20 * MiB),  # 1-10 MiB share 20 MiB segments
-    (10 * MiB, 10 * MiB), (11 * MiB, 12 * MiB), (33 * MiB + 512, 34 * MiB)])  # 2 MiB steps
+@pytest.mark.parametrize(
+    "size,expected",
+    [
+        (512, 2 * MiB),
+        (MiB, 2 * MiB),  # small pool: 2 MiB segments
+        (MiB + 512, 20 * MiB),
+        (10 * MiB - 512, 20 * MiB),  # 1-10 MiB share 20 MiB segments
+        (10 * MiB, 10 * MiB),
+        (11 * MiB, 12 * MiB),
+        (33 * MiB + 512, 34 * MiB),
+    ],
+)  # 2 MiB steps
 def test_segment_sizes(size, expected):
     assert segment_size(size) == expected
 
@@ -54,10 +63,14 @@ HAND = {
     # 3 x 600 KiB = 1800 KiB in one 2 MiB segment (248 KiB left); the freed middle block is
     # reused whole; a 5th request fits neither hole nor tail: a second segment
     "three_600k_one_segment": (
-        [_a(0, 600 * KiB), _a(1, 600 * KiB), _a(2, 600 * KiB)], None,
-        3 * 600 * KiB, 2 * MiB, 1, 0),
-    "small_pack": (
-        allocator_sequences.small_pack().events, None, 4 * 600 * KiB, 4 * MiB, 2, 0),
+        [_a(0, 600 * KiB), _a(1, 600 * KiB), _a(2, 600 * KiB)],
+        None,
+        3 * 600 * KiB,
+        2 * MiB,
+        1,
+        0,
+    ),
+    "small_pack": (allocator_sequences.small_pack().events, None, 4 * 600 * KiB, 4 * MiB, 2, 0),
     "5mib_takes_20mib": ([_a(0, 5 * MiB)], None, 5 * MiB, 20 * MiB, 1, 0),
     # 11 MiB: a 12 MiB segment; the 1 MiB remainder is not > 1 MiB, so it stays in the block
     "11mib_takes_12mib": ([_a(0, 11 * MiB)], None, 12 * MiB, 12 * MiB, 1, 0),
@@ -67,29 +80,41 @@ HAND = {
     # segment. 3 MiB into the freed 4 MiB hole keeps all 4 (1 MiB remainder not split);
     # 2 MiB + 512 and 9.5 MiB come out of the second segment's 16 MiB
     "mid_pack": (
-        allocator_sequences.mid_pack().events, None,
+        allocator_sequences.mid_pack().events,
+        None,
         6 * 4 * MiB + 2 * MiB + 512 + 9 * MiB + 512 * KiB,
-        40 * MiB, 2, 0),
+        40 * MiB,
+        2,
+        0,
+    ),
     # 19.5 MiB -> 20 MiB segment, kept whole; 9.5 MiB -> 20 MiB segment cut 9.5 + 10.5; 9.59 MiB
     # takes the whole 10.5 (0.91 MiB remainder); 8 MiB into the freed 9.5 (1.5 MiB split off);
     # 11 MiB -> 12 MiB whole; 10 MiB -> 10 MiB; 10 MiB + 1 -> 12 MiB segment cut;
     # 33 MiB + 1 -> 34 MiB whole
     "split_rules": (
-        allocator_sequences.split_rules().events, None,
+        allocator_sequences.split_rules().events,
+        None,
         20 * MiB + 21 * MiB // 2 + 8 * MiB + 12 * MiB + 10 * MiB + 10 * MiB + 512 + 34 * MiB,
-        (20 + 20 + 12 + 10 + 12 + 34) * MiB, 6, 0),
+        (20 + 20 + 12 + 10 + 12 + 34) * MiB,
+        6,
+        0,
+    ),
     # 64 MiB segment freed; 32 from it, 40 new, 30 into the 32 MiB remainder (best fit);
     # freeing 32 and 30 coalesces the whole 64 MiB again, which serves 48; 100 is new; 12 goes
     # into the 16 MiB left. Allocated peak 48 + 100 + 12
-    "large_reuse": (
-        allocator_sequences.large_reuse().events, None, 160 * MiB, 204 * MiB, 3, 0),
+    "large_reuse": (allocator_sequences.large_reuse().events, None, 160 * MiB, 204 * MiB, 3, 0),
     # budget 256 MiB: two cached 100 MiB segments are released for 150 MiB (retry 1); 4 MiB
     # (20 MiB segment) and 600 KiB (2 MiB) are split, so unreleasable: 90 MiB fails (retry 2,
     # OOM); the freed 150 MiB is released for 200 MiB (retry 3); 30 MiB fits (252 MiB);
     # 8 MiB comes from the 16 MiB left in the 20 MiB segment
     "oom_retry": (
-        allocator_sequences.oom_retry().events, 256 * MiB,
-        4 * MiB + 600 * KiB + 200 * MiB + 30 * MiB + 8 * MiB, 252 * MiB, 4, 1),
+        allocator_sequences.oom_retry().events,
+        256 * MiB,
+        4 * MiB + 600 * KiB + 200 * MiB + 30 * MiB + 8 * MiB,
+        252 * MiB,
+        4,
+        1,
+    ),
 }
 
 
@@ -98,7 +123,11 @@ def test_hand_derived_sequences(name):
     events, budget, allocated, reserved, segments, ooms = HAND[name]
     s = replay(events, budget).stats
     assert (s.allocated_peak, s.reserved_peak, s.segments_peak, s.ooms) == (
-        allocated, reserved, segments, ooms)
+        allocated,
+        reserved,
+        segments,
+        ooms,
+    )
 
 
 def test_oom_path_releases_only_wholly_free_segments():
@@ -140,16 +169,21 @@ def test_best_fit_prefers_the_smallest_block_then_the_lowest_address():
     s = alloc.stats()
     assert (s.segments, s.reserved_peak, s.allocated) == (3, 64 * MiB, 16 * MiB + 41 * MiB)
     assert alloc.segment_sizes() == [24 * MiB, 24 * MiB, 16 * MiB]
-    assert alloc.layout() == [[(20 * MiB, True), (4 * MiB, False)],
-                              [(21 * MiB, True), (3 * MiB, False)], [(16 * MiB, True)]]
+    assert alloc.layout() == [
+        [(20 * MiB, True), (4 * MiB, False)],
+        [(21 * MiB, True), (3 * MiB, False)],
+        [(16 * MiB, True)],
+    ]
 
 
 # ------------------------------------------------------------------------------- recorded
 def _truth() -> dict:
     if not TRUTH.exists():
-        pytest.skip(f"{TRUTH.relative_to(ROOT)} is absent: run "
-                    "benchmarks/memory/allocator_truth.py on an H100 and commit its JSON to "
-                    "check the replay against the device")
+        pytest.skip(
+            f"{TRUTH.relative_to(ROOT)} is absent: run "
+            "benchmarks/memory/allocator_truth.py on an H100 and commit its JSON to "
+            "check the replay against the device"
+        )
     return json.loads(TRUTH.read_text())
 
 
@@ -174,10 +208,19 @@ def test_recorded_peaks_match_exactly(name):
         pytest.skip(f"{name} was not recorded")
     rec = truth["sequences"][name]
     r = replay(rec["events"], _budget(rec))
-    first = next((i for i, (got, want) in enumerate(zip(r.trace, rec["trace"], strict=True))
-                  if list(got) != list(want)), None)
-    where = f"first divergence at event {first}: {rec['events'][first]}" if first is not None \
+    first = next(
+        (
+            i
+            for i, (got, want) in enumerate(zip(r.trace, rec["trace"], strict=True))
+            if list(got) != list(want)
+        ),
+        None,
+    )
+    where = (
+        f"first divergence at event {first}: {rec['events'][first]}"
+        if first is not None
         else "traces agree"
+    )
     assert r.stats.allocated_peak == rec["max_memory_allocated"], where
     assert r.stats.reserved_peak == rec["max_memory_reserved"], where
     assert r.stats.segments_peak == rec["segments_peak"], where
@@ -201,12 +244,25 @@ def _trace_events(trace: list) -> tuple[list, list[int]]:
 
 def test_trace_events_pair_frees_with_allocations_by_address():
     base = 1 << 40
-    trace = [["s", base, 2 * MiB], ["a", base, 600 * KiB], ["a", base + 600 * KiB, 600 * KiB],
-             ["f", base, 600 * KiB], ["a", base, 100], ["s", base + 4 * MiB, 20 * MiB],
-             ["a", base + 4 * MiB, 5 * MiB], ["f", base + 600 * KiB, 600 * KiB]]
+    trace = [
+        ["s", base, 2 * MiB],
+        ["a", base, 600 * KiB],
+        ["a", base + 600 * KiB, 600 * KiB],
+        ["f", base, 600 * KiB],
+        ["a", base, 100],
+        ["s", base + 4 * MiB, 20 * MiB],
+        ["a", base + 4 * MiB, 5 * MiB],
+        ["f", base + 600 * KiB, 600 * KiB],
+    ]
     events, addresses = _trace_events(trace)
-    assert events == [("a", 0, 600 * KiB), ("a", 1, 600 * KiB), ("f", 0), ("a", 3, 100),
-                      ("a", 4, 5 * MiB), ("f", 1)]
+    assert events == [
+        ("a", 0, 600 * KiB),
+        ("a", 1, 600 * KiB),
+        ("f", 0),
+        ("a", 3, 100),
+        ("a", 4, 5 * MiB),
+        ("f", 1),
+    ]
     r = replay(events, addresses=addresses)
     assert (r.stats.reserved_peak, r.stats.allocated_peak) == (22 * MiB, 600 * KiB + 512 + 5 * MiB)
 
@@ -241,7 +297,8 @@ def test_cuda_context_assumption_is_near_the_recording():
     measured = context[-1]["outside_allocator"]
     assert abs(CUDA_CONTEXT_BYTES - measured) <= 0.02 * measured, (
         f"{measured / MiB:.0f} MiB measured outside the allocator ({context[-1]['when']}), "
-        f"{CUDA_CONTEXT_BYTES / MiB:.0f} MiB assumed")
+        f"{CUDA_CONTEXT_BYTES / MiB:.0f} MiB assumed"
+    )
 
 
 PLAIN = ROOT / "tests" / "fixtures" / "zoo_diagnose_plain_h100.json"
@@ -267,8 +324,12 @@ def test_zoo_steps_replay_exactly_and_addresses_matter_only_where_known(row):
     from zoo.allocdiff import real_steps
 
     steps = real_steps(row)
-    events = [("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])
-              for s in steps for e in s["events"] if e[0] in (0, 1)]
+    events = [
+        ("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])
+        for s in steps
+        for e in s["events"]
+        if e[0] in (0, 1)
+    ]
     addresses = [e[3] for s in steps for e in s["events"] if e[0] == 2]
     assert replay(events, addresses=addresses).stats.reserved_peak == row["max_memory_reserved"]
     modelled = replay(events).stats.reserved_peak / row["max_memory_reserved"] - 1

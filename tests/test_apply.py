@@ -51,8 +51,15 @@ def _hf_llama() -> Workload:
     pytest.importorskip("transformers", exc_type=ImportError)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     ids = torch.randint(0, V, (B, 12))
     labels = ids.clone()
     labels[:, :3] = -100  # a prompt without targets: ignore_index positions
@@ -63,16 +70,20 @@ def _resnet() -> Workload:
     pytest.importorskip("torchvision", exc_type=ImportError)
     from torchvision.models import resnet18
 
-    return Workload(model=resnet18(num_classes=10),
-                    batch=(torch.randn(B, 3, 32, 32), torch.randint(0, 10, (B,))),
-                    step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    return Workload(
+        model=resnet18(num_classes=10),
+        batch=(torch.randn(B, 3, 32, 32), torch.randint(0, 10, (B,))),
+        step=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+    )
 
 
 BUILD = {
-    "gpt2": lambda: get_workload("gpt2", B, 16, n_layer=2, n_embd=32, n_head=2, vocab_size=V,
-                                 block_size=16),
-    "llama": lambda: get_workload("llama3-1b", B, 16, n_layer=2, dim=32, n_head=4, n_kv_head=2,
-                                  ffn_dim=64, vocab_size=V),
+    "gpt2": lambda: get_workload(
+        "gpt2", B, 16, n_layer=2, n_embd=32, n_head=2, vocab_size=V, block_size=16
+    ),
+    "llama": lambda: get_workload(
+        "llama3-1b", B, 16, n_layer=2, dim=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=V
+    ),
     "mlp": lambda: get_workload("mlp", B, layers=3, width=64),
     "convnet": lambda: get_workload("convnet", B, width=8, image_size=32, num_classes=10),
     "hf-llama": _hf_llama,
@@ -159,8 +170,7 @@ def test_token_mean_loss_over_unequal_valid_tokens_is_the_mean_of_micro_means():
     wl2 = make("hf-llama")
     wl2.batch["labels"][:2, :10] = -100
     with torch.no_grad():
-        halves = [wl2.compute_loss({k: v[i:i + 2] for k, v in wl2.batch.items()})
-                  for i in (0, 2)]
+        halves = [wl2.compute_loss({k: v[i : i + 2] for k, v in wl2.batch.items()}) for i in (0, 2)]
         whole = wl2.compute_loss(wl2.batch)
     assert torch.allclose(loss, (halves[0] + halves[1]) / 2, rtol=1e-5)
     assert not torch.allclose(loss, whole, rtol=1e-3)
@@ -174,9 +184,11 @@ def _block_names(wl: Workload) -> list[str]:
     return [n for n, m in wl.model.named_modules() if id(m) in ids]
 
 
-PATTERNS = {"every": lambda names: every_kth(names, 1),
-            "every-2nd": lambda names: every_kth(names, 2),
-            "selective": lambda names: every_kth(names, 1, "selective")}
+PATTERNS = {
+    "every": lambda names: every_kth(names, 1),
+    "every-2nd": lambda names: every_kth(names, 2),
+    "selective": lambda names: every_kth(names, 1, "selective"),
+}
 
 
 @pytest.mark.parametrize("name", list(BUILD))
@@ -220,8 +232,10 @@ def assert_same_updates(got, want, tol: float) -> None:
 def test_bf16_states_follow_fp32_adamw(name):
     got = _train(name, "bf16")
     states = got[2].optimizer.state
-    assert states and all(s["exp_avg"].dtype == torch.bfloat16 and
-                          s["exp_avg_sq"].dtype == torch.bfloat16 for s in states.values())
+    assert states and all(
+        s["exp_avg"].dtype == torch.bfloat16 and s["exp_avg_sq"].dtype == torch.bfloat16
+        for s in states.values()
+    )
     assert_same_updates(got, _train(name, "as-is"), 1e-2)
 
 
@@ -269,12 +283,16 @@ def test_8bit_states_follow_fp32_adamw():
 
     got, want = _train("gpt2", "8bit", steps=3), _train("gpt2", "as-is", steps=3)
     opt, user = got[2].optimizer, want[2].optimizer
-    quantised = [n for n, p in got[2].model.named_parameters()
-                 if isinstance(opt.state[p]["exp_avg"], OptimState8bit)]
+    quantised = [
+        n
+        for n, p in got[2].model.named_parameters()
+        if isinstance(opt.state[p]["exp_avg"], OptimState8bit)
+    ]
     assert len(quantised) == 4 and all("mlp.c_" in n for n in quantised), quantised
     for k in ("lr", "betas", "eps", "weight_decay"):  # torchao keeps lr as an fp32 tensor
         assert torch.tensor(opt.param_groups[0][k]).tolist() == pytest.approx(
-            torch.tensor(user.param_groups[0][k]).tolist(), rel=1e-6), k
+            torch.tensor(user.param_groups[0][k]).tolist(), rel=1e-6
+        ), k
     (b0, a0, _), (b1, a1, _) = want, got
     for n in b0:
         d0, d1 = a0[n] - b0[n], a1[n] - b1[n]
@@ -319,8 +337,9 @@ def test_fused_loss_reference_path_on_the_cpu(monkeypatch, name, precision):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls = []
     real = fl.fused_linear_cross_entropy
-    monkeypatch.setattr(fl, "fused_linear_cross_entropy",
-                        lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    monkeypatch.setattr(
+        fl, "fused_linear_cross_entropy", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k)
+    )
     loss, grads, _ = applied(name, Knobs(micro_batch=B, fused_loss=True), precision)
     assert calls, "the model's loss did not go through the fused loss"
     assert_same_step((loss, grads), reference(name, precision), TOL[precision])
@@ -342,13 +361,22 @@ def test_fused_loss_refuses_what_it_cannot_take_over():
     pytest.importorskip("transformers", exc_type=ImportError)
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     ids = torch.randint(0, 64, (B, 8))
     soft_capped = Workload(model=Gemma2ForCausalLM(cfg), batch={"input_ids": ids, "labels": ids})
-    cases = [(make("mlp"), "neither gobrrr's GPT2/Llama nor a Hugging Face causal LM"),
-             (make("resnet"), r"Workload\(step=...\)"),
-             (soft_capped, "Gemma2ForCausalLM transforms the logits")]
+    cases = [
+        (make("mlp"), "neither gobrrr's GPT2/Llama nor a Hugging Face causal LM"),
+        (make("resnet"), r"Workload\(step=...\)"),
+        (soft_capped, "Gemma2ForCausalLM transforms the logits"),
+    ]
     for wl, why in cases:
         with pytest.raises(GobrrrError, match=why) as e:
             apply(wl, Knobs(micro_batch=B, fused_loss=True))
@@ -358,8 +386,10 @@ def test_fused_loss_refuses_what_it_cannot_take_over():
 # -- compile --------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="torch.compile on the CPU needs a C compiler (none on PATH)")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="torch.compile on the CPU needs a C compiler (none on PATH)",
+)
 def test_compile_is_the_same_step():
     loss, grads, step = applied("mlp", Knobs(micro_batch=2, accumulation=2, compile=True))
     assert step.compiled is not None and step.compiled is not step.model
@@ -400,23 +430,31 @@ def _one_line(fn, match: str) -> None:
 def test_batches_that_do_not_fit_the_plan():
     step = apply(make("mlp"), Knobs(micro_batch=2, accumulation=2))
     x, y = make("mlp").batch
-    _one_line(lambda: step((torch.cat([x, x[:2]]), torch.cat([y, y[:2]]))),
-              "a batch of 6 samples, but the plan's global batch is micro_batch 2 x "
-              "accumulation 2 = 4")
+    _one_line(
+        lambda: step((torch.cat([x, x[:2]]), torch.cat([y, y[:2]]))),
+        "a batch of 6 samples, but the plan's global batch is micro_batch 2 x accumulation 2 = 4",
+    )
     _one_line(lambda: step((x, y[:3])), r"do not share a leading .*batch\[0\] 4, batch\[1\] 3")
     small = apply(make("mlp"), Knobs(micro_batch=3, accumulation=1))
     _one_line(lambda: small(), "a batch of 4 samples, but the plan's global batch is")
 
 
 def test_knobs_that_do_not_exist():
-    _one_line(lambda: apply(make("mlp"), {"micro_batch": 4, "accumulaton": 1}),
-              "unknown knob 'accumulaton' \\(did you mean 'accumulation'\\?\\)")
-    _one_line(lambda: apply(make("mlp"), {"micro_batch": 4, "optimizer_states": "4bit"}),
-              "unknown optimizer_states '4bit'")
-    _one_line(lambda: apply(make("mlp"), Knobs(micro_batch=4, checkpoint=(("layers.9", "full"),))),
-              "checkpoint block 'layers.9' is not a module of DeepMLP")
-    _one_line(lambda: apply(make("mlp"), Knobs(micro_batch=4), precision="fp8"),
-              "unknown precision 'fp8'")
+    _one_line(
+        lambda: apply(make("mlp"), {"micro_batch": 4, "accumulaton": 1}),
+        "unknown knob 'accumulaton' \\(did you mean 'accumulation'\\?\\)",
+    )
+    _one_line(
+        lambda: apply(make("mlp"), {"micro_batch": 4, "optimizer_states": "4bit"}),
+        "unknown optimizer_states '4bit'",
+    )
+    _one_line(
+        lambda: apply(make("mlp"), Knobs(micro_batch=4, checkpoint=(("layers.9", "full"),))),
+        "checkpoint block 'layers.9' is not a module of DeepMLP",
+    )
+    _one_line(
+        lambda: apply(make("mlp"), Knobs(micro_batch=4), precision="fp8"), "unknown precision 'fp8'"
+    )
 
 
 # -- weights in bf16 --------------------------------------------------------------------------

@@ -38,13 +38,21 @@ def traced(fn):
 
 # -- facts bound real values --------------------------------------------------------------------
 
+
 def batch_checks():
     labels = torch.randint(1, 32, (8, 100))
     mask = labels >= 0
-    return {"mask": mask, "lengths": mask.sum(-1), "total": mask.sum(),
-            "too_big": labels.max() >= 32, "any_pad": (labels == -100).any(),
-            "selected": labels.masked_select(mask), "none": labels.masked_select(labels < 0),
-            "half": torch.div(mask.sum(-1), 2, rounding_mode="floor"), "as_int": mask.long()}
+    return {
+        "mask": mask,
+        "lengths": mask.sum(-1),
+        "total": mask.sum(),
+        "too_big": labels.max() >= 32,
+        "any_pad": (labels == -100).any(),
+        "selected": labels.masked_select(mask),
+        "none": labels.masked_select(labels < 0),
+        "half": torch.div(mask.sum(-1), 2, rounding_mode="floor"),
+        "as_int": mask.long(),
+    }
 
 
 def draws():
@@ -55,17 +63,29 @@ def draws():
 
 def arithmetic():
     a = torch.arange(3, 50, 4)
-    return {"a": a, "clamped": a.clamp(max=30), "cat": torch.cat([a, -a]), "cumsum": a.cumsum(0),
-            "where": torch.where(a > 10, a, -a), "affine": torch.ones(4, dtype=torch.long) * 5 - 2,
-            "filled": torch.zeros(3).masked_fill(torch.ones(3, dtype=torch.bool), 7.0),
-            "perm_max": torch.randperm(10).max(), "argmax": torch.randn(5, 7).argmax(dim=1)}
+    return {
+        "a": a,
+        "clamped": a.clamp(max=30),
+        "cat": torch.cat([a, -a]),
+        "cumsum": a.cumsum(0),
+        "where": torch.where(a > 10, a, -a),
+        "affine": torch.ones(4, dtype=torch.long) * 5 - 2,
+        "filled": torch.zeros(3).masked_fill(torch.ones(3, dtype=torch.bool), 7.0),
+        "perm_max": torch.randperm(10).max(),
+        "argmax": torch.randn(5, 7).argmax(dim=1),
+    }
 
 
 def routing():
     ids = torch.topk(torch.randn(64, 8).softmax(-1), 2, dim=-1).indices
     flat = ids.flatten()
-    return {"ids": ids, "one_hot": F.one_hot(ids, 8), "counts": torch.bincount(flat, minlength=8),
-            "order": torch.sort(flat).indices, "hist": torch.histc(flat.float(), 8, 0, 7)}
+    return {
+        "ids": ids,
+        "one_hot": F.one_hot(ids, 8),
+        "counts": torch.bincount(flat, minlength=8),
+        "order": torch.sort(flat).indices,
+        "hist": torch.histc(flat.float(), 8, 0, 7),
+    }
 
 
 @pytest.mark.parametrize("program", [batch_checks, draws, arithmetic, routing])
@@ -87,9 +107,14 @@ def test_facts_bound_what_real_runs_produce(program):
 
 
 def reads(checks):
-    return (bool(checks["too_big"]), bool(checks["any_pad"]), int(checks["total"]),
-            checks["lengths"].tolist(), tuple(checks["selected"].shape),
-            tuple(checks["none"].shape))
+    return (
+        bool(checks["too_big"]),
+        bool(checks["any_pad"]),
+        int(checks["total"]),
+        checks["lengths"].tolist(),
+        tuple(checks["selected"].shape),
+        tuple(checks["none"].shape),
+    )
 
 
 def test_exact_reads_are_the_values_real_runs_read():
@@ -111,6 +136,7 @@ def test_a_count_the_bounds_leave_open_takes_its_upper_bound():
 
 # -- reads in a traced step: where, what, how often -----------------------------------------------
 
+
 class LayerDrop(nn.Module):
     """BART / wav2vec2's LayerDrop: each layer is skipped when a uniform draw is below p (a
     host tensor there: `torch.rand([])`; `on_device`: drawn beside the activations)."""
@@ -131,22 +157,34 @@ class LayerDrop(nn.Module):
 
 
 def layerdrop(p, on_device=False):
-    return lambda: gobrrr.Workload(model=LayerDrop(p, on_device=on_device),
-                                   batch=(torch.randn(4, 8),))
+    return lambda: gobrrr.Workload(
+        model=LayerDrop(p, on_device=on_device), batch=(torch.randn(4, 8),)
+    )
 
 
-@pytest.mark.parametrize(("p", "kind", "value", "layers"), [
-    (0.0, "derived", "False", 4),  # a draw in [0, 1) is never below 0
-    (0.1, "likely-draw", "False (p=0.10)", 4),
-    (0.75, "likely-draw", "True (p=0.75)", 0),
-])
+@pytest.mark.parametrize(
+    ("p", "kind", "value", "layers"),
+    [
+        (0.0, "derived", "False", 4),  # a draw in [0, 1) is never below 0
+        (0.1, "likely-draw", "False (p=0.10)", 4),
+        (0.75, "likely-draw", "True (p=0.75)", 0),
+    ],
+)
 def test_layerdrop_takes_the_likely_branch_and_says_so(p, kind, value, layers):
     g = capture(layerdrop(p), precision="fp32")
     fwd = [n for n in g.nodes if n.phase == "forward" and n.name == "addmm"]
     assert len(fwd) == layers + 1  # the head always runs
-    assert list(g.meta.assumptions) == [{
-        "kind": kind, "what": assume.KINDS[kind], "op": "aten._local_scalar_dense",
-        "module": "", "phase": "forward", "value": value, "count": 4}]
+    assert list(g.meta.assumptions) == [
+        {
+            "kind": kind,
+            "what": assume.KINDS[kind],
+            "op": "aten._local_scalar_dense",
+            "module": "",
+            "phase": "forward",
+            "value": value,
+            "count": 4,
+        }
+    ]
     draws = [n.index for n in g.nodes if n.name == "lt"]
     assert len(draws) == 4 and not set(draws) & set(g.meta.syncs)  # read on the host
 
@@ -193,13 +231,20 @@ class Gather(nn.Module):
 
 
 def test_boolean_indexing_selects_every_element_an_upper_bound():
-    g = capture(lambda: gobrrr.Workload(model=Gather(), batch=(torch.randn(3, 4),)),
-                precision="fp32")
+    g = capture(
+        lambda: gobrrr.Workload(model=Gather(), batch=(torch.randn(3, 4),)), precision="fp32"
+    )
     index = next(n for n in g.nodes if n.name == "index" and n.phase == "forward")
     assert index.outputs[0].shape == (12,)
     assert g.meta.assumptions[0] | {"what": ""} == {
-        "kind": "all-selected", "what": "", "op": "aten.index.Tensor", "module": "",
-        "phase": "forward", "value": "12 of 12", "count": 1}
+        "kind": "all-selected",
+        "what": "",
+        "op": "aten.index.Tensor",
+        "module": "",
+        "phase": "forward",
+        "value": "12 of 12",
+        "count": 1,
+    }
 
 
 class Gate(nn.Module):
@@ -215,11 +260,20 @@ class Gate(nn.Module):
 def test_a_read_no_assumption_covers_is_one_error_naming_op_module_and_fix():
     model = nn.Sequential(Gate(), nn.Linear(4, 1))
     with pytest.raises(GobrrrError) as e:
-        capture(lambda: gobrrr.Workload(model=model, batch=(torch.randn(3, 4),),
-                                        loss=lambda y, b: y.mean()), precision="fp32")
+        capture(
+            lambda: gobrrr.Workload(
+                model=model, batch=(torch.randn(3, 4),), loss=lambda y, b: y.mean()
+            ),
+            precision="fp32",
+        )
     msg = str(e.value)
-    for part in ("aten._local_scalar_dense", "made by aten.sum", "module '0'",
-                 "phase forward", "move the read out of the training step"):
+    for part in (
+        "aten._local_scalar_dense",
+        "made by aten.sum",
+        "module '0'",
+        "phase forward",
+        "move the read out of the training step",
+    ):
         assert part in msg, msg
 
 
@@ -240,9 +294,15 @@ def small_mlp():
 
 def test_adafactor_reads_its_norms_and_runs_the_ops_a_real_step_runs():
     adafactor = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)
-    g = capture(lambda: gobrrr.Workload(model=small_mlp(), batch=(torch.randn(4, 16),),
-                                        loss=lambda y, b: y.mean(), optimizer=adafactor),
-                precision="fp32")
+    g = capture(
+        lambda: gobrrr.Workload(
+            model=small_mlp(),
+            batch=(torch.randn(4, 16),),
+            loss=lambda y, b: y.mean(),
+            optimizer=adafactor,
+        ),
+        precision="fp32",
+    )
     traced = Counter(n.op for n in g.nodes if n.phase == "optimizer")
     model = small_mlp()
     opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=True)  # CUDA's default
@@ -254,10 +314,13 @@ def test_adafactor_reads_its_norms_and_runs_the_ops_a_real_step_runs():
     real = Counter({k: v for k, v in counter.counts.items() if "_local_scalar_dense" not in k})
     assert traced == real
     assert {(a["kind"], a["phase"], a["count"]) for a in g.meta.assumptions} == {
-        ("optimizer-scale", "warm-up", 8), ("optimizer-scale", "optimizer", 8)}
+        ("optimizer-scale", "warm-up", 8),
+        ("optimizer-scale", "optimizer", 8),
+    }
 
 
 # -- mixture-of-experts routing: balanced, as uniform routing is on average -----------------------
+
 
 def old_style_moe(tokens=256, experts=8, k=2):
     """Routing as older Hugging Face MoE layers wrote it: nonzero per expert of a one-hot
@@ -280,6 +343,7 @@ def test_routing_is_taken_as_balanced_the_mean_of_uniform_routing():
 
 
 # -- the build: small tensors real, large ones fake, the user's things untouched -------------------
+
 
 class Scheduled(nn.Module):
     """A constructor that reads what it computes (timm / torchvision stochastic depth), with a
@@ -317,14 +381,19 @@ def test_a_model_from_outside_the_workload_function_is_left_untouched():
     model = nn.Linear(4, 1)
     before = model.weight
     values = model.weight.detach().clone()
-    g = capture(lambda: gobrrr.Workload(model=model, batch=(torch.randn(2, 4),),
-                                        loss=lambda y, b: y.mean()), precision="fp32")
+    g = capture(
+        lambda: gobrrr.Workload(
+            model=model, batch=(torch.randn(2, 4),), loss=lambda y, b: y.mean()
+        ),
+        precision="fp32",
+    )
     assert g.meta.params == 5
     assert model.weight is before and not isinstance(model.weight, FakeTensor)
     assert torch.equal(model.weight, values)
 
 
 # -- grouped matmuls (mixture-of-experts experts) --------------------------------------------------
+
 
 class Experts(nn.Module):
     """Hugging Face's grouped experts: rows sorted by expert, `_grouped_mm` with offsets, the
@@ -345,11 +414,13 @@ class Experts(nn.Module):
         return torch._grouped_mm(F.silu(h), self.down, offs=offs).float().pow(2).mean()
 
 
-@pytest.mark.parametrize(("precision", "dtype", "syncs"), [("bf16-mixed", "float32", 5),
-                                                          ("bf16", "bfloat16", 0)])
+@pytest.mark.parametrize(
+    ("precision", "dtype", "syncs"), [("bf16-mixed", "float32", 5), ("bf16", "bfloat16", 0)]
+)
 def test_grouped_mm_runs_cuda_fallback_in_fp32_under_autocast(precision, dtype, syncs):
-    g = capture(lambda: gobrrr.Workload(model=Experts(), batch=(torch.randn(64, 16),)),
-                precision=precision)
+    g = capture(
+        lambda: gobrrr.Workload(model=Experts(), batch=(torch.randn(64, 16),)), precision=precision
+    )
     grouped = [n for n in g.nodes if n.name == "_grouped_mm"]
     # 2 forward; backward: both weight gradients, one input gradient (the batch needs none)
     assert len(grouped) == 5
@@ -363,8 +434,9 @@ def test_grouped_mm_runs_cuda_fallback_in_fp32_under_autocast(precision, dtype, 
 
 def test_grouped_mm_flops_are_the_sum_of_the_per_group_matmuls():
     """Against PyTorch's FlopCounterMode on the loop of matmuls the grouped call stands for."""
-    g = capture(lambda: gobrrr.Workload(model=Experts(), batch=(torch.randn(64, 16),)),
-                precision="bf16")
+    g = capture(
+        lambda: gobrrr.Workload(model=Experts(), batch=(torch.randn(64, 16),)), precision="bf16"
+    )
     x, w = torch.randn(64, 16), torch.randn(4, 16, 32)
     bounds = [(0, 10), (10, 30), (30, 31), (31, 64)]  # any split of the 64 rows
     with FlopCounterMode(display=False) as fc:
@@ -372,8 +444,11 @@ def test_grouped_mm_flops_are_the_sum_of_the_per_group_matmuls():
             x[s:t] @ w[e]
     fwd = next(n for n in g.nodes if n.name == "_grouped_mm")
     assert op_cost(fwd).flops == fc.get_total_flops() == 2 * 64 * 16 * 32
-    weight_grads = [n for n in g.nodes if n.name == "_grouped_mm"
-                    and len(n.inputs[0].shape) == len(n.inputs[1].shape) == 2]
+    weight_grads = [
+        n
+        for n in g.nodes
+        if n.name == "_grouped_mm" and len(n.inputs[0].shape) == len(n.inputs[1].shape) == 2
+    ]
     assert weight_grads, "the backward computes expert weight gradients with 2-D operands"
     for n in weight_grads:  # (d, rows) @ (rows, f) split over rows: 2·d·f·rows in all
         a, out = n.inputs[0], n.outputs[0]
@@ -383,13 +458,15 @@ def test_grouped_mm_flops_are_the_sum_of_the_per_group_matmuls():
 
 # -- the report names every read ----------------------------------------------------------------
 
+
 def test_estimate_and_terminal_name_each_assumption_kind():
     est = gobrrr.estimate(layerdrop(0.1), gpu="h100", precision="fp32")
     d = estimate_dict(est)
     assert d["assumptions"] == list(est.graph.meta.assumptions)
     assert "assumptions" not in d["workload"]
-    lines = assumption_lines(d["assumptions"] + [dict(d["assumptions"][0], kind="derived",
-                                                      value="False", module="enc")])
+    lines = assumption_lines(
+        d["assumptions"] + [dict(d["assumptions"][0], kind="derived", value="False", module="enc")]
+    )
     assert len(lines) == 2
     assert "random draw" in lines[0] and "4×" in lines[0] and "False (p=0.10)" in lines[0]
     assert lines[1].startswith("[cyan]read exactly:") and "enc (forward)" in lines[1]
@@ -398,12 +475,22 @@ def test_estimate_and_terminal_name_each_assumption_kind():
 # -- zoo cases: the traced step runs the ops CUDA ran ----------------------------------------------
 
 ZOO_OPS = {  # ops whose count the reads decide, held against the H100's count for one step
-    "mixtral-8x-small": ["aten._grouped_mm.default", "aten.bincount.default",
-                         "aten.histc.default", "aten.index.Tensor", "aten.ge.Scalar",
-                         "aten._scaled_dot_product_cudnn_attention.default"],
-    "wav2vec2-base-ctc": ["aten._ctc_loss.Tensor", "aten._ctc_loss_backward.Tensor",
-                          "aten.masked_select.default", "aten.ge.Scalar", "aten.lt.Scalar",
-                          "aten.index.Tensor"],
+    "mixtral-8x-small": [
+        "aten._grouped_mm.default",
+        "aten.bincount.default",
+        "aten.histc.default",
+        "aten.index.Tensor",
+        "aten.ge.Scalar",
+        "aten._scaled_dot_product_cudnn_attention.default",
+    ],
+    "wav2vec2-base-ctc": [
+        "aten._ctc_loss.Tensor",
+        "aten._ctc_loss_backward.Tensor",
+        "aten.masked_select.default",
+        "aten.ge.Scalar",
+        "aten.lt.Scalar",
+        "aten.index.Tensor",
+    ],
     "bart-base": ["aten.lt.Scalar", "aten._scaled_dot_product_cudnn_attention.default"],
 }
 

@@ -17,8 +17,11 @@ from gobrrr.capture import autocast
 
 
 def _ops_with(key: str) -> set[str]:
-    return {n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
-            if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
+    return {
+        n.removeprefix("aten::")
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)
+    }
 
 
 CUDA_OPS = sorted(_ops_with("AutocastCUDA"))
@@ -59,6 +62,7 @@ def test_ops_that_autocast_only_on_the_cpu_fall_through():
 
 # -- the policy each op follows on CUDA, observed -------------------------------------------------
 
+
 def T(*shape, dtype=torch.float32):
     return torch.randn(shape, device="cuda", dtype=dtype)
 
@@ -80,18 +84,84 @@ def _upsample(k: int, corners: bool):
 # Arguments for ops whose schema alone does not say what shapes they take. (dtype) -> (args,
 # kwargs); float tensors take `dtype`, index tensors stay long.
 SAMPLES = {
-    "_convolution": lambda d: ((T(1, 4, 8, 8, dtype=d), T(4, 4, 3, 3, dtype=d), None, [1, 1],
-                                [1, 1], [1, 1], False, [0, 0], 1, False, False, True, True), {}),
-    "_convolution.deprecated": lambda d: ((T(1, 4, 8, 8, dtype=d), T(4, 4, 3, 3, dtype=d), None,
-                                           [1, 1], [1, 1], [1, 1], False, [0, 0], 1, False,
-                                           False, True), {}),
-    "convolution": lambda d: ((T(1, 4, 8, 8, dtype=d), T(4, 4, 3, 3, dtype=d), None, [1, 1],
-                               [1, 1], [1, 1], False, [0, 0], 1), {}),
-    "cudnn_convolution": lambda d: ((T(1, 4, 8, 8, dtype=d), T(4, 4, 3, 3, dtype=d), [1, 1],
-                                     [1, 1], [1, 1], 1, False, False, True), {}),
-    "cudnn_convolution_transpose": lambda d: ((T(1, 4, 8, 8, dtype=d), T(4, 4, 3, 3, dtype=d),
-                                               [1, 1], [0, 0], [1, 1], [1, 1], 1, False, False,
-                                               True), {}),
+    "_convolution": lambda d: (
+        (
+            T(1, 4, 8, 8, dtype=d),
+            T(4, 4, 3, 3, dtype=d),
+            None,
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            False,
+            False,
+            True,
+            True,
+        ),
+        {},
+    ),
+    "_convolution.deprecated": lambda d: (
+        (
+            T(1, 4, 8, 8, dtype=d),
+            T(4, 4, 3, 3, dtype=d),
+            None,
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            False,
+            False,
+            True,
+        ),
+        {},
+    ),
+    "convolution": lambda d: (
+        (
+            T(1, 4, 8, 8, dtype=d),
+            T(4, 4, 3, 3, dtype=d),
+            None,
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+        ),
+        {},
+    ),
+    "cudnn_convolution": lambda d: (
+        (
+            T(1, 4, 8, 8, dtype=d),
+            T(4, 4, 3, 3, dtype=d),
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            1,
+            False,
+            False,
+            True,
+        ),
+        {},
+    ),
+    "cudnn_convolution_transpose": lambda d: (
+        (
+            T(1, 4, 8, 8, dtype=d),
+            T(4, 4, 3, 3, dtype=d),
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            [1, 1],
+            1,
+            False,
+            False,
+            True,
+        ),
+        {},
+    ),
     "conv_tbc": lambda d: ((T(4, 2, 4, dtype=d), T(3, 4, 4, dtype=d), T(4, dtype=d), 1), {}),
     **{f"conv_transpose{n}d{'.input' if n > 1 else ''}": _conv(n) for n in (1, 2, 3)},
     "addr": lambda d: ((T(4, 4, dtype=d), T(4, dtype=d), T(4, dtype=d)), {}),
@@ -101,9 +171,10 @@ SAMPLES = {
     "vdot": lambda d: ((T(4, dtype=d), T(4, dtype=d)), {}),
     "bilinear": lambda d: ((T(2, 4, dtype=d), T(2, 4, dtype=d), T(3, 4, 4, dtype=d)), {}),
     **{f"conv{n}d": _conv(n) for n in (1, 2, 3)},
-    "_scaled_dot_product_flash_attention": lambda d: ((T(1, 2, 8, 16, dtype=d),
-                                                       T(1, 2, 8, 16, dtype=d),
-                                                       T(1, 2, 8, 16, dtype=d)), {}),
+    "_scaled_dot_product_flash_attention": lambda d: (
+        (T(1, 2, 8, 16, dtype=d), T(1, 2, 8, 16, dtype=d), T(1, 2, 8, 16, dtype=d)),
+        {},
+    ),
     "linalg_matrix_norm.str_ord": lambda d: ((T(4, 4, dtype=d),), {"ord": "fro"}),
     "addbmm": lambda d: ((T(4, 4, dtype=d), T(2, 4, 4, dtype=d), T(2, 4, 4, dtype=d)), {}),
     "addmv": lambda d: ((T(4, dtype=d), T(4, 4, dtype=d), T(4, dtype=d)), {}),
@@ -122,13 +193,25 @@ SAMPLES = {
     "grid_sampler": lambda d: ((T(1, 4, 8, 8, dtype=d), T(1, 4, 4, 2, dtype=d), 0, 0, False), {}),
     "index_put": lambda d: ((T(4, 4, dtype=d), [L(3)], T(3, 4, dtype=d)), {}),
     "scatter_add": lambda d: ((T(4, 4, dtype=d), 0, L(4, 4), T(4, 4, dtype=d)), {}),
-    "gru_cell": lambda d: ((T(2, 4, dtype=d), T(2, 4, dtype=d), T(12, 4, dtype=d),
-                            T(12, 4, dtype=d)), {}),
-    "lstm_cell": lambda d: ((T(2, 4, dtype=d), [T(2, 4, dtype=d), T(2, 4, dtype=d)],
-                             T(16, 4, dtype=d), T(16, 4, dtype=d), T(16, dtype=d),
-                             T(16, dtype=d)), {}),
-    "_thnn_fused_lstm_cell": lambda d: ((T(2, 16, dtype=d), T(2, 16, dtype=d),
-                                         T(2, 4, dtype=d), T(16, dtype=d), T(16, dtype=d)), {}),
+    "gru_cell": lambda d: (
+        (T(2, 4, dtype=d), T(2, 4, dtype=d), T(12, 4, dtype=d), T(12, 4, dtype=d)),
+        {},
+    ),
+    "lstm_cell": lambda d: (
+        (
+            T(2, 4, dtype=d),
+            [T(2, 4, dtype=d), T(2, 4, dtype=d)],
+            T(16, 4, dtype=d),
+            T(16, 4, dtype=d),
+            T(16, dtype=d),
+            T(16, dtype=d),
+        ),
+        {},
+    ),
+    "_thnn_fused_lstm_cell": lambda d: (
+        (T(2, 16, dtype=d), T(2, 16, dtype=d), T(2, 4, dtype=d), T(16, dtype=d), T(16, dtype=d)),
+        {},
+    ),
     "layer_norm": lambda d: ((T(2, 4, dtype=d), [4]), {}),
     "native_layer_norm": lambda d: ((T(2, 4, dtype=d), [4], None, None, 1e-5), {}),
     "rms_norm": lambda d: ((T(2, 4, dtype=d), [4]), {}),
@@ -141,13 +224,23 @@ SAMPLES = {
     "norm.ScalarOpt_dim": lambda d: ((T(4, 4, dtype=d), 2, [-1]), {}),
     "linalg_matrix_norm": lambda d: ((T(4, 4, dtype=d), 1), {}),
     "sum.dim_IntList": lambda d: ((T(4, 4, dtype=d), [-1]), {}),
-    **{n: _upsample(k, corners) for n, k, corners in (
-           ("upsample_nearest1d", 1, False), ("upsample_nearest2d", 2, False),
-           ("upsample_nearest3d", 3, False), ("_upsample_nearest_exact1d", 1, False),
-           ("_upsample_nearest_exact2d", 2, False), ("_upsample_nearest_exact3d", 3, False),
-           ("upsample_linear1d", 1, True), ("upsample_bilinear2d", 2, True),
-           ("upsample_bicubic2d", 2, True), ("upsample_trilinear3d", 3, True),
-           ("_upsample_bilinear2d_aa", 2, True), ("_upsample_bicubic2d_aa", 2, True))},
+    **{
+        n: _upsample(k, corners)
+        for n, k, corners in (
+            ("upsample_nearest1d", 1, False),
+            ("upsample_nearest2d", 2, False),
+            ("upsample_nearest3d", 3, False),
+            ("_upsample_nearest_exact1d", 1, False),
+            ("_upsample_nearest_exact2d", 2, False),
+            ("_upsample_nearest_exact3d", 3, False),
+            ("upsample_linear1d", 1, True),
+            ("upsample_bilinear2d", 2, True),
+            ("upsample_bicubic2d", 2, True),
+            ("upsample_trilinear3d", 3, True),
+            ("_upsample_bilinear2d_aa", 2, True),
+            ("_upsample_bicubic2d_aa", 2, True),
+        )
+    },
 }
 # Ops whose AutocastCUDA kernel cannot run on fake tensors here; their policy stays unchecked
 # (why, each): none may be added without a reason.
@@ -211,6 +304,7 @@ def _mixed(args, kwargs):
             seen.append(x)
             return x if len(seen) == 1 else x.to(torch.bfloat16)
         return x
+
     return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
 

@@ -15,10 +15,17 @@ from gobrrr.hardware import Calibration, Target, get_gpu
 
 SHIPPED = Path(__file__).parents[1] / "src" / "gobrrr" / "data" / "calibration" / "h100-sxm.json"
 
-TINY = {"gpu": "h100-sxm", "device_name": "NVIDIA H100 80GB HBM3",
-        "matmul_flops": {"bf16": 7.8e14}, "copy_bandwidth": 3.0e12,
-        "pointwise_bandwidth": 2.9e12, "reduction_bandwidth": 3.1e12,
-        "launch_overhead": 1e-5, "kernel_latency": 2.5e-6, "version": 1}
+TINY = {
+    "gpu": "h100-sxm",
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "matmul_flops": {"bf16": 7.8e14},
+    "copy_bandwidth": 3.0e12,
+    "pointwise_bandwidth": 2.9e12,
+    "reduction_bandwidth": 3.1e12,
+    "launch_overhead": 1e-5,
+    "kernel_latency": 2.5e-6,
+    "version": 1,
+}
 
 
 def _write(tmp_path: Path, data, name: str = "cal.json") -> Path:
@@ -52,10 +59,15 @@ def test_a_truncated_file_names_the_file_and_the_fix(tmp_path):
     assert "gobrrr calibrate" in str(e.value) and "restore" in str(e.value)
 
 
-@pytest.mark.parametrize("field, value", [("copy_bandwidth", "fast"),
-                                          ("matmul_flops", {"bf16": "lots"}),
-                                          ("matmul_grid", [[1, 2, 3]]),
-                                          ("launch_overhead", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("copy_bandwidth", "fast"),
+        ("matmul_flops", {"bf16": "lots"}),
+        ("matmul_grid", [[1, 2, 3]]),
+        ("launch_overhead", True),
+    ],
+)
 def test_a_known_field_of_the_wrong_type_names_the_field(tmp_path, field, value):
     p = _write(tmp_path, {**TINY, field: value})
     with pytest.raises(GobrrrError) as e:

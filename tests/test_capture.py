@@ -43,8 +43,14 @@ def test_bf16_mixed_follows_cuda_autocast_rules():
     assert {t.dtype for t in outputs_of(g, "_log_softmax")} == {"bfloat16"}
     assert {t.dtype for t in outputs_of(g, "nll_loss_forward")} == {"float32"}
     # weights stay fp32; their bf16 casts are made once per forward (autocast's cache)
-    casts = [n for n in g.nodes if n.name == "_to_copy" and n.phase == "forward"
-             and n.outputs[0].dtype == "bfloat16" and n.inputs[0].shape == (2304, 768)]
+    casts = [
+        n
+        for n in g.nodes
+        if n.name == "_to_copy"
+        and n.phase == "forward"
+        and n.outputs[0].dtype == "bfloat16"
+        and n.inputs[0].shape == (2304, 768)
+    ]
     assert len(casts) == 2  # c_attn weight of each of the 2 blocks, cast once
 
 
@@ -58,8 +64,12 @@ def test_autocast_rules_do_not_leak_outside_capture():
 def test_pure_bf16_and_fp16_scaler():
     g = capture(tiny_gpt(), precision="bf16")
     params = [s for s in g.storages if s.kind == "parameter"]
-    n_params = sum(p.numel() for p in get_workload(
-        "gpt2", batch_size=1, seq_len=8, n_layer=2, vocab_size=96).model.parameters())
+    n_params = sum(
+        p.numel()
+        for p in get_workload(
+            "gpt2", batch_size=1, seq_len=8, n_layer=2, vocab_size=96
+        ).model.parameters()
+    )
     assert sum(s.nbytes for s in params) == 2 * n_params
     g16 = capture(tiny_gpt(), precision="fp16-mixed")
     assert any("non_finite_check_and_unscale" in n.op for n in g16.nodes)
@@ -83,8 +93,10 @@ def test_checkpoint_full_recomputes_every_block():
     g = capture(tiny_gpt(), precision="fp32", checkpoint="full")
     assert g.meta.checkpointed_blocks == 2
     rec = [n for n in g.nodes if n.phase == "recompute"]
-    assert {n.module.split(".")[2] for n in rec if n.module.startswith("transformer.h.")} == \
-        {"0", "1"}
+    assert {n.module.split(".")[2] for n in rec if n.module.startswith("transformer.h.")} == {
+        "0",
+        "1",
+    }
     fwd_mm = [n for n in g.nodes if n.phase == "forward" and n.name == "addmm"]
     rec_mm = [n.module for n in rec if n.name == "addmm"]
     # each block runs again up to its last op whose output backward needs (torch stops early)
@@ -94,8 +106,10 @@ def test_checkpoint_full_recomputes_every_block():
 
 def test_checkpoint_without_blocks_is_a_clear_error():
     def flat():
-        return gobrrr.Workload(model=nn.Linear(4, 4), batch=(torch.randn(2, 4),),
-                               loss=lambda y, b: y.sum())
+        return gobrrr.Workload(
+            model=nn.Linear(4, 4), batch=(torch.randn(2, 4),), loss=lambda y, b: y.sum()
+        )
+
     with pytest.raises(GobrrrError, match="no repeated blocks"):
         capture(flat, checkpoint="full")
 
@@ -103,6 +117,7 @@ def test_checkpoint_without_blocks_is_a_clear_error():
 def test_a_workload_that_raises_is_one_clear_error():
     def boom():
         raise ValueError("bad config")
+
     with pytest.raises(GobrrrError, match="building the workload raised ValueError: bad config"):
         capture(boom)
 
@@ -119,8 +134,7 @@ class DataDependent(nn.Module):
 
 def test_data_dependent_op_names_the_op_and_module():
     """A read no assumption covers (tests/test_assume.py has the ones that are covered)."""
-    wl = lambda: gobrrr.Workload(model=nn.Sequential(DataDependent()),
-                                 batch=(torch.randn(3, 4),))
+    wl = lambda: gobrrr.Workload(model=nn.Sequential(DataDependent()), batch=(torch.randn(3, 4),))
     with pytest.raises(GobrrrError, match="no assumption about them is sound") as e:
         capture(wl, precision="fp32")
     assert "aten._local_scalar_dense of a tensor made by aten.sum" in str(e.value)
@@ -149,8 +163,9 @@ def test_a_workload_function_may_convert_its_model():
     apply_before = nn.Module._apply
 
     def workload():
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.Flatten(), nn.Linear(8 * 36, 8),
-                              nn.Linear(8, 8))
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, bias=False), nn.Flatten(), nn.Linear(8 * 36, 8), nn.Linear(8, 8)
+        )
         model = model.to(memory_format=torch.channels_last).to(torch.bfloat16)
         x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
         return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.float().sum())

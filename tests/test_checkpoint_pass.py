@@ -36,10 +36,33 @@ from gobrrr.training.checkpointing import (
 
 WORKLOADS = {
     # dropout in every block: the recomputation draws the same masks again
-    "gpt2": (lambda: get_workload("gpt2", batch_size=4, seq_len=128, n_layer=4, n_embd=128,
-                                  n_head=4, vocab_size=512, dropout=0.1), "bf16-mixed"),
-    "llama": (lambda: get_workload("llama3-1b", batch_size=2, seq_len=128, n_layer=4, dim=128,
-                                   n_head=4, n_kv_head=2, ffn_dim=256, vocab_size=512), "fp32"),
+    "gpt2": (
+        lambda: get_workload(
+            "gpt2",
+            batch_size=4,
+            seq_len=128,
+            n_layer=4,
+            n_embd=128,
+            n_head=4,
+            vocab_size=512,
+            dropout=0.1,
+        ),
+        "bf16-mixed",
+    ),
+    "llama": (
+        lambda: get_workload(
+            "llama3-1b",
+            batch_size=2,
+            seq_len=128,
+            n_layer=4,
+            dim=128,
+            n_head=4,
+            n_kv_head=2,
+            ffn_dim=256,
+            vocab_size=512,
+        ),
+        "fp32",
+    ),
     "convnet": (lambda: get_workload("convnet", batch_size=8, width=8, image_size=64), "fp32"),
 }
 
@@ -49,9 +72,19 @@ def _hf_llama():
 
     # eager attention: torch.matmul on 4-D tensors, a C++ composite whose temporaries
     # (expanded copies) autograd saves
-    return hf.causal_lm(2, 64, config_cls="LlamaConfig", vocab_size=512, hidden_size=128,
-                        intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, use_cache=False, attn="eager")
+    return hf.causal_lm(
+        2,
+        64,
+        config_cls="LlamaConfig",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+        attn="eager",
+    )
 
 
 def _resnet():
@@ -69,8 +102,10 @@ POLICIES = {
     "selective": lambda blocks: dict.fromkeys(blocks, "selective"),
     "mixed": lambda blocks: {blocks[0]: "selective", blocks[1]: "full"},
 }
-CASES = [(m, p) for m in ("gpt2", "llama", "convnet", "hf-llama") for p in POLICIES] + \
-    [("resnet18", "full"), ("resnet18", "mixed")]
+CASES = [(m, p) for m in ("gpt2", "llama", "convnet", "hf-llama") for p in POLICIES] + [
+    ("resnet18", "full"),
+    ("resnet18", "mixed"),
+]
 
 
 @functools.cache
@@ -95,10 +130,16 @@ def same_step(a, b) -> list[str]:
         return [f"{len(a.nodes)} nodes vs {len(b.nodes)}"]
     addr = lambda x: re.sub("0x[0-9a-f]+", "", repr(x))  # noqa: E731 (profiler handles)
     for n, m in zip(a.nodes, b.nodes, strict=True):
-        if (n.op, n.phase, n.module, addr(n.args), addr(n.kwargs)) != \
-                (m.op, m.phase, m.module, addr(m.args), addr(m.kwargs)):
-            out.append(f"op {n.index}: {n.op} {n.phase} {n.module!r} vs {m.op} {m.phase} "
-                       f"{m.module!r}")
+        if (n.op, n.phase, n.module, addr(n.args), addr(n.kwargs)) != (
+            m.op,
+            m.phase,
+            m.module,
+            addr(m.args),
+            addr(m.kwargs),
+        ):
+            out.append(
+                f"op {n.index}: {n.op} {n.phase} {n.module!r} vs {m.op} {m.phase} {m.module!r}"
+            )
         for s, t in zip(n.inputs + n.outputs, m.inputs + m.outputs, strict=True):
             if (s.shape, s.stride, s.dtype, s.offset) != (t.shape, t.stride, t.dtype, t.offset):
                 out.append(f"op {n.index}: view {s} vs {t}")
@@ -108,12 +149,18 @@ def same_step(a, b) -> list[str]:
             pair(s.id, s.id, "state")
     for x, y in fwd.items():
         s, t = a.storages[x], b.storages[y]
-        if (s.nbytes, s.kind, s.created, s.freed, s.label) != \
-                (t.nbytes, t.kind, t.created, t.freed, t.label):
+        if (s.nbytes, s.kind, s.created, s.freed, s.label) != (
+            t.nbytes,
+            t.kind,
+            t.created,
+            t.freed,
+            t.label,
+        ):
             out.append(f"storage {s} vs {t}")
     for n, m in zip(a.nodes, b.nodes, strict=True):
-        if sorted(fwd.get(x, -1) for x in n.allocs) != sorted(m.allocs) or \
-                sorted(fwd.get(x, -1) for x in n.frees) != sorted(m.frees):
+        if sorted(fwd.get(x, -1) for x in n.allocs) != sorted(m.allocs) or sorted(
+            fwd.get(x, -1) for x in n.frees
+        ) != sorted(m.frees):
             out.append(f"op {n.index}: allocs/frees {n.allocs}/{n.frees} vs {m.allocs}/{m.frees}")
     if not len(a.storages) == len(b.storages) == len(fwd):
         out.append(f"{len(a.storages)} storages vs {len(b.storages)}, {len(fwd)} paired")
@@ -143,8 +190,11 @@ def _recomputed(model, policy, op):
     g0 = plain(model)
     block = g0.meta.blocks[1]
     g = checkpoint(g0, {block: policy})
-    return [n.module.removeprefix(block + ".") for n in g.nodes
-            if n.phase == "recompute" and n.name == op]
+    return [
+        n.module.removeprefix(block + ".")
+        for n in g.nodes
+        if n.phase == "recompute" and n.name == op
+    ]
 
 
 def test_recomputation_stops_after_the_last_saved_tensor():
@@ -153,10 +203,19 @@ def test_recomputation_stops_after_the_last_saved_tensor():
     its 7 matmuls again. A GPT-2 block with dropout ends c_proj, dropout (which saves its
     mask, an output): all 4 matmuls run again, and each dropout draws its mask again."""
     assert _recomputed("llama", "full", "mm") == [
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj"]
-    assert _recomputed("gpt2", "full", "addmm") == ["attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                    "mlp.c_proj"]
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    ]
+    assert _recomputed("gpt2", "full", "addmm") == [
+        "attn.c_attn",
+        "attn.c_proj",
+        "mlp.c_fc",
+        "mlp.c_proj",
+    ]
     # (attention's own dropout is inside the attention op)
     assert _recomputed("gpt2", "full", "native_dropout") == ["attn.resid_dropout", "mlp.dropout"]
 
@@ -166,8 +225,10 @@ def test_selective_runs_again_all_but_matmuls_and_attention():
     the activation and the rotary embedding run again."""
     assert _recomputed("llama", "selective", "mm") == []
     assert _recomputed("llama", "selective", "_scaled_dot_product_efficient_attention") == []
-    assert _recomputed("llama", "selective", "rsqrt") == ["input_layernorm",
-                                                          "post_attention_layernorm"]
+    assert _recomputed("llama", "selective", "rsqrt") == [
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
     assert _recomputed("llama", "selective", "silu") == ["mlp"]
     assert len(_recomputed("llama", "full", "_scaled_dot_product_efficient_attention")) == 1
     assert _recomputed("gpt2", "selective", "addmm") == []
@@ -197,8 +258,7 @@ def test_bad_input_is_one_clear_error():
     done = checkpoint(g0, {"transformer.h.0": "full"})
     with pytest.raises(GobrrrError, match="already checkpointed"):
         checkpoint(done, {"transformer.h.1": "full"})
-    old = type(g0)(nodes=g0.nodes, storages=g0.storages,
-                   meta=g0.meta.replace(autograd=None))
+    old = type(g0)(nodes=g0.nodes, storages=g0.storages, meta=g0.meta.replace(autograd=None))
     with pytest.raises(GobrrrError, match="capture it again"):
         checkpoint(old, {"transformer.h.0": "full"})
 
@@ -207,8 +267,9 @@ def test_capture_records_blocks_and_saved_tensors():
     g0 = plain("llama")
     assert list(g0.meta.blocks) == [f"layers.{i}" for i in range(4)]
     # the input RMSNorm's x * rsqrt(...) saves both operands, before it runs
-    mul = next(n for n in g0.nodes if n.module == "layers.0.input_layernorm" and
-               n.op == "aten.mul.Tensor")
+    mul = next(
+        n for n in g0.nodes if n.module == "layers.0.input_layernorm" and n.op == "aten.mul.Tensor"
+    )
     rows = [r for r in g0.meta.autograd.saved if r[0] == mul.index]
     assert sorted(r[1] for r in rows) == sorted(t.storage for t in mul.inputs)
     assert not any(r[2] for r in rows)  # inputs: saved before the op ran
@@ -221,8 +282,17 @@ def test_capture_records_blocks_and_saved_tensors():
 def test_apply_checkpointing_keeps_loss_and_gradients(policy):
     """A real CPU step: each policy on every block, and mixed, against the plain step."""
     torch.manual_seed(0)
-    wl = get_workload("llama3-1b", batch_size=2, seq_len=16, n_layer=3, dim=64, n_head=4,
-                      n_kv_head=2, ffn_dim=128, vocab_size=97)
+    wl = get_workload(
+        "llama3-1b",
+        batch_size=2,
+        seq_len=16,
+        n_layer=3,
+        dim=64,
+        n_head=4,
+        n_kv_head=2,
+        ffn_dim=128,
+        vocab_size=97,
+    )
     ref = copy.deepcopy(wl.model)
 
     def step(model):
@@ -244,8 +314,9 @@ def test_apply_checkpointing_keeps_loss_and_gradients(policy):
 
 
 def test_apply_checkpointing_is_idempotent_and_reversible():
-    wl = get_workload("gpt2", batch_size=1, seq_len=8, n_layer=3, n_embd=32, n_head=2,
-                      vocab_size=50)
+    wl = get_workload(
+        "gpt2", batch_size=1, seq_len=8, n_layer=3, n_embd=32, n_head=2, vocab_size=50
+    )
     model = wl.model
     plain_forward = type(model.transformer.h[0]).forward
     names = block_names(model)
@@ -278,9 +349,15 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
     wrote it would write it again while recomputing, and a selective checkpoint would fail.
     Each policy runs a real step and gives the plain step's gradients."""
     tf = pytest.importorskip("transformers", exc_type=ImportError)
-    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         use_cache=True)
+    cfg = tf.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=True,
+    )
     torch.manual_seed(0)
     ref = tf.LlamaForCausalLM(cfg).train()
     ids = torch.randint(0, 97, (2, 12))
@@ -300,6 +377,7 @@ def test_hf_layer_with_kv_cache_checkpoints_without_it():
 
 def test_module_without_saved_tensors_is_left_alone():
     """A block whose nodes save nothing (here: only a scale) is never recomputed."""
+
     class Scale(nn.Module):
         def __init__(self):
             super().__init__()
@@ -342,8 +420,11 @@ def test_capture_notes_when_python_lets_go_of_a_saved_tensor():
     import gobrrr
 
     def wl():
-        return gobrrr.Workload(model=nn.Sequential(_Keeps(), _Keeps()),
-                               batch=(torch.randn(4, 8),), loss=lambda y, b: y.sum())
+        return gobrrr.Workload(
+            model=nn.Sequential(_Keeps(), _Keeps()),
+            batch=(torch.randn(4, 8),),
+            loss=lambda y, b: y.sum(),
+        )
 
     g0 = capture(wl, precision="fp32")
     let_go = dict(g0.meta.autograd.unreferenced)

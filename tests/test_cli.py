@@ -15,8 +15,19 @@ def run(capsys, *argv):
 
 
 def test_estimate_json_on_a_small_builtin(capsys):
-    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", "1", "--seq", "64",
-                         "--gpu", "a100", "--json")
+    code, out, err = run(
+        capsys,
+        "estimate",
+        "--model",
+        "gpt2",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--gpu",
+        "a100",
+        "--json",
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["gpu"]["name"] == "a100-80gb"
@@ -29,8 +40,9 @@ def test_estimate_json_on_a_small_builtin(capsys):
 
 def test_estimate_tables_and_saved_graph(capsys, tmp_path):
     path = tmp_path / "g.json"
-    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "8",
-                         "--save-graph", str(path))
+    code, out, err = run(
+        capsys, "estimate", "--model", "mlp", "--batch", "8", "--save-graph", str(path)
+    )
     assert code == 0, err
     assert "peak memory" in out and "top" in out
     from gobrrr.graph.ir import StepGraph
@@ -38,15 +50,18 @@ def test_estimate_tables_and_saved_graph(capsys, tmp_path):
     assert len(StepGraph.load(path).nodes) > 10
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["estimate", "--model", "gpt5"], "unknown model 'gpt5'"),
-    (["estimate", "--model", "gpt2", "--gpu", "tpu"], "unknown GPU 'tpu'"),
-    (["estimate", "--model", "gpt2", "--batch", "0"], "batch"),
-    (["estimate", "--model", "gpt2", "--seq", "4096"], "1024"),
-    (["estimate", "--model", "gpt2", "--precision", "fp8"], "unknown precision"),
-    (["estimate", "--model", "gpt2", "--checkpoint", "some"], "checkpoint"),
-    (["estimate", "nowhere.py:workload"], "nowhere.py"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["estimate", "--model", "gpt5"], "unknown model 'gpt5'"),
+        (["estimate", "--model", "gpt2", "--gpu", "tpu"], "unknown GPU 'tpu'"),
+        (["estimate", "--model", "gpt2", "--batch", "0"], "batch"),
+        (["estimate", "--model", "gpt2", "--seq", "4096"], "1024"),
+        (["estimate", "--model", "gpt2", "--precision", "fp8"], "unknown precision"),
+        (["estimate", "--model", "gpt2", "--checkpoint", "some"], "checkpoint"),
+        (["estimate", "nowhere.py:workload"], "nowhere.py"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
     assert code == 2
@@ -56,10 +71,12 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
 
 def test_user_script_that_raises(capsys, tmp_path):
     f = tmp_path / "train.py"
-    f.write_text(textwrap.dedent("""
+    f.write_text(
+        textwrap.dedent("""
         def workload(batch_size=2):
             raise RuntimeError("dataset not found")
-    """))
+    """)
+    )
     code, out, err = run(capsys, "estimate", f"{f}:workload")
     assert code == 2 and "dataset not found" in err and err.count("\n") == 1
 
@@ -69,7 +86,8 @@ def test_user_script_with_dataclasses_and_a_sibling_module(capsys, tmp_path):
     # @dataclass (which looks its module up in sys.modules) works
     (tmp_path / "mlp_parts.py").write_text("WIDTH = 24\n")
     f = tmp_path / "train.py"
-    f.write_text(textwrap.dedent("""
+    f.write_text(
+        textwrap.dedent("""
         from dataclasses import dataclass
 
         import torch
@@ -87,7 +105,8 @@ def test_user_script_with_dataclasses_and_a_sibling_module(capsys, tmp_path):
             x = torch.randn(batch_size, c.width)
             return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.square().mean(),
                                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    """))
+    """)
+    )
     code, out, err = run(capsys, "estimate", f"{f}:workload", "--json", "--gpu", "a100")
     assert code == 0, err
     assert json.loads(out)["workload"]["params"] == 24 * 24 + 24 + 24 + 1
@@ -96,8 +115,9 @@ def test_user_script_with_dataclasses_and_a_sibling_module(capsys, tmp_path):
 def test_user_gpu_file(capsys, tmp_path):
     f = tmp_path / "mygpu.toml"
     f.write_text('name = "mygpu"\nmemory_gb = 16\nbandwidth_gbs = 500\nbf16_tflops = 100\n')
-    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "4", "--gpu", str(f),
-                         "--json")
+    code, out, err = run(
+        capsys, "estimate", "--model", "mlp", "--batch", "4", "--gpu", str(f), "--json"
+    )
     assert code == 0, err
     assert json.loads(out)["gpu"]["name"] == "mygpu"
 
@@ -107,8 +127,17 @@ def test_gpus_lists_every_builtin(capsys):
     data = json.loads(out)
     assert data["version"] == 1
     names = {g["name"] for g in data["gpus"]}
-    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l4", "l40s",
-            "rtx4090"} <= names
+    assert {
+        "a100-40gb",
+        "a100-80gb",
+        "h100-sxm",
+        "h100-pcie",
+        "h200",
+        "b200",
+        "l4",
+        "l40s",
+        "rtx4090",
+    } <= names
 
 
 def test_debug_shows_the_traceback_and_still_exits_2(capsys, monkeypatch):
@@ -120,8 +149,9 @@ def test_debug_shows_the_traceback_and_still_exits_2(capsys, monkeypatch):
 
 
 def test_hints_name_the_misaligned_head_and_what_does_not_fit(capsys):
-    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", "2", "--seq", "128",
-                         "--json")
+    code, out, err = run(
+        capsys, "estimate", "--model", "gpt2", "--batch", "2", "--seq", "128", "--json"
+    )
     hints = json.loads(out)["hints"]
     assert any("50257" in h and "lm_head" in h for h in hints)
     code, out, err = run(capsys, "estimate", "--model", "llama3-8b", "--seq", "128", "--json")
@@ -132,8 +162,9 @@ def test_hints_name_the_misaligned_head_and_what_does_not_fit(capsys):
 
 def test_unwritable_graph_path_is_one_line(capsys, tmp_path):
     target = tmp_path / "missing-dir" / "g.json"
-    code, out, err = run(capsys, "estimate", "--model", "mlp", "--batch", "4",
-                         "--save-graph", str(target))
+    code, out, err = run(
+        capsys, "estimate", "--model", "mlp", "--batch", "4", "--save-graph", str(target)
+    )
     assert code == 2 and err.startswith("gobrrr: error: --save-graph")
     assert "does not exist" in err and "mkdir -p" in err and err.count("\n") == 1
     assert not target.parent.exists()

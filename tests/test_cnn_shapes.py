@@ -23,68 +23,113 @@ RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 PIXELS = 64 * 56 * 56
 # the step profiled on three leases; each keeps its 40 ops furthest from the prediction
-RECORDED = ("zoo_diagnose_holdout_h100.json", "zoo_diagnose_convnextv2_grids_h100.json",
-            "zoo_diagnose_depthwise_h100.json")
+RECORDED = (
+    "zoo_diagnose_holdout_h100.json",
+    "zoo_diagnose_convnextv2_grids_h100.json",
+    "zoo_diagnose_depthwise_h100.json",
+)
 
 
 def _node(op, inputs, outputs, args=(), phase="forward"):
     """An op as the capture records it ({"t": i}: the i-th input tensor)."""
-    return OpNode(index=0, op=op, phase=phase, module="stages.0.blocks.0", inputs=inputs,
-                  outputs=outputs, args=args)
+    return OpNode(
+        index=0,
+        op=op,
+        phase=phase,
+        module="stages.0.blocks.0",
+        inputs=inputs,
+        outputs=outputs,
+        args=args,
+    )
 
 
 def _cases():
     x = t((64, 56, 56, 384), "bfloat16", 0)
     scale = t((64, 1, 1, 384), "float32", 1)
-    grn = _node("aten.mul.Tensor", (x, scale), (t((64, 56, 56, 384), "float32", 2),),
-                ({"t": 0}, {"t": 1}))
+    grn = _node(
+        "aten.mul.Tensor", (x, scale), (t((64, 56, 56, 384), "float32", 2),), ({"t": 0}, {"t": 1})
+    )
     h = t((64, 56, 56, 96), "float32", 3)
     w, b = t((96,), "float32", 4), t((96,), "float32", 5)
     stats = t((64, 56, 56, 1), "float32", 6), t((64, 56, 56, 1), "float32", 7)
-    ln = _node("aten.native_layer_norm.default", (h, w, b), (t((64, 56, 56, 96), "float32", 8),
-                                                             *stats),
-               ({"t": 0}, [96], {"t": 1}, {"t": 2}, 1e-6))
+    ln = _node(
+        "aten.native_layer_norm.default",
+        (h, w, b),
+        (t((64, 56, 56, 96), "float32", 8), *stats),
+        ({"t": 0}, [96], {"t": 1}, {"t": 2}, 1e-6),
+    )
     g = t((64, 56, 56, 96), "float32", 9)
-    ln_bwd = _node("aten.native_layer_norm_backward.default", (g, h, *stats, w, b),
-                   (t((64, 56, 56, 96), "float32", 10), t((96,), "float32", 11),
-                    t((96,), "float32", 12)),
-                   ({"t": 0}, {"t": 1}, [96], {"t": 2}, {"t": 3}, {"t": 4}, {"t": 5},
-                    [True, True, True]), phase="backward")
+    ln_bwd = _node(
+        "aten.native_layer_norm_backward.default",
+        (g, h, *stats, w, b),
+        (t((64, 56, 56, 96), "float32", 10), t((96,), "float32", 11), t((96,), "float32", 12)),
+        ({"t": 0}, {"t": 1}, [96], {"t": 2}, {"t": 3}, {"t": 4}, {"t": 5}, [True, True, True]),
+        phase="backward",
+    )
     gy = t((64, 56, 56, 384), "float32", 13)
-    bias_grad = _node("aten.sum.dim_IntList", (gy,), (t((384,), "float32", 14),),
-                      ({"t": 0}, [0, 1, 2]), phase="backward")
+    bias_grad = _node(
+        "aten.sum.dim_IntList",
+        (gy,),
+        (t((384,), "float32", 14),),
+        ({"t": 0}, [0, 1, 2]),
+        phase="backward",
+    )
     gy16 = TensorInfo((384, PIXELS), (1, 384), "bfloat16", 15)
     x16 = t((PIXELS, 96), "bfloat16", 16)
-    weight_grad = _node("aten.mm.default", (gy16, x16), (t((384, 96), "bfloat16", 17),),
-                        ({"t": 0}, {"t": 1}), phase="backward")
+    weight_grad = _node(
+        "aten.mm.default",
+        (gy16, x16),
+        (t((384, 96), "bfloat16", 17),),
+        ({"t": 0}, {"t": 1}),
+        phase="backward",
+    )
     # the 7x7 depthwise convolution with its bias, on the channels-last view the previous
     # block's MLP leaves (cuDNN's kernel, then the bias's add; backward, the bias's sum)
     cl = (PIXELS * 96 // 64, 1, 56 * 96, 96)
-    xd, wd, bd = (TensorInfo((64, 96, 56, 56), cl, "bfloat16", 18),
-                  t((96, 1, 7, 7), "bfloat16", 19), t((96,), "bfloat16", 20))
+    xd, wd, bd = (
+        TensorInfo((64, 96, 56, 56), cl, "bfloat16", 18),
+        t((96, 1, 7, 7), "bfloat16", 19),
+        t((96,), "bfloat16", 20),
+    )
     conv_args = ([1, 1], [3, 3], [1, 1], False, [0, 0], 96)
-    dw = _node("aten.convolution.default", (xd, wd, bd),
-               (TensorInfo((64, 96, 56, 56), cl, "bfloat16", 21),),
-               ({"t": 0}, {"t": 1}, {"t": 2}, *conv_args))
+    dw = _node(
+        "aten.convolution.default",
+        (xd, wd, bd),
+        (TensorInfo((64, 96, 56, 56), cl, "bfloat16", 21),),
+        ({"t": 0}, {"t": 1}, {"t": 2}, *conv_args),
+    )
     gd = TensorInfo((64, 96, 56, 56), cl, "bfloat16", 22)
-    dw_bwd = _node("aten.convolution_backward.default", (gd, xd, wd),
-                   (TensorInfo((64, 96, 56, 56), cl, "bfloat16", 23),
-                    t((96, 1, 7, 7), "bfloat16", 24), t((96,), "bfloat16", 25)),
-                   ({"t": 0}, {"t": 1}, {"t": 2}, [96], *conv_args, [True, True, True]),
-                   phase="backward")
+    dw_bwd = _node(
+        "aten.convolution_backward.default",
+        (gd, xd, wd),
+        (
+            TensorInfo((64, 96, 56, 56), cl, "bfloat16", 23),
+            t((96, 1, 7, 7), "bfloat16", 24),
+            t((96,), "bfloat16", 25),
+        ),
+        ({"t": 0}, {"t": 1}, {"t": 2}, [96], *conv_args, [True, True, True]),
+        phase="backward",
+    )
     # (node, the op and phase in the recorded step, its recorded bytes, stage 0's module)
-    return {"grn mul": (grn, "aten.mul.Tensor", "forward", "blocks.0.mlp.grn"),
-            "layer norm": (ln, "aten.native_layer_norm.default", "forward", "blocks.0.norm"),
-            "layer norm backward": (ln_bwd, "aten.native_layer_norm_backward.default",
-                                    "backward", "stages.0.blocks.0"),
-            "bias gradient": (bias_grad, "aten.sum.dim_IntList", "backward",
-                              "stages.0.blocks.0.mlp"),
-            "weight gradient": (weight_grad, "aten.mm.default", "backward",
-                                "stages.0.blocks.0.mlp"),
-            "depthwise 7x7 with bias": (dw, "aten.convolution.default", "forward",
-                                        "blocks.0.conv_dw"),
-            "depthwise 7x7 backward with bias": (dw_bwd, "aten.convolution_backward.default",
-                                                 "backward", "blocks.0.conv_dw")}
+    return {
+        "grn mul": (grn, "aten.mul.Tensor", "forward", "blocks.0.mlp.grn"),
+        "layer norm": (ln, "aten.native_layer_norm.default", "forward", "blocks.0.norm"),
+        "layer norm backward": (
+            ln_bwd,
+            "aten.native_layer_norm_backward.default",
+            "backward",
+            "stages.0.blocks.0",
+        ),
+        "bias gradient": (bias_grad, "aten.sum.dim_IntList", "backward", "stages.0.blocks.0.mlp"),
+        "weight gradient": (weight_grad, "aten.mm.default", "backward", "stages.0.blocks.0.mlp"),
+        "depthwise 7x7 with bias": (dw, "aten.convolution.default", "forward", "blocks.0.conv_dw"),
+        "depthwise 7x7 backward with bias": (
+            dw_bwd,
+            "aten.convolution_backward.default",
+            "backward",
+            "blocks.0.conv_dw",
+        ),
+    }
 
 
 def _worst_ops(name):
@@ -95,9 +140,15 @@ def _worst_ops(name):
 def _recorded(op, phase, module, nbytes):
     """Device seconds of the recorded op of stage 0 with these bytes (fastest of its
     repeats: every block of the stage runs the same kernel)."""
-    times = [w["measured_s"] for f in RECORDED for w in _worst_ops(f) if w["op"] == op and
-             w["phase"] == phase and w["module"].endswith(module) and
-             w["bytes"] == pytest.approx(nbytes, rel=1e-3)]
+    times = [
+        w["measured_s"]
+        for f in RECORDED
+        for w in _worst_ops(f)
+        if w["op"] == op
+        and w["phase"] == phase
+        and w["module"].endswith(module)
+        and w["bytes"] == pytest.approx(nbytes, rel=1e-3)
+    ]
     assert times, f"no recorded {op} in {module}"
     return min(times)
 

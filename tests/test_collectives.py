@@ -71,8 +71,12 @@ def test_held_out_sizes_predicted(fixture, op):
     held = [p for p in points if not p["bytes"] & (p["bytes"] - 1) and MiB <= p["bytes"] <= GiB]
     curves = curves_from_measurement(grid)
     ranks = points[0]["ranks"]
-    errors = {p["bytes"] // MiB: collective_time(op, p["bytes"], ranks, LINKS["nvlink4"], curves)
-              / p["seconds"] - 1 for p in held}
+    errors = {
+        p["bytes"] // MiB: collective_time(op, p["bytes"], ranks, LINKS["nvlink4"], curves)
+        / p["seconds"]
+        - 1
+        for p in held
+    }
     assert len(errors) == 11
     worst = max(errors.items(), key=lambda kv: abs(kv[1]))
     assert abs(worst[1]) <= 0.15, f"{op} on {ranks} ranks: {worst[0]} MiB off by {worst[1]:+.1%}"

@@ -22,8 +22,10 @@ from gobrrr.cost.fusion import extern, fuse, regions
 from gobrrr.evaluate import evaluate
 from gobrrr.models.registry import get_workload
 
-needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="Inductor's CPU code generation needs a C++ compiler")
+needs_cxx = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="Inductor's CPU code generation needs a C++ compiler",
+)
 
 
 class Halves(nn.Module):
@@ -60,8 +62,9 @@ def inductor_saved(model: nn.Module, x: torch.Tensor) -> Counter:
             continue
         seen.add(fn)
         if "CompiledFunction" in fn.name():
-            saved.update(_key(t.shape, t.dtype) for t in fn.saved_tensors
-                         if t.data_ptr() not in own)
+            saved.update(
+                _key(t.shape, t.dtype) for t in fn.saved_tensors if t.data_ptr() not in own
+            )
         stack.extend(f for f, _ in fn.next_functions)
     torch._dynamo.reset()
     return saved
@@ -73,7 +76,7 @@ def traced_saved(g) -> Counter:
     for kind, first, last in g.meta.compiled_regions:
         if kind != "forward":
             continue
-        for n in g.nodes[first:last + 1]:
+        for n in g.nodes[first : last + 1]:
             for t in n.outputs:
                 s = g.storages[t.storage]
                 if s.kind == "activation" and s.nbytes and s.created == n.index:
@@ -82,8 +85,9 @@ def traced_saved(g) -> Counter:
 
 
 def _workload(model: nn.Module) -> gobrrr.Workload:
-    return gobrrr.Workload(model=model, batch=(torch.randn(32, 64),),
-                           step=lambda m, b: m(b[0]).sum())
+    return gobrrr.Workload(
+        model=model, batch=(torch.randn(32, 64),), step=lambda m, b: m(b[0]).sum()
+    )
 
 
 @needs_cxx
@@ -106,8 +110,11 @@ def _activation_bytes(g) -> int:
 
 
 def _mlp(compile: bool, layers: int = 3):
-    return capture(lambda: get_workload("mlp", 64, layers=layers, width=256),
-                   precision="bf16-mixed", compile=compile)
+    return capture(
+        lambda: get_workload("mlp", 64, layers=layers, width=256),
+        precision="bf16-mixed",
+        compile=compile,
+    )
 
 
 def test_an_mlp_keeps_each_relu_output_but_the_last_layer_s_matmul_output():
@@ -123,7 +130,7 @@ def test_an_mlp_keeps_each_relu_output_but_the_last_layer_s_matmul_output():
     kept = Counter()
     optimizer = next(n.index for n in g.nodes if n.phase == "optimizer")
     for kind, first, last in g.meta.compiled_regions:
-        for n in g.nodes[first:last + 1] if kind == "forward" else ():
+        for n in g.nodes[first : last + 1] if kind == "forward" else ():
             for sid in n.allocs:
                 s = g.storages[sid]
                 if s.kind == "activation" and s.nbytes:
@@ -131,9 +138,15 @@ def test_an_mlp_keeps_each_relu_output_but_the_last_layer_s_matmul_output():
                     assert s.freed is not None and s.freed < optimizer
                     assert g.nodes[s.freed].phase == "backward"
     act, weight = 64 * 256 * 2, 256 * 256 * 2
-    assert kept == Counter({("relu", act): 2, ("mm", act): 1,
-                            ("convert_element_type", act): 1,
-                            ("convert_element_type", weight): 2, ("mean", 4): 1})
+    assert kept == Counter(
+        {
+            ("relu", act): 2,
+            ("mm", act): 1,
+            ("convert_element_type", act): 1,
+            ("convert_element_type", weight): 2,
+            ("mean", 4): 1,
+        }
+    )
 
 
 def test_what_fused_kernels_make_takes_no_memory():
@@ -146,7 +159,7 @@ def test_what_fused_kernels_make_takes_no_memory():
         if extern(n, costs[n.index]) and regions(g)[n.index] >= 0:
             assert all(g.storages[t.storage].nbytes > 0 for t in (*n.inputs, *n.outputs))
     fwd = next(r for r in g.meta.compiled_regions if r[0] == "forward")
-    sub = next(n for n in g.nodes[fwd[1]:fwd[2] + 1] if n.name == "sub")
+    sub = next(n for n in g.nodes[fwd[1] : fwd[2] + 1] if n.name == "sub")
     assert g.storages[sub.outputs[0].storage].nbytes == 0
     assert sub.outputs[0].shape == (64, 256) and sub.outputs[0].dtype == "float32"
     assert g.meta.inductor["unallocated"] > 0
@@ -172,10 +185,14 @@ def test_a_compiled_step_is_a_steady_state_one():
     """The compiled model is warmed up before the recorded step: no recompile in it (one
     forward and one backward graph), and micro-batches 2 and 3 of an accumulated step run
     the same ops as micro-batch 1."""
-    g = capture(lambda: get_workload("mlp", 6, layers=2, width=64), precision="bf16-mixed",
-                compile=True, accumulation=3)
+    g = capture(
+        lambda: get_workload("mlp", 6, layers=2, width=64),
+        precision="bf16-mixed",
+        compile=True,
+        accumulation=3,
+    )
     assert g.meta.compiled_graphs == {"forward": 1, "backward": 1}
     runs = [r for r in g.meta.compiled_regions if r[0] == "forward"]
     assert len(runs) == 3
-    ops = [[n.op for n in g.nodes[a:b + 1]] for _, a, b in runs]
+    ops = [[n.op for n in g.nodes[a : b + 1]] for _, a, b in runs]
     assert ops[0] == ops[1] == ops[2]

@@ -24,12 +24,14 @@ ALLOC_MAX, ALLOC_UNDER_MAX, RESERVED_MAX, TIME_MAX = 0.03, 0.02, 0.05, 0.15
 KEPT_MAX = 0.05  # what the forward keeps, |error| (ResNet-50's -4.4%: the H100 forward keeps
 # one more 196 MiB bf16 activation of the stem or first stage; not yet traced to its op)
 # Known misses, {case: {"alloc" | "reserved" | "time" | "kept": cause}}: required to miss.
-_BERT_MATH = ("under torch.compile Hugging Face materialises BERT's 4-D padding mask (it cannot "
-              "test it for all ones while tracing); with that mask and dropout 0.1 the H100 "
-              "ran attention on the math path: its forward kept a fp32 (B, H, S, S) "
-              "probability tensor and a bool dropout mask of that shape per layer (12 x 384 "
-              "and 12 x 96 MiB). The trace takes cuDNN's fused attention, as eager does with "
-              "a mask; which rule sends the compiled call to math is not known yet")
+_BERT_MATH = (
+    "under torch.compile Hugging Face materialises BERT's 4-D padding mask (it cannot "
+    "test it for all ones while tracing); with that mask and dropout 0.1 the H100 "
+    "ran attention on the math path: its forward kept a fp32 (B, H, S, S) "
+    "probability tensor and a bool dropout mask of that shape per layer (12 x 384 "
+    "and 12 x 96 MiB). The trace takes cuDNN's fused attention, as eager does with "
+    "a mask; which rule sends the compiled call to math is not known yet"
+)
 KNOWN_MISSES: dict[str, dict[str, str]] = {
     "bert-base-mlm-compiled": {"alloc": _BERT_MATH, "reserved": _BERT_MATH, "kept": _BERT_MATH},
 }
@@ -56,8 +58,9 @@ def _predict(name: str):
     case = case_named(name)
     if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
-    return gobrrr.estimate(case.factory(), gpu="h100", precision=case.precision,
-                           compile=case.compile)
+    return gobrrr.estimate(
+        case.factory(), gpu="h100", precision=case.precision, compile=case.compile
+    )
 
 
 def errors(row: dict) -> dict[str, float]:
@@ -65,9 +68,11 @@ def errors(row: dict) -> dict[str, float]:
     from gobrrr.evaluate import saved_activations
 
     est, m = _predict(row["name"]), row["measured"]
-    out = {"alloc": est.memory.peak / m["peak_allocated"] - 1,
-           "reserved": est.memory.reserved / m["peak_reserved"] - 1,
-           "time": est.time.step_s / m["step_s"] - 1}
+    out = {
+        "alloc": est.memory.peak / m["peak_allocated"] - 1,
+        "reserved": est.memory.reserved / m["peak_reserved"] - 1,
+        "time": est.time.step_s / m["step_s"] - 1,
+    }
     if row.get("forward_kept"):
         out["kept"] = saved_activations(est.graph) / row["forward_kept"]["bytes"] - 1
     return out

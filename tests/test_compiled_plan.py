@@ -17,8 +17,16 @@ SEQ = 4096
 
 def long_gpt2(batch_size: int = 1, seq_len: int = SEQ):
     """A small GPT-2 at a long sequence: activations, not weights, decide its memory."""
-    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=4, n_embd=256,
-                        n_head=4, vocab_size=512, block_size=SEQ)
+    return get_workload(
+        "gpt2",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        vocab_size=512,
+        block_size=SEQ,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +57,9 @@ def test_compile_is_not_chosen_where_it_does_not_fit(free):
     full = p.cost(Knobs(micro_batch=1, checkpoint=every_kth(p.blocks, 1)))
     assert full.reserved_bytes < compiled.reserved_bytes
     budget = (full.reserved_bytes + compiled.reserved_bytes) // 2
-    r = Planner(long_gpt2, "h100", global_batch=1, seq=SEQ, memory_budget=budget,
-                allow=["compile"]).run()
+    r = Planner(
+        long_gpt2, "h100", global_batch=1, seq=SEQ, memory_budget=budget, allow=["compile"]
+    ).run()
     assert r.best is not None and r.best.fits and not r.best.knobs.compile
     assert r.best.knobs.checkpoint
     assert not any(pl.fits for pl in r.plans if pl.knobs.compile)

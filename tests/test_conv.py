@@ -28,18 +28,23 @@ H100 = get_gpu("h100")
 MiB = 2**20
 
 
-
 def _convnet_graph(precision="bf16-mixed", batch=4, channels_last=False):
     def make():
-        model = nn.Sequential(nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False),
-                              nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
-                              nn.Linear(16 * 16 * 16, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(16 * 16 * 16, 10),
+        )
         x = torch.randn(batch, 3, 32, 32)
         if channels_last:  # an NHWC input makes cuDNN run channels-last
             x = x.to(memory_format=torch.channels_last)
         labels = torch.randint(0, 10, (batch,))
-        return gobrrr.Workload(model=model, batch=(x,),
-                               loss=lambda y, b: nn.functional.cross_entropy(y, labels))
+        return gobrrr.Workload(
+            model=model, batch=(x,), loss=lambda y, b: nn.functional.cross_entropy(y, labels)
+        )
+
     return capture(make, precision=precision)
 
 
@@ -49,14 +54,16 @@ def _convs(g, name):
 
 def test_16bit_layout_copies_pad_the_rgb_stem_to_8_channels():
     g = _convnet_graph()
-    fwd, = _convs(g, "convolution")
+    (fwd,) = _convs(g, "convolution")
     # NHWC copies: input (4, 3 -> 8, 32, 32), weight (16, 3 -> 8, 7, 7), output (4, 16, 16, 16)
-    assert conv.layout_scratch(fwd) == 4 * 8 * 32 * 32 * 2 + 16 * 8 * 7 * 7 * 2 + \
-        4 * 16 * 16 * 16 * 2
-    bwd, = _convs(g, "convolution_backward")
+    assert (
+        conv.layout_scratch(fwd) == 4 * 8 * 32 * 32 * 2 + 16 * 8 * 7 * 7 * 2 + 4 * 16 * 16 * 16 * 2
+    )
+    (bwd,) = _convs(g, "convolution_backward")
     # grad_output, input and weight (both padded)
-    assert conv.layout_scratch(bwd) == 4 * 16 * 16 * 16 * 2 + 4 * 8 * 32 * 32 * 2 + \
-        16 * 8 * 7 * 7 * 2
+    assert (
+        conv.layout_scratch(bwd) == 4 * 16 * 16 * 16 * 2 + 4 * 8 * 32 * 32 * 2 + 16 * 8 * 7 * 7 * 2
+    )
 
 
 def test_no_layout_copies_in_fp32_or_channels_last():
@@ -71,30 +78,50 @@ def test_layout_copies_match_the_transients_recorded_on_an_h100():
     quarter more (cuDNN's own workspace)."""
     data = json.loads((ROOT / "tests/fixtures/cnn_diagnostics_h100.json").read_text())
     case = next(m for m in data["memory"] if m["precision"] == "bf16-mixed")
-    measured = [r[2] - max(r[1], r[3]) for r in case["ops"]
-                if r[0] in ("convolution", "convolution_backward")]
-    g = capture(lambda: get_workload("convnet", batch_size=case["batch"]),
-                precision="bf16-mixed")
+    measured = [
+        r[2] - max(r[1], r[3])
+        for r in case["ops"]
+        if r[0] in ("convolution", "convolution_backward")
+    ]
+    g = capture(lambda: get_workload("convnet", batch_size=case["batch"]), precision="bf16-mixed")
     ours = [n for n in g.nodes if n.name in ("convolution", "convolution_backward")]
     assert len(ours) == len(measured) == 40
-    fwd3 = [(conv.layout_scratch(n), m) for n, m in zip(ours, measured, strict=True)
-            if n.name == "convolution" and n.inputs[1].shape[-1] == 3]
+    fwd3 = [
+        (conv.layout_scratch(n), m)
+        for n, m in zip(ours, measured, strict=True)
+        if n.name == "convolution" and n.inputs[1].shape[-1] == 3
+    ]
     assert len(fwd3) == 16
     for pred, meas in fwd3:
         assert pred == pytest.approx(meas, rel=0.01)
-    bwd = [(conv.layout_scratch(n), m) for n, m in zip(ours, measured, strict=True)
-           if n.name == "convolution_backward"]
+    bwd = [
+        (conv.layout_scratch(n), m)
+        for n, m in zip(ours, measured, strict=True)
+        if n.name == "convolution_backward"
+    ]
     for pred, meas in bwd:
         assert 0.75 * meas <= pred <= meas * 1.01
 
 
 def test_memory_counts_scratch_while_the_op_runs():
-    storages = [StorageInfo(0, 1024, "parameter", -1, None),
-                StorageInfo(1, 4096, "activation", 0, None),
-                StorageInfo(2, 2048, "temporary", 1, 2)]
-    nodes = [OpNode(index=i, op="aten.add.Tensor", phase="forward", module="m", inputs=(),
-                    outputs=(), allocs=a, frees=f)
-             for i, (a, f) in enumerate([((1,), ()), ((2,), ()), ((), (2,))])]
+    storages = [
+        StorageInfo(0, 1024, "parameter", -1, None),
+        StorageInfo(1, 4096, "activation", 0, None),
+        StorageInfo(2, 2048, "temporary", 1, 2),
+    ]
+    nodes = [
+        OpNode(
+            index=i,
+            op="aten.add.Tensor",
+            phase="forward",
+            module="m",
+            inputs=(),
+            outputs=(),
+            allocs=a,
+            frees=f,
+        )
+        for i, (a, f) in enumerate([((1,), ()), ((2,), ()), ((), (2,))])
+    ]
     g = StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta=StepMeta())
     m = simulate(g, scratch={0: 10_000})
     # op 0: 1024 + 4096 + 10240 (rounded scratch) > op 1: 1024 + 4096 + 2048
@@ -105,10 +132,14 @@ def test_memory_counts_scratch_while_the_op_runs():
 
 def test_calibrated_workspace_fraction_and_estimate_memory_include_scratch(make_cal):
     g = _convnet_graph("fp32")  # fp32 convolutions run in TF32 by PyTorch's default
-    cal = make_cal(conv_workspace={"fp32": {"forward": 0.0, "backward": 9.0},
-                                   "tf32": {"forward": 0.0, "backward": 1.5}})
+    cal = make_cal(
+        conv_workspace={
+            "fp32": {"forward": 0.0, "backward": 9.0},
+            "tf32": {"forward": 0.0, "backward": 1.5},
+        }
+    )
     sc = conv.scratch(g, cal)
-    bwd, = _convs(g, "convolution_backward")
+    (bwd,) = _convs(g, "convolution_backward")
     assert sc == {bwd.index: int(1.5 * conv.io_bytes(bwd))}
     assert conv.scratch(g, None) == {}
 
@@ -123,9 +154,17 @@ def test_a_class_fraction_of_everything_inside_replaces_copies_and_workspace(mak
     assert {conv_class(n) for n in convs} == {"stem"}
 
     def cal(cls):
-        return make_cal(conv_workspace={"bf16": {
-            "forward": 0.0, "backward": 0.0, f"inside:channels_first:{cls}:forward": 2.0,
-            f"inside:channels_first:{cls}:backward": 0.0}})
+        return make_cal(
+            conv_workspace={
+                "bf16": {
+                    "forward": 0.0,
+                    "backward": 0.0,
+                    f"inside:channels_first:{cls}:forward": 2.0,
+                    f"inside:channels_first:{cls}:backward": 0.0,
+                }
+            }
+        )
+
     sc = conv.scratch(g, cal("3x3-s2"))
     assert {n.index: 2 * conv.io_bytes(n) for n in convs if n.name in conv.FORWARD} == sc
     sc = conv.scratch(g, cal("1x1"))
@@ -135,10 +174,12 @@ def test_a_class_fraction_of_everything_inside_replaces_copies_and_workspace(mak
 
 def test_conv_time_uses_the_measured_grid_for_its_direction(make_cal):
     g = _convnet_graph()
-    fwd, = _convs(g, "convolution")
-    bwd, = _convs(g, "convolution_backward")
-    grid = {"forward": [[1e3, 10, 1e12], [1e3, 1e3, 2e12], [1e9, 10, 3e12], [1e9, 1e3, 4e12]],
-            "backward": [[1e3, 10, 5e11], [1e3, 1e3, 5e11], [1e9, 10, 5e11], [1e9, 1e3, 5e11]]}
+    (fwd,) = _convs(g, "convolution")
+    (bwd,) = _convs(g, "convolution_backward")
+    grid = {
+        "forward": [[1e3, 10, 1e12], [1e3, 1e3, 2e12], [1e9, 10, 3e12], [1e9, 1e3, 4e12]],
+        "backward": [[1e3, 10, 5e11], [1e3, 1e3, 5e11], [1e9, 10, 5e11], [1e9, 1e3, 5e11]],
+    }
     rates = Rates(H100, make_cal(conv_grid={"bf16": grid}))
     mn, k = gemm_dims(fwd)
     assert (mn, k) == (4 * 16 * 16 * 16, 3 * 7 * 7)
@@ -152,18 +193,21 @@ def test_conv_time_uses_the_measured_grid_for_its_direction(make_cal):
     assert t.device_s == pytest.approx(max(c.flops / rate, c.bytes / 3e12) + 1e-6)
     cb = op_cost(bwd)
     assert time_op(bwd, cb, rates).device_s == pytest.approx(
-        max(cb.flops / 5e11, cb.bytes / 3e12) + cb.launches * 1e-6)
+        max(cb.flops / 5e11, cb.bytes / 3e12) + cb.launches * 1e-6
+    )
 
 
 def test_conv_gemm_dims_take_the_weight_by_position_not_size():
     """A late-stage 3x3 weight (512 x 512 x 9) is larger than a small batch's activations."""
+
     def make():
         m = nn.Conv2d(512, 512, 3, padding=1, bias=False)
         x = torch.randn(1, 512, 7, 7)
         return gobrrr.Workload(model=m, batch=(x,), loss=lambda y, b: y.sum())
+
     g = capture(make, precision="fp32")
-    fwd, = _convs(g, "convolution")
-    bwd, = _convs(g, "convolution_backward")
+    (fwd,) = _convs(g, "convolution")
+    (bwd,) = _convs(g, "convolution_backward")
     assert gemm_dims(fwd) == (512 * 49, 512 * 9)
     assert gemm_dims(bwd) == (512 * 49, 512 * 9)
 
@@ -172,8 +216,11 @@ def test_batch_norm_bandwidth_follows_channels_and_dtype(make_cal):
     g = _convnet_graph()
     bn = next(n for n in g.nodes if n.name == "native_batch_norm")
     bnb = next(n for n in g.nodes if n.name == "native_batch_norm_backward")
-    curve = {"forward:bf16": [[8, 1e11], [32, 3e11]], "backward:bf16": [[8, 2e11], [32, 2e11]],
-             "forward:fp32": [[8, 9e11], [32, 9e11]]}
+    curve = {
+        "forward:bf16": [[8, 1e11], [32, 3e11]],
+        "backward:bf16": [[8, 2e11], [32, 2e11]],
+        "forward:fp32": [[8, 9e11], [32, 9e11]],
+    }
     rates = Rates(H100, make_cal(batch_norm_bandwidth=curve))
     # 16 channels: halfway between 8 and 32 in log
     assert rates.batch_norm(bn) == pytest.approx(2e11)
@@ -186,9 +233,11 @@ def test_batch_norm_bandwidth_follows_channels_and_dtype(make_cal):
 
 def test_cudnn_ops_add_their_measured_host_cost(make_cal):
     g = _convnet_graph()
-    fwd, = _convs(g, "convolution")
-    cal = make_cal(op_overhead={"forward": 10e-6, "backward": 10e-6, "optimizer": 10e-6},
-               op_host={"convolution:bf16": 7e-6, "convolution:fp32": 3e-6})
+    (fwd,) = _convs(g, "convolution")
+    cal = make_cal(
+        op_overhead={"forward": 10e-6, "backward": 10e-6, "optimizer": 10e-6},
+        op_host={"convolution:bf16": 7e-6, "convolution:fp32": 3e-6},
+    )
     rates = Rates(H100, cal)
     assert time_op(fwd, op_cost(fwd), rates).host_s == pytest.approx(17e-6)
     relu = next(n for n in g.nodes if n.name == "relu")
@@ -199,10 +248,13 @@ def test_estimate_is_the_package_level_api():
     def workload(batch_size: int = 2, seq_len: int = 8) -> gobrrr.Workload:
         model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64))
         toks = torch.randint(0, 64, (batch_size, seq_len))
-        return gobrrr.Workload(model=model, batch=(toks,),
-                               loss=lambda y, b: nn.functional.cross_entropy(
-                                   y.flatten(0, 1), b[0].flatten()),
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        return gobrrr.Workload(
+            model=model,
+            batch=(toks,),
+            loss=lambda y, b: nn.functional.cross_entropy(y.flatten(0, 1), b[0].flatten()),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        )
+
     est = gobrrr.estimate(workload, gpu="a100-80gb", batch=4, seq=16, precision="fp32")
     assert isinstance(est, gobrrr.Estimate)
     emb, lin = 64 * 16 * 4, (16 * 64 + 64) * 4
@@ -212,15 +264,20 @@ def test_estimate_is_the_package_level_api():
 
 def test_depthwise_convolution_is_costed_from_its_measured_bandwidth(make_cal):
     def make():
-        model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False),
-                              nn.Conv2d(16, 32, 1, bias=False))
-        return gobrrr.Workload(model=model, batch=(torch.randn(2, 16, 8, 8),),
-                               loss=lambda y, b: y.sum())
+        model = nn.Sequential(
+            nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.Conv2d(16, 32, 1, bias=False)
+        )
+        return gobrrr.Workload(
+            model=model, batch=(torch.randn(2, 16, 8, 8),), loss=lambda y, b: y.sum()
+        )
+
     g = capture(make, precision="fp32")
     dw, pw = _convs(g, "convolution")
     dw_b = _convs(g, "convolution_backward")[-1]  # backward runs the depthwise one last
-    curve = {"forward:fp32": [[1e3, 1e11], [1e5, 1e12]],
-             "backward:fp32": [[1e3, 2e11], [1e5, 2e11]]}
+    curve = {
+        "forward:fp32": [[1e3, 1e11], [1e5, 1e12]],
+        "backward:fp32": [[1e3, 2e11], [1e5, 2e11]],
+    }
     rates = Rates(H100, make_cal(depthwise_bandwidth=curve))
     c = op_cost(dw)
     frac = (math.log(c.bytes) - math.log(1e3)) / (math.log(1e5) - math.log(1e3))
@@ -258,6 +315,7 @@ def test_a_convolutions_bias_runs_a_kernel_of_its_own(make_cal):
     the bias themselves. Hand-derived: the add moves the output twice at the calibrated
     broadcast rate, the sum reads grad_output once at the outer-sum grid's rate (channels
     last) or the reduction bandwidth (channels first)."""
+
     def make(channels_last, groups, bias=True):
         def wl():
             model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=groups, bias=bias))
@@ -265,23 +323,31 @@ def test_a_convolutions_bias_runs_a_kernel_of_its_own(make_cal):
             if channels_last:
                 x = x.to(memory_format=torch.channels_last)
             # a loss whose gradient has y's layout (y.sum()'s is an expanded scalar)
-            return gobrrr.Workload(model=model, batch=(x,),
-                                   loss=lambda y, b: (y.float() ** 2).sum())
+            return gobrrr.Workload(
+                model=model, batch=(x,), loss=lambda y, b: (y.float() ** 2).sum()
+            )
+
         g = capture(wl, precision="bf16-mixed")
         return _convs(g, "convolution")[0], _convs(g, "convolution_backward")[0]
 
-    rates = Rates(H100, make_cal(
-        path_bandwidth={"pointwise:bcast:bf16": [[1e3, 1e11], [1e9, 1e11]]},
-        outer_sum_bandwidth={"sum:bf16": [[8, 16, 5e10], [64, 16, 5e10], [8, 1024, 5e10],
-                                          [64, 1024, 5e10]]},
-        reduction_bandwidth=2e10))
+    rates = Rates(
+        H100,
+        make_cal(
+            path_bandwidth={"pointwise:bcast:bf16": [[1e3, 1e11], [1e9, 1e11]]},
+            outer_sum_bandwidth={
+                "sum:bf16": [[8, 16, 5e10], [64, 16, 5e10], [8, 1024, 5e10], [64, 1024, 5e10]]
+            },
+            reduction_bandwidth=2e10,
+        ),
+    )
     out_bytes = 2 * 16 * 8 * 8 * 2
     for cl in (False, True):  # a dense convolution runs on cuDNN in either layout
         fwd, bwd = make(cl, groups=1)
         assert conv.bias_kernel(fwd)[0] == "add"
         assert rates.conv_bias(fwd) == pytest.approx((2 * out_bytes + 32) / 1e11 + 1e-6)
         assert rates.conv_bias(bwd) == pytest.approx(
-            (out_bytes + 32) / (5e10 if cl else 2e10) + 1e-6)
+            (out_bytes + 32) / (5e10 if cl else 2e10) + 1e-6
+        )
     fwd, bwd = make(False, groups=16)  # channels-first depthwise: PyTorch's kernels add it
     assert conv.bias_kernel(fwd) is None and conv.bias_kernel(bwd)[0] == "sum"
     fwd, _ = make(True, groups=16)  # channels-last depthwise: cuDNN's

@@ -26,35 +26,49 @@ OLD_CAL = Path(__file__).parent / "fixtures" / "calibration_h100_channels_first.
 
 # (in, out, kernel, stride, groups) of each layer, the class the calibration measures it in;
 # a 2 x 3 x 32 x 32 input, the stem halving the plane to 16 x 16
-LAYERS = (((3, 16, 7, 2, 1), "stem"), ((16, 64, 1, 1, 1), "1x1-expand"),
-          ((64, 16, 1, 1, 1), "1x1-reduce"), ((16, 16, 1, 1, 1), "1x1"),
-          ((16, 16, 3, 1, 1), "3x3"), ((16, 32, 3, 2, 1), "3x3-s2"),
-          ((32, 32, 3, 1, 4), "grouped"))
+LAYERS = (
+    ((3, 16, 7, 2, 1), "stem"),
+    ((16, 64, 1, 1, 1), "1x1-expand"),
+    ((64, 16, 1, 1, 1), "1x1-reduce"),
+    ((16, 16, 1, 1, 1), "1x1"),
+    ((16, 16, 3, 1, 1), "3x3"),
+    ((16, 32, 3, 2, 1), "3x3-s2"),
+    ((32, 32, 3, 1, 4), "grouped"),
+)
 
 
 def _graph(channels_last: bool, precision: str = "bf16-mixed"):
     def make():
-        model = nn.Sequential(*(nn.Conv2d(i, o, k, s, k // 2, groups=g, bias=False)
-                                for (i, o, k, s, g), _ in LAYERS))
+        model = nn.Sequential(
+            *(nn.Conv2d(i, o, k, s, k // 2, groups=g, bias=False) for (i, o, k, s, g), _ in LAYERS)
+        )
         x = torch.randn(2, 3, 32, 32)
         if channels_last:
-            model, x = model.to(memory_format=torch.channels_last), \
-                x.to(memory_format=torch.channels_last)
+            model, x = (
+                model.to(memory_format=torch.channels_last),
+                x.to(memory_format=torch.channels_last),
+            )
         return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: y.float().sum())
+
     return capture(make, precision=precision)
 
 
 def _convs(g, backward=False):
     """The graph's convolutions in layer order."""
-    nodes = [n for n in g.nodes if n.name == ("convolution_backward" if backward
-                                              else "convolution")]
+    nodes = [
+        n for n in g.nodes if n.name == ("convolution_backward" if backward else "convolution")
+    ]
     return nodes[::-1] if backward else nodes
 
 
 def _corners(lo_mn, hi_mn, lo_k, hi_k, rates):
     """A 2 x 2 grid [[mn, k, rate]], rates in the order (lo, lo), (lo, hi), (hi, lo), (hi, hi)."""
-    return [[lo_mn, lo_k, rates[0]], [lo_mn, hi_k, rates[1]], [hi_mn, lo_k, rates[2]],
-            [hi_mn, hi_k, rates[3]]]
+    return [
+        [lo_mn, lo_k, rates[0]],
+        [lo_mn, hi_k, rates[1]],
+        [hi_mn, lo_k, rates[2]],
+        [hi_mn, hi_k, rates[3]],
+    ]
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -76,8 +90,8 @@ def test_traced_convolutions_get_their_class_layout_and_directions(channels_last
 def test_one_dimensional_convolutions_are_channels_first():
     def make():
         m = nn.Conv1d(8, 8, 3, padding=1)
-        return gobrrr.Workload(model=m, batch=(torch.randn(2, 8, 16),),
-                               loss=lambda y, b: y.sum())
+        return gobrrr.Workload(model=m, batch=(torch.randn(2, 8, 16),), loss=lambda y, b: y.sum())
+
     node = _convs(capture(make, precision="bf16-mixed"))[0]
     assert conv_layout(node) == "channels_first" and conv_class(node) == "3x3"
 
@@ -87,8 +101,12 @@ def test_the_rate_follows_the_ops_layout(make_cal):
     over mn 2^12..2^14 and depth 72..288: its rate is the mean of the four corners."""
     cf = _corners(2**12, 2**14, 72, 288, (1e12, 2e12, 3e12, 6e12))
     cl = _corners(2**12, 2**14, 72, 288, (4e12, 8e12, 12e12, 16e12))
-    rates = Rates(H100, make_cal(conv_grid={"bf16": {"channels_first:3x3:forward": cf,
-                                                     "channels_last:3x3:forward": cl}}))
+    rates = Rates(
+        H100,
+        make_cal(
+            conv_grid={"bf16": {"channels_first:3x3:forward": cf, "channels_last:3x3:forward": cl}}
+        ),
+    )
     first, last = _convs(_graph(False))[4], _convs(_graph(True))[4]
     assert gemm_dims(first) == gemm_dims(last) == (2**13, 144)
     assert rates.conv(first, op_cost(first)) == pytest.approx(3e12)
@@ -100,10 +118,12 @@ def test_the_rate_follows_the_ops_layout(make_cal):
 
 def test_a_backward_sums_its_gradients_times_at_their_own_rates(make_cal):
     flat = lambda r: _corners(2**12, 2**14, 72, 288, (r,) * 4)  # noqa: E731
-    table = {"channels_last:3x3:backward_input": flat(2e12),
-             "channels_last:3x3:backward_weight": flat(5e11),
-             "channels_last:stem:backward_weight": flat(1e12),
-             "channels_last:stem:backward_input": flat(1e9)}  # never asked for
+    table = {
+        "channels_last:3x3:backward_input": flat(2e12),
+        "channels_last:3x3:backward_weight": flat(5e11),
+        "channels_last:stem:backward_weight": flat(1e12),
+        "channels_last:stem:backward_input": flat(1e9),
+    }  # never asked for
     rates = Rates(H100, make_cal(conv_grid={"bf16": table}))
     bwd = _convs(_graph(True), backward=True)
     f3 = 2.0 * 2**13 * 144
@@ -126,9 +146,18 @@ def test_missing_classes_and_layouts_fall_back(make_cal):
     cf3 = _corners(2**10, 2**16, 8, 2048, (1e12,) * 4)
     cl3 = _corners(2**10, 2**16, 8, 2048, (7e12,) * 4)
     cf1 = _corners(2**10, 2**16, 8, 2048, (3e12,) * 4)
-    rates = Rates(H100, make_cal(conv_grid={"bf16": {
-        "channels_first:3x3:forward": cf3, "channels_last:3x3:forward": cl3,
-        "channels_first:1x1:forward": cf1}}))
+    rates = Rates(
+        H100,
+        make_cal(
+            conv_grid={
+                "bf16": {
+                    "channels_first:3x3:forward": cf3,
+                    "channels_last:3x3:forward": cl3,
+                    "channels_first:1x1:forward": cf1,
+                }
+            }
+        ),
+    )
     cl = _convs(_graph(True))
     for i in (0, 5):  # stem, 3x3-s2: the channels_last 3x3's
         assert rates.conv(cl[i], op_cost(cl[i])) == pytest.approx(7e12)
@@ -169,16 +198,19 @@ def test_a_calibration_without_layouts_loads_and_reads_as_before():
                 mn, k = gemm_dims(node)
                 grid = cal.conv_grid["bf16"]["backward" if backward else "forward"]
                 assert rates.conv(node, op_cost(node)) == pytest.approx(
-                    _old_rate(grid, mn, k), rel=1e-9)
+                    _old_rate(grid, mn, k), rel=1e-9
+                )
         # workspace: the one fraction per direction, whatever the layout
         bwd = _convs(g, True)[4]
         assert conv.workspace(bwd, cal, "bf16") == int(
-            cal.conv_workspace["bf16"]["backward"] * conv.io_bytes(bwd))
+            cal.conv_workspace["bf16"]["backward"] * conv.io_bytes(bwd)
+        )
 
 
 def test_workspace_fraction_follows_the_layout(make_cal):
-    cal = make_cal(conv_workspace={"bf16": {"forward": 0.5, "backward": 0.25,
-                                            "channels_last:forward": 2.0}})
+    cal = make_cal(
+        conv_workspace={"bf16": {"forward": 0.5, "backward": 0.25, "channels_last:forward": 2.0}}
+    )
     f_cf, f_cl = _convs(_graph(False))[4], _convs(_graph(True))[4]
     assert conv.workspace(f_cf, cal, "bf16") == int(0.5 * conv.io_bytes(f_cf))
     assert conv.workspace(f_cl, cal, "bf16") == int(2.0 * conv.io_bytes(f_cl))
@@ -196,7 +228,8 @@ def test_without_a_calibration_only_channels_first_16bit_pays_layout_copies():
     t_cf, t_cl = (time_op(n, op_cost(n), rates) for n in (first, last))
     copies = 2.0 * 2 * (2 * 16 * 16 * 16) * 2
     assert t_cf.device_s - t_cl.device_s == pytest.approx(
-        copies / rates.bandwidth("copy") + 2 * rates.latency)
+        copies / rates.bandwidth("copy") + 2 * rates.latency
+    )
     assert conv.layout_scratch(first) > 0
     assert conv.layout_scratch(last) == 0
     *inner, top = _convs(_graph(True), True)
@@ -209,24 +242,30 @@ def test_without_a_calibration_only_channels_first_16bit_pays_layout_copies():
 def test_batch_norm_and_depthwise_read_their_layouts_curves(make_cal):
     def make(channels_last):
         def workload():
-            m = nn.Sequential(nn.Conv2d(16, 16, 5, 2, 2, groups=16, bias=False),
-                              nn.BatchNorm2d(16))
+            m = nn.Sequential(nn.Conv2d(16, 16, 5, 2, 2, groups=16, bias=False), nn.BatchNorm2d(16))
             x = torch.randn(2, 16, 16, 16)
             if channels_last:
-                m, x = m.to(memory_format=torch.channels_last), \
-                    x.to(memory_format=torch.channels_last)
+                m, x = (
+                    m.to(memory_format=torch.channels_last),
+                    x.to(memory_format=torch.channels_last),
+                )
             return gobrrr.Workload(model=m, batch=(x,), loss=lambda y, b: y.float().sum())
+
         return capture(workload, precision="fp32")
+
     flat = lambda v: [[1.0, v], [1e9, v]]  # noqa: E731
     cal = make_cal(
-        batch_norm_bandwidth={"forward:fp32": flat(1e11),
-                              "forward:fp32:channels_last": flat(9e11)},
-        depthwise_bandwidth={"forward:fp32": flat(2e11),
-                             "forward:fp32:channels_last:5x5": flat(5e11),
-                             "forward:fp32:channels_first:3x3": flat(3e11)})
+        batch_norm_bandwidth={"forward:fp32": flat(1e11), "forward:fp32:channels_last": flat(9e11)},
+        depthwise_bandwidth={
+            "forward:fp32": flat(2e11),
+            "forward:fp32:channels_last:5x5": flat(5e11),
+            "forward:fp32:channels_first:3x3": flat(3e11),
+        },
+    )
     rates = Rates(H100, cal)
-    bn = {cl: next(n for n in make(cl).nodes if n.name == "native_batch_norm")
-          for cl in (False, True)}
+    bn = {
+        cl: next(n for n in make(cl).nodes if n.name == "native_batch_norm") for cl in (False, True)
+    }
     assert rates.batch_norm(bn[False]) == pytest.approx(1e11)
     assert rates.batch_norm(bn[True]) == pytest.approx(9e11)
     dw = {cl: _convs(make(cl))[0] for cl in (False, True)}
@@ -246,15 +285,28 @@ def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for()
     for s in cc.conv_shapes():
         for layout in cc.LAYOUTS if s.dims == 2 else ("channels_first",):
             calls = cc._calls(*cc._tensors(s, 1, torch.float32, layout, dev))
-            fwd, bwd = (cc._record(fn, name) for name, fn in (calls["forward"],
-                                                              calls["backward_weight"]))
+            fwd, bwd = (
+                cc._record(fn, name) for name, fn in (calls["forward"], calls["backward_weight"])
+            )
             for node in (fwd, bwd):
                 assert (conv_class(node), conv_layout(node)) == (s.cls, layout), s
-            assert gemm_dims(fwd) == (s.plane**s.dims * s.c_out,
-                                      s.c_in // s.groups * s.kernel**s.dims)
+            assert gemm_dims(fwd) == (
+                s.plane**s.dims * s.c_out,
+                s.c_in // s.groups * s.kernel**s.dims,
+            )
         classes.add(s.cls)
-    assert classes == {"1x1", "1x1-reduce", "1x1-expand", "3x3", "3x3-s2", "stem", "grouped",
-                       "grouped-1d", "patchify", "stem-patchify"}
+    assert classes == {
+        "1x1",
+        "1x1-reduce",
+        "1x1-expand",
+        "3x3",
+        "3x3-s2",
+        "stem",
+        "grouped",
+        "grouped-1d",
+        "patchify",
+        "stem-patchify",
+    }
 
 
 def test_a_measured_grid_is_read_by_the_lookup(make_cal):
@@ -263,12 +315,18 @@ def test_a_measured_grid_is_read_by_the_lookup(make_cal):
     shapes = (cc.ConvShape("3x3", 16, 16, 3, 1, 1, 16),)
     grid, spaces = cc.conv_grid(torch.device("cpu"), outputs=(2**12, 2**14), shapes=shapes)
     assert set(grid) == {"bf16", "tf32", "fp32"}
-    assert set(grid["bf16"]) == {f"{lay}:3x3:{d}" for lay in cc.LAYOUTS for d in (
-        "forward", "backward_input", "backward_weight", "backward")}
-    assert set(spaces["bf16"]) == {"forward", "backward", "channels_last:forward",
-                                   "channels_last:backward", *(
-                                       f"inside:{lay}:3x3:{d}" for lay in cc.LAYOUTS
-                                       for d in ("forward", "backward"))}
+    assert set(grid["bf16"]) == {
+        f"{lay}:3x3:{d}"
+        for lay in cc.LAYOUTS
+        for d in ("forward", "backward_input", "backward_weight", "backward")
+    }
+    assert set(spaces["bf16"]) == {
+        "forward",
+        "backward",
+        "channels_last:forward",
+        "channels_last:backward",
+        *(f"inside:{lay}:3x3:{d}" for lay in cc.LAYOUTS for d in ("forward", "backward")),
+    }
     rates = Rates(H100, make_cal(conv_grid=grid))
     for channels_last in (False, True):
         node = _convs(_graph(channels_last))[4]  # 2^13 outputs, depth 144: on the grid's row
@@ -291,14 +349,20 @@ def test_channels_last_strides_agree_with_pytorchs_own_test():
     if like_cl is None:
         pytest.skip("this torch has no are_strides_like_channels_last_or_false")
     cl = torch.channels_last
-    tensors = [torch.empty(s) for s in ((2, 3, 4, 5), (8, 16, 1, 1), (1, 16, 1, 1),
-                                        (2, 1, 4, 4), (4, 4, 1, 5))]
+    tensors = [
+        torch.empty(s)
+        for s in ((2, 3, 4, 5), (8, 16, 1, 1), (1, 16, 1, 1), (2, 1, 4, 4), (4, 4, 1, 5))
+    ]
     tensors += [t.contiguous(memory_format=cl) for t in tensors]
-    tensors += [torch.empty(2, 8, 6, 6)[:, ::2], torch.empty(2, 8, 6, 6).transpose(2, 3),
-                torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2),
-                torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2)[..., :3], torch.empty(4, 1, 1, 1),
-                torch.empty(4, 1, 1, 6)[..., :1],
-                torch.empty(64).as_strided((1, 4, 2, 2), (16, 1, 8, 2))]
+    tensors += [
+        torch.empty(2, 8, 6, 6)[:, ::2],
+        torch.empty(2, 8, 6, 6).transpose(2, 3),
+        torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2),
+        torch.empty(2, 6, 6, 8).permute(0, 3, 1, 2)[..., :3],
+        torch.empty(4, 1, 1, 1),
+        torch.empty(4, 1, 1, 6)[..., :1],
+        torch.empty(64).as_strided((1, 4, 2, 2), (16, 1, 8, 2)),
+    ]
     seen = set()
     for t in tensors:
         info = types.SimpleNamespace(shape=tuple(t.shape), stride=tuple(t.stride()))
@@ -313,23 +377,37 @@ def test_stems_are_image_inputs_under_a_large_kernel():
     image cut into non-overlapping patches (ConvNeXt's 4x4 stem, a ViT's 16x16 patch
     embedding) is a "stem-patchify", a stage's 2x2 downsampling of many channels a
     "patchify", and a padded strided 7x7 on an image a "stem"."""
+
     class Five(nn.Module):
         def __init__(self):
             super().__init__()
-            self.se, self.patch4, self.patch16 = (nn.Conv2d(4, 96, 1), nn.Conv2d(3, 16, 4, 4),
-                                                  nn.Conv2d(3, 8, 16, 16))
+            self.se, self.patch4, self.patch16 = (
+                nn.Conv2d(4, 96, 1),
+                nn.Conv2d(3, 16, 4, 4),
+                nn.Conv2d(3, 8, 16, 16),
+            )
             self.down, self.stem = nn.Conv2d(16, 32, 2, 2), nn.Conv2d(3, 8, 7, 2, 3)
 
         def forward(self, pooled, image):
-            return self.se(pooled).sum() + self.down(self.patch4(image)).sum() + \
-                self.patch16(image).sum() + self.stem(image).sum()
+            return (
+                self.se(pooled).sum()
+                + self.down(self.patch4(image)).sum()
+                + self.patch16(image).sum()
+                + self.stem(image).sum()
+            )
 
     def make():
         batch = (torch.randn(2, 4, 1, 1), torch.randn(2, 3, 32, 32))
         return gobrrr.Workload(model=Five(), batch=batch, loss=lambda y, b: y)
+
     convs = _convs(capture(make, precision="bf16-mixed"))
-    assert [conv_class(n) for n in convs] == ["1x1-expand", "stem-patchify", "patchify",
-                                              "stem-patchify", "stem"]
+    assert [conv_class(n) for n in convs] == [
+        "1x1-expand",
+        "stem-patchify",
+        "patchify",
+        "stem-patchify",
+        "stem",
+    ]
 
 
 def test_each_class_is_measured_on_a_rectangular_grid():
@@ -341,8 +419,10 @@ def test_each_class_is_measured_on_a_rectangular_grid():
     shapes = tuple(cc.conv_shapes())
     rows: dict[str, set] = {}
     for s in shapes:
-        mns = frozenset(cc.snap(s.batch(o) * s.plane**s.dims * s.c_out, cc.class_rows(s.cls))
-                        for o in cc._rows(s, shapes, cc.OUTPUTS))
+        mns = frozenset(
+            cc.snap(s.batch(o) * s.plane**s.dims * s.c_out, cc.class_rows(s.cls))
+            for o in cc._rows(s, shapes, cc.OUTPUTS)
+        )
         assert len(mns) >= (3 if s.cls in cc.ROW_CAP else 4), s
         rows.setdefault(s.cls, set()).add(mns)
     assert all(len(r) == 1 for r in rows.values()), rows
@@ -356,8 +436,10 @@ def _conv1d_node(length: int = 499):
 
     x = torch.empty(8, 768, length, dtype=torch.bfloat16)
     w = torch.empty(768, 48, 128, dtype=torch.bfloat16)
-    return _record(lambda: torch.ops.aten.convolution(x, w, None, [1], [64], [1], False, [0],
-                                                      16), "convolution")
+    return _record(
+        lambda: torch.ops.aten.convolution(x, w, None, [1], [64], [1], False, [0], 16),
+        "convolution",
+    )
 
 
 def test_grouped_1d_convolutions_are_a_class_of_their_own():

@@ -13,8 +13,10 @@ def _graph(p: float, train: bool = True, precision: str = "fp32"):
     def make():
         model = nn.Sequential(nn.Linear(256, 256), nn.Dropout(p), nn.Linear(256, 1))
         model.train(train)
-        return gobrrr.Workload(model=model, batch=(torch.randn(64, 256),),
-                               loss=lambda out, batch: out.mean())
+        return gobrrr.Workload(
+            model=model, batch=(torch.randn(64, 256),), loss=lambda out, batch: out.mean()
+        )
+
     return capture(make, precision=precision)
 
 

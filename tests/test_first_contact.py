@@ -40,14 +40,24 @@ class Case:
 def wl(fn: str, *words: str, code: int = 2, json_out: bool = False, extra=()) -> Case:
     """A case running `estimate bad.py:fn` on the file of workload mistakes."""
     argv = ("estimate", f"bad.py:{fn}", *extra) + (("--json",) if json_out else ())
-    return Case(f"workload-{fn}" + ("-json" if json_out else ""), argv, words, code,
-                {"bad.py": BAD_WORKLOADS})
+    return Case(
+        f"workload-{fn}" + ("-json" if json_out else ""),
+        argv,
+        words,
+        code,
+        {"bad.py": BAD_WORKLOADS},
+    )
 
 
 def gpu(id: str, text: str, *words: str, name: str = "g.toml") -> Case:
     files = {name: text} if not name.endswith("/") else {name: ""}
-    return Case(f"gpu-{id}", ("estimate", "--model", "mlp", "--batch", "2", "--gpu",
-                              name.rstrip("/")), words, 2, files)
+    return Case(
+        f"gpu-{id}",
+        ("estimate", "--model", "mlp", "--batch", "2", "--gpu", name.rstrip("/")),
+        words,
+        2,
+        files,
+    )
 
 
 def cli(id: str, argv: str, *words: str, code: int = 2, files=None) -> Case:
@@ -117,20 +127,44 @@ WORKLOAD_CASES = [
     wl("no_args", "--batch 8 is not used", "batch_size", code=0, extra=("--batch", "8")),
     wl("good", "--seq 64 is not used", "seq_len", code=0, extra=("--seq", "64")),
     wl("good", "--seq 64 is not used", code=0, json_out=True, extra=("--seq", "64")),
-    Case("workload-exit-at-import", ("estimate", "ex.py:workload"), ("sys.exit(0)", "__main__"),
-         2, {"ex.py": EXIT_AT_IMPORT}),
-    Case("workload-import-error", ("estimate", "imp.py:workload"),
-         ("No module named 'not_a_module_anyone_has'", "plain Python"), 2,
-         {"imp.py": IMPORT_ERROR}),
-    Case("workload-syntax-error", ("estimate", "syn.py:workload"), ("SyntaxError",
-                                                                     "plain Python"), 2,
-         {"syn.py": SYNTAX_ERROR}),
-    Case("workload-file-missing", ("estimate", "nowhere.py:workload"),
-         ("nowhere.py", "not found"), 2),
-    Case("workload-no-function-named", ("estimate", "bad.py"),
-         ("path/to/file.py:function",), 2, {"bad.py": BAD_WORKLOADS}),
-    Case("workload-not-python", ("estimate", "notes.txt:workload"), ("notes.txt", ".py"), 2,
-         {"notes.txt": "hello"}),
+    Case(
+        "workload-exit-at-import",
+        ("estimate", "ex.py:workload"),
+        ("sys.exit(0)", "__main__"),
+        2,
+        {"ex.py": EXIT_AT_IMPORT},
+    ),
+    Case(
+        "workload-import-error",
+        ("estimate", "imp.py:workload"),
+        ("No module named 'not_a_module_anyone_has'", "plain Python"),
+        2,
+        {"imp.py": IMPORT_ERROR},
+    ),
+    Case(
+        "workload-syntax-error",
+        ("estimate", "syn.py:workload"),
+        ("SyntaxError", "plain Python"),
+        2,
+        {"syn.py": SYNTAX_ERROR},
+    ),
+    Case(
+        "workload-file-missing", ("estimate", "nowhere.py:workload"), ("nowhere.py", "not found"), 2
+    ),
+    Case(
+        "workload-no-function-named",
+        ("estimate", "bad.py"),
+        ("path/to/file.py:function",),
+        2,
+        {"bad.py": BAD_WORKLOADS},
+    ),
+    Case(
+        "workload-not-python",
+        ("estimate", "notes.txt:workload"),
+        ("notes.txt", ".py"),
+        2,
+        {"notes.txt": "hello"},
+    ),
 ]
 
 GPU_CASES = [
@@ -138,24 +172,45 @@ GPU_CASES = [
     gpu("inf", toml(bf16_tflops="inf"), "bf16_tflops is inf", "finite number"),
     gpu("minus-inf", toml(memory_gb="-inf"), "memory_gb is -inf", "finite number"),
     gpu("nan", toml(bandwidth_gbs="nan"), "bandwidth_gbs is nan", "finite number"),
-    gpu("nan-json", '{"name": "x", "memory_gb": 16, "bandwidth_gbs": 500, "bf16_tflops": NaN}',
-        "bf16_tflops is nan", "finite number", name="g.json"),
-    gpu("huge-json", '{"name": "x", "memory_gb": 1e400, "bandwidth_gbs": 500, '
-        '"bf16_tflops": 100}', "memory_gb is inf", "finite number", name="g.json"),
+    gpu(
+        "nan-json",
+        '{"name": "x", "memory_gb": 16, "bandwidth_gbs": 500, "bf16_tflops": NaN}',
+        "bf16_tflops is nan",
+        "finite number",
+        name="g.json",
+    ),
+    gpu(
+        "huge-json",
+        '{"name": "x", "memory_gb": 1e400, "bandwidth_gbs": 500, "bf16_tflops": 100}',
+        "memory_gb is inf",
+        "finite number",
+        name="g.json",
+    ),
     gpu("negative", toml(memory_gb="-16"), "memory_gb is -16", "> 0"),
     gpu("zero", toml(bandwidth_gbs="0"), "bandwidth_gbs is 0", "> 0"),
-    gpu("string-with-unit", toml(memory_gb='"80 GB"'), "memory_gb is '80 GB'",
-        "without quotes or units"),
+    gpu(
+        "string-with-unit",
+        toml(memory_gb='"80 GB"'),
+        "memory_gb is '80 GB'",
+        "without quotes or units",
+    ),
     gpu("quoted-number", toml(bf16_tflops='"100"'), "bf16_tflops is '100'", "without quotes"),
     gpu("list", toml(bf16_tflops="[100, 200]"), "bf16_tflops is [100, 200]", "number > 0"),
     gpu("table", GOOD_TOML + "[fp8]\ntflops = 1\n", "unknown key 'fp8'", "the keys are"),
-    gpu("typo", GOOD_TOML + "bandwith_gbs = 3\n", "unknown key 'bandwith_gbs'",
-        "did you mean 'bandwidth_gbs'"),
+    gpu(
+        "typo",
+        GOOD_TOML + "bandwith_gbs = 3\n",
+        "unknown key 'bandwith_gbs'",
+        "did you mean 'bandwidth_gbs'",
+    ),
     gpu("typo-tflops", GOOD_TOML + "fp32_tflop = 3\n", "did you mean 'fp32_tflops'"),
-    gpu("unknown-key", GOOD_TOML + "colour = 'green'\n", "unknown key 'colour'",
-        "the keys are"),
-    gpu("missing", toml(bandwidth_gbs=None, bf16_tflops=None), "lacks bandwidth_gbs, bf16_tflops",
-        "GB/s"),
+    gpu("unknown-key", GOOD_TOML + "colour = 'green'\n", "unknown key 'colour'", "the keys are"),
+    gpu(
+        "missing",
+        toml(bandwidth_gbs=None, bf16_tflops=None),
+        "lacks bandwidth_gbs, bf16_tflops",
+        "GB/s",
+    ),
     gpu("empty", "", "lacks name", "add name"),
     gpu("bad-toml", "name = mygpu\n", "not valid TOML", "keys name"),
     gpu("bad-json", '{"name": "x",}', "not valid JSON", "keys name", name="g.json"),
@@ -170,8 +225,12 @@ GPU_CASES = [
     gpu("directory", "", "is a directory", ".toml or .json file", name="specs.toml/"),
     gpu("directory-plain", "", "is a directory", "GPU name", name="specs/"),
     gpu("yaml", "name: x\n", "must end in .toml or .json", "rename it", name="g.yaml"),
-    Case("gpu-missing-file", ("estimate", "--model", "mlp", "--gpu", "none.toml"),
-         ("none.toml", "No such file"), 2),
+    Case(
+        "gpu-missing-file",
+        ("estimate", "--model", "mlp", "--gpu", "none.toml"),
+        ("none.toml", "No such file"),
+        2,
+    ),
     cli("gpu-typo", "estimate --model mlp --gpu h10", "unknown GPU 'h10'", "did you mean 'h100'"),
     cli("gpu-typo-sxm", "estimate --model mlp --gpu h100-sx", "did you mean 'h100-sxm'"),
     cli("gpu-spaced", "estimate --model mlp --gpu rtx_4090", "did you mean 'rtx4090'"),
@@ -180,21 +239,37 @@ GPU_CASES = [
 ]
 
 ARGUMENT_CASES = [
-    cli("seq-for-mlp", "estimate --model mlp --batch 2 --seq 128", "--seq 128 is not used",
-        "not a sequence model", code=0),
-    cli("seq-for-mlp-json", "estimate --model mlp --batch 2 --seq 128 --json",
-        "--seq 128 is not used", code=0),
-    cli("seq-for-convnet", "estimate --model convnet --batch 1 --seq 64", "--seq 64 is not used",
-        "drop --seq", code=0),
+    cli(
+        "seq-for-mlp",
+        "estimate --model mlp --batch 2 --seq 128",
+        "--seq 128 is not used",
+        "not a sequence model",
+        code=0,
+    ),
+    cli(
+        "seq-for-mlp-json",
+        "estimate --model mlp --batch 2 --seq 128 --json",
+        "--seq 128 is not used",
+        code=0,
+    ),
+    cli(
+        "seq-for-convnet",
+        "estimate --model convnet --batch 1 --seq 64",
+        "--seq 64 is not used",
+        "drop --seq",
+        code=0,
+    ),
     cli("model-empty", "estimate --model=", "--model is empty", "gpt2"),
     cli("model-empty-json", "estimate --model= --json", "--model is empty"),
-    Case("cli-model-spaces", ("estimate", "--model", "  "), ("--model is empty",
-                                                             "file.py:function")),
+    Case(
+        "cli-model-spaces", ("estimate", "--model", "  "), ("--model is empty", "file.py:function")
+    ),
     cli("model-typo", "estimate --model gpt-2", "unknown model 'gpt-2'", "did you mean 'gpt2'"),
     cli("model-case", "estimate --model GPT2", "did you mean 'gpt2'"),
     cli("model-typo-llama", "estimate --model llama3-8", "did you mean 'llama3-8b'"),
-    cli("model-unknown", "estimate --model resnet50", "unknown model 'resnet50'",
-        "file.py:function"),
+    cli(
+        "model-unknown", "estimate --model resnet50", "unknown model 'resnet50'", "file.py:function"
+    ),
     cli("model-typo-json", "estimate --model gpt-2 --json", "did you mean 'gpt2'"),
     cli("model-and-file", "estimate a.py:f --model gpt2", "not both"),
     cli("seq-zero", "estimate --model gpt2 --seq 0", "--seq", "positive whole number"),
@@ -206,24 +281,35 @@ ARGUMENT_CASES = [
     cli("seq-word", "estimate --model gpt2 --seq long", "'long'", "positive whole number"),
     cli("top-zero", "estimate --model mlp --top 0", "--top", "positive whole number"),
     cli("seq-too-long", "estimate --model gpt2 --seq 4096", "exceeds", "--seq 1024"),
-    cli("precision-unknown", "estimate --model mlp --precision fp8", "unknown precision 'fp8'",
-        "bf16-mixed"),
-    cli("precision-typo", "estimate --model mlp --precision bf16mixed",
-        "did you mean 'bf16-mixed'"),
+    cli(
+        "precision-unknown",
+        "estimate --model mlp --precision fp8",
+        "unknown precision 'fp8'",
+        "bf16-mixed",
+    ),
+    cli(
+        "precision-typo", "estimate --model mlp --precision bf16mixed", "did you mean 'bf16-mixed'"
+    ),
     cli("precision-case", "estimate --model mlp --precision BF16", "did you mean 'bf16'"),
     cli("checkpoint-case", "estimate --model mlp --checkpoint Full", "did you mean 'full'"),
-    cli("checkpoint-unknown", "estimate --model mlp --checkpoint selective",
-        "unknown checkpoint mode", "none, full"),
-    cli("command-typo", "estimat --model gpt2", "invalid choice: 'estimat'",
-        "did you mean 'estimate'"),
+    cli(
+        "checkpoint-unknown",
+        "estimate --model mlp --checkpoint selective",
+        "unknown checkpoint mode",
+        "none, full",
+    ),
+    cli(
+        "command-typo",
+        "estimat --model gpt2",
+        "invalid choice: 'estimat'",
+        "did you mean 'estimate'",
+    ),
     cli("command-missing", "", "required: command", "gobrrr --help"),
-    cli("flag-typo", "estimate --seqq 3", "unrecognized arguments: --seqq",
-        "did you mean '--seq'"),
+    cli("flag-typo", "estimate --seqq 3", "unrecognized arguments: --seqq", "did you mean '--seq'"),
     cli("flag-typo-batch", "estimate --bach 3", "did you mean '--batch'"),
     cli("flag-plural", "estimate --gpus h100", "did you mean '--gpu'"),
     cli("flag-typo-json", "estimate --bach 3 --json", "did you mean '--batch'"),
-    cli("bench-target-typo", "bench kernel", "invalid choice: 'kernel'",
-        "did you mean 'kernels'"),
+    cli("bench-target-typo", "bench kernel", "invalid choice: 'kernel'", "did you mean 'kernels'"),
     cli("gpus-extra", "gpus h100", "unrecognized arguments: h100", "gobrrr --help"),
     cli("profile-no-workload", "profile", "name a workload", "gobrrr profile gpt2"),
     cli("profile-model-empty", "profile --model=", "--model is empty", "gpt2"),
@@ -234,28 +320,76 @@ ARGUMENT_CASES = [
 ]
 
 PATH_CASES = [
-    cli("save-graph-no-dir", "estimate --model mlp --save-graph nodir/g.json",
-        "directory nodir does not exist", "mkdir -p nodir"),
-    cli("save-graph-deep", "estimate --model mlp --save-graph a/b/c/g.json",
-        "directory a/b/c does not exist", "mkdir -p a/b/c"),
-    cli("save-graph-is-dir", "estimate --model mlp --save-graph out", "out is a directory",
-        "file path", files={"out/": ""}),
-    cli("save-graph-under-file", "estimate --model mlp --save-graph notes.txt/g.json",
-        "notes.txt is a file", "inside a directory", files={"notes.txt": "x"}),
-    cli("save-graph-no-dir-json", "estimate --model mlp --save-graph nodir/g.json --json",
-        "does not exist"),
-    cli("trace-no-dir", "profile mlp --device cpu --trace nodir/t.json",
-        "--trace nodir/t.json", "mkdir -p nodir"),
-    cli("trace-is-dir", "profile mlp --device cpu --trace out", "--trace out is a directory",
-        "file path", files={"out/": ""}),
-    cli("calibrate-output-deep", "calibrate --device cpu --output deep/er/c.json",
-        "directory deep/er does not exist", "mkdir -p deep/er"),
-    cli("calibrate-output-dir", "calibrate --device cpu --output out",
-        "--output out is a directory", "file path", files={"out/": ""}),
-    cli("bench-out-missing", "bench kernels --out nowhere", "--out nowhere does not exist",
-        "mkdir -p nowhere"),
-    cli("bench-out-file", "bench kernels --out notes.txt", "--out notes.txt is a file",
-        "existing directory", files={"notes.txt": "x"}),
+    cli(
+        "save-graph-no-dir",
+        "estimate --model mlp --save-graph nodir/g.json",
+        "directory nodir does not exist",
+        "mkdir -p nodir",
+    ),
+    cli(
+        "save-graph-deep",
+        "estimate --model mlp --save-graph a/b/c/g.json",
+        "directory a/b/c does not exist",
+        "mkdir -p a/b/c",
+    ),
+    cli(
+        "save-graph-is-dir",
+        "estimate --model mlp --save-graph out",
+        "out is a directory",
+        "file path",
+        files={"out/": ""},
+    ),
+    cli(
+        "save-graph-under-file",
+        "estimate --model mlp --save-graph notes.txt/g.json",
+        "notes.txt is a file",
+        "inside a directory",
+        files={"notes.txt": "x"},
+    ),
+    cli(
+        "save-graph-no-dir-json",
+        "estimate --model mlp --save-graph nodir/g.json --json",
+        "does not exist",
+    ),
+    cli(
+        "trace-no-dir",
+        "profile mlp --device cpu --trace nodir/t.json",
+        "--trace nodir/t.json",
+        "mkdir -p nodir",
+    ),
+    cli(
+        "trace-is-dir",
+        "profile mlp --device cpu --trace out",
+        "--trace out is a directory",
+        "file path",
+        files={"out/": ""},
+    ),
+    cli(
+        "calibrate-output-deep",
+        "calibrate --device cpu --output deep/er/c.json",
+        "directory deep/er does not exist",
+        "mkdir -p deep/er",
+    ),
+    cli(
+        "calibrate-output-dir",
+        "calibrate --device cpu --output out",
+        "--output out is a directory",
+        "file path",
+        files={"out/": ""},
+    ),
+    cli(
+        "bench-out-missing",
+        "bench kernels --out nowhere",
+        "--out nowhere does not exist",
+        "mkdir -p nowhere",
+    ),
+    cli(
+        "bench-out-file",
+        "bench kernels --out notes.txt",
+        "--out notes.txt is a file",
+        "existing directory",
+        files={"notes.txt": "x"},
+    ),
     cli("bench-out-missing-json", "bench kernels --out nowhere --json", "does not exist"),
 ]
 
@@ -302,4 +436,3 @@ def test_first_contact(case: Case, tmp_path, monkeypatch, capfd):
 def test_the_corpus_is_large_enough():
     assert len(CASES) >= 120
     assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
-

@@ -91,16 +91,28 @@ def test_mfu():
 
 def _gpt2_shapes(L, d, V, P):
     """GPT-2's parameters as nanoGPT names and shapes them (head tied to wte)."""
-    out = [("transformer.wte.weight", (V, d)), ("transformer.wpe.weight", (P, d)),
-           ("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    out = [
+        ("transformer.wte.weight", (V, d)),
+        ("transformer.wpe.weight", (P, d)),
+        ("transformer.ln_f.weight", (d,)),
+        ("transformer.ln_f.bias", (d,)),
+    ]
     for i in range(L):
         h = f"transformer.h.{i}"
-        out += [(f"{h}.ln_1.weight", (d,)), (f"{h}.ln_1.bias", (d,)),
-                (f"{h}.attn.c_attn.weight", (3 * d, d)), (f"{h}.attn.c_attn.bias", (3 * d,)),
-                (f"{h}.attn.c_proj.weight", (d, d)), (f"{h}.attn.c_proj.bias", (d,)),
-                (f"{h}.ln_2.weight", (d,)), (f"{h}.ln_2.bias", (d,)),
-                (f"{h}.mlp.c_fc.weight", (4 * d, d)), (f"{h}.mlp.c_fc.bias", (4 * d,)),
-                (f"{h}.mlp.c_proj.weight", (d, 4 * d)), (f"{h}.mlp.c_proj.bias", (d,))]
+        out += [
+            (f"{h}.ln_1.weight", (d,)),
+            (f"{h}.ln_1.bias", (d,)),
+            (f"{h}.attn.c_attn.weight", (3 * d, d)),
+            (f"{h}.attn.c_attn.bias", (3 * d,)),
+            (f"{h}.attn.c_proj.weight", (d, d)),
+            (f"{h}.attn.c_proj.bias", (d,)),
+            (f"{h}.ln_2.weight", (d,)),
+            (f"{h}.ln_2.bias", (d,)),
+            (f"{h}.mlp.c_fc.weight", (4 * d, d)),
+            (f"{h}.mlp.c_fc.bias", (4 * d,)),
+            (f"{h}.mlp.c_proj.weight", (d, 4 * d)),
+            (f"{h}.mlp.c_proj.bias", (d,)),
+        ]
     return out
 
 
@@ -125,14 +137,23 @@ def test_textbook_param_gap_explains_an_untied_gqa_llama():
     L, d, V, ffn, kv = 2, 64, 100, 224, 16  # kv_dim = d * kv_heads / heads
     shapes = [("tok.weight", (V, d)), ("out.weight", (V, d)), ("norm.weight", (d,))]
     for i in range(L):
-        shapes += [(f"layers.{i}.wq", (d, d)), (f"layers.{i}.wk", (kv, d)),
-                   (f"layers.{i}.wv", (kv, d)), (f"layers.{i}.wo", (d, d)),
-                   (f"layers.{i}.w1", (ffn, d)), (f"layers.{i}.w2", (d, ffn)),
-                   (f"layers.{i}.w3", (ffn, d)), (f"layers.{i}.n1", (d,)),
-                   (f"layers.{i}.n2", (d,))]
+        shapes += [
+            (f"layers.{i}.wq", (d, d)),
+            (f"layers.{i}.wk", (kv, d)),
+            (f"layers.{i}.wv", (kv, d)),
+            (f"layers.{i}.wo", (d, d)),
+            (f"layers.{i}.w1", (ffn, d)),
+            (f"layers.{i}.w2", (d, ffn)),
+            (f"layers.{i}.w3", (ffn, d)),
+            (f"layers.{i}.n1", (d,)),
+            (f"layers.{i}.n2", (d,)),
+        ]
     gap = dict(textbook_param_gap(L, d, V, shapes))
     layer = L * (2 * d * d + 2 * kv * d + 3 * ffn * d) - 12 * d * d * L
-    assert gap == {"layer matrices beyond 12·d² per layer (grouped K/V, gated or resized MLP)":
-                   layer, "biases and norm weights (1-D), left out of 12·d²·L": (2 * L + 1) * d}
+    assert gap == {
+        "layer matrices beyond 12·d² per layer (grouped K/V, gated or resized MLP)": layer,
+        "biases and norm weights (1-D), left out of 12·d²·L": (2 * L + 1) * d,
+    }
     assert textbook_params(L, d, V) + sum(gap.values()) == transformer_params(
-        L, d, V, ffn=ffn, kv_heads=1, heads=4, tied=False, gated=True)
+        L, d, V, ffn=ffn, kv_heads=1, heads=4, tied=False, gated=True
+    )

@@ -21,9 +21,12 @@ class CosCos(torch.nn.Module):
 
 
 def workload(n=1 << 20):
-    return lambda: gobrrr.Workload(model=CosCos(n), batch=(torch.randn(n),),
-                                   loss=lambda y, b: y,
-                                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    return lambda: gobrrr.Workload(
+        model=CosCos(n),
+        batch=(torch.randn(n),),
+        loss=lambda y, b: y,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    )
 
 
 def test_forward_chain_fuses_into_one_kernel_reading_inputs_once():

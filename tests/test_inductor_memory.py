@@ -29,8 +29,9 @@ EXTERN = "mylib.kernel.default"  # a custom op: Inductor calls it as it is (an e
 
 
 def _t(sid: int, n: int, dtype: str = "float32") -> TensorInfo:
-    return TensorInfo(shape=(n // 4 if dtype == "float32" else n // 2,), stride=(1,), dtype=dtype,
-                      storage=sid)
+    return TensorInfo(
+        shape=(n // 4 if dtype == "float32" else n // 2,), stride=(1,), dtype=dtype, storage=sid
+    )
 
 
 class _Builder:
@@ -47,8 +48,9 @@ class _Builder:
         """A storage made before the step (a parameter, the batch)."""
         self.sizes[sid], self.created[sid], self.dtypes[sid] = nbytes, -1, dtype
 
-    def op(self, name: str, reads=(), makes=(), phase: str = "forward",
-           dtype: str = "float32") -> int:
+    def op(
+        self, name: str, reads=(), makes=(), phase: str = "forward", dtype: str = "float32"
+    ) -> int:
         i = len(self.ops)
         for sid, nbytes in makes:
             self.sizes[sid], self.created[sid], self.dtypes[sid] = nbytes, i, dtype
@@ -62,20 +64,33 @@ class _Builder:
         for i, (_, _, reads, _) in enumerate(self.ops):
             for sid in reads:
                 last[sid] = i
-        freed = {sid: (None if sid in survive or self.created[sid] < 0 else last[sid])
-                 for sid in self.sizes}
+        freed = {
+            sid: (None if sid in survive or self.created[sid] < 0 else last[sid])
+            for sid in self.sizes
+        }
         nodes = []
         for i, (name, phase, reads, makes) in enumerate(self.ops):
-            nodes.append(OpNode(
-                index=i, op=name if "." in name else f"aten.{name}.default", phase=phase,
-                module="m",
-                inputs=tuple(_t(s, self.sizes[s], self.dtypes[s]) for s in reads),
-                outputs=tuple(_t(s, self.sizes[s], self.dtypes[s]) for s in makes),
-                allocs=makes, frees=tuple(s for s in self.sizes if freed[s] == i)))
-        storages = tuple(StorageInfo(sid, self.sizes[sid], "activation", self.created[sid],
-                                     freed[sid]) for sid in sorted(self.sizes))
-        return StepGraph(nodes=tuple(nodes), storages=storages,
-                         meta=StepMeta(compiled_regions=tuple(Region(*r) for r in regions)))
+            nodes.append(
+                OpNode(
+                    index=i,
+                    op=name if "." in name else f"aten.{name}.default",
+                    phase=phase,
+                    module="m",
+                    inputs=tuple(_t(s, self.sizes[s], self.dtypes[s]) for s in reads),
+                    outputs=tuple(_t(s, self.sizes[s], self.dtypes[s]) for s in makes),
+                    allocs=makes,
+                    frees=tuple(s for s in self.sizes if freed[s] == i),
+                )
+            )
+        storages = tuple(
+            StorageInfo(sid, self.sizes[sid], "activation", self.created[sid], freed[sid])
+            for sid in sorted(self.sizes)
+        )
+        return StepGraph(
+            nodes=tuple(nodes),
+            storages=storages,
+            meta=StepMeta(compiled_regions=tuple(Region(*r) for r in regions)),
+        )
 
 
 def _peak(g: StepGraph) -> int:
@@ -118,8 +133,11 @@ def test_a_fused_kernel_writes_in_place_into_an_intermediate_it_reads_last():
 
 
 def test_in_place_needs_the_same_dtype_and_95_to_100_percent_of_the_size():
-    for out_bytes, dtype, expect in ((8 * MB, "bfloat16", 0), (int(7.5 * MB), "float32", 0),
-                                     (int(7.8 * MB), "float32", 1)):
+    for out_bytes, dtype, expect in (
+        (8 * MB, "bfloat16", 0),
+        (int(7.5 * MB), "float32", 0),
+        (int(7.8 * MB), "float32", 1),
+    ):
         b = _Builder()
         b.before(0, 8 * MB)
         b.op(EXTERN, reads=(0,), makes=((1, 8 * MB),))
@@ -170,8 +188,9 @@ GPT2 = {"m": 8192, "d": 768, "vocab": 50257}
 
 
 def _mm(a: TensorInfo, b: TensorInfo) -> OpNode:
-    return OpNode(index=0, op="aten.mm.default", phase="backward", module="lm_head",
-                  inputs=(a, b), outputs=())
+    return OpNode(
+        index=0, op="aten.mm.default", phase="backward", module="lm_head", inputs=(a, b), outputs=()
+    )
 
 
 def test_pad_mm_copies_gpt2_s_lm_head_gradient_as_inductor_did_on_an_h100():
@@ -180,8 +199,7 @@ def test_pad_mm_copies_gpt2_s_lm_head_gradient_as_inductor_did_on_an_h100():
     m, d, v = GPT2["m"], GPT2["d"], GPT2["vocab"]
     grad = TensorInfo((m, v), (v, 1), "bfloat16", 0)
     weight = TensorInfo((v, d), (d, 1), "bfloat16", 1)
-    assert pad_mm.copies(_mm(grad, weight)) == [(grad, 8192 * 50304 * 2),
-                                                     (weight, 50264 * 768 * 2)]
+    assert pad_mm.copies(_mm(grad, weight)) == [(grad, 8192 * 50304 * 2), (weight, 50264 * 768 * 2)]
     # the forward: hidden (8192, 768) @ weight.t() (768, 50257): n is padded, k is aligned
     hidden = TensorInfo((m, d), (d, 1), "bfloat16", 2)
     wt = TensorInfo((d, v), (1, d), "bfloat16", 1)
@@ -189,12 +207,14 @@ def test_pad_mm_copies_gpt2_s_lm_head_gradient_as_inductor_did_on_an_h100():
     # the weight gradient (50257, 8192) @ (8192, 768): only m is misaligned, left unpadded
     assert pad_mm.copies(_mm(TensorInfo((v, m), (1, v), "bfloat16", 0), hidden)) == []
     # aligned, fp32, or an operand its producer writes padded: no copy
-    assert pad_mm.copies(_mm(hidden, TensorInfo((d, 50304), (50304, 1), "bfloat16", 3))) \
+    assert pad_mm.copies(_mm(hidden, TensorInfo((d, 50304), (50304, 1), "bfloat16", 3))) == []
+    assert (
+        pad_mm.copies(
+            _mm(TensorInfo((m, v), (v, 1), "float32", 0), TensorInfo((v, d), (d, 1), "float32", 1))
+        )
         == []
-    assert pad_mm.copies(_mm(TensorInfo((m, v), (v, 1), "float32", 0),
-                                  TensorInfo((v, d), (d, 1), "float32", 1))) == []
-    assert [t for t, _ in pad_mm.copies(_mm(grad, weight),
-                                             planned=lambda t: t is grad)] == [weight]
+    )
+    assert [t for t, _ in pad_mm.copies(_mm(grad, weight), planned=lambda t: t is grad)] == [weight]
 
 
 def test_pad_copies_are_a_compiled_matmul_s_scratch_and_free_an_operand_it_reads_last():
@@ -208,18 +228,28 @@ def test_pad_copies_are_a_compiled_matmul_s_scratch_and_free_an_operand_it_reads
         b = _Builder()
         b.before(0, m * v * 2, "bfloat16")  # the gradient
         b.before(1, v * d * 4)  # the fp32 weight
-        b.op(EXTERN if made_in_forward else "_to_copy", reads=(1,), makes=((2, v * d * 2),),
-             phase="forward" if made_in_forward else "backward", dtype="bfloat16")
+        b.op(
+            EXTERN if made_in_forward else "_to_copy",
+            reads=(1,),
+            makes=((2, v * d * 2),),
+            phase="forward" if made_in_forward else "backward",
+            dtype="bfloat16",
+        )
         b.op("mm", reads=(0, 2), makes=((3, m * d * 2),), phase="backward", dtype="bfloat16")
         b.op("sum", reads=(3,), makes=((4, 512),), phase="backward")
-        runs = [("forward", 0, 0), ("backward", 1, 1)] if made_in_forward else \
-            [("backward", 0, 1)]
+        runs = [("forward", 0, 0), ("backward", 1, 1)] if made_in_forward else [("backward", 0, 1)]
         g = b.graph(runs, survive=(4,))
         nodes = list(g.nodes)
-        nodes[1] = OpNode(1, "aten.mm.default", "backward", "m",
-                          (TensorInfo((m, v), (v, 1), "bfloat16", 0),
-                           TensorInfo((v, d), (d, 1), "bfloat16", 2)),
-                          g.nodes[1].outputs, allocs=(3,), frees=g.nodes[1].frees)
+        nodes[1] = OpNode(
+            1,
+            "aten.mm.default",
+            "backward",
+            "m",
+            (TensorInfo((m, v), (v, 1), "bfloat16", 0), TensorInfo((v, d), (d, 1), "bfloat16", 2)),
+            g.nodes[1].outputs,
+            allocs=(3,),
+            frees=g.nodes[1].frees,
+        )
         g = StepGraph(tuple(nodes), g.storages, g.meta)
         assert pad_mm.scratch(g) == {1: expect}
         planned = inductor(g)
@@ -240,16 +270,26 @@ def test_a_padded_compiled_matmul_pays_for_its_copy_kernels():
     m, k, n = 4096, 1001, 1024
     a = TensorInfo((m, k), (k, 1), "bfloat16", 0)
     b = TensorInfo((k, n), (n, 1), "bfloat16", 1)
-    node = OpNode(0, "aten.mm.default", "forward", "m", (a, b),
-                  (TensorInfo((m, n), (n, 1), "bfloat16", 2),), args=({"t": 0}, {"t": 1}),
-                  allocs=(2,))
-    storages = (StorageInfo(0, a.nbytes, "activation", -1, None),
-                StorageInfo(1, b.nbytes, "parameter", -1, None),
-                StorageInfo(2, m * n * 2, "activation", 0, None))
+    node = OpNode(
+        0,
+        "aten.mm.default",
+        "forward",
+        "m",
+        (a, b),
+        (TensorInfo((m, n), (n, 1), "bfloat16", 2),),
+        args=({"t": 0}, {"t": 1}),
+        allocs=(2,),
+    )
+    storages = (
+        StorageInfo(0, a.nbytes, "activation", -1, None),
+        StorageInfo(1, b.nbytes, "parameter", -1, None),
+        StorageInfo(2, m * n * 2, "activation", 0, None),
+    )
     gpu = get_gpu("h100")
     eager = StepGraph((node,), storages, StepMeta(tokens=1))
-    compiled = StepGraph((node,), storages, eager.meta.replace(
-        compiled_regions=(Region("forward", 0, 0),)))
+    compiled = StepGraph(
+        (node,), storages, eager.meta.replace(compiled_regions=(Region("forward", 0, 0),))
+    )
     copies = pad_mm.copies(node)
     assert [c for _, c in copies] == [m * 1008 * 2, 1008 * n * 2]
     moved = a.nbytes + b.nbytes + sum(c for _, c in copies)
@@ -274,10 +314,12 @@ class _LNBlock(nn.Module):
 
 
 _MODELS = {
-    "mlp-gelu": lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256),
-                                      nn.GELU(), nn.Linear(256, 64)),
-    "mlp-tanh": lambda: nn.Sequential(nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 256),
-                                      nn.Tanh(), nn.Linear(256, 64)),
+    "mlp-gelu": lambda: nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64)
+    ),
+    "mlp-tanh": lambda: nn.Sequential(
+        nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)
+    ),
     "ln-block": _LNBlock,
 }
 #: outputs written into other buffers in Inductor's code (in place or from the pool)
@@ -291,7 +333,7 @@ def _written_into(code: str) -> int:
     written (a buffer aliased right after it is allocated, before any kernel, is one buffer)."""
     called: set[str] = set()
     count = 0
-    for line in code[code.index("def call("):].splitlines():
+    for line in code[code.index("def call(") :].splitlines():
         line = line.strip()
         if m := _REUSE.match(line):
             count += m.group(1) in called
@@ -300,8 +342,10 @@ def _written_into(code: str) -> int:
     return count
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="Inductor's CPU code generation needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="Inductor's CPU code generation needs a C++ compiler",
+)
 @pytest.mark.parametrize("name", list(_MODELS))
 def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
     # Inductor compiles the step on the CPU (its wrapper plans memory as on a GPU); each line
@@ -334,9 +378,12 @@ def test_buffers_written_into_others_as_inductor_s_generated_code_does(name):
 
     def make():
         torch.manual_seed(0)
-        return gobrrr.Workload(model=_MODELS[name](), batch=(torch.randn(128, 64),),
-                               loss=lambda y, b: (y * y).mean(),
-                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        return gobrrr.Workload(
+            model=_MODELS[name](),
+            batch=(torch.randn(128, 64),),
+            loss=lambda y, b: (y * y).mean(),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
 
     done = capture(make, precision="fp32", compile=True).meta.inductor
     assert done["in_place"] + done["reused"] == written == _WRITTEN[name]

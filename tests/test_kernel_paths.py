@@ -20,16 +20,24 @@ from gobrrr.hardware import find_calibration, get_gpu
 RESULTS = Path(__file__).resolve().parent / "fixtures"
 H100 = get_gpu("h100")
 # the kernel template each path runs (ATen's CUDALoops.cuh)
-KERNEL_OF = {"vector": "vectorized_elementwise_kernel", "cast_down":
-             "vectorized_elementwise_kernel", "dyncast": "unrolled_elementwise_kernel",
-             "generic_cast": "elementwise_kernel:cast", "cat_strided": "CatArrayBatchedCopy"}
+KERNEL_OF = {
+    "vector": "vectorized_elementwise_kernel",
+    "cast_down": "vectorized_elementwise_kernel",
+    "dyncast": "unrolled_elementwise_kernel",
+    "generic_cast": "elementwise_kernel:cast",
+    "cat_strided": "CatArrayBatchedCopy",
+}
 
 
 def _kernel_family(name: str) -> str:
     """The kernel template; the generic one as it casts each operand or not
     (gpu_kernel_impl's dynamic casting against gpu_kernel_impl_nocast)."""
-    for family in ("vectorized_elementwise_kernel", "unrolled_elementwise_kernel",
-                   "elementwise_kernel", "CatArrayBatchedCopy"):
+    for family in (
+        "vectorized_elementwise_kernel",
+        "unrolled_elementwise_kernel",
+        "elementwise_kernel",
+        "CatArrayBatchedCopy",
+    ):
         if family in name:
             if family == "elementwise_kernel" and "gpu_kernel_impl_nocast" not in name:
                 return "elementwise_kernel:cast"
@@ -70,33 +78,63 @@ def _t(shape, stride=None, dtype="bfloat16", storage=0):
 
 
 def _node(name, inputs, out, kind_args=()):
-    return OpNode(index=0, op=f"aten.{name}.default", phase="forward", module="",
-                  inputs=tuple(inputs), outputs=(out,), args=kind_args)
+    return OpNode(
+        index=0,
+        op=f"aten.{name}.default",
+        phase="forward",
+        module="",
+        inputs=tuple(inputs),
+        outputs=(out,),
+        args=kind_args,
+    )
 
 
-@pytest.mark.parametrize("inputs, out, kind, path", [
-    ([_t((8, 1024)), _t((8, 1024))], _t((8, 1024)), "pointwise", "vector"),
-    ([_t((8, 1024)), _t((8, 1024), dtype="float32")], _t((8, 1024), dtype="float32"),
-     "pointwise", "dyncast"),
-    ([_t((8, 1024)), _t((1024,))], _t((8, 1024)), "pointwise", "bcast"),
-    ([_t((8, 1024)), _t((8, 1))], _t((8, 1024)), "pointwise", "bcast_inner"),
-    # a bf16 activation times an fp32 per-channel scale of its batch row (ConvNeXt-V2's global
-    # response norm): broadcast and dtypes that differ
-    ([_t((2, 7, 7, 384)), _t((2, 1, 1, 384), dtype="float32")],
-     _t((2, 7, 7, 384), dtype="float32"), "pointwise", "generic_cast"),
-    ([_t((8, 1024), dtype="float32"), _t((8, 1))], _t((8, 1024), dtype="float32"),
-     "pointwise", "generic_cast"),
-    ([_t((8, 1024)), _t((1,), dtype="float32")], _t((8, 1024)), "pointwise", "vector"),
-    ([_t((2, 4, 8, 64), (2048, 64, 256, 1)), _t((2, 4, 8, 64))], _t((2, 4, 8, 64)),
-     "pointwise", "strided"),
-    ([_t((64, 32), (1, 64)), _t((64, 32))], _t((64, 32)), "pointwise", "transposed"),
-    ([_t((8, 1024), (1024, 1), "float32")], _t((8, 1024)), "copy", "cast_down"),
-    ([_t((8, 1024))], _t((8, 1024), dtype="float32"), "copy", "dyncast"),
-    ([_t((8, 64, 32), (32, 256, 1), "bfloat16")], _t((8, 64, 32)), "copy", "strided"),
-    # channels_last tensors of one layout are dense: the vectorized kernel
-    ([_t((2, 8, 4, 4), (128, 1, 32, 8)), _t((2, 8, 4, 4), (128, 1, 32, 8))],
-     _t((2, 8, 4, 4), (128, 1, 32, 8)), "pointwise", "vector"),
-])
+@pytest.mark.parametrize(
+    "inputs, out, kind, path",
+    [
+        ([_t((8, 1024)), _t((8, 1024))], _t((8, 1024)), "pointwise", "vector"),
+        (
+            [_t((8, 1024)), _t((8, 1024), dtype="float32")],
+            _t((8, 1024), dtype="float32"),
+            "pointwise",
+            "dyncast",
+        ),
+        ([_t((8, 1024)), _t((1024,))], _t((8, 1024)), "pointwise", "bcast"),
+        ([_t((8, 1024)), _t((8, 1))], _t((8, 1024)), "pointwise", "bcast_inner"),
+        # a bf16 activation times an fp32 per-channel scale of its batch row (ConvNeXt-V2's global
+        # response norm): broadcast and dtypes that differ
+        (
+            [_t((2, 7, 7, 384)), _t((2, 1, 1, 384), dtype="float32")],
+            _t((2, 7, 7, 384), dtype="float32"),
+            "pointwise",
+            "generic_cast",
+        ),
+        (
+            [_t((8, 1024), dtype="float32"), _t((8, 1))],
+            _t((8, 1024), dtype="float32"),
+            "pointwise",
+            "generic_cast",
+        ),
+        ([_t((8, 1024)), _t((1,), dtype="float32")], _t((8, 1024)), "pointwise", "vector"),
+        (
+            [_t((2, 4, 8, 64), (2048, 64, 256, 1)), _t((2, 4, 8, 64))],
+            _t((2, 4, 8, 64)),
+            "pointwise",
+            "strided",
+        ),
+        ([_t((64, 32), (1, 64)), _t((64, 32))], _t((64, 32)), "pointwise", "transposed"),
+        ([_t((8, 1024), (1024, 1), "float32")], _t((8, 1024)), "copy", "cast_down"),
+        ([_t((8, 1024))], _t((8, 1024), dtype="float32"), "copy", "dyncast"),
+        ([_t((8, 64, 32), (32, 256, 1), "bfloat16")], _t((8, 64, 32)), "copy", "strided"),
+        # channels_last tensors of one layout are dense: the vectorized kernel
+        (
+            [_t((2, 8, 4, 4), (128, 1, 32, 8)), _t((2, 8, 4, 4), (128, 1, 32, 8))],
+            _t((2, 8, 4, 4), (128, 1, 32, 8)),
+            "pointwise",
+            "vector",
+        ),
+    ],
+)
 def test_elementwise_path_by_hand(inputs, out, kind, path):
     name = "add" if kind == "pointwise" else "_to_copy"
     assert elementwise_path(_node(name, inputs, out), kind) == path
@@ -123,18 +161,28 @@ def test_ops_with_kernels_of_their_own_have_no_path():
 def test_paths_and_foreach_read_their_own_curves(make_cal):
     """A path measured slower takes that rate; the vectorized paths keep the size curves; a
     foreach op reads the foreach curve."""
-    cal = make_cal(path_bandwidth={"copy:dyncast:fp32": [[1e3, 1e12], [1e10, 1e12]],
-                                   "foreach": [[1e3, 2e12], [1e10, 2e12]]})
+    cal = make_cal(
+        path_bandwidth={
+            "copy:dyncast:fp32": [[1e3, 1e12], [1e10, 1e12]],
+            "foreach": [[1e3, 2e12], [1e10, 2e12]],
+        }
+    )
     rates = Rates(H100, cal)
     up = _node("_to_copy", [_t((4096, 4096))], _t((4096, 4096), dtype="float32"))
     cost = op_cost(up)
     assert time_op(up, cost, rates).memory_s == pytest.approx(cost.bytes / 1e12)
     down = _node("_to_copy", [_t((4096, 4096), dtype="float32")], _t((4096, 4096)))
-    assert time_op(down, op_cost(down), rates).memory_s == pytest.approx(
-        op_cost(down).bytes / 3e12)
+    assert time_op(down, op_cost(down), rates).memory_s == pytest.approx(op_cost(down).bytes / 3e12)
     lists = [_t((1024, 1024), dtype="float32", storage=i) for i in range(4)]
-    fe = OpNode(index=0, op="aten._foreach_mul_.Scalar", phase="optimizer", module="",
-                inputs=tuple(lists), outputs=tuple(lists), args=([{"t": i} for i in range(4)], 0.9))
+    fe = OpNode(
+        index=0,
+        op="aten._foreach_mul_.Scalar",
+        phase="optimizer",
+        module="",
+        inputs=tuple(lists),
+        outputs=tuple(lists),
+        args=([{"t": i} for i in range(4)], 0.9),
+    )
     c = op_cost(fe)
     assert c.kind == "optimizer"
     assert time_op(fe, c, rates).memory_s == pytest.approx(c.bytes / 2e12)
@@ -145,8 +193,12 @@ def test_softmax_reads_the_grid_at_its_width(make_cal):
     rates = Rates(H100, make_cal(softmax_grid={"_log_softmax:fp32": grid}))
 
     def t(width, rows):
-        n = _node("_log_softmax", [_t((rows, width), dtype="float32")],
-                  _t((rows, width), dtype="float32"), ({"t": 0}, 1, False))
+        n = _node(
+            "_log_softmax",
+            [_t((rows, width), dtype="float32")],
+            _t((rows, width), dtype="float32"),
+            ({"t": 0}, 1, False),
+        )
         return time_op(n, op_cost(n), rates).memory_s, op_cost(n).bytes
 
     narrow, wide = t(1024, 4096), t(131072, 32)
@@ -178,8 +230,6 @@ def test_a_cat_of_inputs_not_contiguous_is_strided():
     x, heads = _t((4, 8, 16)), _t((4, 8, 16), (128, 1, 8))
     out2, out3 = _t((8, 8, 16)), _t((2, 4, 8, 16))
     assert cat_path(_node("cat", [x, x], out2)) is None
-    assert cat_path(_node("stack", [x, x], out3)) == cat_path(_node("add", [x, heads], x)) \
-        is None
+    assert cat_path(_node("stack", [x, x], out3)) == cat_path(_node("add", [x, heads], x)) is None
     assert cat_path(_node("stack", [x, heads], out3)) == "cat_strided"
-    assert cat_path(_node("cat", [_t((4, 8, 8), (128, 16, 1)), x], _t((4, 8, 24)))) == \
-        "cat_strided"
+    assert cat_path(_node("cat", [_t((4, 8, 8), (128, 16, 1)), x], _t((4, 8, 24)))) == "cat_strided"

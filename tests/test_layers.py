@@ -34,7 +34,7 @@ FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
 
 def room_of(module: str) -> str:
-    """"gobrrr.cost.rates" -> "cost"; "gobrrr" (the package's face) -> ""."""
+    """ "gobrrr.cost.rates" -> "cost"; "gobrrr" (the package's face) -> ""."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -47,29 +47,39 @@ def imports() -> list[tuple[str, str, int, str]]:
         here = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = ([f"{node.module}.{a.name}" for a in node.names]
-                         if node.module == "gobrrr" else [node.module])
+                names = (
+                    [f"{node.module}.{a.name}" for a in node.names]
+                    if node.module == "gobrrr"
+                    else [node.module]
+                )
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
                 continue
-            out += [(str(rel), n, node.lineno, room_of(here)) for n in names
-                    if n.split(".")[0] == "gobrrr"]
+            out += [
+                (str(rel), n, node.lineno, room_of(here))
+                for n in names
+                if n.split(".")[0] == "gobrrr"
+            ]
     return out
 
 
 def test_every_room_has_a_floor():
-    rooms = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
-             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    rooms = {
+        p.stem if p.is_file() else p.name
+        for p in SRC.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
     assert rooms - set(FLOOR) == set(), "give each new room a floor in FLOORS"
     assert set(FLOOR) - rooms == set(), "FLOORS names a room that is gone"
 
 
 def test_no_import_runs_back_up():
-    up = [f"{f}:{line} ({src}, floor {FLOOR[src]}) imports {mod} (floor {FLOOR[room_of(mod)]})"
-          for f, mod, line, src in imports()
-          if src and room_of(mod) and room_of(mod) != src
-          and FLOOR[room_of(mod)] >= FLOOR[src]]
+    up = [
+        f"{f}:{line} ({src}, floor {FLOOR[src]}) imports {mod} (floor {FLOOR[room_of(mod)]})"
+        for f, mod, line, src in imports()
+        if src and room_of(mod) and room_of(mod) != src and FLOOR[room_of(mod)] >= FLOOR[src]
+    ]
     assert up == []
 
 

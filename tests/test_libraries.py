@@ -19,8 +19,7 @@ def _calls(run) -> list[tuple[bool, bool]]:
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
         calls.append((attn_mask is not None, bool(is_causal)))
-        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    **kw)
+        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
 
     F.scaled_dot_product_attention = spy
     try:
@@ -31,8 +30,14 @@ def _calls(run) -> list[tuple[bool, bool]]:
 
 
 def _llama():
-    cfg = T.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+    cfg = T.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+    )
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
     model.gradient_checkpointing_enable()
     return model

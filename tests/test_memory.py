@@ -27,17 +27,27 @@ def _graph(storages, nodes):
 
 
 def _node(i, allocs=(), frees=(), phase="forward"):
-    return OpNode(index=i, op="aten.add.Tensor", phase=phase, module="m", inputs=(), outputs=(),
-                  allocs=tuple(allocs), frees=tuple(frees))
+    return OpNode(
+        index=i,
+        op="aten.add.Tensor",
+        phase=phase,
+        module="m",
+        inputs=(),
+        outputs=(),
+        allocs=tuple(allocs),
+        frees=tuple(frees),
+    )
 
 
 def _hand_built():
     """A 1000-byte parameter alive throughout; op0 makes a (3000 B), op1 makes b (100 B) and
     frees a right after; op2 makes c (5000 B). Rounded: 1024, 3072, 512, 5120."""
-    storages = [StorageInfo(0, 1000, "parameter", -1, None),
-                StorageInfo(1, 3000, "activation", 0, 1),
-                StorageInfo(2, 100, "temporary", 1, None),
-                StorageInfo(3, 5000, "temporary", 2, 2)]
+    storages = [
+        StorageInfo(0, 1000, "parameter", -1, None),
+        StorageInfo(1, 3000, "activation", 0, 1),
+        StorageInfo(2, 100, "temporary", 1, None),
+        StorageInfo(3, 5000, "temporary", 2, 2),
+    ]
     return _graph(storages, [_node(0, [1]), _node(1, [2], [1]), _node(2, [3], [3])])
 
 
@@ -47,8 +57,11 @@ def test_hand_built_graph_peak_and_breakdown():
     m = simulate(_hand_built(), workspace=2048)
     # b outlives the step: in the measured step the previous step's b is alive until op1
     # makes the new one
-    assert m.timeline == (2048 + 1024 + 512 + 3072, 2048 + 1024 + 3072 + 512,
-                          2048 + 1024 + 512 + 5120)
+    assert m.timeline == (
+        2048 + 1024 + 512 + 3072,
+        2048 + 1024 + 3072 + 512,
+        2048 + 1024 + 512 + 5120,
+    )
     assert m.peak == m.peak_rounded == 2048 + 1024 + 512 + 5120 and m.peak_index == 2
     assert m.at_peak == {"parameter": 1024, "temporary": 512 + 5120, "workspace": 2048}
     assert m.persistent == {"parameter": 1024, "temporary": 512}
@@ -58,8 +71,13 @@ def _linear_workload(optimizer=None):
     def make():
         model = nn.Linear(1024, 1024, bias=False)
         x = torch.randn(256, 1024)
-        return gobrrr.Workload(model=model, batch=(x,), loss=lambda y, b: (y ** 2).mean(),
-                               optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)))
+        return gobrrr.Workload(
+            model=model,
+            batch=(x,),
+            loss=lambda y, b: (y**2).mean(),
+            optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)),
+        )
+
     return make
 
 
@@ -104,7 +122,10 @@ def test_checkpointing_saves_only_block_inputs():
 
 def test_module_rollup_sums_by_prefix():
     assert module_rollup({"h.0.attn": 3, "h.0.mlp": 4, "h.1.attn": 5, "lm_head": 1}) == {
-        "h.0": 7, "h.1": 5, "lm_head": 1}
+        "h.0": 7,
+        "h.1": 5,
+        "lm_head": 1,
+    }
 
 
 def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
@@ -115,21 +136,28 @@ def test_gpt2_block_activations_match_a_hand_count_and_where_megatron_differs():
 
     b, s, d, a = 4, 1024, 768, 12
     g = capture(lambda: get_workload("gpt2", b, s), precision="bf16-mixed")
-    traced = sum(x.nbytes for x in g.storages
-                 if x.kind == "activation" and x.module.startswith("transformer.h.3"))
+    traced = sum(
+        x.nbytes
+        for x in g.storages
+        if x.kind == "activation" and x.module.startswith("transformer.h.3")
+    )
     sbh, bs = s * b * d, b * s
     hand = (
-        2 * (2 * bs * 4)            # ln_1, ln_2: fp32 mean and rstd per token
-        + 2 * sbh + 6 * sbh         # c_attn: bf16 cast of its input; q, k, v (bf16)
-        + 2 * 3 * d * d             # c_attn: bf16 copy of the weight (autocast's cache)
-        + 2 * sbh + 4 * b * a * s   # attention output (bf16) and its fp32 log-sum-exp
-        + 2 * 8                     # cuDNN attention's RNG seed and offset (int64 scalars)
-        + 2 * d * d                 # attn.c_proj weight copy
-        + 4 * sbh + 4 * sbh         # the two residual sums, fp32 (the stream stays fp32)
-        + 2 * sbh + 8 * sbh         # c_fc: input cast; output 4d wide (gelu's input)
-        + 2 * 4 * d * d             # c_fc weight copy
-        + 8 * sbh                   # gelu output (mlp.c_proj's input)
-        + 2 * 4 * d * d             # mlp.c_proj weight copy
+        2 * (2 * bs * 4)  # ln_1, ln_2: fp32 mean and rstd per token
+        + 2 * sbh
+        + 6 * sbh  # c_attn: bf16 cast of its input; q, k, v (bf16)
+        + 2 * 3 * d * d  # c_attn: bf16 copy of the weight (autocast's cache)
+        + 2 * sbh
+        + 4 * b * a * s  # attention output (bf16) and its fp32 log-sum-exp
+        + 2 * 8  # cuDNN attention's RNG seed and offset (int64 scalars)
+        + 2 * d * d  # attn.c_proj weight copy
+        + 4 * sbh
+        + 4 * sbh  # the two residual sums, fp32 (the stream stays fp32)
+        + 2 * sbh
+        + 8 * sbh  # c_fc: input cast; output 4d wide (gelu's input)
+        + 2 * 4 * d * d  # c_fc weight copy
+        + 8 * sbh  # gelu output (mlp.c_proj's input)
+        + 2 * 4 * d * d  # mlp.c_proj weight copy
     )
     assert traced == hand
     # Megatron assumes a 16-bit residual stream and dropout masks, and no weight copies: the
@@ -155,9 +183,11 @@ def test_hand_built_graph_reserves_one_small_segment():
 def _lazy_state_graph():
     # a 12 MiB parameter and its 12 MiB optimizer state; a 24 MiB activation made in forward
     # and freed in backward; one optimizer op
-    storages = [StorageInfo(0, 12 * MiB, "parameter", -1, None),
-                StorageInfo(1, 12 * MiB, "optimizer_state", -1, None),
-                StorageInfo(2, 24 * MiB, "activation", 0, 1)]
+    storages = [
+        StorageInfo(0, 12 * MiB, "parameter", -1, None),
+        StorageInfo(1, 12 * MiB, "optimizer_state", -1, None),
+        StorageInfo(2, 24 * MiB, "activation", 0, 1),
+    ]
     nodes = [_node(0, [2]), _node(1, [], [2], phase="backward"), _node(2, phase="optimizer")]
     return _graph(storages, nodes)
 
@@ -187,8 +217,10 @@ def test_budget_decides_fits_and_headroom():
 SUITE = ROOT / "tests" / "fixtures" / "estimate_suite_h100.json"
 
 
-@pytest.mark.parametrize("model,batch,precision,checkpoint", [
-    ("gpt2", 8, "fp32", "none"), ("gpt2-medium", 4, "fp32", "full")])
+@pytest.mark.parametrize(
+    "model,batch,precision,checkpoint",
+    [("gpt2", 8, "fp32", "none"), ("gpt2-medium", 4, "fp32", "full")],
+)
 def test_reserved_peak_matches_the_recorded_suite(model, batch, precision, checkpoint):
     """max_memory_reserved measured on an H100 by bench_estimate_suite.py (after three
     warm-up steps) against the replay, within 2%."""
@@ -198,12 +230,22 @@ def test_reserved_peak_matches_the_recorded_suite(model, batch, precision, check
     from gobrrr.hardware import Calibration
     from gobrrr.memory.replay import CUDA_CONTEXT_BYTES
 
-    case = next(c for c in json.loads(SUITE.read_text())["cases"]
-                if (c["model"], c["batch"], c["precision"], c["checkpoint"], c["compile"])
-                == (model, batch, precision, checkpoint, False))
+    case = next(
+        c
+        for c in json.loads(SUITE.read_text())["cases"]
+        if (c["model"], c["batch"], c["precision"], c["checkpoint"], c["compile"])
+        == (model, batch, precision, checkpoint, False)
+    )
     cal = Calibration.load(ROOT / "src" / "gobrrr" / "data" / "calibration" / "h100-sxm.json")
-    est = estimate(model, "h100", batch=batch, seq=case["seq"], precision=precision,
-                   checkpoint=checkpoint, calibration=cal)
+    est = estimate(
+        model,
+        "h100",
+        batch=batch,
+        seq=case["seq"],
+        precision=precision,
+        checkpoint=checkpoint,
+        calibration=cal,
+    )
     measured = case["measured"]["reserved_peak"]
     assert abs(est.memory.reserved / measured - 1) <= 0.02
     mem = estimate_dict(est)["memory"]
@@ -248,8 +290,10 @@ def test_a_step_whose_allocated_peak_fits_can_still_run_out_of_reserved_memory()
 def test_allocated_peak_counts_the_remainder_a_block_keeps():
     # an 11 MiB activation gets a 12 MiB segment whose 1 MiB remainder is not split off
     # (the large pool splits only above 1 MiB): max_memory_allocated counts 12 MiB
-    storages = [StorageInfo(0, 1000, "parameter", -1, None),
-                StorageInfo(1, 11 * MiB, "activation", 0, 1)]
+    storages = [
+        StorageInfo(0, 1000, "parameter", -1, None),
+        StorageInfo(1, 11 * MiB, "activation", 0, 1),
+    ]
     m = simulate(_graph(storages, [_node(0, [1]), _node(1, [], [1])]))
     assert m.peak_rounded == 1024 + 11 * MiB
     assert m.peak == 1024 + 12 * MiB and m.peak_index == 0

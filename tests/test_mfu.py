@@ -15,8 +15,11 @@ from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import get_workload
 
 H100 = get_gpu("h100")
-CASES = [("gpt2", 2, 64, dict(n_layer=2, vocab_size=96)), ("convnet", 2, None, {}),
-         ("mlp", 16, None, {})]
+CASES = [
+    ("gpt2", 2, 64, dict(n_layer=2, vocab_size=96)),
+    ("convnet", 2, None, {}),
+    ("mlp", 16, None, {}),
+]
 
 
 def real_flops(name, batch, seq, **kw) -> int:
@@ -44,8 +47,9 @@ def test_model_flops_are_the_traced_forward_and_backward(name, batch, seq, kw):
 @pytest.mark.parametrize("name,batch,seq,kw", CASES[:2], ids=[c[0] for c in CASES[:2]])
 def test_recomputation_counts_in_hfu_only(name, batch, seq, kw):
     plain = capture(lambda: get_workload(name, batch, seq, **kw), precision="fp32")
-    ckpt = capture(lambda: get_workload(name, batch, seq, **kw), precision="fp32",
-                   checkpoint="full")
+    ckpt = capture(
+        lambda: get_workload(name, batch, seq, **kw), precision="fp32", checkpoint="full"
+    )
     assert model_flops(ckpt) == pytest.approx(model_flops(plain), rel=1e-3)
     p = predict(ckpt, H100)
     # about one more forward: at least a fifth more FLOPs run than the model's
@@ -79,8 +83,7 @@ class SelfCheckpointing(nn.Module):
 
     def __init__(self, use: bool):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
-                                    for _ in range(3))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
         self.use = use
 
     def forward(self, x):

@@ -40,26 +40,49 @@ def _shrunk(case: partial, **small):
 
 # name -> (builder(batch, seq) -> Workload, seq, precision, library the builder needs)
 CASES = {
-    "gpt2": (lambda b, s: get_workload("gpt2", b, s, n_layer=2, vocab_size=96), 32,
-             "bf16-mixed", None),
-    "gpt2-fp32": (lambda b, s: get_workload("gpt2", b, s, n_layer=2, vocab_size=96), 32,
-                  "fp32", None),
-    "llama3-1b": (lambda b, s: get_workload("llama3-1b", b, s, n_layer=2, vocab_size=96), 32,
-                  "bf16-mixed", None),
+    "gpt2": (
+        lambda b, s: get_workload("gpt2", b, s, n_layer=2, vocab_size=96),
+        32,
+        "bf16-mixed",
+        None,
+    ),
+    "gpt2-fp32": (
+        lambda b, s: get_workload("gpt2", b, s, n_layer=2, vocab_size=96),
+        32,
+        "fp32",
+        None,
+    ),
+    "llama3-1b": (
+        lambda b, s: get_workload("llama3-1b", b, s, n_layer=2, vocab_size=96),
+        32,
+        "bf16-mixed",
+        None,
+    ),
     "mlp": (lambda b, s: get_workload("mlp", b), None, "bf16-mixed", None),
     "convnet": (lambda b, s: get_workload("convnet", b), None, "bf16-mixed", None),
     # HF BERT masked LM, every other row padded (attention mask), dropout on
-    "bert-base-mlm-padded": (_shrunk(zoo.BERT, pad=True, vocab_size=256, **_SMALL), 32,
-                             "bf16-mixed", "transformers"),
+    "bert-base-mlm-padded": (
+        _shrunk(zoo.BERT, pad=True, vocab_size=256, **_SMALL),
+        32,
+        "bf16-mixed",
+        "transformers",
+    ),
     # HF Mixtral: top-2 of 4 experts, routing traced under the "balanced" assumption, router
     # auxiliary loss (divides by the token count, a float)
-    "mixtral-8x-small": (_shrunk(zoo.MIXTRAL, vocab_size=256, num_key_value_heads=2,
-                                 num_local_experts=4, **_SMALL), 32, "bf16-mixed",
-                         "transformers"),
+    "mixtral-8x-small": (
+        _shrunk(zoo.MIXTRAL, vocab_size=256, num_key_value_heads=2, num_local_experts=4, **_SMALL),
+        32,
+        "bf16-mixed",
+        "transformers",
+    ),
     # torchvision ResNet in channels-last with SGD momentum, the zoo's resnet50-tv-cl recipe
     # on the smaller ResNet-18
-    "resnet18-tv-cl": (partial(zoo.TV, arch="resnet18", channels_last=True, optimizer=zoo.SGD),
-                       None, "bf16-mixed", "torchvision"),
+    "resnet18-tv-cl": (
+        partial(zoo.TV, arch="resnet18", channels_last=True, optimizer=zoo.SGD),
+        None,
+        "bf16-mixed",
+        "torchvision",
+    ),
 }
 BUILT_INS = ("gpt2", "gpt2-fp32", "llama3-1b", "mlp", "convnet")
 ZOO = ("bert-base-mlm-padded", "mixtral-8x-small", "resnet18-tv-cl")
@@ -164,8 +187,9 @@ def test_check_names_the_first_difference():
     fam = _family("gpt2")
     wrong = _trace("gpt2", 8)  # held against the graph at 3
     m = fam.check(wrong, 3)
-    first = next(i for i, (a, c) in enumerate(zip(fam.at(3).nodes, wrong.nodes, strict=True))
-                 if a != c)
+    first = next(
+        i for i, (a, c) in enumerate(zip(fam.at(3).nodes, wrong.nodes, strict=True)) if a != c
+    )
     assert m.where == f"node {first} ({wrong.nodes[first].op})"
     assert m.derived != m.traced and "derived" in str(m)
 
@@ -182,6 +206,7 @@ def test_a_quarter_million_tokens_is_a_plain_extrapolation():
 
 
 # -- steps whose structure depends on the batch ---------------------------------------------------
+
 
 class _Branchy(nn.Module):
     """Runs another op past a batch of 3: the step's structure depends on the batch."""
@@ -231,16 +256,26 @@ class _Half(nn.Module):
 
 def _toy(module: type[nn.Module], b: int) -> StepGraph:
     torch.manual_seed(0)
-    return capture(lambda: gobrrr.Workload(model=module(), batch=(torch.randn(b, 8),),
-                                           loss=lambda y, batch: y.sum()), precision="fp32")
+    return capture(
+        lambda: gobrrr.Workload(
+            model=module(), batch=(torch.randn(b, 8),), loss=lambda y, batch: y.sum()
+        ),
+        precision="fp32",
+    )
 
 
-@pytest.mark.parametrize("module, what", [
-    (_Branchy, r"node \d+ \(aten\.\w+\.default\): op is 'aten.relu.default' at micro-batch 2 "
-               r"and 'aten.sigmoid.default' at 4"),
-    (_Scaled, r"args is 0.5 at micro-batch 2 and 0.25 at 4"),
-    (_Gram, r"more than one dimension follows the batch"),
-])
+@pytest.mark.parametrize(
+    "module, what",
+    [
+        (
+            _Branchy,
+            r"node \d+ \(aten\.\w+\.default\): op is 'aten.relu.default' at micro-batch 2 "
+            r"and 'aten.sigmoid.default' at 4",
+        ),
+        (_Scaled, r"args is 0.5 at micro-batch 2 and 0.25 at 4"),
+        (_Gram, r"more than one dimension follows the batch"),
+    ],
+)
 def test_a_structure_that_depends_on_the_batch_is_refused(module, what):
     with pytest.raises(BatchDependentStructure, match=what) as e:
         family(partial(_toy, module))
@@ -253,8 +288,11 @@ def test_a_structure_that_depends_on_the_batch_is_refused(module, what):
 def test_an_integer_that_is_not_whole_per_sample_is_refused_at_odd_batches():
     fam = family(partial(_toy, _Half))
     assert fam.step == 2
-    with pytest.raises(BatchDependentStructure, match=r"micro-batch 3 cannot be derived.*"
-                                                      r"changes by 1 between them"):
+    with pytest.raises(
+        BatchDependentStructure,
+        match=r"micro-batch 3 cannot be derived.*"
+        r"changes by 1 between them",
+    ):
         fam.at(3)
     assert fam.check(_toy(_Half, 8), 8) is None
 
@@ -264,8 +302,9 @@ def test_bad_micro_batches_are_named():
     with pytest.raises(GobrrrError, match="b1 < b2, got b1=2, b2=2"):
         BatchFamily(g, 2, g, 2)
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(GobrrrError, match=f"micro_batch must be a whole number >= 1, got "
-                                              f"{bad!r}"):
+        with pytest.raises(
+            GobrrrError, match=f"micro_batch must be a whole number >= 1, got {bad!r}"
+        ):
             _family("mlp").at(bad)
 
 

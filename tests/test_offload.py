@@ -41,18 +41,30 @@ from gobrrr.training.step import TrainStep
 GB = 1e9
 LINK = 25 * GB  # bytes/s both ways, flat: copy seconds are bytes / LINK
 ADAM = 1e-9  # CPU seconds per element, flat from MINIMAL_SIZE up
-SECTION = {"d2h": [[65536.0, LINK], [2.0**30, LINK]], "h2d": [[65536.0, LINK], [2.0**30, LINK]],
-           "adamw:fp32": [[4096.0, 4096 * ADAM], [2.0**26, 2**26 * ADAM]],
-           "adamw:bf16": [[4096.0, 4096 * ADAM], [2.0**26, 2**26 * ADAM]],
-           "d2h_issue_s": 10e-6, "h2d_issue_s": 10e-6, "threads": 16}
+SECTION = {
+    "d2h": [[65536.0, LINK], [2.0**30, LINK]],
+    "h2d": [[65536.0, LINK], [2.0**30, LINK]],
+    "adamw:fp32": [[4096.0, 4096 * ADAM], [2.0**26, 2**26 * ADAM]],
+    "adamw:bf16": [[4096.0, 4096 * ADAM], [2.0**26, 2**26 * ADAM]],
+    "d2h_issue_s": 10e-6,
+    "h2d_issue_s": 10e-6,
+    "threads": 16,
+}
 
 
 def tiny_gpt2(batch_size: int = 4, seq_len: int = 32):
     """Parameters both sides of torchao's 4096 elements: norms, biases, the attention's
     matrices (32 x 96, 32 x 32) stay on the GPU; the MLP's (32 x 128: 4096 exactly), the
     embeddings (200 x 32, 1024 x 32) are offloaded."""
-    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=32,
-                        n_head=4, vocab_size=200)
+    return get_workload(
+        "gpt2",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=200,
+    )
 
 
 def offloaded_workload(batch_size: int = 4, seq_len: int = 32):
@@ -92,12 +104,15 @@ def torchao_on_cpu():
     import torchao.optim.cpu_offload as co
 
     empty_like = torch.empty_like
-    with mock.patch.object(co, "get_available_devices", lambda: ["cpu", "cuda"]), \
-            mock.patch.object(torch.cuda, "Stream", _Stream), \
-            mock.patch.object(torch.cuda, "current_stream", lambda *a: _Stream()), \
-            mock.patch.object(torch.cuda, "stream", lambda s: contextlib.nullcontext()), \
-            mock.patch.object(torch, "empty_like",
-                              lambda t, *a, pin_memory=False, **k: empty_like(t, *a, **k)):
+    with (
+        mock.patch.object(co, "get_available_devices", lambda: ["cpu", "cuda"]),
+        mock.patch.object(torch.cuda, "Stream", _Stream),
+        mock.patch.object(torch.cuda, "current_stream", lambda *a: _Stream()),
+        mock.patch.object(torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+        mock.patch.object(
+            torch, "empty_like", lambda t, *a, pin_memory=False, **k: empty_like(t, *a, **k)
+        ),
+    ):
         yield co.CPUOffloadOptimizer
 
 
@@ -113,7 +128,7 @@ def torchao_step():
         opt = offload(w.model.parameters(), torch.optim.AdamW, lr=3e-4)
         order = []
         for p, o in opt.optim_dict.items():
-            o.step = (lambda p=p, f=o.step: (order.append(names[p]), f())[1])
+            o.step = lambda p=p, f=o.step: (order.append(names[p]), f())[1]
         TrainStep(w, opt, "fp32", device_type="cpu")()
     return opt, names, order
 
@@ -126,8 +141,9 @@ def test_stand_in_offloads_what_torchao_does_in_the_order_it_steps(traced, torch
     assert stepped == order  # the same parameters, in grad-ready order
     assert {labels[s] for s in offloaded_params(g)} == {names[p] for p in opt.optim_dict}
     on_gpu = {names[p] for grp in opt.d_param_groups for p in grp["params"]}
-    assert on_gpu and all(p.numel() < MINIMAL_SIZE for grp in opt.d_param_groups
-                          for p in grp["params"])
+    assert on_gpu and all(
+        p.numel() < MINIMAL_SIZE for grp in opt.d_param_groups for p in grp["params"]
+    )
     states = {s.label.rsplit(".", 1)[0] for s in g.storages if s.kind == "optimizer_state"}
     assert states == on_gpu  # GPU states for the small parameters only
 
@@ -139,8 +155,10 @@ def test_each_offloaded_parameter_is_copied_out_stepped_and_copied_back(traced):
     for n in ops:
         by_param.setdefault(n.inputs[0].storage, []).append((n.op, n.phase))
     assert len(by_param) == len(offloaded_params(g)) > 0
-    assert all(v == [(D2H, "backward"), (CPU_STEP, "optimizer"), (H2D, "optimizer")]
-               for v in by_param.values())
+    assert all(
+        v == [(D2H, "backward"), (CPU_STEP, "optimizer"), (H2D, "optimizer")]
+        for v in by_param.values()
+    )
 
 
 def test_gpu_memory_of_the_offloaded_step_by_hand(traced, target):
@@ -166,10 +184,16 @@ def test_host_bytes_are_what_torchao_holds(traced, torchao_step):
     rounding; states: what the CPU optimizers created in their first step."""
     g, _ = traced
     opt, _, _ = torchao_step
-    pinned = sum(pinned_bytes(h.nbytes) + pinned_bytes(h.grad.nbytes)
-                 for h in opt.param_d2h_map.values())
-    states = sum(v.nbytes for o in opt.optim_dict.values() for s in o.state.values()
-                 for v in s.values() if isinstance(v, torch.Tensor))
+    pinned = sum(
+        pinned_bytes(h.nbytes) + pinned_bytes(h.grad.nbytes) for h in opt.param_d2h_map.values()
+    )
+    states = sum(
+        v.nbytes
+        for o in opt.optim_dict.values()
+        for s in o.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
     assert host_bytes(g) == {"pinned": pinned, "states": states, "total": pinned + states}
     assert [pinned_bytes(n) for n in (1, 4096, 4097, 3 * 2**20)] == [1, 4096, 8192, 4 * 2**20]
 
@@ -190,8 +214,12 @@ def _schedule(ops, syncs, repeat, param_of):
 
 def test_d2h_waits_for_the_compute_stream_and_copies_run_one_after_another():
     # backward: two kernels of 4 s issued at once; a copy (3 s) queued after each
-    ops = (op(0, host=1, device=4), op(1, "d2h", host=0.5, side=3),
-           op(2, host=1, device=4), op(3, "d2h", host=0.5, side=3))
+    ops = (
+        op(0, host=1, device=4),
+        op(1, "d2h", host=0.5, side=3),
+        op(2, host=1, device=4),
+        op(3, "d2h", host=0.5, side=3),
+    )
     param_of = {1: 10, 3: 11}
     host, device = _schedule(ops, set(), None, param_of)
     # kernel 0 runs 1..5; copy 0 runs 5..8; kernel 1 runs 5..9; copy 1 runs 9..12
@@ -199,10 +227,16 @@ def test_d2h_waits_for_the_compute_stream_and_copies_run_one_after_another():
 
 
 def test_cpu_steps_wait_for_their_gradient_and_h2d_overlaps_the_next_step():
-    ops = (op(0, host=1, device=10), op(1, "d2h", side=2),  # copy lands at 13
-           op(2, host=1, device=1), op(3, "d2h", side=2),  # kernel ends 12, copy lands 15
-           op(4, "cpu_step", host=5, phase="optimizer"), op(5, "h2d", host=0.5, side=1),
-           op(6, "cpu_step", host=5, phase="optimizer"), op(7, "h2d", host=0.5, side=1))
+    ops = (
+        op(0, host=1, device=10),
+        op(1, "d2h", side=2),  # copy lands at 13
+        op(2, host=1, device=1),
+        op(3, "d2h", side=2),  # kernel ends 12, copy lands 15
+        op(4, "cpu_step", host=5, phase="optimizer"),
+        op(5, "h2d", host=0.5, side=1),
+        op(6, "cpu_step", host=5, phase="optimizer"),
+        op(7, "h2d", host=0.5, side=1),
+    )
     param_of = {1: 10, 4: 10, 5: 10, 3: 11, 6: 11, 7: 11}
     host, device = _schedule(ops, set(), None, param_of)
     # host issues backward by 2; CPU step 0 waits to 13, runs to 18, queues H2D (18.5..19.5);
@@ -241,8 +275,14 @@ def test_step_time_is_the_link_and_cpu_work_where_they_dominate(traced, target):
     (serial) of every micro-batch, the last gradient's CPU step and the last parameter's H2D
     at least, and the D2H and H2D copies and the CPU steps at most."""
     g, _ = traced
-    slow = dataclasses.replace(target.cal, offload={
-        **SECTION, "d2h": [[1.0, 1e6], [2.0**30, 1e6]], "h2d": [[1.0, 1e6], [2.0**30, 1e6]]})
+    slow = dataclasses.replace(
+        target.cal,
+        offload={
+            **SECTION,
+            "d2h": [[1.0, 1e6], [2.0**30, 1e6]],
+            "h2d": [[1.0, 1e6], [2.0**30, 1e6]],
+        },
+    )
     t = Target(target.gpu, slow)
     numels = [n for n, _ in offloaded_params(g).values()]
     d2h = h2d = sum(4 * n for n in numels) / 1e6
@@ -269,8 +309,9 @@ def squeezed(target):
     off = free.cost(Knobs(micro_batch=1, accumulation=4, checkpoint=least, fused_loss=True))
     assert on.reserved_bytes < off.reserved_bytes
     budget = (on.reserved_bytes + off.reserved_bytes) // 2
-    return Planner(tiny_gpt2, target, global_batch=4, seq=32, memory_budget=budget,
-                   allow=["offload"]).run(), budget
+    return Planner(
+        tiny_gpt2, target, global_batch=4, seq=32, memory_budget=budget, allow=["offload"]
+    ).run(), budget
 
 
 def test_planner_offloads_when_only_offload_fits(squeezed, target):
@@ -293,13 +334,16 @@ def test_the_printout_says_the_host_memory_an_offloaded_plan_needs(squeezed, cap
     print_plan(r)
     out = " ".join(capsys.readouterr().out.split())
     gib = 2**30
-    assert (f"host memory: {r.best.host_bytes / gib:.2f} GiB "
-            f"({r.best.host_pinned_bytes / gib:.2f} GiB pinned)") in out
+    assert (
+        f"host memory: {r.best.host_bytes / gib:.2f} GiB "
+        f"({r.best.host_pinned_bytes / gib:.2f} GiB pinned)"
+    ) in out
 
 
 def test_no_fit_says_when_offloaded_plans_were_tried(target):
-    r = Planner(tiny_gpt2, target, global_batch=2, seq=32, memory_budget=2**20,
-                allow=["offload"]).run()
+    r = Planner(
+        tiny_gpt2, target, global_batch=2, seq=32, memory_budget=2**20, allow=["offload"]
+    ).run()
     assert r.best is None and any(p.knobs.offload for p in r.plans)
     assert "offloaded plans did not fit either" in no_fit_message(r)
 
@@ -318,19 +362,27 @@ def test_planned_offload_matches_a_fresh_trace(squeezed, target):
             use_fused_loss(w.model)
         return w
 
-    fresh = evaluate(capture(make, accumulation=k.accumulation,
-                             checkpoint=dict(k.checkpoint) or "none"), target)
+    fresh = evaluate(
+        capture(make, accumulation=k.accumulation, checkpoint=dict(k.checkpoint) or "none"), target
+    )
     assert r.best.peak_bytes == pytest.approx(fresh.memory.peak, rel=0.002)
     assert r.best.step_s == pytest.approx(fresh.time.step_s, rel=0.05)
     assert r.best.host_bytes == host_bytes(fresh.graph)["total"]
 
 
 def test_offload_is_refused_with_a_note_where_it_cannot_be_costed(target):
-    uncalibrated = Planner(tiny_gpt2, Target(target.gpu, dataclasses.replace(
-        target.cal, offload={})), global_batch=2, seq=32, allow=["offload"]).run()
+    uncalibrated = Planner(
+        tiny_gpt2,
+        Target(target.gpu, dataclasses.replace(target.cal, offload={})),
+        global_batch=2,
+        seq=32,
+        allow=["offload"],
+    ).run()
     assert not any(p.knobs.offload for p in uncalibrated.plans)
-    assert any(n.startswith("offload not planned") and "run `gobrrr calibrate`" in n
-               for n in uncalibrated.notes)
+    assert any(
+        n.startswith("offload not planned") and "run `gobrrr calibrate`" in n
+        for n in uncalibrated.notes
+    )
 
     def with_adam(batch_size: int = 2, seq_len: int = 32):
         w = tiny_gpt2(batch_size, seq_len)
@@ -346,8 +398,20 @@ def test_offload_with_other_states_and_unknown_allow_are_errors(target, capsys):
     p = Planner(tiny_gpt2, target, global_batch=2, seq=32, allow=["offload"])
     with pytest.raises(GobrrrError, match="offload with optimizer_states='bf16'"):
         p.cost(Knobs(micro_batch=2, offload=True, optimizer_states="bf16"))
-    code = main(["plan", "--model", "gpt2", "--seq", "64", "--global-batch", "2",
-                 "--allow", "ofload", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gpt2",
+            "--seq",
+            "64",
+            "--global-batch",
+            "2",
+            "--allow",
+            "ofload",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and "--allow ofload: unknown" in out["error"]
     assert "offload" in out["error"] + (out.get("hint") or "")
@@ -374,8 +438,9 @@ def test_recorded_offload_memory_is_predicted(recorded_gpt2):
     results, rows = recorded_gpt2
     for name, row in rows.items():
         m = results["measured"][name]
-        assert row["predicted"]["peak_allocated"] == pytest.approx(m["peak_allocated"],
-                                                                   rel=0.001), name
+        assert row["predicted"]["peak_allocated"] == pytest.approx(
+            m["peak_allocated"], rel=0.001
+        ), name
         if m.get("host"):
             pinned = m["host"]["host_allocator"]["allocated_bytes.current"]
             assert row["predicted"]["host_pinned_bytes"] == pinned
@@ -389,6 +454,7 @@ def test_recorded_offload_steps_are_predicted(recorded_gpt2):
     results, rows = recorded_gpt2
     for name in ("gpt2-offload", "gpt2-acc2-offload"):
         assert abs(rows[name]["errors"]["step_s"]) < 0.15, name
+
     def extra(side):  # what offload adds to the step
         return rows["gpt2-offload"][side]["step_s"] - rows["gpt2-plain"][side]["step_s"]
 

@@ -59,8 +59,9 @@ def _flat(state: dict) -> list[tuple]:
     out = []
     for v in state.values():
         parts = [v.codes, v.scale, v.qmap] if hasattr(v, "codes") else [v]
-        out += [(t.dtype, tuple(t.shape), t.numel() * t.element_size(), t.device.type)
-                for t in parts]
+        out += [
+            (t.dtype, tuple(t.shape), t.numel() * t.element_size(), t.device.type) for t in parts
+        ]
     return out
 
 
@@ -101,16 +102,22 @@ def test_adam_with_l2_weight_decay_is_torchaos():
 # -- the traced step and its cost ------------------------------------------------------------
 def _stack(batch_size: int = 4, seq_len=None, layers: int = 4, width: int = 1024):
     """`layers` bias-free width x width fp32 linears: hand-countable bytes."""
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
-                                  for _ in range(layers)])
-    return Workload(model=model, batch=torch.randn(batch_size, width),
-                    loss=lambda out, b: out.square().mean())
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    return Workload(
+        model=model, batch=torch.randn(batch_size, width), loss=lambda out, b: out.square().mean()
+    )
 
 
 @pytest.fixture(scope="module")
 def planner():
-    return Planner(_stack, "h100", global_batch=4, allow=["8bit-states"],
-                   memory_budget=128 * MiB, calibration=None)
+    return Planner(
+        _stack,
+        "h100",
+        global_batch=4,
+        allow=["8bit-states"],
+        memory_budget=128 * MiB,
+        calibration=None,
+    )
 
 
 def test_the_trace_has_one_update_per_parameter_and_torchaos_states(planner):
@@ -121,7 +128,8 @@ def test_the_trace_has_one_update_per_parameter_and_torchaos_states(planner):
     states = [s for s in g.storages if s.kind == "optimizer_state"]
     assert sum(s.nbytes for s in states) == 4 * state_bytes(2**20, 4)
     assert _persistent(planner.steps.at(BASE, 4), EIGHT) == 4 * (8 * MiB) + sum(
-        s.nbytes for s in states)
+        s.nbytes for s in states
+    )
     # in place: the compiled update allocates nothing on the GPU (recorded: "transient")
     assert not [s for s in g.storages if s.created in {n.index for n in ups}]
     assert all(not n.outputs for n in ups)
@@ -141,9 +149,17 @@ def test_the_recorded_updates_allocate_by_layout():
     assert all(b == 0 for _, b in rec["transient"])
 
     def rule(shape):
-        node = OpNode(index=0, op="gobrrr.adam8bit_update.default", phase="optimizer",
-                      module="", inputs=(TensorInfo(shape, (shape[-1], 1), "float32", 0),),
-                      outputs=(), args=(), kwargs={}, allocs=())
+        node = OpNode(
+            index=0,
+            op="gobrrr.adam8bit_update.default",
+            phase="optimizer",
+            module="",
+            inputs=(TensorInfo(shape, (shape[-1], 1), "float32", 0),),
+            outputs=(),
+            args=(),
+            kwargs={},
+            allocs=(),
+        )
         return sum(round_size(b) for b in adam8bit_scratch(node))
 
     assert len(rec["transient_rows"]) == 6
@@ -211,22 +227,37 @@ def test_8bit_states_need_adam():
 
     r = plan(sgd, "h100", global_batch=2, allow=["8bit-states"])
     assert {p.knobs.optimizer_states for p in r.plans} == {"as-is"}
-    assert any(n.startswith("8bit optimizer states not planned: ") and "SGD" in n
-               for n in r.notes)
+    assert any(n.startswith("8bit optimizer states not planned: ") and "SGD" in n for n in r.notes)
 
 
 def test_planning_8bit_states_without_torchao_says_how_to_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
-    r = plan(lambda batch_size=2, seq_len=None: _stack(batch_size, layers=2, width=64),
-             "h100", global_batch=2, allow=["8bit-states"])
+    r = plan(
+        lambda batch_size=2, seq_len=None: _stack(batch_size, layers=2, width=64),
+        "h100",
+        global_batch=2,
+        allow=["8bit-states"],
+    )
     assert any("pip install 'gobrrr[optim]'" in n for n in r.notes)
 
 
 def test_an_unknown_allow_names_8bit_states(capsys):
-    code = main(["plan", "--model", "gpt2", "--seq", "64", "--global-batch", "2",
-                 "--allow", "8bit-state", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gpt2",
+            "--seq",
+            "64",
+            "--global-batch",
+            "2",
+            "--allow",
+            "8bit-state",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and "8bit-states" in out["error"] and "8bit-state:" in out["error"]
 
@@ -242,8 +273,9 @@ def test_the_shipped_section_is_the_recordings():
     from gobrrr.calibrate.sections.optim import summarize
 
     rec = json.loads(SECTION.read_text())["sections"]["optim8"]
-    assert Target.resolve("h100").cal.optim8 == summarize(rec["points"], rec["host_distinct"],
-                                                          rec["row_widths"])
+    assert Target.resolve("h100").cal.optim8 == summarize(
+        rec["points"], rec["host_distinct"], rec["row_widths"]
+    )
 
 
 def test_a_gpt2_step_with_8bit_states_as_recorded_on_the_h100():

@@ -22,13 +22,22 @@ MiB = 2**20
 
 
 def tiny_gpt2(batch_size: int = 8, seq_len: int = 64):
-    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=4, n_embd=64,
-                        n_head=4, vocab_size=512)
+    return get_workload(
+        "gpt2",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        vocab_size=512,
+    )
 
 
-SMALL = {"gpt2": (tiny_gpt2, 64), "convnet": (lambda batch_size=8, seq_len=None:
-                                               get_workload("convnet", batch_size), None),
-         "mlp": (lambda batch_size=8, seq_len=None: get_workload("mlp", batch_size), None)}
+SMALL = {
+    "gpt2": (tiny_gpt2, 64),
+    "convnet": (lambda batch_size=8, seq_len=None: get_workload("convnet", batch_size), None),
+    "mlp": (lambda batch_size=8, seq_len=None: get_workload("mlp", batch_size), None),
+}
 
 
 # -- accumulation ---------------------------------------------------------------------------
@@ -62,7 +71,8 @@ def test_accumulate_counts_the_later_micro_batches_in_time_and_flops():
     assert e8.time.model_flops == pytest.approx(8 * fwd_bwd + 7 * grads, rel=1e-12)
     # each further micro-batch adds the same time: the steady state of the repeated segment
     assert e8.time.step_s - e4.time.step_s == pytest.approx(
-        (e4.time.step_s - evaluate(accumulate(one, 2), "h100").time.step_s) * 2, rel=1e-6)
+        (e4.time.step_s - evaluate(accumulate(one, 2), "h100").time.step_s) * 2, rel=1e-6
+    )
     # the global batch lives on the device whole: tokens and targets, 2 x 64 int64 each
     # per micro-batch (4 more micro-batches: 2 x 4 x 1 KiB)
     assert e8.memory.peak - e4.memory.peak == 2 * 4 * 2 * 64 * 8
@@ -72,19 +82,24 @@ def test_accumulate_counts_the_later_micro_batches_in_time_and_flops():
 
 
 # -- the knapsack ---------------------------------------------------------------------------
-COSTS = BlockCosts(("b0", "b1", "b2"),
-                   saves={"selective": (10, 10, 10), "full": (30, 30, 30)},
-                   seconds={"selective": (1.0, 1.0, 1.0), "full": (5.0, 5.0, 5.0)})
+COSTS = BlockCosts(
+    ("b0", "b1", "b2"),
+    saves={"selective": (10, 10, 10), "full": (30, 30, 30)},
+    seconds={"selective": (1.0, 1.0, 1.0), "full": (5.0, 5.0, 5.0)},
+)
 
 
-@pytest.mark.parametrize("need, want", [
-    (0, []),
-    (25, ["selective"] * 3),  # 30 bytes for 3 s, not one full block's 30 for 5 s
-    (30, ["selective"] * 3),
-    (31, ["full", "selective"]),  # 40 for 6 s (3 selective + 1 full: 7 s)
-    (70, ["full", "full", "selective"]),  # 70 for 11 s
-    (90, ["full"] * 3),
-])
+@pytest.mark.parametrize(
+    "need, want",
+    [
+        (0, []),
+        (25, ["selective"] * 3),  # 30 bytes for 3 s, not one full block's 30 for 5 s
+        (30, ["selective"] * 3),
+        (31, ["full", "selective"]),  # 40 for 6 s (3 selective + 1 full: 7 s)
+        (70, ["full", "full", "selective"]),  # 70 for 11 s
+        (90, ["full"] * 3),
+    ],
+)
 def test_knapsack_saves_what_is_asked_at_the_least_recompute(need, want):
     """The blocks cost the same, so the choice is which policies, in what number."""
     got = knapsack(COSTS, need)
@@ -123,9 +138,10 @@ def test_plan_fits_the_budget_and_ranks_by_throughput(planned):
     assert not r.user.fits and r.best is not None
     assert r.best.reserved_bytes <= budget and r.budget_bytes == budget
     fitting = [p for p in r.plans if p.fits]
-    assert [p.units_per_s for p in fitting] == sorted((p.units_per_s for p in fitting),
-                                                     reverse=True)
-    assert all(not p.fits for p in r.plans[len(fitting):])
+    assert [p.units_per_s for p in fitting] == sorted(
+        (p.units_per_s for p in fitting), reverse=True
+    )
+    assert all(not p.fits for p in r.plans[len(fitting) :])
     assert r.best.knobs.global_batch == 16
     assert r.traces <= 6  # micro-batches 1, 2 and 4, with and without the fused loss
 
@@ -150,30 +166,47 @@ def test_planned_knobs_match_a_fresh_trace_of_them(planned):
 
 def test_plan_is_no_slower_than_the_grid_it_contains(planned):
     p, r, _ = planned
-    grid = [p.cost(Knobs(micro_batch=m, accumulation=16 // m, checkpoint=c))
-            for m in (1, 2, 4, 8, 16) for c in ((), every_kth(p.blocks, 1))]
+    grid = [
+        p.cost(Knobs(micro_batch=m, accumulation=16 // m, checkpoint=c))
+        for m in (1, 2, 4, 8, 16)
+        for c in ((), every_kth(p.blocks, 1))
+    ]
     best_grid = max(g.units_per_s for g in grid if g.fits)
     assert r.best.units_per_s >= best_grid * (1 - 1e-9)
 
 
 def test_nothing_fits_lists_the_closest_and_exits_1(capsys):
-    code = main(["plan", "--model", "gpt2", "--seq", "128", "--global-batch", "2",
-                 "--memory-budget", "1.2GiB", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gpt2",
+            "--seq",
+            "128",
+            "--global-batch",
+            "2",
+            "--memory-budget",
+            "1.2GiB",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["fits"] is False and out["best"] is None
     assert out["plans"] and all(not p["fits"] for p in out["plans"])
     assert min(p["reserved_bytes"] for p in out["plans"]) > 1.2 * 2**30
 
 
-@pytest.mark.parametrize("argv, what", [
-    (["--allow", "turbo"], "--allow turbo: unknown"),
-    (["--memory-budget", "100MiB"], "smaller than the parameters alone"),
-    (["--memory-budget", "lots"], "expected a size"),
-    (["--margin", "1.5"], "--margin must be a fraction"),
-])
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["--allow", "turbo"], "--allow turbo: unknown"),
+        (["--memory-budget", "100MiB"], "smaller than the parameters alone"),
+        (["--memory-budget", "lots"], "expected a size"),
+        (["--margin", "1.5"], "--margin must be a fraction"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, what):
-    code = main(["plan", "--model", "gpt2", "--seq", "64", "--global-batch", "2", *argv,
-                 "--json"])
+    code = main(["plan", "--model", "gpt2", "--seq", "64", "--global-batch", "2", *argv, "--json"])
     cap = capsys.readouterr()
     assert code == 2
     assert what in json.loads(cap.out)["error"] + (json.loads(cap.out)["hint"] or "")
@@ -186,8 +219,11 @@ def test_a_model_without_repeated_blocks_says_what_was_tried():
     import gobrrr
 
     def single(batch_size: int = 4, seq_len=None):
-        return gobrrr.Workload(model=torch.nn.Linear(32, 32), batch=torch.randn(batch_size, 32),
-                               loss=lambda out, b: out.square().mean())
+        return gobrrr.Workload(
+            model=torch.nn.Linear(32, 32),
+            batch=torch.randn(batch_size, 32),
+            loss=lambda out, b: out.square().mean(),
+        )
 
     r = plan(single, "h100", global_batch=4)
     assert r.blocks == 0 and any("micro-batch and accumulation only" in n for n in r.notes)
@@ -203,21 +239,28 @@ def test_the_fused_loss_variant_has_no_logits(planned):
     vocab = 512
 
     def logits(g):
-        return [n.op for n in g.nodes for t in n.outputs if t.shape and t.shape[-1] == vocab
-                and len(t.shape) >= 2 and t.numel >= 2 * 64 * vocab]
+        return [
+            n.op
+            for n in g.nodes
+            for t in n.outputs
+            if t.shape and t.shape[-1] == vocab and len(t.shape) >= 2 and t.numel >= 2 * 64 * vocab
+        ]
 
     assert logits(plain) and not logits(fused)
     assert any(n.op == "gobrrr.linear_cross_entropy.default" for n in fused.nodes)
-    assert p.cost(Knobs(micro_batch=2, accumulation=8, fused_loss=True)).peak_bytes < \
-        p.cost(Knobs(micro_batch=2, accumulation=8)).peak_bytes
+    assert (
+        p.cost(Knobs(micro_batch=2, accumulation=8, fused_loss=True)).peak_bytes
+        < p.cost(Knobs(micro_batch=2, accumulation=8)).peak_bytes
+    )
 
 
 def test_bf16_states_are_planned_only_when_allowed():
     r = plan(tiny_gpt2, "h100", global_batch=4, seq=64, allow=["bf16-states"])
     states = {p.knobs.optimizer_states for p in r.plans}
     assert states == {"as-is", "bf16"}
-    assert {p.knobs.optimizer_states for p in plan(tiny_gpt2, "h100", global_batch=4,
-                                                    seq=64).plans} == {"as-is"}
+    assert {
+        p.knobs.optimizer_states for p in plan(tiny_gpt2, "h100", global_batch=4, seq=64).plans
+    } == {"as-is"}
     a = next(p for p in r.plans if p.knobs == Knobs(micro_batch=4))
     b = next(p for p in r.plans if p.knobs == Knobs(micro_batch=4, optimizer_states="bf16"))
     assert b.peak_bytes < a.peak_bytes
@@ -232,12 +275,15 @@ def test_bf16_weights_are_the_pure_bf16_step_and_only_when_allowed():
     knobs = Knobs(micro_batch=4, weights="bf16")
     fresh = evaluate(capture(lambda: tiny_gpt2(4, 64), precision="bf16"), p.target)
     assert p.cost(knobs).peak_bytes == fresh.memory.peak
-    params = {k: sum(s.nbytes for s in p.search.graph(k).storages if s.kind == "parameter")
-              for k in (Knobs(micro_batch=4), knobs)}
+    params = {
+        k: sum(s.nbytes for s in p.search.graph(k).storages if s.kind == "parameter")
+        for k in (Knobs(micro_batch=4), knobs)
+    }
     assert params[knobs] * 2 == params[Knobs(micro_batch=4)]
     assert "weights, gradients and states in bf16 (pure bf16)" in p.cost(knobs).changes
-    assert {pl.knobs.weights for pl in plan(tiny_gpt2, "h100", global_batch=4, seq=64).plans} \
-        == {"as-is"}
+    assert {pl.knobs.weights for pl in plan(tiny_gpt2, "h100", global_batch=4, seq=64).plans} == {
+        "as-is"
+    }
 
 
 def test_plan_json_round_trips_its_knobs(planned):

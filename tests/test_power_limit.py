@@ -23,8 +23,22 @@ CURVE = [[0.5, 1.0], [1.0, 0.8]]  # full rate up to half the time, 80% at all of
 
 def _op(i, math, compute, memory, host=0.0):
     device = max(compute, memory)
-    return OpTime(i, "x", "", "forward", "matmul", math, 1.0, 1.0, 1.0, compute, memory,
-                  device, host, "compute" if compute >= memory else "memory")
+    return OpTime(
+        i,
+        "x",
+        "",
+        "forward",
+        "matmul",
+        math,
+        1.0,
+        1.0,
+        1.0,
+        compute,
+        memory,
+        device,
+        host,
+        "compute" if compute >= memory else "memory",
+    )
 
 
 def _rates(curve):
@@ -113,12 +127,10 @@ def llama5b_plan3():
     from gobrrr.plan.search import Planner
     from zoo.scenarios import SCENARIOS
 
-    rec = json.loads((ROOT / "tests/fixtures/plan_step_kernels_llama5b_h100.json")
-                     .read_text())
+    rec = json.loads((ROOT / "tests/fixtures/plan_step_kernels_llama5b_h100.json").read_text())
     row = next(r for r in rec["rows"] if r["role"] == "plan#3")
     source, seq, g, precision, allow, _ = SCENARIOS[row["scenario"]]
-    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                      allow=allow)
+    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision, allow=allow)
     knobs = Knobs.from_dict(row["knobs"])
     graph = checkpoint(planner.search.graph(knobs), dict(knobs.checkpoint))
     return graph, planner.target, row["measured"]
@@ -127,12 +139,14 @@ def llama5b_plan3():
 def _matmul_seconds(graph, target):
     from gobrrr.evaluate import evaluate
 
-    return sum(o.device_s for o in evaluate(graph, target).time.ops
-               if o.kind in ("matmul", "loss"))  # the fused loss: its matmuls, nearly all
+    return sum(
+        o.device_s for o in evaluate(graph, target).time.ops if o.kind in ("matmul", "loss")
+    )  # the fused loss: its matmuls, nearly all
 
 
 def test_the_shipped_curve_gives_the_in_step_matmul_time_recorded_on_an_h100(
-        llama5b_plan3, monkeypatch):
+    llama5b_plan3, monkeypatch
+):
     """At burst rates the plan's matmuls are predicted 9% short of what the GPU took; the
     power limit, at the step's own duty, brings them within 5%."""
     import importlib
@@ -142,14 +156,16 @@ def test_the_shipped_curve_gives_the_in_step_matmul_time_recorded_on_an_h100(
     graph, target, measured = llama5b_plan3
     got = measured["by_class"]["matmul"]["s"]
     assert _matmul_seconds(graph, target) == pytest.approx(got, rel=0.05)
-    monkeypatch.setattr(evaluate, "power_limited",
-                        lambda ops, weights, rates, schedule: (ops, 1.0, schedule(ops)))
+    monkeypatch.setattr(
+        evaluate, "power_limited", lambda ops, weights, rates, schedule: (ops, 1.0, schedule(ops))
+    )
     assert _matmul_seconds(graph, target) < 0.92 * got
 
 
 def test_power_duty_measures_a_curve_on_any_device():
-    out = power_duty(torch.device("cpu"), heat_s=0.0, reps=2, settle_s=0.0, mm=64,
-                     copy_elements=4096)
+    out = power_duty(
+        torch.device("cpu"), heat_s=0.0, reps=2, settle_s=0.0, mm=64, copy_elements=4096
+    )
     assert len(out["bf16"]) == len(PATTERNS)
     assert len(out["copy"]) == sum(1 for _, j in PATTERNS if j)
     duties = [d for d, _ in out["bf16"]]

@@ -37,18 +37,36 @@ def test_gpt2_small_answers_by_hand():
 
 def counting(calls: list[int]):
     """A tiny GPT-2 function workload that counts its builds."""
+
     def make(batch_size: int = 4, seq_len: int = 32) -> Workload:
         calls.append(batch_size)
-        return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2,
-                            n_embd=64, n_head=4, vocab_size=256)
+        return get_workload(
+            "gpt2",
+            batch_size=batch_size,
+            seq_len=seq_len,
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=256,
+        )
+
     return make
 
 
 def test_the_probe_builds_once_whatever_it_is_asked():
     calls: list[int] = []
     p = Probe(counting(calls), 32)
-    answers = (p.batch, p.parameter_bytes, p.blocks, p.fused_loss_refusal, p.offload_refusal,
-               p.states_refusal("bf16"), p.states_refusal("8bit"), p.batch, p.blocks)
+    answers = (
+        p.batch,
+        p.parameter_bytes,
+        p.blocks,
+        p.fused_loss_refusal,
+        p.offload_refusal,
+        p.states_refusal("bf16"),
+        p.states_refusal("8bit"),
+        p.batch,
+        p.blocks,
+    )
     assert calls == [4]  # one build, at the workload's own batch
     assert answers[0] == 4 and answers[2] == ("transformer.h.0", "transformer.h.1")
 
@@ -56,17 +74,26 @@ def test_the_probe_builds_once_whatever_it_is_asked():
 def test_the_planner_builds_once_before_tracing():
     """Every other build of the workload is a trace's."""
     calls: list[int] = []
-    planner = Planner(counting(calls), "h100", global_batch=4, seq=32,
-                      memory_budget=2**30, allow=["bf16-states", "8bit-states"])
+    planner = Planner(
+        counting(calls),
+        "h100",
+        global_batch=4,
+        seq=32,
+        memory_budget=2**30,
+        allow=["bf16-states", "8bit-states"],
+    )
     assert calls[0] == 4 and len(calls) == 1 + planner.steps.traces
     assert planner.blocks == ["transformer.h.0", "transformer.h.1"]
 
 
 def test_what_the_probe_refuses_it_says():
     def plain(batch_size: int = 4) -> Workload:
-        return Workload(model=torch.nn.Linear(8, 8), batch=torch.randn(batch_size, 8),
-                        loss=lambda out, b: out.square().mean(),
-                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        return Workload(
+            model=torch.nn.Linear(8, 8),
+            batch=torch.randn(batch_size, 8),
+            loss=lambda out, b: out.square().mean(),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        )
 
     p = Probe(plain, None)
     assert p.blocks == () and p.parameter_bytes == 4 * (8 * 8 + 8)
@@ -85,13 +112,21 @@ def test_a_building_error_is_one_line():
 
 def test_a_workload_of_its_own_batch_is_cut_and_left_whole():
     """A Workload given as it is: each micro-batch its first samples, the user's batch kept."""
-    w = Workload(model=torch.nn.Linear(8, 3), batch=torch.randn(4, 8),
-                 loss=lambda out, b: out.square().mean())
+    w = Workload(
+        model=torch.nn.Linear(8, 3),
+        batch=torch.randn(4, 8),
+        loss=lambda out, b: out.square().mean(),
+    )
     trace = Tracer(w, seq=None, precision="fp32", target=Target.resolve("h100", False))
 
     def batch(g) -> set[tuple[int, ...]]:  # the forward's (samples, 8) inputs, not the weight
-        return {tuple(t.shape) for n in g.nodes if n.phase == "forward" for t in n.inputs
-                if tuple(t.shape)[1:] == (8,)} - {(3, 8)}
+        return {
+            tuple(t.shape)
+            for n in g.nodes
+            if n.phase == "forward"
+            for t in n.inputs
+            if tuple(t.shape)[1:] == (8,)
+        } - {(3, 8)}
 
     assert batch(trace(1)) == {(1, 8)} and batch(trace(2)) == {(2, 8)}
     assert samples(w) == 4 and w.batch.shape == (4, 8)

@@ -22,19 +22,21 @@ def tiny(raise_in_forward: bool = False) -> Workload:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_OUT))
     if raise_in_forward:
+
         def boom(m, args):
             raise ValueError("boom")
+
         model[1].register_forward_pre_hook(boom)
     x, y = torch.randn(B, D_IN), torch.randn(B, D_OUT)
-    return Workload(model=model, batch=(x,), loss=lambda out, b: ((out - y) ** 2).mean(),
-                    name="tiny")
+    return Workload(
+        model=model, batch=(x,), loss=lambda out, b: ((out - y) ** 2).mean(), name="tiny"
+    )
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "step.json"
-    return profile(tiny(), device="cpu", precision="fp32", steps=3, warmup=1,
-                   trace_path=path), path
+    return profile(tiny(), device="cpu", precision="fp32", steps=3, warmup=1, trace_path=path), path
 
 
 def test_cpu_profile_end_to_end(result):
@@ -97,8 +99,9 @@ def test_oom_says_what_did_not_fit(monkeypatch):
     freed = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 30 * gib)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=80 * gib)
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(True))
 

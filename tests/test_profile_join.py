@@ -62,8 +62,9 @@ def test_matmuls_are_attributed_to_their_linear_in_forward_and_backward(bf16):
     assert len(fwd) == 9 and len(bwd) == 18
     for o in mms:
         assert o.module.split(".")[-1] in LINEARS, (o.op, o.phase, o.module)
-    assert [o.module for o in fwd[:4]] == [f"transformer.h.0.{m}" for m in
-                                           ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert [o.module for o in fwd[:4]] == [
+        f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     # backward runs the blocks in reverse: the head first, block 0 last
     assert bwd[0].module == "lm_head" and bwd[-1].module == "transformer.h.0.attn.c_attn"
 
@@ -101,8 +102,9 @@ def test_fp32_trace_flags_matmuls_off_tensor_cores():
     j = join_trace(load_trace(FIX / "tiny_gpt_fp32.json.gz"))
     graph = StepGraph.from_json(gzip.decompress((FIX / "tiny_gpt_fp32.graph.json.gz").read_bytes()))
     a = analyze(j, H100, "fp32", graph)
-    found = {f.kind: f for f in diagnose(a.ops, H100, step_s=a.span_s, idle_share=0.9,
-                                         precision="fp32")}
+    found = {
+        f.kind: f for f in diagnose(a.ops, H100, step_s=a.span_s, idle_share=0.9, precision="fp32")
+    }
     # 27 Linear matmuls (9 forward + 18 backward) and 4 SDPA calls (2 fwd, 2 bwd), all fp32
     assert found["tensor_cores"].title.startswith("31 matmul(s) run in fp32")
     assert found["overhead"].saving_s == pytest.approx(0.9 * a.span_s)
@@ -140,7 +142,8 @@ def test_gpt2_small_batch_trace_is_joined_and_overhead_bound():
     assert sum(o.phase == "backward" for o in mm) == 98
     attn = [o for o in a.ops if o.kind == "attention"]
     assert sorted(o.module for o in attn if o.phase == "forward") == sorted(
-        f"transformer.h.{i}.attn" for i in range(12))
+        f"transformer.h.{i}.attn" for i in range(12)
+    )
     assert {o.module for o in attn if o.phase == "backward"} == {o.module for o in attn}
     # the GPU computes for a small part of the profiled step: kernels are tiny
     (start, end) = j.steps[0]

@@ -49,8 +49,7 @@ def real_flops(name, batch, seq, kw) -> int:
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def case(request):
     name, batch, seq, kw = request.param
-    r = profile(workload(name, batch, seq, kw), device="cpu", precision="fp32", steps=1,
-                warmup=0)
+    r = profile(workload(name, batch, seq, kw), device="cpu", precision="fp32", steps=1, warmup=0)
     return request.param, r
 
 
@@ -99,8 +98,9 @@ def test_the_table_states_the_unit_and_labels_palm(case):
 
 def test_recomputation_counts_in_hfu_only():
     plain = profile(workload(*CASES[0]), device="cpu", precision="fp32", steps=1, warmup=0)
-    ckpt = profile(workload(*CASES[0]), device="cpu", precision="fp32", steps=1, warmup=0,
-                   checkpoint="full")
+    ckpt = profile(
+        workload(*CASES[0]), device="cpu", precision="fp32", steps=1, warmup=0, checkpoint="full"
+    )
     assert ckpt.model_flops == pytest.approx(plain.model_flops, rel=1e-3)
     # about one more forward: at least a fifth more FLOPs run than the model's
     assert ckpt.executed_flops > 1.2 * ckpt.model_flops
@@ -111,8 +111,7 @@ def test_gpu_path_on_a_recorded_h100_trace(monkeypatch):
     profiled step's device span stands in for the timed step."""
     monkeypatch.setattr(api_mod, "environment", lambda on_gpu, calibrated: {})
     trace = load_trace(FIX / "tiny_gpt_bf16.json.gz")
-    graph = StepGraph.from_json(gzip.decompress((FIX / "tiny_gpt_bf16.graph.json.gz")
-                                                .read_bytes()))
+    graph = StepGraph.from_json(gzip.decompress((FIX / "tiny_gpt_bf16.graph.json.gz").read_bytes()))
     span = analyze(join_trace(trace), H100, "bf16-mixed", graph).span_s
     m = Measured((span,), trace, 0, 0, "NVIDIA H100 80GB HBM3")
     info = api_mod.RunInfo("tiny-gpt", "cuda", "bf16-mixed", "none", False, 1, 0)
@@ -156,8 +155,9 @@ class Untraceable(torch.nn.Module):
 
 def test_a_step_the_trace_cannot_follow_is_still_profiled():
     x, y = torch.randn(3, 4), torch.randn(3, 2)
-    w = gobrrr.Workload(model=Untraceable(), batch=(x,), name="numpy",
-                        loss=lambda out, b: ((out - y) ** 2).mean())
+    w = gobrrr.Workload(
+        model=Untraceable(), batch=(x,), name="numpy", loss=lambda out, b: ((out - y) ** 2).mean()
+    )
     r = profile(w, device="cpu", precision="fp32", steps=1, warmup=0)
     assert r.flops_source.startswith("none: the step could not be traced (")
     assert "numpy" in r.flops_source

@@ -24,8 +24,12 @@ H100 = get_gpu("h100")
 
 def test_op_family_survives_cpu_cuda_renames():
     cpu = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-    for name in (cpu, "aten::_scaled_dot_product_efficient_attention",
-                 "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward"):
+    for name in (
+        cpu,
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+    ):
         assert op_family(name) == "attention"
     assert op_family("aten::_scaled_dot_product_flash_attention_backward") == "attention_backward"
     assert op_family("aten::addmm") == op_family("aten.mm.default") == "matmul"
@@ -55,21 +59,28 @@ def test_shape_cost_of_matmuls_equals_flop_counter(shape):
     assert nbytes == 4 * (m * k + k * n + m * n)
     with FlopCounterMode(display=False) as fc:
         torch.addmm(bias, a, b)
-    f2, _, _ = shape_cost(_op("aten::addmm", [[n], [m, k], [k, n], [], []],
-                              ["float", "float", "float", "Scalar", "Scalar"]))
+    f2, _, _ = shape_cost(
+        _op(
+            "aten::addmm",
+            [[n], [m, k], [k, n], [], []],
+            ["float", "float", "float", "Scalar", "Scalar"],
+        )
+    )
     assert f2 == fc.get_total_flops()
     with FlopCounterMode(display=False) as fc:
         torch.bmm(*bat)
-    f3, _, _ = shape_cost(_op("aten::bmm", [[3, m, k], [3, k, n]],
-                              ["c10::BFloat16", "c10::BFloat16"]))
+    f3, _, _ = shape_cost(
+        _op("aten::bmm", [[3, m, k], [3, k, n]], ["c10::BFloat16", "c10::BFloat16"])
+    )
     assert f3 == fc.get_total_flops()
 
 
 def test_shape_cost_pointwise_and_inplace():
     f, b, _ = shape_cost(_op("aten::cos", [[1000]], ["float"]))
     assert (f, b) == (1000, 8000)  # read 4 B + write 4 B per element
-    _, b, _ = shape_cost(_op("aten::add_", [[10, 10], [10, 10], []],
-                             ["c10::BFloat16", "c10::BFloat16", "Scalar"]))
+    _, b, _ = shape_cost(
+        _op("aten::add_", [[10, 10], [10, 10], []], ["c10::BFloat16", "c10::BFloat16", "Scalar"])
+    )
     assert b == 3 * 200  # read both, write the first in place
     assert shape_cost(_op("aten::view", [[4, 4], []], ["float", "ScalarList"]))[:2] == (0, 0)
 
@@ -98,30 +109,51 @@ def test_measured_regime_speaks_the_predictions_vocabulary():
 
 
 def _m(i, family, kind, t, nbytes, regime="memory", phase="forward", module="m", **kw):
-    return MeasuredOp(index=i, op=f"aten::{family}", family=family, kind=kind, phase=phase,
-                      module=module, kernels=1, kernel="k", device_s=t, host_s=0.0, gap_s=0.0,
-                      bytes=nbytes, regime=regime, **kw)
+    return MeasuredOp(
+        index=i,
+        op=f"aten::{family}",
+        family=family,
+        kind=kind,
+        phase=phase,
+        module=module,
+        kernels=1,
+        kernel="k",
+        device_s=t,
+        host_s=0.0,
+        gap_s=0.0,
+        bytes=nbytes,
+        regime=regime,
+        **kw,
+    )
 
 
 def test_fusion_of_cos_cos_saves_half(make_cal):
     gib = 2**30
     t = 2 * gib / 3e12  # each cos reads + writes 1 GiB at 3 TB/s
-    ops = [_m(0, "cos", "pointwise", t, 2 * gib), _m(1, "cos", "pointwise", t, 2 * gib),
-           _m(2, "mm", "matmul", 1e-3, 1e6, regime="compute")]
+    ops = [
+        _m(0, "cos", "pointwise", t, 2 * gib),
+        _m(1, "cos", "pointwise", t, 2 * gib),
+        _m(2, "mm", "matmul", 1e-3, 1e6, regime="compute"),
+    ]
     runs = chains(ops)
     assert [[o.index for o in r] for r in runs] == [[0, 1]]
     # fused: read x once, write y once = 2 GiB of the 4 GiB: half the time
     assert chain_saving(runs[0], 3e12) == pytest.approx(t)
-    f = diagnose(ops, H100, step_s=3 * t, idle_share=0.0,
-                 calibration=make_cal(pointwise_bandwidth=3e12))
+    f = diagnose(
+        ops, H100, step_s=3 * t, idle_share=0.0, calibration=make_cal(pointwise_bandwidth=3e12)
+    )
     assert [x.kind for x in f] == ["fusion"] and "2x" in f[0].title
 
 
 def test_diagnosis_is_ranked_by_saving(make_cal):
-    ops = [_m(0, "mm", "matmul", 10e-3, 1e6, regime="compute", math="fp32", flops=50e12 * 10e-3),
-           _m(1, "cos", "pointwise", 1e-3, 3e9), _m(2, "sin", "pointwise", 1e-3, 3e9)]
-    f = diagnose(ops, H100, step_s=20e-3, idle_share=0.3,
-                 calibration=make_cal(pointwise_bandwidth=3e12))
+    ops = [
+        _m(0, "mm", "matmul", 10e-3, 1e6, regime="compute", math="fp32", flops=50e12 * 10e-3),
+        _m(1, "cos", "pointwise", 1e-3, 3e9),
+        _m(2, "sin", "pointwise", 1e-3, 3e9),
+    ]
+    f = diagnose(
+        ops, H100, step_s=20e-3, idle_share=0.3, calibration=make_cal(pointwise_bandwidth=3e12)
+    )
     assert [x.kind for x in f] == ["tensor_cores", "overhead", "fusion"]
     # fp32 matmul: 0.5 TFLOP at the calibrated bf16 800 TFLOP/s takes 0.625 ms of the 10
     assert f[0].saving_s == pytest.approx(10e-3 - 0.5e12 / 800e12)
@@ -130,13 +162,14 @@ def test_diagnosis_is_ranked_by_saving(make_cal):
 
 
 def test_unfused_attention_pattern():
-    ops = [_m(0, "bmm", "matmul", 1e-3, 1, regime="compute", module="attn"),
-           _m(1, "div", "pointwise", 2e-4, 1, module="attn"),
-           _m(2, "softmax", "softmax", 3e-4, 1, module="attn"),
-           _m(3, "bmm", "matmul", 1e-3, 1, regime="compute", module="attn")]
+    ops = [
+        _m(0, "bmm", "matmul", 1e-3, 1, regime="compute", module="attn"),
+        _m(1, "div", "pointwise", 2e-4, 1, module="attn"),
+        _m(2, "softmax", "softmax", 3e-4, 1, module="attn"),
+        _m(3, "bmm", "matmul", 1e-3, 1, regime="compute", module="attn"),
+    ]
     f = {x.kind: x for x in diagnose(ops, H100, 1.0, 0.0)}
     assert f["attention"].saving_s == pytest.approx(5e-4)
-
 
 
 def test_scaling_verdicts():
@@ -149,12 +182,22 @@ def test_scaling_verdicts():
 
 
 def test_compare_groups_joined_ops():
-    pred = SimpleNamespace(step_s=0.010, ops=[
-        SimpleNamespace(index=0, kind="matmul", module="h.0.attn", phase="forward", device_s=4e-3),
-        SimpleNamespace(index=1, kind="pointwise", module="h.0.mlp", phase="forward",
-                        device_s=1e-3)])
-    ops = (_m(0, "mm", "matmul", 5e-3, 1, node=0), _m(1, "gelu", "pointwise", 1e-3, 1, node=1),
-           _m(2, "cos", "pointwise", 1e-3, 1, node=-1))
+    pred = SimpleNamespace(
+        step_s=0.010,
+        ops=[
+            SimpleNamespace(
+                index=0, kind="matmul", module="h.0.attn", phase="forward", device_s=4e-3
+            ),
+            SimpleNamespace(
+                index=1, kind="pointwise", module="h.0.mlp", phase="forward", device_s=1e-3
+            ),
+        ],
+    )
+    ops = (
+        _m(0, "mm", "matmul", 5e-3, 1, node=0),
+        _m(1, "gelu", "pointwise", 1e-3, 1, node=1),
+        _m(2, "cos", "pointwise", 1e-3, 1, node=-1),
+    )
     result = SimpleNamespace(step_s=0.008, ops=ops)
     c = compare(pred, result)
     assert c.step.rel_error == pytest.approx(0.25)
@@ -186,12 +229,29 @@ def test_join_of_a_hand_made_trace():
         dict(ph="X", cat="user_annotation", name="gobrrr.module::fc", ts=1, dur=90, pid=1, tid=1),
         dict(ph="X", cat="cpu_op", name="aten::linear", ts=2, dur=80, pid=1, tid=1),
         dict(ph="X", cat="cpu_op", name="aten::addmm", ts=3, dur=70, pid=1, tid=1),
-        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=10, dur=5, pid=1, tid=1,
-             args={"correlation": 7}),
-        dict(ph="X", cat="kernel", name="gemm", ts=20, dur=30, pid=0, tid=7,
-             args={"correlation": 7}),
-        dict(ph="X", cat="kernel", name="stray", ts=60, dur=10, pid=0, tid=7,
-             args={"correlation": 99}),
+        dict(
+            ph="X",
+            cat="cuda_runtime",
+            name="cudaLaunchKernel",
+            ts=10,
+            dur=5,
+            pid=1,
+            tid=1,
+            args={"correlation": 7},
+        ),
+        dict(
+            ph="X", cat="kernel", name="gemm", ts=20, dur=30, pid=0, tid=7, args={"correlation": 7}
+        ),
+        dict(
+            ph="X",
+            cat="kernel",
+            name="stray",
+            ts=60,
+            dur=10,
+            pid=0,
+            tid=7,
+            args={"correlation": 99},
+        ),
     ]
     j = join_trace({"traceEvents": ev})
     (op,) = j.ops
@@ -212,13 +272,29 @@ def test_cli_profile_on_cpu_prints_json(tmp_path, capsys):
         "def workload(batch_size=None, seq_len=None):\n"
         "    m = torch.nn.Linear(8, 8)\n"
         "    return Workload(model=m, batch=torch.randn(batch_size or 4, 8),\n"
-        "                    loss=lambda o, b: o.square().mean(), name='lin')\n")
+        "                    loss=lambda o, b: o.square().mean(), name='lin')\n"
+    )
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command")
     add_profile_parser(sub)
     add_calibrate_parser(sub)
-    args = ap.parse_args(["profile", f"{src}:workload", "--device", "cpu", "--steps", "2",
-                          "--warmup", "1", "--json", "--batch", "2", "--precision", "fp32"])
+    args = ap.parse_args(
+        [
+            "profile",
+            f"{src}:workload",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "--batch",
+            "2",
+            "--precision",
+            "fp32",
+        ]
+    )
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     r = out["profile"]

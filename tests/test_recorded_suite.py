@@ -26,9 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "tests" / "fixtures" / "estimate_suite_h100.json").read_text())
 # the H100 calibration gobrrr ships, written by `gobrrr calibrate` on the same kind of GPU
 CAL = Calibration.load(ROOT / "src" / "gobrrr" / "data" / "calibration" / "h100-sxm.json")
-CASES = {(f"{c['model']}-b{c['batch']}-s{c['seq']}-{c['precision']}-{c['checkpoint']}"
-          + ("-compile" if c["compile"] else "")): c
-         for c in DATA["cases"] if "peak_allocated" in c.get("measured", {})}
+CASES = {
+    (
+        f"{c['model']}-b{c['batch']}-s{c['seq']}-{c['precision']}-{c['checkpoint']}"
+        + ("-compile" if c["compile"] else "")
+    ): c
+    for c in DATA["cases"]
+    if "peak_allocated" in c.get("measured", {})
+}
 
 # known misses, {case key: cause}: marked xfail(strict=True) so a fix shows (none at present)
 MEMORY_MISSES: dict[str, str] = {}
@@ -43,9 +48,16 @@ def prediction(key: str) -> tuple[int, float]:
     old = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = c["precision"] == "tf32"
     try:
-        est = estimate(c["model"], "h100", batch=c["batch"], seq=c["seq"],
-                       precision=c["precision"], checkpoint=c["checkpoint"], calibration=CAL,
-                       compile=c["compile"])
+        est = estimate(
+            c["model"],
+            "h100",
+            batch=c["batch"],
+            seq=c["seq"],
+            precision=c["precision"],
+            checkpoint=c["checkpoint"],
+            calibration=CAL,
+            compile=c["compile"],
+        )
     finally:
         torch.backends.cudnn.allow_tf32 = old
     return est.memory.peak, est.time.step_s
@@ -60,10 +72,12 @@ def time_error(key: str) -> float:
 
 
 def _marked(keys, misses):
-    return [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=misses[k]))
-            if k in misses else k for k in keys]
-
-
+    return [
+        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=misses[k]))
+        if k in misses
+        else k
+        for k in keys
+    ]
 
 
 def test_the_recorded_suite_is_large_enough():

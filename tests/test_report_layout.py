@@ -50,7 +50,7 @@ def whole(text: str, name: str) -> bool:
         for start in re.finditer(re.escape(name[:5]), line):
             got = ""
             for below in lines[i:]:
-                got += below[start.start():].split("  ")[0].replace(" ", "")
+                got += below[start.start() :].split("  ")[0].replace(" ", "")
                 if len(got) >= len(target):
                     break
             if got == target:
@@ -60,8 +60,7 @@ def whole(text: str, name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def est():
-    return gobrrr.estimate(lambda: gobrrr.Workload(model=Deep(), batch=torch.randn(4, 32)),
-                           "h100")
+    return gobrrr.estimate(lambda: gobrrr.Workload(model=Deep(), batch=torch.randn(4, 32)), "h100")
 
 
 def test_everything_fits_80_columns_and_nothing_is_cut(est):
@@ -85,7 +84,8 @@ def test_cut_lists_say_so_and_how_to_see_all(est):
     text = render(print_estimate, est, top=3)
     assert f"Top 3 of {timed} ops by predicted time (--top N for more" in text
     assert len(estimate_dict(est, top=3)["top_ops"]) == 3 and estimate_dict(est)["ops"] == len(
-        est.graph.nodes)
+        est.graph.nodes
+    )
     assert f"{timed} ops by predicted time" in render(print_estimate, est, top=10_000)
 
 
@@ -99,8 +99,9 @@ def test_gpus_shows_every_name_and_alias():
 
 
 def test_the_header_says_the_model_checkpoints_itself():
-    est = gobrrr.estimate(lambda: gobrrr.Workload(model=Deep(ckpt=True),
-                                                  batch=torch.randn(4, 32)), "h100")
+    est = gobrrr.estimate(
+        lambda: gobrrr.Workload(model=Deep(ckpt=True), batch=torch.randn(4, 32)), "h100"
+    )
     header = str(summary_lines(est)[0])
     assert "checkpoint by the model itself" in header and "ops recomputed" in header
     assert estimate_dict(est)["workload"]["checkpointing"] == "model"
@@ -124,8 +125,11 @@ def test_mfu_states_its_peak_and_the_6n_convention_is_labelled():
     t = estimate_dict(est)["time"]
     assert t["mfu"] <= t["hfu"] and "mfu_6n_attention" in t and t["peak_flops"] == 989.4e12
     f = est.formulas  # the traced parameters close the textbook's gap exactly
-    assert f["params_textbook_12d2L_2dV"] + sum(d for _, d in f["params_gap"]) == \
-        f["params_traced"] == 124_439_808
+    assert (
+        f["params_textbook_12d2L_2dV"] + sum(d for _, d in f["params_gap"])
+        == f["params_traced"]
+        == 124_439_808
+    )
     assert "head tied to the embedding" in text
 
 

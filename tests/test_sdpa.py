@@ -20,8 +20,19 @@ A100 = target_for("NVIDIA A100-SXM4-80GB")
 RECORD = Path(__file__).resolve().parent / "fixtures" / "sdpa_backends_h100.json"
 
 
-def _call(b=2, hq=4, hk=4, s=128, sk=None, d=64, dtype=torch.bfloat16, mask=None, dropout=0.0,
-          causal=False, gqa=False):
+def _call(
+    b=2,
+    hq=4,
+    hk=4,
+    s=128,
+    sk=None,
+    d=64,
+    dtype=torch.bfloat16,
+    mask=None,
+    dropout=0.0,
+    causal=False,
+    gqa=False,
+):
     sk = sk or s
     q = torch.empty(b, s, hq, d, dtype=dtype, device="meta").transpose(1, 2)
     k = torch.empty(b, sk, hk, d, dtype=dtype, device="meta").transpose(1, 2)
@@ -29,22 +40,29 @@ def _call(b=2, hq=4, hk=4, s=128, sk=None, d=64, dtype=torch.bfloat16, mask=None
     return _Call(q, k, k, m, dropout, causal, None, gqa)
 
 
-@pytest.mark.parametrize("kw, h100, a100", [
-    ({}, "cudnn", "flash"),
-    ({"causal": True}, "cudnn", "flash"),
-    ({"dropout": 0.1}, "cudnn", "flash"),
-    ({"dropout": 0.125}, "cudnn", "flash"),
-    ({"mask": torch.bool}, "cudnn", "efficient"),  # flash takes no mask
-    ({"mask": torch.bool, "dropout": 0.1}, "cudnn", "efficient"),
-    ({"dtype": torch.float32}, "efficient", "efficient"),  # fused 16-bit kernels only
-    ({"dtype": torch.float32, "d": 66}, "math", "math"),  # fp32 rows aligned to 4
-    ({"d": 72}, "cudnn", "flash"),
-    ({"d": 68}, "flash", "flash"),  # cuDNN wants multiples of 8; flash pads to 8
-    ({"d": 160}, "flash", "flash"),  # cuDNN backward on Hopper: <= 128, 192/128, 256/256
-    ({"hq": 8, "hk": 2, "gqa": True}, "cudnn", "flash"),
-    ({"hq": 8, "hk": 2}, "math", "math"),  # different heads without enable_gqa
-    ({"s": 64, "sk": 128, "causal": True}, "cudnn", "efficient"),  # flash: causal needs Sq == Sk
-])
+@pytest.mark.parametrize(
+    "kw, h100, a100",
+    [
+        ({}, "cudnn", "flash"),
+        ({"causal": True}, "cudnn", "flash"),
+        ({"dropout": 0.1}, "cudnn", "flash"),
+        ({"dropout": 0.125}, "cudnn", "flash"),
+        ({"mask": torch.bool}, "cudnn", "efficient"),  # flash takes no mask
+        ({"mask": torch.bool, "dropout": 0.1}, "cudnn", "efficient"),
+        ({"dtype": torch.float32}, "efficient", "efficient"),  # fused 16-bit kernels only
+        ({"dtype": torch.float32, "d": 66}, "math", "math"),  # fp32 rows aligned to 4
+        ({"d": 72}, "cudnn", "flash"),
+        ({"d": 68}, "flash", "flash"),  # cuDNN wants multiples of 8; flash pads to 8
+        ({"d": 160}, "flash", "flash"),  # cuDNN backward on Hopper: <= 128, 192/128, 256/256
+        ({"hq": 8, "hk": 2, "gqa": True}, "cudnn", "flash"),
+        ({"hq": 8, "hk": 2}, "math", "math"),  # different heads without enable_gqa
+        (
+            {"s": 64, "sk": 128, "causal": True},
+            "cudnn",
+            "efficient",
+        ),  # flash: causal needs Sq == Sk
+    ],
+)
 def test_backend_choice_follows_cudas_rules(kw, h100, a100):
     with torch.enable_grad():
         c = _call(**kw)
@@ -82,11 +100,14 @@ def _graph(dropout=0.1, mask=False, s=512, precision="bf16-mixed", checkpoint=Fa
         x = torch.randn(2, s, 64)
         batch = (x, torch.ones(2, 1, s, s, dtype=torch.bool)) if mask else (x,)
         return gobrrr.Workload(model=model, batch=batch, loss=None)
+
     return capture(make, precision=precision, sdpa=H100)
 
 
-@pytest.mark.parametrize("dropout, mask, backend", [
-    (0.1, False, "cudnn"), (0.0, True, "cudnn"), (0.1, True, "cudnn"), (0.0, False, "cudnn")])
+@pytest.mark.parametrize(
+    "dropout, mask, backend",
+    [(0.1, False, "cudnn"), (0.0, True, "cudnn"), (0.1, True, "cudnn"), (0.0, False, "cudnn")],
+)
 def test_trace_keeps_no_score_matrix_on_a_fused_backend(dropout, mask, backend):
     g = _graph(dropout, mask)
     assert g.meta.sdpa_backends == {backend: 1}
@@ -104,28 +125,54 @@ def test_the_math_path_is_taken_where_cuda_takes_it():
     assert g.meta.sdpa_backends == {"efficient": 1}
 
 
-@pytest.mark.skipif(not RECORD.exists(), reason="no GPU record of SDPA backends yet "
-                    "(benchmarks/kernels/sdpa_backends.py writes it on a GPU)")
+@pytest.mark.skipif(
+    not RECORD.exists(),
+    reason="no GPU record of SDPA backends yet "
+    "(benchmarks/kernels/sdpa_backends.py writes it on a GPU)",
+)
 def test_choice_matches_what_an_h100_ran():
     data = json.loads(RECORD.read_text())
-    names = {"cudnn": "_scaled_dot_product_cudnn_attention", "flash":
-             "_scaled_dot_product_flash_attention", "efficient":
-             "_scaled_dot_product_efficient_attention"}
+    names = {
+        "cudnn": "_scaled_dot_product_cudnn_attention",
+        "flash": "_scaled_dot_product_flash_attention",
+        "efficient": "_scaled_dot_product_efficient_attention",
+    }
     checked = 0
     for r in data["results"]:
         if "fwd_ops" not in r:
             continue
         c = r["case"]
-        ran = next((k for k, n in names.items() for o in r["fwd_ops"]
-                    if o["op"].startswith(n + ".")), "math")
+        ran = next(
+            (k for k, n in names.items() for o in r["fwd_ops"] if o["op"].startswith(n + ".")),
+            "math",
+        )
         dtype = getattr(torch, c["dtype"])
         with torch.enable_grad():
-            call = _call(b=c["b"], hq=c["hq"], hk=c["hk"], s=c["sq"], sk=c["sk"], d=c["d"],
-                         dtype=dtype, mask=None if c["mask"] == "none" else
-                         (torch.bool if c["mask"] == "bool" else dtype),
-                         dropout=c["dropout"], causal=c["causal"], gqa=c["hq"] != c["hk"])
-            call = _Call(call.q.requires_grad_(), call.k, call.v, call.mask, call.dropout,
-                         call.causal, None, call.gqa)
+            call = _call(
+                b=c["b"],
+                hq=c["hq"],
+                hk=c["hk"],
+                s=c["sq"],
+                sk=c["sk"],
+                d=c["d"],
+                dtype=dtype,
+                mask=None
+                if c["mask"] == "none"
+                else (torch.bool if c["mask"] == "bool" else dtype),
+                dropout=c["dropout"],
+                causal=c["causal"],
+                gqa=c["hq"] != c["hk"],
+            )
+            call = _Call(
+                call.q.requires_grad_(),
+                call.k,
+                call.v,
+                call.mask,
+                call.dropout,
+                call.causal,
+                None,
+                call.gqa,
+            )
             assert choose(call, SdpaTarget((9, 0), True)) == ran, c
         checked += 1
     assert checked >= 20
@@ -160,8 +207,15 @@ def test_attention_scratch_matches_the_h100_record():
         dt = "bfloat16" if c["dtype"] != "float32" else "float32"
         q = TensorInfo((c["b"], c["hq"], c["sq"], c["d"]), (1, 1, 1, 1), dt, 0)
         k = TensorInfo((c["b"], c["hk"], c["sk"], c["d"]), (1, 1, 1, 1), dt, 1)
-        node = OpNode(index=0, op="aten." + bwd[0]["op"], phase="backward", module="",
-                      inputs=(q, k), outputs=(), args=({"t": 0}, {"t": 0}, {"t": 1}))
+        node = OpNode(
+            index=0,
+            op="aten." + bwd[0]["op"],
+            phase="backward",
+            module="",
+            inputs=(q, k),
+            outputs=(),
+            args=({"t": 0}, {"t": 0}, {"t": 1}),
+        )
         grads, first_copy = _bwd_visible(r)
         # the peak falls inside the kernel (its scratch) or on the first fp32 copy after it
         predicted = grads + max(op_scratch(node), first_copy)
@@ -175,8 +229,7 @@ def test_attention_scratch_matches_the_h100_record():
 def test_a_learned_mask_takes_the_math_path():
     with torch.enable_grad():
         c = _call(mask=torch.bfloat16)
-        c = _Call(c.q.requires_grad_(), c.k, c.v, c.mask.requires_grad_(), 0.0, False, None,
-                  False)
+        c = _Call(c.q.requires_grad_(), c.k, c.v, c.mask.requires_grad_(), 0.0, False, None, False)
         assert choose(c, H100) == "math"
         c = _Call(c.q, c.k, c.v, c.mask.detach(), 0.0, False, None, False)
         assert choose(c, H100) == "cudnn"
@@ -188,18 +241,36 @@ def test_grouped_query_attention_traces_on_every_backend():
     from gobrrr.models.registry import get_workload
 
     for precision, backend in (("fp32", "efficient"), ("bf16-mixed", "cudnn")):
-        g = capture(lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=2,
-                                         dim=64, n_head=4, n_kv_head=2, ffn_dim=128,
-                                         vocab_size=128), precision=precision, sdpa=H100)
+        g = capture(
+            lambda: get_workload(
+                "llama3-1b",
+                batch_size=1,
+                seq_len=16,
+                n_layer=2,
+                dim=64,
+                n_head=4,
+                n_kv_head=2,
+                ffn_dim=128,
+                vocab_size=128,
+            ),
+            precision=precision,
+            sdpa=H100,
+        )
         assert g.meta.sdpa_backends == {backend: 2}
         fwd = [n for n in g.nodes if n.phase == "forward" and "attention" in n.op]
         # the kernel's K: repeated to 4 heads for the efficient kernel, 2 (native GQA) for cuDNN
         assert {n.inputs[1].shape[1] for n in fwd} == {4 if backend == "efficient" else 2}
 
 
-@pytest.mark.parametrize("dropout, mask, want", [
-    (0.0, False, "full:d64"), (0.1, False, "full+dropout:d64"),
-    (0.0, True, "mask:d64"), (0.1, True, "mask+dropout:d64")])
+@pytest.mark.parametrize(
+    "dropout, mask, want",
+    [
+        (0.0, False, "full:d64"),
+        (0.1, False, "full+dropout:d64"),
+        (0.0, True, "mask:d64"),
+        (0.1, True, "mask+dropout:d64"),
+    ],
+)
 def test_attention_ops_name_the_kernel_variant_they_run(dropout, mask, want):
     """The cost model reads each traced attention op's mask, dropout and head dim (_Attn: 4
     heads of 16, the nearest measured head dim is 64), forward and backward alike."""
@@ -221,8 +292,10 @@ def test_a_causal_call_at_head_dim_128_is_its_own_variant():
                 self.q = nn.Parameter(q.detach().clone())
 
             def forward(self, x):
-                return F.scaled_dot_product_attention(self.q * x, self.q, self.q,
-                                                      is_causal=True).sum()
+                return F.scaled_dot_product_attention(
+                    self.q * x, self.q, self.q, is_causal=True
+                ).sum()
+
         return gobrrr.Workload(model=Causal(), batch=(torch.ones(1),), loss=None)
 
     g = capture(make, precision="bf16-mixed", sdpa=H100)

@@ -22,8 +22,9 @@ def test_a_good_file_gives_the_spec_in_si_units(tmp_path):
     assert spec.name == "mygpu" and spec.full_name == "mygpu"
     assert spec.memory_bytes == 16 * 10**9 and spec.bandwidth == 500e9
     # defaults: fp16 = bf16, tf32 = bf16 / 2, fp32 = bf16 / 15 (CUDA cores)
-    assert spec.peak_flops == pytest.approx({"bf16": 100e12, "fp16": 100e12, "tf32": 50e12,
-                                             "fp32": 100e12 / 15, "fp8": 400e12})
+    assert spec.peak_flops == pytest.approx(
+        {"bf16": 100e12, "fp16": 100e12, "tf32": 50e12, "fp32": 100e12 / 15, "fp8": 400e12}
+    )
     assert spec.sms == 66 and isinstance(spec.sms, int)
     assert spec.launch_overhead == pytest.approx(10e-6)
 
@@ -33,19 +34,22 @@ def test_toml_and_json_read_the_same(tmp_path):
     assert load_gpu_file(write(tmp_path, toml, ".toml")) == load_gpu_file(write(tmp_path, GOOD))
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("bf16_tflops", True, ("bf16_tflops is True", "a bool, not a number")),
-    ("memory_gb", "16GB", ("memory_gb is '16GB'", "without quotes or units")),
-    ("memory_gb", float("nan"), ("memory_gb is nan", "finite")),
-    ("bandwidth_gbs", float("inf"), ("bandwidth_gbs is inf", "finite")),
-    ("bandwidth_gbs", -3, ("bandwidth_gbs is -3", "> 0")),
-    ("bf16_tflops", 0, ("bf16_tflops is 0", "> 0")),
-    ("sms", 2.5, ("sms is 2.5", "whole number")),
-    ("sms", True, ("sms is True", "whole number")),
-    ("name", "", ("name is ''", "quoted string")),
-    ("name", 7, ("name is 7", "quoted string")),
-    ("fp32_tflops", [1], ("fp32_tflops is [1]", "number")),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("bf16_tflops", True, ("bf16_tflops is True", "a bool, not a number")),
+        ("memory_gb", "16GB", ("memory_gb is '16GB'", "without quotes or units")),
+        ("memory_gb", float("nan"), ("memory_gb is nan", "finite")),
+        ("bandwidth_gbs", float("inf"), ("bandwidth_gbs is inf", "finite")),
+        ("bandwidth_gbs", -3, ("bandwidth_gbs is -3", "> 0")),
+        ("bf16_tflops", 0, ("bf16_tflops is 0", "> 0")),
+        ("sms", 2.5, ("sms is 2.5", "whole number")),
+        ("sms", True, ("sms is True", "whole number")),
+        ("name", "", ("name is ''", "quoted string")),
+        ("name", 7, ("name is 7", "quoted string")),
+        ("fp32_tflops", [1], ("fp32_tflops is [1]", "number")),
+    ],
+)
 def test_each_bad_value_names_the_file_the_key_and_the_form(tmp_path, key, value, words):
     p = write(tmp_path, {**GOOD, key: value})
     with pytest.raises(GobrrrError) as e:
@@ -89,14 +93,17 @@ def test_gpu_names_did_you_mean():
     assert get_gpu("H100").name == "h100-sxm"  # names are case-insensitive
 
 
-@pytest.mark.parametrize("word,choices,expected", [
-    ("gpt-2", ["gpt2", "mlp"], " (did you mean 'gpt2'?)"),
-    ("GPT2", ["gpt2", "mlp"], " (did you mean 'gpt2'?)"),
-    ("convnett", ["gpt2", "convnet"], " (did you mean 'convnet'?)"),
-    ("resnet50", ["gpt2", "convnet"], ""),
-    ("gpt2", ["gpt2"], ""),  # not a misspelling
-    ("rtx_4090", ["rtx4090", "rtx-4090"], " (did you mean 'rtx4090'?)"),  # the first spelling
-])
+@pytest.mark.parametrize(
+    "word,choices,expected",
+    [
+        ("gpt-2", ["gpt2", "mlp"], " (did you mean 'gpt2'?)"),
+        ("GPT2", ["gpt2", "mlp"], " (did you mean 'gpt2'?)"),
+        ("convnett", ["gpt2", "convnet"], " (did you mean 'convnet'?)"),
+        ("resnet50", ["gpt2", "convnet"], ""),
+        ("gpt2", ["gpt2"], ""),  # not a misspelling
+        ("rtx_4090", ["rtx4090", "rtx-4090"], " (did you mean 'rtx4090'?)"),  # the first spelling
+    ],
+)
 def test_did_you_mean(word, choices, expected):
     assert did_you_mean(word, choices) == expected
 

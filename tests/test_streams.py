@@ -46,8 +46,11 @@ def test_noise_warnings_are_dropped_real_ones_kept_gobrrrs_on_one_line(capfd, mo
     shown = []  # where other warnings go: Python's display, here recorded
     monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown.append(str(m)))
     with command_streams() as said:
-        warnings.warn("Accessing the data pointer of FakeTensor is deprecated and will error",
-                      UserWarning, stacklevel=1)
+        warnings.warn(
+            "Accessing the data pointer of FakeTensor is deprecated and will error",
+            UserWarning,
+            stacklevel=1,
+        )
         warnings.warn("your learning rate schedule is odd", UserWarning, stacklevel=1)
         warnings.warn("--seq 8 is not used:\n mlp takes none", GobrrrWarning, stacklevel=1)
     err = capfd.readouterr().err
@@ -79,6 +82,7 @@ def test_transformers_loss_type_notice_is_dropped(capfd, tmp_path, monkeypatch):
     clear = getattr(logging.Logger, "warning_once", None)
     # the notice is real: outside gobrrr's command it is printed
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("hf_direct", tmp_path / "hf.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

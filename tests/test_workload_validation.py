@@ -30,28 +30,37 @@ def test_a_correct_workload_passes_and_runs_a_step():
     assert loss.dim() == 0
 
 
-@pytest.mark.parametrize("kwargs,message,hint", [
-    (dict(model=None), "Workload(model=None) is None", "nn.Module"),
-    (dict(model=lambda x: x), "is a function", "wrap it in an nn.Module"),
-    (dict(model=nn.Linear), "Workload(model=Linear) is the class", "model=Linear(...)"),
-    (dict(batch=None), "Workload(batch=None)", "tensor"),
-    (dict(batch=(np.ones((2, 4), np.float32),)), "batch[0] is a numpy ndarray",
-     "torch.from_numpy(batch[0])"),
-    (dict(batch=("text",)), "holds no tensor", "tensors"),
-    (dict(batch=(torch.randn(2, 4), torch.randn(2))), "model(*batch) with 2 arguments",
-     "step=lambda model, batch"),
-    (dict(batch={"inputs": torch.randn(2, 4)}), "model(**batch) with keys inputs", "step="),
-    (dict(loss="mse"), "Workload(loss='mse') is a str", "loss(output, batch)"),
-    (dict(loss=lambda y: y.mean()), "cannot be called as loss(output, batch)", "two arguments"),
-    (dict(step=lambda m, b: m(b[0]).sum()), "both loss= and step=", "give one"),
-    (dict(optimizer="adamw"), "Workload(optimizer='adamw') is a str", "lambda params"),
-    (dict(optimizer=lambda: None), "cannot be called as optimizer(params)", "lambda params"),
-    (dict(tokens=0), "Workload(tokens=0)", "int > 0"),
-    (dict(tokens=True), "Workload(tokens=True)", "int > 0"),
-    (dict(seq_len=-1), "Workload(seq_len=-1)", "int > 0"),
-    (dict(name=""), "Workload(name='')", "string"),
-    (dict(info=[1]), "Workload(info=...) is a list", "dict"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message,hint",
+    [
+        (dict(model=None), "Workload(model=None) is None", "nn.Module"),
+        (dict(model=lambda x: x), "is a function", "wrap it in an nn.Module"),
+        (dict(model=nn.Linear), "Workload(model=Linear) is the class", "model=Linear(...)"),
+        (dict(batch=None), "Workload(batch=None)", "tensor"),
+        (
+            dict(batch=(np.ones((2, 4), np.float32),)),
+            "batch[0] is a numpy ndarray",
+            "torch.from_numpy(batch[0])",
+        ),
+        (dict(batch=("text",)), "holds no tensor", "tensors"),
+        (
+            dict(batch=(torch.randn(2, 4), torch.randn(2))),
+            "model(*batch) with 2 arguments",
+            "step=lambda model, batch",
+        ),
+        (dict(batch={"inputs": torch.randn(2, 4)}), "model(**batch) with keys inputs", "step="),
+        (dict(loss="mse"), "Workload(loss='mse') is a str", "loss(output, batch)"),
+        (dict(loss=lambda y: y.mean()), "cannot be called as loss(output, batch)", "two arguments"),
+        (dict(step=lambda m, b: m(b[0]).sum()), "both loss= and step=", "give one"),
+        (dict(optimizer="adamw"), "Workload(optimizer='adamw') is a str", "lambda params"),
+        (dict(optimizer=lambda: None), "cannot be called as optimizer(params)", "lambda params"),
+        (dict(tokens=0), "Workload(tokens=0)", "int > 0"),
+        (dict(tokens=True), "Workload(tokens=True)", "int > 0"),
+        (dict(seq_len=-1), "Workload(seq_len=-1)", "int > 0"),
+        (dict(name=""), "Workload(name='')", "string"),
+        (dict(info=[1]), "Workload(info=...) is a list", "dict"),
+    ],
+)
 def test_each_mistake_is_named_in_the_workloads_terms(kwargs, message, hint):
     base = dict(model=mlp(), batch=X, loss=mse)
     with pytest.raises(GobrrrError) as e:
@@ -86,12 +95,15 @@ def test_what_the_factory_returns_and_raises():
         w.make_optimizer()
 
 
-@pytest.mark.parametrize("loss,message", [
-    (lambda y, b: 1.0, "returned 1.0 (float), not a loss tensor"),
-    (lambda y, b: y.square(), "a loss of shape (2, 1), not a scalar"),
-    (lambda y, b: y.mean().detach(), "does not depend on the model's parameters"),
-    (lambda y, b: F.cross_entropy(y, b), "raised TypeError"),
-])
+@pytest.mark.parametrize(
+    "loss,message",
+    [
+        (lambda y, b: 1.0, "returned 1.0 (float), not a loss tensor"),
+        (lambda y, b: y.square(), "a loss of shape (2, 1), not a scalar"),
+        (lambda y, b: y.mean().detach(), "does not depend on the model's parameters"),
+        (lambda y, b: F.cross_entropy(y, b), "raised TypeError"),
+    ],
+)
 def test_what_the_loss_returns_is_checked(loss, message):
     w = Workload(model=mlp(), batch=X, loss=loss)
     with pytest.raises(GobrrrError) as e:
@@ -118,8 +130,9 @@ class Out:
         self.loss = loss
 
 
-@pytest.mark.parametrize("wrap", [lambda t: t, lambda t: Out(t), lambda t: {"loss": t},
-                                  lambda t: (t, "logits")])
+@pytest.mark.parametrize(
+    "wrap", [lambda t: t, lambda t: Out(t), lambda t: {"loss": t}, lambda t: (t, "logits")]
+)
 def test_the_loss_is_found_where_models_put_it(wrap):
     t = torch.ones((), requires_grad=True) * 2
     assert extract_loss(wrap(t)) is t

@@ -21,12 +21,16 @@ def _linear_step():
     """A Linear with a bias: the forward's addmm (op 0) makes y (8 KiB) from the parameter W
     and the input x (4 KiB each); the backward's mm (op 1) makes W's gradient (4 KiB), and y
     dies after it."""
-    storages = (StorageInfo(0, 4 * KiB, "parameter", -1, None),
-                StorageInfo(1, 4 * KiB, "input", -1, None),
-                StorageInfo(2, 8 * KiB, "activation", 0, 1),
-                StorageInfo(3, 4 * KiB, "gradient", 1, None))
-    nodes = (OpNode(0, "aten.addmm.default", "forward", "fc", (), (), allocs=(2,)),
-             OpNode(1, "aten.mm.default", "backward", "fc", (), (), allocs=(3,), frees=(2,)))
+    storages = (
+        StorageInfo(0, 4 * KiB, "parameter", -1, None),
+        StorageInfo(1, 4 * KiB, "input", -1, None),
+        StorageInfo(2, 8 * KiB, "activation", 0, 1),
+        StorageInfo(3, 4 * KiB, "gradient", 1, None),
+    )
+    nodes = (
+        OpNode(0, "aten.addmm.default", "forward", "fc", (), (), allocs=(2,)),
+        OpNode(1, "aten.mm.default", "backward", "fc", (), (), allocs=(3,), frees=(2,)),
+    )
     return StepGraph(nodes, storages, StepMeta())
 
 

@@ -38,25 +38,29 @@ TIME_EVERY_MAX = 0.15  # every case's |error| of the step time
 # bounds, and required to still miss them, so that a fix shows here.
 KNOWN_MISSES: dict[str, dict[str, str]] = {
     "convnext_tiny-timm-gc": {
-        "reserved": ("the real allocator trace (zoo_diagnose_plain_h100.json) replays to the "
-                     "GPU's 2034 MiB with the addresses cudaMalloc returned and to 1812 MiB "
-                     "(-10.9%) with the modelled ones (segments in the order they are made; "
-                     "below each other does no better): equal-size free blocks in different "
-                     "segments compete, the address decides, and the real step 2 then opens "
-                     "two more segments (74 and 148 MiB). The prediction (1810 MiB) matches the "
-                     "modelled replay; where the driver places segments is not predicted. "
-                     "tests/test_allocator.py checks every zoo trace this way")},
-    "wav2vec2-base-ctc": {"reserved": (
-        "over-predicted (the safe side). Its config's LayerDrop (0.1) skips encoder layers at "
-        "random in each measured step, where the trace runs every layer (the common branch of "
-        "`torch.rand([]) < 0.1`): the allocator trace (zoo_diagnose_wav2vec2_h100.json) has "
-        "1785 requests in step 1 and 1686 in steps 3-4 against 2024 predicted; and its first "
-        "feature convolution asks 283 MB inside where the conv grid's class predicts 100 MB")},
-
+        "reserved": (
+            "the real allocator trace (zoo_diagnose_plain_h100.json) replays to the "
+            "GPU's 2034 MiB with the addresses cudaMalloc returned and to 1812 MiB "
+            "(-10.9%) with the modelled ones (segments in the order they are made; "
+            "below each other does no better): equal-size free blocks in different "
+            "segments compete, the address decides, and the real step 2 then opens "
+            "two more segments (74 and 148 MiB). The prediction (1810 MiB) matches the "
+            "modelled replay; where the driver places segments is not predicted. "
+            "tests/test_allocator.py checks every zoo trace this way"
+        )
+    },
+    "wav2vec2-base-ctc": {
+        "reserved": (
+            "over-predicted (the safe side). Its config's LayerDrop (0.1) skips encoder layers at "
+            "random in each measured step, where the trace runs every layer (the common branch of "
+            "`torch.rand([]) < 0.1`): the allocator trace (zoo_diagnose_wav2vec2_h100.json) has "
+            "1785 requests in step 1 and 1686 in steps 3-4 against 2024 predicted; and its first "
+            "feature convolution asks 283 MB inside where the conv grid's class predicts 100 MB"
+        )
+    },
 }
 
-RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS",
-                              FIXTURES / "zoo_h100.json"))
+RESULTS = Path(os.environ.get("GOBRRR_ZOO_RESULTS", FIXTURES / "zoo_h100.json"))
 
 
 def _needs(name: str):
@@ -85,8 +89,9 @@ def test_case_traces(name):
 def _breaks(e: compare.CaseError) -> dict[str, str]:
     """{what: line} for every per-case bound this case breaks."""
     out = {}
-    if e.alloc_err is not None and (abs(e.alloc_err) > ALLOC_EVERY_MAX
-                                    or e.alloc_err < -ALLOC_UNDER_MAX):
+    if e.alloc_err is not None and (
+        abs(e.alloc_err) > ALLOC_EVERY_MAX or e.alloc_err < -ALLOC_UNDER_MAX
+    ):
         out["alloc"] = f"allocated peak {e.alloc_err:+.1%}"
     if e.reserved_err is not None and abs(e.reserved_err) > RESERVED_EVERY_MAX:
         out["reserved"] = f"reserved peak {e.reserved_err:+.1%}"
@@ -95,36 +100,54 @@ def _breaks(e: compare.CaseError) -> dict[str, str]:
     return out
 
 
-def known_miss_failures(errors: list[compare.CaseError],
-                        known: dict[str, dict[str, str]]) -> list[str]:
+def known_miss_failures(
+    errors: list[compare.CaseError], known: dict[str, dict[str, str]]
+) -> list[str]:
     """Known misses that are met now (remove them from KNOWN_MISSES), one line each."""
     by = {e.name: _breaks(e) for e in errors if not e.trace_error}
-    return [f"{name}: {what} is within its bound now: remove it from KNOWN_MISSES"
-            for name, whats in known.items() for what in whats
-            if name in by and what not in by[name]]
+    return [
+        f"{name}: {what} is within its bound now: remove it from KNOWN_MISSES"
+        for name, whats in known.items()
+        for what in whats
+        if name in by and what not in by[name]
+    ]
 
 
-def bound_failures(errors: list[compare.CaseError],
-                   known: dict[str, dict[str, str]] | None = None,
-                   time_median: float = TIME_MEDIAN_MAX) -> list[str]:
+def bound_failures(
+    errors: list[compare.CaseError],
+    known: dict[str, dict[str, str]] | None = None,
+    time_median: float = TIME_MEDIAN_MAX,
+) -> list[str]:
     """Every bound that the errors break, one line each (known misses left out);
     `time_median`: the bound on the median |step time error|."""
     known = known or {}
     out = [f"{e.name}: fails to trace: {e.trace_error}" for e in errors if e.trace_error]
     every = errors  # the medians are over every case, known misses included
-    errors = [compare.CaseError(**{**e.__dict__, **{
-        f"predicted_{'step_s' if w == 'time' else w}": None for w in known.get(e.name, {})}})
-        for e in errors]
+    errors = [
+        compare.CaseError(
+            **{
+                **e.__dict__,
+                **{
+                    f"predicted_{'step_s' if w == 'time' else w}": None
+                    for w in known.get(e.name, {})
+                },
+            }
+        )
+        for e in errors
+    ]
     for e in errors:
         if e.alloc_err is not None and abs(e.alloc_err) > ALLOC_EVERY_MAX:
-            out.append(f"{e.name}: allocated peak {e.alloc_err:+.1%} "
-                       f"(bound ±{ALLOC_EVERY_MAX:.0%})")
+            out.append(
+                f"{e.name}: allocated peak {e.alloc_err:+.1%} (bound ±{ALLOC_EVERY_MAX:.0%})"
+            )
         if e.alloc_err is not None and e.alloc_err < -ALLOC_UNDER_MAX:
-            out.append(f"{e.name}: allocated peak {e.alloc_err:+.1%} under (bound "
-                       f"-{ALLOC_UNDER_MAX:.0%})")
+            out.append(
+                f"{e.name}: allocated peak {e.alloc_err:+.1%} under (bound -{ALLOC_UNDER_MAX:.0%})"
+            )
         if e.reserved_err is not None and abs(e.reserved_err) > RESERVED_EVERY_MAX:
-            out.append(f"{e.name}: reserved peak {e.reserved_err:+.1%} "
-                       f"(bound ±{RESERVED_EVERY_MAX:.0%})")
+            out.append(
+                f"{e.name}: reserved peak {e.reserved_err:+.1%} (bound ±{RESERVED_EVERY_MAX:.0%})"
+            )
         if e.time_err is not None and abs(e.time_err) > TIME_EVERY_MAX:
             out.append(f"{e.name}: step time {e.time_err:+.1%} (bound ±{TIME_EVERY_MAX:.0%})")
     for what, bound in (("alloc", ALLOC_MEDIAN_MAX), ("time", time_median)):
@@ -137,28 +160,49 @@ def bound_failures(errors: list[compare.CaseError],
 def test_bound_failures_names_each_broken_bound():
     """The checker itself, on hand-made errors: 4% over breaks the per-case memory bound, 2.2%
     under the under-bound only, a 20% slow step the time bound, and medians are checked."""
-    mk = lambda name, a, t: compare.CaseError(name, "f", (), "bf16-mixed", 1000, 2000, 1.0,
-                                              predicted_alloc=a, predicted_reserved=None,
-                                              predicted_step_s=t)
-    fails = bound_failures([mk("over", 1040, 1.0), mk("under", 978, 1.0), mk("slow", 1000, 1.2),
-                            mk("ok", 1000, 1.0)])
+    mk = lambda name, a, t: compare.CaseError(
+        name,
+        "f",
+        (),
+        "bf16-mixed",
+        1000,
+        2000,
+        1.0,
+        predicted_alloc=a,
+        predicted_reserved=None,
+        predicted_step_s=t,
+    )
+    fails = bound_failures(
+        [mk("over", 1040, 1.0), mk("under", 978, 1.0), mk("slow", 1000, 1.2), mk("ok", 1000, 1.0)]
+    )
     assert any(f.startswith("over: allocated peak +4.0%") for f in fails)
     assert [f for f in fails if f.startswith("under")] == [
-        "under: allocated peak -2.2% under (bound -2%)"]
+        "under: allocated peak -2.2% under (bound -2%)"
+    ]
     assert any(f.startswith("slow: step time +20.0%") for f in fails)
     assert "median |alloc error| 1.1% (bound 1%)" in fails
     assert not [f for f in fails if f.startswith("ok")]
 
 
 def test_known_misses_are_left_out_and_must_still_miss():
-    mk = lambda name, a, t: compare.CaseError(name, "f", (), "bf16-mixed", 1000, 2000, 1.0,
-                                              predicted_alloc=a, predicted_reserved=None,
-                                              predicted_step_s=t)
+    mk = lambda name, a, t: compare.CaseError(
+        name,
+        "f",
+        (),
+        "bf16-mixed",
+        1000,
+        2000,
+        1.0,
+        predicted_alloc=a,
+        predicted_reserved=None,
+        predicted_step_s=t,
+    )
     errors = [mk("slow", 1000, 1.5), mk("fixed", 1000, 1.0), mk("ok", 1000, 1.0)]
     known = {"slow": {"time": "why"}, "fixed": {"time": "why"}}
     assert not [f for f in bound_failures(errors, known) if not f.startswith("median")]
     assert known_miss_failures(errors, known) == [
-        "fixed: time is within its bound now: remove it from KNOWN_MISSES"]
+        "fixed: time is within its bound now: remove it from KNOWN_MISSES"
+    ]
     assert any(f.startswith("slow: step time +50.0%") for f in bound_failures(errors))
 
 
@@ -166,21 +210,28 @@ def _measured_errors(path: Path) -> list[compare.CaseError]:
     """Every case a results file measured (with its libraries installed), predicted again,
     its step time the median over the reruns too (`compare.rerun_steps`)."""
     if not path.exists():
-        pytest.skip(f"{path.name} is not recorded yet: run benchmarks/zoo/measure.py on an "
-                    "H100 and commit its JSON")
-    rows = [r for r in compare.measured_rows(json.loads(path.read_text()))
-            if available(get_case(r["name"]).library)]
+        pytest.skip(
+            f"{path.name} is not recorded yet: run benchmarks/zoo/measure.py on an "
+            "H100 and commit its JSON"
+        )
+    rows = [
+        r
+        for r in compare.measured_rows(json.loads(path.read_text()))
+        if available(get_case(r["name"]).library)
+    ]
     if not rows:
         pytest.skip(f"{path.name} has no GPU measurement of the cases as defined now")
     reruns = compare.rerun_steps(path.parent)
     return [compare.compare_row(r, lambda case: _estimate(case.name), reruns) for r in rows]
 
 
-def _assert_within(errors: list[compare.CaseError], known: dict[str, dict[str, str]],
-                   time_median: float = TIME_MEDIAN_MAX) -> None:
+def _assert_within(
+    errors: list[compare.CaseError],
+    known: dict[str, dict[str, str]],
+    time_median: float = TIME_MEDIAN_MAX,
+) -> None:
     fails = bound_failures(errors, known, time_median) + known_miss_failures(errors, known)
-    assert not fails, "\n".join([*fails, "", *compare.summary(errors), "",
-                                 compare.table(errors)])
+    assert not fails, "\n".join([*fails, "", *compare.summary(errors), "", compare.table(errors)])
 
 
 def test_zoo_against_h100():
@@ -195,12 +246,15 @@ HOLDOUT_RESULTS = RESULTS.with_name("zoo_h100_holdout.json")
 HOLDOUT_TIME_MEDIAN_CLAIMED = 0.06
 # held-out cases (zoo.cases.HOLDOUT, measured after the model was fixed) that miss a bound
 HOLDOUT_MISSES: dict[str, dict[str, str]] = {
-    "efficientnet_v2_s-tv-cl": {"time": (
-        "host-bound: its step measured 91, 109 and 118 ms on three hosts (zoo_h100_holdout.json, "
-        "_run2, _run3), its timed steps spreading from 81 to 136 ms; profiled, its device "
-        "phases are within 12% (zoo_profile_holdout_h100.json) and the host's per-op cost is "
-        "the rest: an add costs the second and third hosts 9.4 and 13.6 us a call "
-        "(host_op_classes_h100.json, _run2) against the calibration host's 9.8")},
+    "efficientnet_v2_s-tv-cl": {
+        "time": (
+            "host-bound: its step measured 91, 109 and 118 ms on three hosts "
+            "(zoo_h100_holdout.json, _run2, _run3), its timed steps spreading from 81 to 136 ms; "
+            "profiled, its device phases are within 12% (zoo_profile_holdout_h100.json) and the "
+            "host's per-op cost is the rest: an add costs the second and third hosts 9.4 and 13.6"
+            " us a call (host_op_classes_h100.json, _run2) against the calibration host's 9.8"
+        )
+    },
 }
 
 
@@ -236,8 +290,11 @@ def test_a_rerun_case_shows_its_median_and_spread():
     doc = json.loads((FIXTURES / "zoo_h100_holdout.json").read_text())
     row = next(r for r in compare.measured_rows(doc) if r["name"] == "efficientnet_v2_s-tv-cl")
     reruns = compare.rerun_steps(FIXTURES)
-    e = compare.compare_row(row, estimate_of=lambda case: (_ for _ in ()).throw(
-        RuntimeError("not traced here")), reruns=reruns)
+    e = compare.compare_row(
+        row,
+        estimate_of=lambda case: (_ for _ in ()).throw(RuntimeError("not traced here")),
+        reruns=reruns,
+    )
     assert e.runs == 3
     assert compare._runs(e) == " [median of 3 runs, 91.1-118.2]"
     assert f"{e.measured_step_s * 1e3:.1f}" == "109.3"

@@ -39,8 +39,23 @@ def small_pack() -> Seq:
 def small_odd_sizes() -> Seq:
     """Sizes around the 512 B rounding and the 1 MiB small/large boundary, freed and reused."""
     s = Seq()
-    sizes = [1, 511, 512, 513, 1000, 4096, 65537, 300 * KiB, MiB - 1, MiB, MiB + 1, MiB + 512,
-             3 * KiB, 700 * KiB, 1500 * KiB]
+    sizes = [
+        1,
+        511,
+        512,
+        513,
+        1000,
+        4096,
+        65537,
+        300 * KiB,
+        MiB - 1,
+        MiB,
+        MiB + 1,
+        MiB + 512,
+        3 * KiB,
+        700 * KiB,
+        1500 * KiB,
+    ]
     ids = [s.a(n) for n in sizes]
     for tid in ids[::2]:
         s.f(tid)
@@ -137,8 +152,9 @@ def training_like(seed: int) -> Seq:
     while gradients appear, then an optimizer's temporaries; two steps."""
     rng = random.Random(seed)
     s = Seq()
-    params = [rng.choice([4 * KiB, 96 * KiB, 2 * MiB + 4 * KiB, 9 * MiB, 36 * MiB]) for _ in
-              range(24)]
+    params = [
+        rng.choice([4 * KiB, 96 * KiB, 2 * MiB + 4 * KiB, 9 * MiB, 36 * MiB]) for _ in range(24)
+    ]
     for n in params:
         s.a(n)
     grads = None

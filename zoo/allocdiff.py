@@ -79,8 +79,9 @@ def real_steps(row: dict) -> list[dict]:
     """The row's events split at each step's forward: [{"name", "events"}], each event
     (kind, bytes, op label, alloc id) with the op label "aten op @ module|node"."""
     strings, ops = row["strings"], row["ops"]
-    starts = [(0, "build")] + [(i, n.split(":")[0]) for n, i in row["phase_starts"]
-                               if n.endswith(":forward")]
+    starts = [(0, "build")] + [
+        (i, n.split(":")[0]) for n, i in row["phase_starts"] if n.endswith(":forward")
+    ]
     sizes, out = {}, []
     n_alloc = 0
     bounds = [s for s, _ in starts[1:]] + [len(row["events"])]
@@ -102,7 +103,7 @@ def real_steps(row: dict) -> list[dict]:
 
 
 def _label(strings: list[str], op: list[int]) -> str:
-    """"mm @ module" (forward) or "mm @ MmBackward0" (backward): the op's name without its
+    """ "mm @ module" (forward) or "mm @ MmBackward0" (backward): the op's name without its
     namespace and overload, as gobrrr's OpNode.name."""
     parts = strings[op[0]].split(".")
     name = parts[1] if len(parts) >= 2 else parts[0]
@@ -114,14 +115,21 @@ def replay_real(row: dict) -> dict:
     """The real events through gobrrr's allocator, with cudaMalloc's addresses (and with the
     modelled ones, which differ where equal-size free blocks compete); the peaks beside the
     GPU's own."""
-    evs = [("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])
-           for s in real_steps(row) for e in s["events"] if e[0] in (0, 1)]
+    evs = [
+        ("a", e[3], e[1]) if e[0] == 0 else ("f", e[3])
+        for s in real_steps(row)
+        for e in s["events"]
+        if e[0] in (0, 1)
+    ]
     addrs = [e[3] for s in real_steps(row) for e in s["events"] if e[0] == 2]
     full = replay(evs, addresses=addrs)
-    return {"reserved_replayed": full.stats.reserved_peak, "segments": full.stats.segments_peak,
-            "reserved_modelled_addresses": replay(evs).stats.reserved_peak,
-            "reserved_gpu": row["max_memory_reserved"],
-            "segments_gpu": row["stats"].get("segment.all.peak")}
+    return {
+        "reserved_replayed": full.stats.reserved_peak,
+        "segments": full.stats.segments_peak,
+        "reserved_modelled_addresses": replay(evs).stats.reserved_peak,
+        "reserved_gpu": row["max_memory_reserved"],
+        "segments_gpu": row["stats"].get("segment.all.peak"),
+    }
 
 
 # -- the predicted side ----------------------------------------------------------------------
@@ -182,16 +190,21 @@ def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
     proc.run(steps)
     bounds = [0, *cuts, len(proc.alloc.events)]
     names = ["build"] + [f"step{i + 1}" for i in range(len(cuts))]
-    return [{"name": n, "events": proc.alloc.events[a:b]}
-            for n, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)]
+    return [
+        {"name": n, "events": proc.alloc.events[a:b]}
+        for n, a, b in zip(names, bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 # -- the comparison --------------------------------------------------------------------------
 
 
 def segments(step: dict) -> list[str]:
-    return [f"{e[1] / MiB:8.1f} MiB {'S' if e[1] == 2 * MiB else 'L'}  {e[2]}"
-            for e in step["events"] if e[0] == 2]
+    return [
+        f"{e[1] / MiB:8.1f} MiB {'S' if e[1] == 2 * MiB else 'L'}  {e[2]}"
+        for e in step["events"]
+        if e[0] == 2
+    ]
 
 
 def by_op(step: dict) -> Counter:
@@ -212,16 +225,17 @@ def sequence_diff(real: dict, pred: dict, show: int, plain: bool = False) -> lis
     compared by bytes alone (the real events carry no op)."""
     ra = [e for e in real["events"] if e[0] == 0]
     pa = [e for e in pred["events"] if e[0] == 0]
-    sm = difflib.SequenceMatcher(None, [_key(e, plain) for e in ra],
-                                 [_key(e, plain) for e in pa], autojunk=False)
+    sm = difflib.SequenceMatcher(
+        None, [_key(e, plain) for e in ra], [_key(e, plain) for e in pa], autojunk=False
+    )
     out = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal":
             continue
         out.append(f"  {tag} real[{i1}:{i2}] pred[{j1}:{j2}]")
-        for e in ra[i1:min(i2, i1 + 4)]:
+        for e in ra[i1 : min(i2, i1 + 4)]:
             out.append(f"     real {e[1]:>12d}  {e[2]}")
-        for e in pa[j1:min(j2, j1 + 4)]:
+        for e in pa[j1 : min(j2, j1 + 4)]:
             out.append(f"     pred {e[1]:>12d}  {e[2]}")
         if len(out) >= show:
             break
@@ -244,8 +258,14 @@ def unmatched(real: dict, pred: dict) -> list[tuple[str, int, int, Counter]]:
         diff.subtract(p[op])
         diff = Counter({k: v for k, v in diff.items() if v})
         if diff:
-            out.append((op, sum(k * v for k, v in diff.items() if v > 0),
-                        -sum(k * v for k, v in diff.items() if v < 0), diff))
+            out.append(
+                (
+                    op,
+                    sum(k * v for k, v in diff.items() if v > 0),
+                    -sum(k * v for k, v in diff.items() if v < 0),
+                    diff,
+                )
+            )
     return sorted(out, key=lambda t: -(t[1] + t[2]))
 
 
@@ -260,14 +280,18 @@ def report(row: dict, step: int, show: int) -> list[str]:
     real = real_steps(row)
     est = compare.predict(get_case(row["name"]))
     pred = predicted_steps(est)
-    out.append(f"  predicted reserved {est.memory.reserved / MiB:.1f} MiB, real "
-               f"{row['max_memory_reserved'] / MiB:.1f} MiB")
+    out.append(
+        f"  predicted reserved {est.memory.reserved / MiB:.1f} MiB, real "
+        f"{row['max_memory_reserved'] / MiB:.1f} MiB"
+    )
     for r, p in zip(real, pred, strict=False):
-        out.append(f"  {r['name']}: segments real {len(segments(r))} "
-                   f"({sum(e[1] for e in r['events'] if e[0] == 2) / MiB:.0f} MiB), predicted "
-                   f"{len(segments(p))} ({sum(e[1] for e in p['events'] if e[0] == 2) / MiB:.0f}"
-                   f" MiB); allocs real {sum(e[0] == 0 for e in r['events'])} predicted "
-                   f"{sum(e[0] == 0 for e in p['events'])}")
+        out.append(
+            f"  {r['name']}: segments real {len(segments(r))} "
+            f"({sum(e[1] for e in r['events'] if e[0] == 2) / MiB:.0f} MiB), predicted "
+            f"{len(segments(p))} ({sum(e[1] for e in p['events'] if e[0] == 2) / MiB:.0f}"
+            f" MiB); allocs real {sum(e[0] == 0 for e in r['events'])} predicted "
+            f"{sum(e[0] == 0 for e in p['events'])}"
+        )
     r, p = real[step], pred[step]
     plain = bool(row.get("plain"))
     if plain:  # no op labels on the real side: segments and the bytes sequence only
@@ -280,8 +304,10 @@ def report(row: dict, step: int, show: int) -> list[str]:
     out.append(f"  step {step} bytes requested by op (MiB, real / predicted), largest gaps:")
     gaps = sorted(set(rb) | set(pb), key=lambda k: -abs(rb[k] - pb[k]))[:15]
     out += [f"    {k:40s} {rb[k] / MiB:10.1f} {pb[k] / MiB:10.1f}" for k in gaps]
-    out.append(f"  step {step} requests on one side only, by op (MiB only real / only "
-               "predicted; sizes: +count real, -count predicted):")
+    out.append(
+        f"  step {step} requests on one side only, by op (MiB only real / only "
+        "predicted; sizes: +count real, -count predicted):"
+    )
     for op, only_r, only_p, diff in unmatched(r, p)[:20]:
         sizes = ", ".join(f"{k}:{v:+d}" for k, v in sorted(diff.items(), key=lambda kv: -kv[0])[:6])
         out.append(f"    {op:40s} {only_r / MiB:9.1f} {only_p / MiB:9.1f}  {sizes}")

@@ -19,8 +19,9 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise GobrrrError(f"this zoo case needs {module.split('.')[0]}, which is not installed "
-                          f"({e}): {INSTALL}") from None
+        raise GobrrrError(
+            f"this zoo case needs {module.split('.')[0]}, which is not installed ({e}): {INSTALL}"
+        ) from None
 
 
 @functools.cache
@@ -42,14 +43,15 @@ class SgdMomentum:
     weight_decay: float = 1e-4
 
     def __call__(self, params) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.weight_decay)
+        return torch.optim.SGD(
+            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
 
 
 def padded_mask(batch: int, seq: int) -> torch.Tensor:
     """(batch, seq) int64 attention mask: every other row has its last 25% padded (0)."""
     mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[::2, seq - seq // 4:] = 0
+    mask[::2, seq - seq // 4 :] = 0
     return mask
 
 

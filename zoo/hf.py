@@ -26,13 +26,24 @@ def _model(auto: str, config_cls: str, attn: str | None = None, **config: Any):
 
 def _info(cfg) -> dict[str, Any]:
     """The transformer facts gobrrr's closed-form formulas read, where the config has them."""
-    keys = {"layers": "num_hidden_layers", "hidden": "hidden_size",
-            "heads": "num_attention_heads", "vocab": "vocab_size"}
+    keys = {
+        "layers": "num_hidden_layers",
+        "hidden": "hidden_size",
+        "heads": "num_attention_heads",
+        "vocab": "vocab_size",
+    }
     return {k: getattr(cfg, v) for k, v in keys.items() if getattr(cfg, v, None) is not None}
 
 
-def causal_lm(batch: int, seq: int, *, config_cls: str, pad: bool = False,
-              grad_ckpt: bool = False, **config: Any) -> gobrrr.Workload:
+def causal_lm(
+    batch: int,
+    seq: int,
+    *,
+    config_cls: str,
+    pad: bool = False,
+    grad_ckpt: bool = False,
+    **config: Any,
+) -> gobrrr.Workload:
     """A decoder LM's pre-training step: random token ids, labels = ids (shifted inside the
     model). pad: every other row's last 25% padded, attention mask 0 and labels -100 there.
     grad_ckpt: the library's own `model.gradient_checkpointing_enable()`."""
@@ -43,15 +54,24 @@ def causal_lm(batch: int, seq: int, *, config_cls: str, pad: bool = False,
     inputs = {"input_ids": ids, "labels": ids}
     if pad:
         mask = padded_mask(batch, seq)
-        inputs = {"input_ids": ids, "attention_mask": mask,
-                  "labels": ids.masked_fill(mask == 0, -100)}
-    return gobrrr.Workload(model=model, batch=inputs, seq_len=seq, tokens=batch * seq,
-                           name=config_cls.removesuffix("Config").lower(),
-                           info=_info(model.config))
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100),
+        }
+    return gobrrr.Workload(
+        model=model,
+        batch=inputs,
+        seq_len=seq,
+        tokens=batch * seq,
+        name=config_cls.removesuffix("Config").lower(),
+        info=_info(model.config),
+    )
 
 
-def masked_lm(batch: int, seq: int, *, config_cls: str, pad: bool = False,
-              **config: Any) -> gobrrr.Workload:
+def masked_lm(
+    batch: int, seq: int, *, config_cls: str, pad: bool = False, **config: Any
+) -> gobrrr.Workload:
     """An encoder's masked-LM step: 15% of positions predicted; pad as in `causal_lm`."""
     model = _model("AutoModelForMaskedLM", config_cls, **config)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
@@ -59,23 +79,39 @@ def masked_lm(batch: int, seq: int, *, config_cls: str, pad: bool = False,
     inputs = {"input_ids": ids, "labels": labels}
     if pad:
         mask = padded_mask(batch, seq)
-        inputs = {"input_ids": ids, "attention_mask": mask,
-                  "labels": labels.masked_fill(mask == 0, -100)}
-    return gobrrr.Workload(model=model, batch=inputs, seq_len=seq, tokens=batch * seq,
-                           name=config_cls.removesuffix("Config").lower(),
-                           info=_info(model.config))
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels.masked_fill(mask == 0, -100),
+        }
+    return gobrrr.Workload(
+        model=model,
+        batch=inputs,
+        seq_len=seq,
+        tokens=batch * seq,
+        name=config_cls.removesuffix("Config").lower(),
+        info=_info(model.config),
+    )
 
 
-def seq2seq(batch: int, seq: int, *, config_cls: str, target_len: int = 128,
-            **config: Any) -> gobrrr.Workload:
+def seq2seq(
+    batch: int, seq: int, *, config_cls: str, target_len: int = 128, **config: Any
+) -> gobrrr.Workload:
     """A text encoder-decoder's step: `seq` source tokens, `target_len` label tokens (the
     decoder inputs are the labels shifted right, inside the model)."""
     model = _model("AutoModelForSeq2SeqLM", config_cls, **config)
     vocab = model.config.vocab_size
-    inputs = {"input_ids": torch.randint(0, vocab, (batch, seq)),
-              "labels": torch.randint(0, vocab, (batch, target_len))}
-    return gobrrr.Workload(model=model, batch=inputs, seq_len=seq, tokens=batch * seq,
-                           name=config_cls.removesuffix("Config").lower())
+    inputs = {
+        "input_ids": torch.randint(0, vocab, (batch, seq)),
+        "labels": torch.randint(0, vocab, (batch, target_len)),
+    }
+    return gobrrr.Workload(
+        model=model,
+        batch=inputs,
+        seq_len=seq,
+        tokens=batch * seq,
+        name=config_cls.removesuffix("Config").lower(),
+    )
 
 
 def whisper(batch: int, seq: int, *, target_len: int = 128, **config: Any) -> gobrrr.Workload:
@@ -85,12 +121,18 @@ def whisper(batch: int, seq: int, *, target_len: int = 128, **config: Any) -> go
     cfg = model.config
     feats = torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions)
     labels = torch.randint(0, cfg.vocab_size, (batch, seq or target_len))
-    return gobrrr.Workload(model=model, batch={"input_features": feats, "labels": labels},
-                           seq_len=seq, tokens=labels.numel(), name="whisper")
+    return gobrrr.Workload(
+        model=model,
+        batch={"input_features": feats, "labels": labels},
+        seq_len=seq,
+        tokens=labels.numel(),
+        name="whisper",
+    )
 
 
-def wav2vec2_ctc(batch: int, seq: int, *, label_len: int = 100, freeze_features: bool = True,
-                 **config: Any) -> gobrrr.Workload:
+def wav2vec2_ctc(
+    batch: int, seq: int, *, label_len: int = 100, freeze_features: bool = True, **config: Any
+) -> gobrrr.Workload:
     """Wav2Vec2 fine-tuned with CTC on raw 16 kHz audio, `seq` samples per clip, the way the
     library's speech-recognition recipe does it: convolutional feature encoder frozen
     (`freeze_feature_encoder()`), SpecAugment time masking on, labels in 1..vocab-1."""
@@ -99,8 +141,9 @@ def wav2vec2_ctc(batch: int, seq: int, *, label_len: int = 100, freeze_features:
         model.freeze_feature_encoder()
     audio = torch.randn(batch, seq)
     labels = torch.randint(1, model.config.vocab_size, (batch, label_len))
-    return gobrrr.Workload(model=model, batch={"input_values": audio, "labels": labels},
-                           tokens=batch, name="wav2vec2")
+    return gobrrr.Workload(
+        model=model, batch={"input_values": audio, "labels": labels}, tokens=batch, name="wav2vec2"
+    )
 
 
 def vit(batch: int, seq: int | None, **config: Any) -> gobrrr.Workload:
@@ -109,5 +152,6 @@ def vit(batch: int, seq: int | None, **config: Any) -> gobrrr.Workload:
     cfg = model.config
     pixels = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch,))
-    return gobrrr.Workload(model=model, batch={"pixel_values": pixels, "labels": labels},
-                           tokens=batch, name="vit")
+    return gobrrr.Workload(
+        model=model, batch={"pixel_values": pixels, "labels": labels}, tokens=batch, name="vit"
+    )

@@ -29,8 +29,14 @@ SCENARIOS: dict[str, tuple] = {
     "llama3-3b-seq4k": ("llama3-3b", 4096, 8, "bf16-mixed"),
     "resnet50-cl-b2048": (f"{HERE}:resnet50", None, 2048, "bf16-mixed"),
     "gpt2-xl-seq1k": ("gpt2-xl", 1024, 32, "bf16-mixed"),
-    "llama-5b-seq4k-states": (f"{HERE}:llama_5b", 4096, 8, "bf16-mixed",
-                              ("8bit-states", "offload"), "least"),
+    "llama-5b-seq4k-states": (
+        f"{HERE}:llama_5b",
+        4096,
+        8,
+        "bf16-mixed",
+        ("8bit-states", "offload"),
+        "least",
+    ),
 }
 
 
@@ -59,21 +65,27 @@ def repredict(path: Path, names: list[str] | None = None) -> list[dict]:
         source, seq, g, precision, *rest = SCENARIOS[name]
         allow = rest[0] if rest else ()
         t = time.perf_counter()
-        planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                          allow=allow)
+        planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision, allow=allow)
         for c in sc["configs"]:
             m = c["measured"]
             if "step_s" not in m:
                 continue
             now = planner.cost(Knobs.from_dict(c["knobs"]))
-            rows.append({
-                "file": path.name, "scenario": name, "role": c["role"],
-                "changes": c["changes"], "measured_step_s": m["step_s"],
-                "recorded_step_s": c["predicted"]["step_s"], "predicted_step_s": now.step_s,
-                "step_err": now.step_s / m["step_s"] - 1,
-                "recorded_step_err": c["predicted"]["step_s"] / m["step_s"] - 1,
-                "units_per_s_err": m["step_s"] / now.step_s - 1,
-                "alloc_err": now.peak_bytes / m["peak_allocated"] - 1,
-                "reserved_err": now.reserved_bytes / m["peak_reserved"] - 1})
+            rows.append(
+                {
+                    "file": path.name,
+                    "scenario": name,
+                    "role": c["role"],
+                    "changes": c["changes"],
+                    "measured_step_s": m["step_s"],
+                    "recorded_step_s": c["predicted"]["step_s"],
+                    "predicted_step_s": now.step_s,
+                    "step_err": now.step_s / m["step_s"] - 1,
+                    "recorded_step_err": c["predicted"]["step_s"] / m["step_s"] - 1,
+                    "units_per_s_err": m["step_s"] / now.step_s - 1,
+                    "alloc_err": now.peak_bytes / m["peak_allocated"] - 1,
+                    "reserved_err": now.reserved_bytes / m["peak_reserved"] - 1,
+                }
+            )
         print(f"{name}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return rows

@@ -24,8 +24,9 @@ def _images(batch: int, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor
     return images, torch.randint(0, 1000, (batch,))
 
 
-def _workload(model, name: str, batch: int, channels_last: bool, optimizer,
-              label_smoothing: float = 0.0) -> gobrrr.Workload:
+def _workload(
+    model, name: str, batch: int, channels_last: bool, optimizer, label_smoothing: float = 0.0
+) -> gobrrr.Workload:
     model = model.train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -33,12 +34,25 @@ def _workload(model, name: str, batch: int, channels_last: bool, optimizer,
         step = lambda m, b: F.cross_entropy(m(b[0]), b[1], label_smoothing=label_smoothing)
     else:
         step = lambda m, b: _classify(m, *b)
-    return gobrrr.Workload(model=model, batch=_images(batch, channels_last), step=step,
-                           optimizer=optimizer, tokens=batch, name=name)
+    return gobrrr.Workload(
+        model=model,
+        batch=_images(batch, channels_last),
+        step=step,
+        optimizer=optimizer,
+        tokens=batch,
+        name=name,
+    )
 
 
-def torchvision_model(batch: int, seq: int | None, *, arch: str, channels_last: bool = False,
-                      optimizer=None, label_smoothing: float = 0.0) -> gobrrr.Workload:
+def torchvision_model(
+    batch: int,
+    seq: int | None,
+    *,
+    arch: str,
+    channels_last: bool = False,
+    optimizer=None,
+    label_smoothing: float = 0.0,
+) -> gobrrr.Workload:
     """`torchvision.models.<arch>(weights=None)` on a (batch, 3, 224, 224) batch; `optimizer`
     a params -> Optimizer callable (None: AdamW)."""
     models = require("torchvision.models")
@@ -46,8 +60,16 @@ def torchvision_model(batch: int, seq: int | None, *, arch: str, channels_last: 
     return _workload(model, arch, batch, channels_last, optimizer, label_smoothing)
 
 
-def timm_model(batch: int, seq: int | None, *, arch: str, channels_last: bool = False,
-               optimizer=None, grad_ckpt: bool = False, **kwargs) -> gobrrr.Workload:
+def timm_model(
+    batch: int,
+    seq: int | None,
+    *,
+    arch: str,
+    channels_last: bool = False,
+    optimizer=None,
+    grad_ckpt: bool = False,
+    **kwargs,
+) -> gobrrr.Workload:
     """`timm.create_model(arch, pretrained=False, **kwargs)`; grad_ckpt: timm's own
     `model.set_grad_checkpointing()`."""
     timm = require("timm")

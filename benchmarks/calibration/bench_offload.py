@@ -32,8 +32,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 from child_rows import env_row, run_row  # noqa: E402
 
@@ -53,15 +57,20 @@ def run_section() -> dict:
 
     dev, section, errors = torch.device("cuda"), {"threads": torch.get_num_threads()}, {}
     t0 = time.perf_counter()
-    parts = {"link": lambda: co.link_bandwidths(dev), "issue": lambda: co.issue_costs(dev),
-             **{f"adamw:{k}": (lambda k=k: co.cpu_adamw_times(dtypes=(k,)))
-                for k in co.ADAM_DTYPES}}
+    parts = {
+        "link": lambda: co.link_bandwidths(dev),
+        "issue": lambda: co.issue_costs(dev),
+        **{f"adamw:{k}": (lambda k=k: co.cpu_adamw_times(dtypes=(k,))) for k in co.ADAM_DTYPES},
+    }
     for name, fn in parts.items():
         try:
             section.update(fn())
         except Exception as e:  # recorded, never fatal
-            errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
-                            "traceback": traceback.format_exc().splitlines()[-8:]}
+            errors[name] = {
+                "type": type(e).__name__,
+                "message": str(e)[:1000],
+                "traceback": traceback.format_exc().splitlines()[-8:],
+            }
     return {"offload": section, "errors": errors, "seconds": time.perf_counter() - t0}
 
 
@@ -95,14 +104,22 @@ def run_one(name: str, warmup: int, steps: int) -> dict:
                 times[-1]["cpu_steps_s"] = sum(t for _, t in cpu)
                 row["cpu_steps"] = [[n, t] for n, t in cpu]  # (elements, s), the last step's
                 cpu.clear()
-        row.update({k: statistics.median(t[k] for t in times) for k in times[0]},
-                   steps=times, peak_allocated=torch.cuda.max_memory_allocated(),
-                   peak_reserved=torch.cuda.max_memory_reserved(),
-                   optimizer=type(step.optimizer).__name__, host=host_bytes(step.optimizer))
+        row.update(
+            {k: statistics.median(t[k] for t in times) for k in times[0]},
+            steps=times,
+            peak_allocated=torch.cuda.max_memory_allocated(),
+            peak_reserved=torch.cuda.max_memory_reserved(),
+            optimizer=type(step.optimizer).__name__,
+            host=host_bytes(step.optimizer),
+        )
     except Exception as e:  # recorded: one configuration must not sink the run
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-        row["error"] = {"type": type(e).__name__, "message": str(e)[:1000], "oom": oom,
-                        "traceback": traceback.format_exc().splitlines()[-8:]}
+        row["error"] = {
+            "type": type(e).__name__,
+            "message": str(e)[:1000],
+            "oom": oom,
+            "traceback": traceback.format_exc().splitlines()[-8:],
+        }
     row["rss_peak_bytes"] = _status_bytes("VmHWM")
     return row
 
@@ -121,8 +138,12 @@ def _timed(fn, marks: list) -> dict[str, float]:
     b.synchronize()
     entered, host_s = marks.pop()
     marks.clear()
-    return {"step_s": a.elapsed_time(b) * 1e-3, "to_optimizer_s": a.elapsed_time(entered) * 1e-3,
-            "optimizer_s": entered.elapsed_time(b) * 1e-3, "optimizer_host_s": host_s}
+    return {
+        "step_s": a.elapsed_time(b) * 1e-3,
+        "to_optimizer_s": a.elapsed_time(entered) * 1e-3,
+        "optimizer_s": entered.elapsed_time(b) * 1e-3,
+        "optimizer_host_s": host_s,
+    }
 
 
 def _time_cpu_steps(opt) -> list:
@@ -135,6 +156,7 @@ def _time_cpu_steps(opt) -> list:
             out = f()
             times.append((n, time.perf_counter() - t0))
             return out
+
         return step
 
     for p, o in getattr(opt, "optim_dict", {}).items():
@@ -168,16 +190,26 @@ def host_bytes(opt) -> dict:
 
     if not hasattr(opt, "param_d2h_map"):
         return {}
-    pinned = sum(h.untyped_storage().nbytes() + h.grad.untyped_storage().nbytes()
-                 for h in opt.param_d2h_map.values())
-    states = sum(v.untyped_storage().nbytes() for o in opt.optim_dict.values()
-                 for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    out = {"pinned_tensor_bytes": pinned, "state_bytes": states,
-           "offloaded_params": len(opt.param_d2h_map),
-           "offloaded_elements": sum(h.numel() for h in opt.param_d2h_map.values()),
-           "offloaded_numels": sorted(h.numel() for h in opt.param_d2h_map.values()),
-           "gpu_params": sum(len(g["params"]) for g in opt.d_param_groups),
-           "gpu_elements": sum(p.numel() for g in opt.d_param_groups for p in g["params"])}
+    pinned = sum(
+        h.untyped_storage().nbytes() + h.grad.untyped_storage().nbytes()
+        for h in opt.param_d2h_map.values()
+    )
+    states = sum(
+        v.untyped_storage().nbytes()
+        for o in opt.optim_dict.values()
+        for s in o.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    out = {
+        "pinned_tensor_bytes": pinned,
+        "state_bytes": states,
+        "offloaded_params": len(opt.param_d2h_map),
+        "offloaded_elements": sum(h.numel() for h in opt.param_d2h_map.values()),
+        "offloaded_numels": sorted(h.numel() for h in opt.param_d2h_map.values()),
+        "gpu_params": sum(len(g["params"]) for g in opt.d_param_groups),
+        "gpu_elements": sum(p.numel() for g in opt.d_param_groups for p in g["params"]),
+    }
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is not None:
         try:
@@ -200,8 +232,18 @@ def _status_bytes(key: str) -> int | None:
 
 # -- the parent --------------------------------------------------------------------------------
 def child(args, flag: list[str]) -> dict:
-    return run_row([sys.executable, str(HERE), *flag, "--warmup", str(args.warmup),
-                    "--steps", str(args.steps)], args.timeout)
+    return run_row(
+        [
+            sys.executable,
+            str(HERE),
+            *flag,
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+        ],
+        args.timeout,
+    )
 
 
 def environment() -> dict:
@@ -227,11 +269,18 @@ def _env() -> dict:
 
 
 def measure(args) -> dict:
-    out = {"version": VERSION, "benchmark": "offload", "precision": PRECISION,
-           "environment": environment(), "settings": {"warmup": args.warmup,
-                                                      "steps": args.steps},
-           "configs": {name: {"source": c[0], "seq": c[1], "global_batch": c[2], "knobs": c[3]}
-                       for name, c in CONFIGS.items()}, "measured": {}}
+    out = {
+        "version": VERSION,
+        "benchmark": "offload",
+        "precision": PRECISION,
+        "environment": environment(),
+        "settings": {"warmup": args.warmup, "steps": args.steps},
+        "configs": {
+            name: {"source": c[0], "seq": c[1], "global_batch": c[2], "knobs": c[3]}
+            for name, c in CONFIGS.items()
+        },
+        "measured": {},
+    }
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -246,12 +295,21 @@ def measure(args) -> dict:
     save()
     for name in args.configs.split(","):
         if time.perf_counter() - t0 > args.budget:
-            out["measured"][name] = {"error": {"type": "skipped", "oom": False,
-                                               "message": f"past --budget {args.budget} s"}}
+            out["measured"][name] = {
+                "error": {
+                    "type": "skipped",
+                    "oom": False,
+                    "message": f"past --budget {args.budget} s",
+                }
+            }
             continue
         out["measured"][name] = row = child(args, ["--one", name])
-        print(name, "->", {k: row.get(k) for k in ("step_s", "optimizer_s",
-                                                    "peak_allocated", "error")}, flush=True)
+        print(
+            name,
+            "->",
+            {k: row.get(k) for k in ("step_s", "optimizer_s", "peak_allocated", "error")},
+            flush=True,
+        )
         save()
     return out
 
@@ -280,8 +338,9 @@ def compare(path: str) -> None:
     for name, r in rows.items():
         print(f"{name:20s}", {k: round(v, 4) for k, v in r["errors"].items()})
     dest = Path(path).with_name(Path(path).stem + "_predicted.json")
-    dest.write_text(json.dumps({"version": VERSION, "from": Path(path).name, "rows": rows},
-                               indent=1))
+    dest.write_text(
+        json.dumps({"version": VERSION, "from": Path(path).name, "rows": rows}, indent=1)
+    )
     print("wrote", dest)
 
 
@@ -292,16 +351,26 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=120, help="seconds per configuration")
-    ap.add_argument("--budget", type=int, default=200,
-                    help="seconds after which configurations left are skipped")
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=200,
+        help="seconds after which configurations left are skipped",
+    )
     ap.add_argument("--one", choices=sorted(CONFIGS))
     ap.add_argument("--section", action="store_true")
     ap.add_argument("--env", action="store_true")
-    ap.add_argument("--compare", metavar="RESULTS.json",
-                    help="predict each measured configuration (on this CPU) beside the "
-                    "measurement")
-    ap.add_argument("--merge", nargs=2, metavar=("RESULTS.json", "CALIBRATION.json"),
-                    help="set the calibration's offload section to the one measured")
+    ap.add_argument(
+        "--compare",
+        metavar="RESULTS.json",
+        help="predict each measured configuration (on this CPU) beside the measurement",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs=2,
+        metavar=("RESULTS.json", "CALIBRATION.json"),
+        help="set the calibration's offload section to the one measured",
+    )
     args = ap.parse_args(argv)
     if args.merge:
         merge(*args.merge)
@@ -313,8 +382,13 @@ def main(argv=None) -> None:
         try:
             row = run_section()
         except Exception as e:  # recorded, never fatal
-            row = {"error": {"type": type(e).__name__, "message": str(e)[:1000],
-                             "traceback": traceback.format_exc().splitlines()[-8:]}}
+            row = {
+                "error": {
+                    "type": type(e).__name__,
+                    "message": str(e)[:1000],
+                    "traceback": traceback.format_exc().splitlines()[-8:],
+                }
+            }
         print("ROW " + json.dumps(row))
     elif args.one:
         print("ROW " + json.dumps(run_one(args.one, args.warmup, args.steps)))

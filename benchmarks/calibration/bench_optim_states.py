@@ -32,8 +32,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 VERSION = 1
 
@@ -60,8 +64,9 @@ def section_child() -> dict:
     return out
 
 
-def run_child(flag: str, payload: str, timeout: int, extra: list[str] = (),
-              output_code: bool = False) -> dict:
+def run_child(
+    flag: str, payload: str, timeout: int, extra: list[str] = (), output_code: bool = False
+) -> dict:
     """One child process; `output_code`: with Inductor's generated code logged, whose
     buffer allocations and kernel calls are kept (what the compiled update allocates)."""
     cmd = [sys.executable, str(HERE), flag, payload, *extra]
@@ -72,8 +77,11 @@ def run_child(flag: str, payload: str, timeout: int, extra: list[str] = (),
     except subprocess.TimeoutExpired:
         return {"error": {"type": "timeout", "seconds": timeout}}
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-    row = json.loads(rows[-1]) if rows else {"error": {"type": "crash",
-                                                       "message": proc.stderr[-2000:]}}
+    row = (
+        json.loads(rows[-1])
+        if rows
+        else {"error": {"type": "crash", "message": proc.stderr[-2000:]}}
+    )
     row["wall_s"] = time.perf_counter() - t
     if output_code:
         row["inductor_calls"] = _wrapper_lines(proc.stderr)
@@ -83,8 +91,11 @@ def run_child(flag: str, payload: str, timeout: int, extra: list[str] = (),
 def _wrapper_lines(log: str, limit: int = 400) -> list[str]:
     """The generated wrappers' allocations, kernel launches and frees, in order."""
     keep = ("def call(", "empty_strided_cuda(", ".run(", "del buf", "return (")
-    out = [ln.split("[__output_code]", 1)[1].strip() for ln in log.splitlines()
-           if "[__output_code]" in ln and any(k in ln for k in keep)]
+    out = [
+        ln.split("[__output_code]", 1)[1].strip()
+        for ln in log.splitlines()
+        if "[__output_code]" in ln and any(k in ln for k in keep)
+    ]
     return out[:limit]
 
 
@@ -102,12 +113,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--compare", metavar="RESULTS.json",
-                    help="predict the measured cases and write the errors into RESULTS.json")
-    ap.add_argument("--into", metavar="CALIBRATION.json",
-                    help="with --compare: set the measured optim8 section in this calibration")
-    ap.add_argument("--probe-only", action="store_true",
-                    help="only the probe: the 8-bit optimizer's host time, GPU idle and busy")
+    ap.add_argument(
+        "--compare",
+        metavar="RESULTS.json",
+        help="predict the measured cases and write the errors into RESULTS.json",
+    )
+    ap.add_argument(
+        "--into",
+        metavar="CALIBRATION.json",
+        help="with --compare: set the measured optim8 section in this calibration",
+    )
+    ap.add_argument(
+        "--probe-only",
+        action="store_true",
+        help="only the probe: the 8-bit optimizer's host time, GPU idle and busy",
+    )
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--section", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -117,11 +137,19 @@ def main() -> None:
             if args.probe:
                 row = probe_child(json.loads(args.probe), args.warmup)
             else:
-                row = section_child() if args.section else case_child(
-                    json.loads(args.one), args.warmup, args.steps)
+                row = (
+                    section_child()
+                    if args.section
+                    else case_child(json.loads(args.one), args.warmup, args.steps)
+                )
         except Exception as e:  # recorded by the parent
-            row = {"error": {"type": type(e).__name__, "message": str(e)[:2000],
-                             "traceback": traceback.format_exc().splitlines()[-12:]}}
+            row = {
+                "error": {
+                    "type": type(e).__name__,
+                    "message": str(e)[:2000],
+                    "traceback": traceback.format_exc().splitlines()[-12:],
+                }
+            }
         print("ROW " + json.dumps(row))
         return
     if args.compare:
@@ -137,8 +165,13 @@ def run(args) -> None:
 
     t0 = time.perf_counter()
     path = Path(args.out)
-    out: dict = {"version": VERSION, "benchmark": "optim8", "precision": PRECISION,
-                 "settings": {"warmup": args.warmup, "steps": args.steps}, "cases": {}}
+    out: dict = {
+        "version": VERSION,
+        "benchmark": "optim8",
+        "precision": PRECISION,
+        "settings": {"warmup": args.warmup, "steps": args.steps},
+        "cases": {},
+    }
 
     def save() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,15 +184,17 @@ def run(args) -> None:
     if args.probe_only:
         out["probes"] = {}
         for name in args.cases.split(","):
-            row = run_child("--probe", json.dumps(list(CASES[name])), 150,
-                            ["--warmup", str(args.warmup)])
+            row = run_child(
+                "--probe", json.dumps(list(CASES[name])), 150, ["--warmup", str(args.warmup)]
+            )
             out["probes"][name] = row
             print(name, row, flush=True)
             save()
         return
     out["section"] = run_child("--section", "1", 150, output_code=True)
-    print("section:", {k: out["section"].get(k) for k in ("seconds", "wall_s", "error")},
-          flush=True)
+    print(
+        "section:", {k: out["section"].get(k) for k in ("seconds", "wall_s", "error")}, flush=True
+    )
     save()
     for name in args.cases.split(","):
         source, seq, g = CASES[name]
@@ -169,12 +204,19 @@ def run(args) -> None:
                 out["cases"][key] = {"skipped": f"past the {BUDGET_S} s budget"}
                 continue
             spec = json.dumps([source, seq, g, states])
-            row = run_child("--one", spec, 120, ["--warmup", str(args.warmup),
-                                                  "--steps", str(args.steps)])
+            row = run_child(
+                "--one", spec, 120, ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+            )
             row.update(source=source, seq=seq, batch=g, states=states)
             out["cases"][key] = row
-            print(key, {k: row.get(k) for k in ("step_s", "peak_allocated", "peak_reserved",
-                                                "wall_s", "error")}, flush=True)
+            print(
+                key,
+                {
+                    k: row.get(k)
+                    for k in ("step_s", "peak_allocated", "peak_reserved", "wall_s", "error")
+                },
+                flush=True,
+            )
             save()
     out["total_s"] = time.perf_counter() - t0
     save()
@@ -260,15 +302,24 @@ def compare(results: str | Path, into: str | Path | None = None) -> dict:
             continue
         spec = (row["source"], row["seq"], row["batch"])
         if spec not in planners:
-            planners[spec] = Planner(spec[0], "h100", global_batch=spec[2], seq=spec[1],
-                                     precision=PRECISION, allow=["8bit-states"],
-                                     calibration=cal)
+            planners[spec] = Planner(
+                spec[0],
+                "h100",
+                global_batch=spec[2],
+                seq=spec[1],
+                precision=PRECISION,
+                allow=["8bit-states"],
+                calibration=cal,
+            )
         p = planners[spec].cost(Knobs(micro_batch=spec[2], optimizer_states=row["states"]))
-        out[key] = {"step_s": p.step_s, "peak_allocated": p.peak_bytes,
-                    "peak_reserved": p.reserved_bytes,
-                    "step_error": p.step_s / row["step_s"] - 1,
-                    "peak_error": p.peak_bytes / row["peak_allocated"] - 1,
-                    "reserved_error": p.reserved_bytes / row["peak_reserved"] - 1}
+        out[key] = {
+            "step_s": p.step_s,
+            "peak_allocated": p.peak_bytes,
+            "peak_reserved": p.reserved_bytes,
+            "step_error": p.step_s / row["step_s"] - 1,
+            "peak_error": p.peak_bytes / row["peak_allocated"] - 1,
+            "reserved_error": p.reserved_bytes / row["peak_reserved"] - 1,
+        }
         print(key, {k: round(v, 4) for k, v in out[key].items() if k.endswith("error")})
     data["predicted"] = out
     path.write_text(json.dumps(data, indent=1))

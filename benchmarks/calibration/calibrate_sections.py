@@ -27,9 +27,11 @@ from gobrrr.kernels.bench import env_info, write_json
 
 # section -> the calibration fields it measures, {field: value}: the GPU sections of a full
 # calibration, and the host's per-op cost by phase, merged as ratios to the forward's (below)
-SECTIONS = {**gpu_sections(),
-            "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
-            "attention_host": lambda d: {"attention_host": ch.attention_host_costs(d)}}
+SECTIONS = {
+    **gpu_sections(),
+    "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
+    "attention_host": lambda d: {"attention_host": ch.attention_host_costs(d)},
+}
 
 
 def run(out_path: str | Path, sections: list[str], into: str | Path | None = None) -> Path:
@@ -39,8 +41,15 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
         measured.update(SECTIONS[name](dev))
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: {seconds[name]:.1f} s", flush=True)
-    path = write_json(out_path, {"benchmark": "calibration sections", "seconds": seconds,
-                                 "sections": measured, "merged_into": str(into or "")})
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "calibration sections",
+            "seconds": seconds,
+            "sections": measured,
+            "merged_into": str(into or ""),
+        },
+    )
     if into:
         cal = Calibration.load(into)
         meta = {**cal.meta, **{name: env_info() for name in sections}}
@@ -48,13 +57,25 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
             # host speed differs between machines: keep the file's own per-op costs and add
             # the checkpointed phases' at their ratios to the forward's measured here
             here = measured.pop("op_overhead")
-            ratios = {k: here[k] / here["forward"] for k in (
-                "recompute", "checkpointed", "recompute_selective", "checkpointed_selective")
-                if k in here}
-            measured["op_overhead"] = {**cal.op_overhead, **{
-                k: cal.op_overhead["forward"] * r for k, r in ratios.items()}}
-            meta["checkpoint_overhead"] = {**meta["checkpoint_overhead"], "measured": here,
-                                           "over_forward": ratios}
+            ratios = {
+                k: here[k] / here["forward"]
+                for k in (
+                    "recompute",
+                    "checkpointed",
+                    "recompute_selective",
+                    "checkpointed_selective",
+                )
+                if k in here
+            }
+            measured["op_overhead"] = {
+                **cal.op_overhead,
+                **{k: cal.op_overhead["forward"] * r for k, r in ratios.items()},
+            }
+            meta["checkpoint_overhead"] = {
+                **meta["checkpoint_overhead"],
+                "measured": here,
+                "over_forward": ratios,
+            }
         if "attention_host" in measured:
             # the fused attention ops' keys of op_host, the rest of it as the file has it
             measured["op_host"] = {**cal.op_host, **measured.pop("attention_host")}

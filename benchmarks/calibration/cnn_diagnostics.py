@@ -43,8 +43,14 @@ class AllocatorTrace(TorchDispatchMode):
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         out = func(*args, **(kwargs or {}))
-        self.rows.append((func.overloadpacket.__name__, before,
-                          torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
+        self.rows.append(
+            (
+                func.overloadpacket.__name__,
+                before,
+                torch.cuda.max_memory_allocated(),
+                torch.cuda.memory_allocated(),
+            )
+        )
         return out
 
 
@@ -68,18 +74,33 @@ def memory_case(precision: str, batch: int) -> dict:
     rows = trace.rows
     peak_i = max(range(len(rows)), key=lambda i: rows[i][2])
     transients = sorted(
-        ({"index": i, "op": r[0], "bytes": r[2] - max(r[1], r[3])} for i, r in enumerate(rows)
-         if r[2] - max(r[1], r[3]) > 0), key=lambda t: -t["bytes"])
+        (
+            {"index": i, "op": r[0], "bytes": r[2] - max(r[1], r[3])}
+            for i, r in enumerate(rows)
+            if r[2] - max(r[1], r[3]) > 0
+        ),
+        key=lambda t: -t["bytes"],
+    )
     est = estimate("convnet", "h100", batch=batch, precision=precision)
     graph, sim = est.graph, est.memory
     return {
-        "precision": precision, "batch": batch, "allocated_at_start": start,
-        "step_peak": step_peak, "traced_peak": rows[peak_i][2], "peak_op": rows[peak_i][0],
-        "peak_index": peak_i, "allocated_before_peak_op": rows[peak_i][1],
-        "transients": transients[:30], "ops": [list(r) for r in rows],
-        "gobrrr": {"peak": sim.peak, "peak_index": sim.peak_index,
-                   "peak_op": graph.nodes[sim.peak_index].name if sim.peak_index >= 0 else "",
-                   "ops": [n.name for n in graph.nodes], "timeline": list(sim.timeline)},
+        "precision": precision,
+        "batch": batch,
+        "allocated_at_start": start,
+        "step_peak": step_peak,
+        "traced_peak": rows[peak_i][2],
+        "peak_op": rows[peak_i][0],
+        "peak_index": peak_i,
+        "allocated_before_peak_op": rows[peak_i][1],
+        "transients": transients[:30],
+        "ops": [list(r) for r in rows],
+        "gobrrr": {
+            "peak": sim.peak,
+            "peak_index": sim.peak_index,
+            "peak_op": graph.nodes[sim.peak_index].name if sim.peak_index >= 0 else "",
+            "ops": [n.name for n in graph.nodes],
+            "timeline": list(sim.timeline),
+        },
     }
 
 
@@ -94,30 +115,44 @@ def bn_bandwidth(elements: int = 2**25) -> list[dict]:
             shape = (max(elements // (64 * hw * hw), 1), 64, hw, hw)
             t_f, t_b = batch_norm_times(torch.device("cuda"), shape, dtype)
             nb = shape[0] * 64 * hw * hw * dtype.itemsize
-            out.append({"dtype": str(dtype).split(".")[-1], "shape": list(shape),
-                        "forward_s": t_f, "backward_s": t_b,
-                        "forward_gbs": 2 * nb / t_f / 1e9, "backward_gbs": 3 * nb / t_b / 1e9})
+            out.append(
+                {
+                    "dtype": str(dtype).split(".")[-1],
+                    "shape": list(shape),
+                    "forward_s": t_f,
+                    "backward_s": t_b,
+                    "forward_gbs": 2 * nb / t_f / 1e9,
+                    "backward_gbs": 3 * nb / t_b / 1e9,
+                }
+            )
     return out
 
 
 def main() -> None:
     out_path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("cnn_diagnostics.json")
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "memory": [memory_case(p, b) for p, b in CASES], "batch_norm": bn_bandwidth(),
+        "memory": [memory_case(p, b) for p, b in CASES],
+        "batch_norm": bn_bandwidth(),
     }
     for m in result["memory"]:
-        print(f"{m['precision']} b{m['batch']}: step peak {m['step_peak'] / 2**20:.1f} MiB, "
-              f"traced {m['traced_peak'] / 2**20:.1f} at {m['peak_op']} #{m['peak_index']}, "
-              f"gobrrr {m['gobrrr']['peak'] / 2**20:.1f} at {m['gobrrr']['peak_op']} "
-              f"#{m['gobrrr']['peak_index']}")
+        print(
+            f"{m['precision']} b{m['batch']}: step peak {m['step_peak'] / 2**20:.1f} MiB, "
+            f"traced {m['traced_peak'] / 2**20:.1f} at {m['peak_op']} #{m['peak_index']}, "
+            f"gobrrr {m['gobrrr']['peak'] / 2**20:.1f} at {m['gobrrr']['peak_op']} "
+            f"#{m['gobrrr']['peak_index']}"
+        )
         for t in m["transients"][:8]:
             print(f"   transient {t['bytes'] / 2**20:8.1f} MiB  #{t['index']} {t['op']}")
     for r in result["batch_norm"]:
-        print(f"bn {r['dtype']} {r['shape']}: fwd {r['forward_gbs']:.0f} GB/s, "
-              f"bwd {r['backward_gbs']:.0f} GB/s")
+        print(
+            f"bn {r['dtype']} {r['shape']}: fwd {r['forward_gbs']:.0f} GB/s, "
+            f"bwd {r['backward_gbs']:.0f} GB/s"
+        )
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(out_path)

@@ -29,10 +29,15 @@ def main(argv=None) -> int:
             gy = torch.randn_like(y)
             fwd = lambda x=x: aten.convolution(x, w, None, *args_)  # noqa: E731
             bwd = lambda x=x, gy=gy: aten.convolution_backward(  # noqa: E731
-                gy, x, w, None, *args_, [True, True, False])
-            row = {"batch": n, "length": length, "forward_s": time_op(fwd, dev, 10),
-                   "backward_s": time_op(bwd, dev, 10),
-                   "flops_forward": 2.0 * y.numel() * 48 * 128}
+                gy, x, w, None, *args_, [True, True, False]
+            )
+            row = {
+                "batch": n,
+                "length": length,
+                "forward_s": time_op(fwd, dev, 10),
+                "backward_s": time_op(bwd, dev, 10),
+                "flops_forward": 2.0 * y.numel() * 48 * 128,
+            }
             row["forward_kernels"] = sorted({name[:120] for name, _ in cuda_kernels(fwd)})
             row["forward_tflops"] = row["flops_forward"] / row["forward_s"] / 1e12
             rows.append(row)

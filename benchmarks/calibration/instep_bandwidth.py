@@ -93,27 +93,29 @@ def main(argv=None) -> int:
         return (lambda: torch._foreach_lerp_(m, p, 0.1)), 12 * sum(t.numel() for t in m)
 
     rows = []
-    cases = (("add bf16", add, "add"), ("cast bf16->fp32", upcast, "direct_copy"),
-             ("foreach_lerp_ fp32", lerp, "multi_tensor_apply"))
+    cases = (
+        ("add bf16", add, "add"),
+        ("cast bf16->fp32", upcast, "direct_copy"),
+        ("foreach_lerp_ fp32", lerp, "multi_tensor_apply"),
+    )
     for name, make, match in () if paths_only else cases:
         held = make()[1]
         rows.append(settings(name, make, match, int(0.5 * free // held)))
         print(rows[-1], flush=True)
 
     from gobrrr.calibrate.sections.paths import _foreach_cases, _path_cases
+
     paths = []
     for n in (2**20, 2**26):
         for key, op, fn in _path_cases(dev, n):
             fn()
             ks = cuda_kernels(fn)
-            paths.append({"path": key, "op": op, "elements": n,
-                          "kernels": [[k, s] for k, s in ks]})
+            paths.append({"path": key, "op": op, "elements": n, "kernels": [[k, s] for k, s in ks]})
     for key, op, fn in _foreach_cases(dev):  # the first case is enough
         ks = cuda_kernels(fn)
         paths.append({"path": key, "op": op, "kernels": sorted({k for k, _ in ks})})
         break
-    write_json(out, {"benchmark": "in-step bandwidth", "settings": rows,
-                          "paths": paths})
+    write_json(out, {"benchmark": "in-step bandwidth", "settings": rows, "paths": paths})
     print(out)
     return 0
 

@@ -30,19 +30,31 @@ def run_corpus(src: Path, tests: Path) -> dict:
     of the failing cases."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     env.pop("GOBRRR_DEBUG", None)
-    cmd = [sys.executable, "-m", "pytest", str(tests / CORPUS[0]), "-rf", "--tb=no",
-           "-p", "no:cacheprovider", "-k", "test_first_contact["]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(tests / CORPUS[0]),
+        "-rf",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "test_first_contact[",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tests.parent).stdout
     failed = sorted(re.findall(r"FAILED \S+::test_first_contact\[(.+?)\]", out))
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed)", out)}  # the last
-    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
-            "failing": failed}
+    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0), "failing": failed}
 
 
 def at_commit(commit: str, into: Path) -> Path:
     """A worktree of `commit` with this checkout's corpus copied into its tests/."""
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(into), commit],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(into), commit],
+        check=True,
+        capture_output=True,
+    )
     for name in CORPUS:
         shutil.copy(ROOT / "tests" / name, into / "tests" / name)
     return into
@@ -59,17 +71,26 @@ def main() -> None:
         try:
             before = run_corpus(old / "src", old / "tests")
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
-                           check=True, capture_output=True)
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-    result = {"version": 1, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-              "cases": after["passed"] + after["failed"],
-              "before": {"commit": args.before, **before},
-              "after": {"commit": head, **after}}
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
+                check=True,
+                capture_output=True,
+            )
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "version": 1,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "cases": after["passed"] + after["failed"],
+        "before": {"commit": args.before, **before},
+        "after": {"commit": head, **after},
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{result['cases']} cases: {before['passed']} pass at {args.before}, "
-          f"{after['passed']} at {head}  -> {args.out}")
+    print(
+        f"{result['cases']} cases: {before['passed']} pass at {args.before}, "
+        f"{after['passed']} at {head}  -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,14 +27,26 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 from child_rows import cases_main  # noqa: E402
 
 VERSION = 1
-CASES = ("efficientnet_v2_s-tv-cl", "mobilenet_v3_large-tv", "distilbert-mlm", "pythia-410m",
-         "t5-base", "gpt2-124m", "resnet50-tv-cl", "vit_small-timm")
+CASES = (
+    "efficientnet_v2_s-tv-cl",
+    "mobilenet_v3_large-tv",
+    "distilbert-mlm",
+    "pythia-410m",
+    "t5-base",
+    "gpt2-124m",
+    "resnet50-tv-cl",
+    "vit_small-timm",
+)
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -80,12 +92,14 @@ def _predicted(name: str):
     import gobrrr
 
     model, batch, seq, ckpt = spec
-    return gobrrr.estimate(model, gpu="h100", batch=batch, seq=seq,
-                           precision=BUILTIN_PRECISION, checkpoint=ckpt)
+    return gobrrr.estimate(
+        model, gpu="h100", batch=batch, seq=seq, precision=BUILTIN_PRECISION, checkpoint=ckpt
+    )
 
 
-def timed_step(precision: str, wl, opt, scaler,
-               region=lambda phase: contextlib.nullcontext()) -> dict[str, float]:
+def timed_step(
+    precision: str, wl, opt, scaler, region=lambda phase: contextlib.nullcontext()
+) -> dict[str, float]:
     """One training step with the host's clock read around each phase (forward and loss,
     backward, optimizer step and zero_grad; each inside `region(phase)`), not synchronising
     in between: the host's seconds per phase, to its last issue ("issue") and to the end of
@@ -111,8 +125,13 @@ def timed_step(precision: str, wl, opt, scaler,
     t3 = time.perf_counter()
     torch.cuda.synchronize()
     t4 = time.perf_counter()
-    return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-            "issue": t3 - t0, "step": t4 - t0}
+    return {
+        "forward": t1 - t0,
+        "backward": t2 - t1,
+        "optimizer": t3 - t2,
+        "issue": t3 - t0,
+        "step": t4 - t0,
+    }
 
 
 def phase_medians(prepared, steps: int = 7, warmup: int = 3) -> dict[str, float]:
@@ -148,18 +167,32 @@ def compare(path: Path) -> None:
         est = _predicted(row["name"])
         host = host_by_phase(est)
         row["predicted"] = host
-        print(f"{row['name']:26s} " + "  ".join(
-            f"{k} {row[k] * 1e3:6.1f}/{host[k] * 1e3:6.1f}" for k in PHASES)
+        print(
+            f"{row['name']:26s} "
+            + "  ".join(f"{k} {row[k] * 1e3:6.1f}/{host[k] * 1e3:6.1f}" for k in PHASES)
             + f"  step {row['step'] * 1e3:6.1f}/{est.time.step_s * 1e3:6.1f} ms "
-            "(measured/predicted)", flush=True)
+            "(measured/predicted)",
+            flush=True,
+        )
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
-    return cases_main(argv, __doc__, str(HERE), CASES, VERSION, one, lambda row: print(
-        row["name"], row.get("error") or {k: round(v * 1e3, 1) for k, v in row.items()
-                                          if isinstance(v, float)}, flush=True),
-        actions={"--compare": compare})
+    return cases_main(
+        argv,
+        __doc__,
+        str(HERE),
+        CASES,
+        VERSION,
+        one,
+        lambda row: print(
+            row["name"],
+            row.get("error")
+            or {k: round(v * 1e3, 1) for k, v in row.items() if isinstance(v, float)},
+            flush=True,
+        ),
+        actions={"--compare": compare},
+    )
 
 
 if __name__ == "__main__":

@@ -46,13 +46,23 @@ def environment() -> dict:
     try:
         driver = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20).stdout.strip()
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
-    return dict(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1),
-                sms=props.multi_processor_count, driver=driver, cuda=torch.version.cuda,
-                torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0],
-                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    return dict(
+        gpu=props.name,
+        memory_gib=round(props.total_memory / 2**30, 1),
+        sms=props.multi_processor_count,
+        driver=driver,
+        cuda=torch.version.cuda,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=sys.version.split()[0],
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
 
 
 # ----------------------------------------------------------------------------- worker jobs
@@ -72,8 +82,18 @@ def compile_job(kind: str, d: int, causal: bool, c: tuple) -> str:
     elif kind == "dkdv":
         kb.bwd_dkdv(do, q, k, v, lse, lse, causal, d**-0.5, config=config)
     elif kind == "dkdv_atomic":
-        kb.bwd_dkdv(do, q, k, v, lse, lse, causal, d**-0.5, config=config,
-                    dq_acc=torch.zeros(q.shape, device="cuda"))
+        kb.bwd_dkdv(
+            do,
+            q,
+            k,
+            v,
+            lse,
+            lse,
+            causal,
+            d**-0.5,
+            config=config,
+            dq_acc=torch.zeros(q.shape, device="cuda"),
+        )
     elif kind == "dq":
         kb.bwd_dq(do, q, k, v, q, lse, causal, d**-0.5, config=config)
     else:
@@ -87,8 +107,9 @@ def _reference(q, k, v, causal, scale):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
+        s = s.masked_fill(
+            ~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf")
+        )
     return torch.softmax(s, -1) @ v
 
 
@@ -142,13 +163,23 @@ def compile_jobs(heads: tuple[int, ...], experiments: bool) -> list[tuple]:
     jobs = [("pre", d, False, (64, 64, 4, 1)) for d in heads]
     for d in heads:
         for causal in (False, True):
-            lists = [("fwd", kf.fwd_configs(d)), ("dkdv", kb.dkdv_configs(d)),
-                     ("dq", kb.dq_configs(d))]
+            lists = [
+                ("fwd", kf.fwd_configs(d)),
+                ("dkdv", kb.dkdv_configs(d)),
+                ("dq", kb.dq_configs(d)),
+            ]
             if experiments:
                 lists.append(("dkdv_atomic", kb.dkdv_atomic_configs(d)))
             for kind, configs in lists:
-                jobs += [(kind, d, causal, (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                            c.num_stages)) for c in configs]
+                jobs += [
+                    (
+                        kind,
+                        d,
+                        causal,
+                        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages),
+                    )
+                    for c in configs
+                ]
     return jobs
 
 
@@ -192,9 +223,11 @@ def sdpa(backend, causal):
 
 def time_impl(f, q, k, v, do, flops_fwd) -> dict:
     out = f(q, k, v)
-    r = dict(fwd=bench(lambda: f(q, k, v)),
-             bwd=bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)),
-             fwd_bwd=bench(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)))
+    r = dict(
+        fwd=bench(lambda: f(q, k, v)),
+        bwd=bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)),
+        fwd_bwd=bench(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)),
+    )
     for phase, mult in (("fwd", 1.0), ("bwd", 2.5), ("fwd_bwd", 3.5)):
         r[phase]["tflops"] = mult * flops_fwd / (r[phase]["ms"] * 1e-3) / 1e12
     return r
@@ -219,10 +252,14 @@ def run_shape(d: int, causal: bool, s: int) -> dict:
     ref_g = torch.autograd.grad(ref_o, (q, k, v), do)
     res["max_abs_err_vs_sdpa_flash"] = {
         n: (a.float() - b_.float()).abs().max().item()
-        for n, a, b_ in zip(("out", "dq", "dk", "dv"), (o, *g), (ref_o, *ref_g), strict=True)}
-    impls = dict(ours=ours, sdpa_flash=sdpa("FLASH_ATTENTION", causal),
-                 sdpa_cudnn=sdpa("CUDNN_ATTENTION", causal),
-                 sdpa_efficient=sdpa("EFFICIENT_ATTENTION", causal))
+        for n, a, b_ in zip(("out", "dq", "dk", "dv"), (o, *g), (ref_o, *ref_g), strict=True)
+    }
+    impls = dict(
+        ours=ours,
+        sdpa_flash=sdpa("FLASH_ATTENTION", causal),
+        sdpa_cudnn=sdpa("CUDNN_ATTENTION", causal),
+        sdpa_efficient=sdpa("EFFICIENT_ATTENTION", causal),
+    )
     for name, f in impls.items():
         try:
             res[name] = time_impl(f, q, k, v, do, flops)
@@ -242,7 +279,8 @@ def phases(q, k, v, do, causal) -> dict:
     return dict(
         fwd=bench(lambda: kf.attention_forward(q, k, v, causal, scale))["ms"],
         dq_delta=bench(lambda: kb.bwd_dq(do, q, k, v, out, lse, causal, scale))["ms"],
-        dkdv=bench(lambda: kb.bwd_dkdv(do, q, k, v, lse, delta, causal, scale))["ms"])
+        dkdv=bench(lambda: kb.bwd_dkdv(do, q, k, v, lse, delta, causal, scale))["ms"],
+    )
 
 
 def experiment_shape(d: int, causal: bool, s: int) -> dict:
@@ -255,13 +293,27 @@ def experiment_shape(d: int, causal: bool, s: int) -> dict:
     row = dict(D=d, causal=causal, S=s)
     runs = dict(
         fwd=(kf.fwd_configs(d), lambda c: kf.attention_forward(q, k, v, causal, scale, c)),
-        dkdv=(kb.dkdv_configs(d),
-              lambda c: kb.bwd_dkdv(do, q, k, v, lse, delta, causal, scale, config=c)),
-        dq=(kb.dq_configs(d),
-            lambda c: kb.bwd_dq(do, q, k, v, o, lse, causal, scale, config=c)),
-        dkdv_atomic=(kb.dkdv_atomic_configs(d), lambda c: kb.bwd_dkdv(
-            do, q, k, v, lse, delta, causal, scale, config=c,
-            dq_acc=torch.zeros(q.shape, device="cuda"))))
+        dkdv=(
+            kb.dkdv_configs(d),
+            lambda c: kb.bwd_dkdv(do, q, k, v, lse, delta, causal, scale, config=c),
+        ),
+        dq=(kb.dq_configs(d), lambda c: kb.bwd_dq(do, q, k, v, o, lse, causal, scale, config=c)),
+        dkdv_atomic=(
+            kb.dkdv_atomic_configs(d),
+            lambda c: kb.bwd_dkdv(
+                do,
+                q,
+                k,
+                v,
+                lse,
+                delta,
+                causal,
+                scale,
+                config=c,
+                dq_acc=torch.zeros(q.shape, device="cuda"),
+            ),
+        ),
+    )
     for kind, (configs, fn) in runs.items():
         row[kind] = {}
         for c in configs:
@@ -271,8 +323,9 @@ def experiment_shape(d: int, causal: bool, s: int) -> dict:
             except Exception as e:
                 row[kind][key] = repr(e)[:200]
     for mode in ("separate", "atomic"):
-        row[f"backward_{mode}_ms"] = bench(lambda m=mode: kb.attention_backward(
-            do, q, k, v, o, lse, causal, scale, dq_mode=m))["ms"]
+        row[f"backward_{mode}_ms"] = bench(
+            lambda m=mode: kb.attention_backward(do, q, k, v, o, lse, causal, scale, dq_mode=m)
+        )["ms"]
     return row
 
 
@@ -317,13 +370,16 @@ def host_diagnostics(n: int = 300) -> dict:
     out, lse = kf.attention_forward(qd, kd, vd, True, 0.125)
     runs = dict(
         public_fwd_bwd=lambda: torch.autograd.grad(attention(q, k, v, causal=True), (q, k, v), do),
-        no_op_dispatch_fwd_bwd=lambda: torch.autograd.grad(_NoDispatch.apply(q, k, v), (q, k, v),
-                                                           do),
+        no_op_dispatch_fwd_bwd=lambda: torch.autograd.grad(
+            _NoDispatch.apply(q, k, v), (q, k, v), do
+        ),
         launchers_fwd_bwd=lambda: kb.attention_backward(
-            do, qd, kd, vd, *kf.attention_forward(qd, kd, vd, True, 0.125), True, 0.125),
+            do, qd, kd, vd, *kf.attention_forward(qd, kd, vd, True, 0.125), True, 0.125
+        ),
         launcher_fwd=lambda: kf.attention_forward(qd, kd, vd, True, 0.125),
         launcher_dq=lambda: kb.bwd_dq(do, qd, kd, vd, out, lse, True, 0.125),
-        sdpa_flash_fwd_bwd=lambda: torch.autograd.grad(flash(q, k, v), (q, k, v), do))
+        sdpa_flash_fwd_bwd=lambda: torch.autograd.grad(flash(q, k, v), (q, k, v), do),
+    )
     res = {name: _host_us(fn, n) for name, fn in runs.items()}
     attn_mod = sys.modules["gobrrr.kernels.attention"]  # the module; the package exports the fn
     direct = attn_mod._direct
@@ -352,26 +408,32 @@ def _tflops(r: dict, name: str, phase: str = "fwd_bwd") -> float:
 
 
 def table(rows) -> str:
-    head = (f"{'D':>4} {'causal':>6} {'S':>6} | {'ours fwd':>8} {'bwd':>6} {'f+b':>6} | "
-            f"{'flash f+b':>9} {'cudnn f+b':>9} {'eff f+b':>8} | {'/flash':>6} {'/cudnn':>6}")
+    head = (
+        f"{'D':>4} {'causal':>6} {'S':>6} | {'ours fwd':>8} {'bwd':>6} {'f+b':>6} | "
+        f"{'flash f+b':>9} {'cudnn f+b':>9} {'eff f+b':>8} | {'/flash':>6} {'/cudnn':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         o, fl, cu = (_tflops(r, n) for n in ("ours", "sdpa_flash", "sdpa_cudnn"))
         lines.append(
             f"{r['D']:>4} {str(r['causal']):>6} {r['S']:>6} | {_tflops(r, 'ours', 'fwd'):8.0f} "
             f"{_tflops(r, 'ours', 'bwd'):6.0f} {o:6.0f} | {fl:9.0f} {cu:9.0f} "
-            f"{_tflops(r, 'sdpa_efficient'):8.0f} | {o / fl:6.2f} {o / cu:6.2f}")
+            f"{_tflops(r, 'sdpa_efficient'):8.0f} | {o / fl:6.2f} {o / cu:6.2f}"
+        )
     return "\n".join(lines)
 
 
 def _md_main(r: dict) -> list[str]:
     env = r["env"]
-    lines = [f"{env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
-             f"triton {env['triton']}, {env['date'][:10]}; bf16, B*S = {TOKENS}, hidden "
-             f"{HIDDEN}; TFLOP/s in the FlashAttention convention; do_bench medians.", "",
-             "| D | causal | S | ours fwd | ours bwd | ours f+b | SDPA flash f+b | cuDNN f+b "
-             "| efficient f+b | ours/flash | ours/cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{env['gpu']}, driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+        f"triton {env['triton']}, {env['date'][:10]}; bf16, B*S = {TOKENS}, hidden "
+        f"{HIDDEN}; TFLOP/s in the FlashAttention convention; do_bench medians.",
+        "",
+        "| D | causal | S | ours fwd | ours bwd | ours f+b | SDPA flash f+b | cuDNN f+b "
+        "| efficient f+b | ours/flash | ours/cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ratios = {64: [], 128: []}
     for x in r["shapes"]:
         o, fl, cu = (_tflops(x, n) for n in ("ours", "sdpa_flash", "sdpa_cudnn"))
@@ -380,52 +442,68 @@ def _md_main(r: dict) -> list[str]:
             f"| {x['D']} | {'yes' if x['causal'] else 'no'} | {x['S']} "
             f"| {_tflops(x, 'ours', 'fwd'):.0f} | {_tflops(x, 'ours', 'bwd'):.0f} | {o:.0f} "
             f"| {fl:.0f} | {cu:.0f} | {_tflops(x, 'sdpa_efficient'):.0f} | {o / fl:.2f} "
-            f"| {o / cu:.2f} |")
+            f"| {o / cu:.2f} |"
+        )
     lines.append("")
     for d, rs in ratios.items():
         fl, cu = [a for a, _ in rs], [b for _, b in rs]
-        lines.append(f"- D={d}: ours/flash fwd+bwd {min(fl):.2f}-{max(fl):.2f}x, ours/cuDNN "
-                     f"{min(cu):.2f}-{max(cu):.2f}x over the 12 shapes.")
+        lines.append(
+            f"- D={d}: ours/flash fwd+bwd {min(fl):.2f}-{max(fl):.2f}x, ours/cuDNN "
+            f"{min(cu):.2f}-{max(cu):.2f}x over the 12 shapes."
+        )
     return lines
 
 
 def _md_phases(r: dict) -> list[str]:
     """Kernel times; 'matmul' TFLOP/s counts the matmuls each kernel really does (forward 2,
     dK/dV 4, dQ 3 of size S*S*D per head), unlike the 2.5x backward convention."""
-    lines = ["| D | causal | S | fwd ms | dQ+delta ms | dK/dV ms | fwd matmul TFLOP/s "
-             "| dQ matmul TFLOP/s | dK/dV matmul TFLOP/s | fwd / dQ / dK/dV config |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| D | causal | S | fwd ms | dQ+delta ms | dK/dV ms | fwd matmul TFLOP/s "
+        "| dQ matmul TFLOP/s | dK/dV matmul TFLOP/s | fwd / dQ / dK/dV config |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for x in r["shapes"]:
         ph, f = x["phases_ms"], x["flops_fwd"]
-        cfgs = " / ".join(x["configs"].get(t, "?").split(", num_ctas")[0]
-                          .replace("BLOCK_M: ", "").replace(", BLOCK_N: ", "x")
-                          .replace(", num_warps: ", " w") + " s" +
-                          x["configs"].get(t, "num_stages: ?").split("num_stages: ")[1][0]
-                          for t in ("fwd", "dq", "dkdv"))
+        cfgs = " / ".join(
+            x["configs"]
+            .get(t, "?")
+            .split(", num_ctas")[0]
+            .replace("BLOCK_M: ", "")
+            .replace(", BLOCK_N: ", "x")
+            .replace(", num_warps: ", " w")
+            + " s"
+            + x["configs"].get(t, "num_stages: ?").split("num_stages: ")[1][0]
+            for t in ("fwd", "dq", "dkdv")
+        )
         lines.append(
             f"| {x['D']} | {'yes' if x['causal'] else 'no'} | {x['S']} | {ph['fwd']:.3f} "
             f"| {ph['dq_delta']:.3f} | {ph['dkdv']:.3f} | {f / ph['fwd'] / 1e9:.0f} "
-            f"| {1.5 * f / ph['dq_delta'] / 1e9:.0f} | {2 * f / ph['dkdv'] / 1e9:.0f} | {cfgs} |")
+            f"| {1.5 * f / ph['dq_delta'] / 1e9:.0f} | {2 * f / ph['dkdv'] / 1e9:.0f} | {cfgs} |"
+        )
     return lines
 
 
 def _md_experiments(r: dict) -> list[str]:
-    lines = ["| D | causal | S | kernel | config (BLOCK_M x BLOCK_N, warps, stages): ms |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| D | causal | S | kernel | config (BLOCK_M x BLOCK_N, warps, stages): ms |",
+        "|---|---|---|---|---|",
+    ]
     for e in r.get("experiments", []):
         for kind in ("fwd", "dq", "dkdv", "dkdv_atomic"):
             cells = ", ".join(f"{k}: {v:.3f}" for k, v in e[kind].items())
-            lines.append(f"| {e['D']} | {'yes' if e['causal'] else 'no'} | {e['S']} | {kind} "
-                         f"| {cells} |")
-        lines.append(f"| {e['D']} | {'yes' if e['causal'] else 'no'} | {e['S']} | whole backward "
-                     f"| dQ kernel: {e['backward_separate_ms']:.3f}; fp32 atomics: "
-                     f"{e['backward_atomic_ms']:.3f} |")
+            lines.append(
+                f"| {e['D']} | {'yes' if e['causal'] else 'no'} | {e['S']} | {kind} | {cells} |"
+            )
+        lines.append(
+            f"| {e['D']} | {'yes' if e['causal'] else 'no'} | {e['S']} | whole backward "
+            f"| dQ kernel: {e['backward_separate_ms']:.3f}; fp32 atomics: "
+            f"{e['backward_atomic_ms']:.3f} |"
+        )
     return lines
 
 
 def _md_host(r: dict) -> list[str]:
-    lines = ["| path (causal 1x1x128x64, fwd+bwd unless named) | host us per call |",
-             "|---|---|"]
+    lines = ["| path (causal 1x1x128x64, fwd+bwd unless named) | host us per call |", "|---|---|"]
     for k, v in r.get("host_us", {}).items():
         if isinstance(v, float):
             lines.append(f"| {k} | {v:.0f} |")
@@ -437,13 +515,23 @@ def markdown(path: str) -> str:
     r = json.load(open(path))
     checks = r["gpu_checks"]
     worst = max(max(c["rel_err"].values()) for c in checks if "rel_err" in c)
-    out = ["#### Forward + backward vs SDPA", *_md_main(r), "",
-           "#### Our kernels, one by one (autotuned configs)", *_md_phases(r), "",
-           "#### Every candidate config at four shapes; dQ by atomics", *_md_experiments(r), "",
-           "#### Host time per call", *_md_host(r), "",
-           f"GPU correctness checks (odd shapes, GQA, non-contiguous, fp16/bf16, vs fp32): "
-           f"{sum(bool(c.get('ok')) for c in checks)}/{len(checks)} within tolerance; largest "
-           f"relative error {worst:.4f}."]
+    out = [
+        "#### Forward + backward vs SDPA",
+        *_md_main(r),
+        "",
+        "#### Our kernels, one by one (autotuned configs)",
+        *_md_phases(r),
+        "",
+        "#### Every candidate config at four shapes; dQ by atomics",
+        *_md_experiments(r),
+        "",
+        "#### Host time per call",
+        *_md_host(r),
+        "",
+        f"GPU correctness checks (odd shapes, GQA, non-contiguous, fp16/bf16, vs fp32): "
+        f"{sum(bool(c.get('ok')) for c in checks)}/{len(checks)} within tolerance; largest "
+        f"relative error {worst:.4f}.",
+    ]
     return "\n".join(out)
 
 
@@ -453,19 +541,33 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="D=128, S in {2048, 8192} only")
     ap.add_argument("--experiments", action="store_true", help="per-config and atomic-dQ timings")
     ap.add_argument("--workers", type=int, default=14)
-    ap.add_argument("--host", action="store_true",
-                    help="only the host time per call (configs pinned: no autotuning)")
-    ap.add_argument("--markdown", action="store_true",
-                    help="print markdown tables from the results file OUT and exit")
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="only the host time per call (configs pinned: no autotuning)",
+    )
+    ap.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print markdown tables from the results file OUT and exit",
+    )
     args = ap.parse_args()
     if args.markdown:
         print(markdown(args.out))
         return
     heads = (64, 128)
     seqs = (2048, 8192) if args.quick else SEQS
-    result = dict(version=1, env=environment(), protocol=dict(
-        tokens=TOKENS, hidden=HIDDEN, dtype=str(DTYPE), timer="triton.testing.do_bench median",
-        flops="fwd 4*B*S^2*H*D (x0.5 causal), bwd 2.5x, fwd+bwd 3.5x"))
+    result = dict(
+        version=1,
+        env=environment(),
+        protocol=dict(
+            tokens=TOKENS,
+            hidden=HIDDEN,
+            dtype=str(DTYPE),
+            timer="triton.testing.do_bench median",
+            flops="fwd 4*B*S^2*H*D (x0.5 causal), bwd 2.5x, fwd+bwd 3.5x",
+        ),
+    )
     log(f"environment: {result['env']}")
 
     def save():
@@ -480,8 +582,12 @@ def main() -> None:
         result["host_us"] = host_diagnostics()
         result["total_s"] = time.time() - T0
         save()
-        print(json.dumps({k: round(v, 1) for k, v in result["host_us"].items()
-                          if isinstance(v, float)}, indent=1))
+        print(
+            json.dumps(
+                {k: round(v, 1) for k, v in result["host_us"].items() if isinstance(v, float)},
+                indent=1,
+            )
+        )
         print(result["host_us"]["profile_public_fwd_bwd_200_calls"][:3000], flush=True)
         return
     result["gpu_checks"] = warm_and_check(heads, args.experiments, args.workers)
@@ -500,8 +606,10 @@ def main() -> None:
                 log(f"shape D={d} causal={causal} S={s}: {json.dumps(result['shapes'][-1])}")
                 save()
     result["host_us"] = host_diagnostics()
-    log("host time per call (us): " + json.dumps(
-        {k: round(v, 1) for k, v in result["host_us"].items() if isinstance(v, float)}))
+    log(
+        "host time per call (us): "
+        + json.dumps({k: round(v, 1) for k, v in result["host_us"].items() if isinstance(v, float)})
+    )
     print(result["host_us"]["profile_public_fwd_bwd_200_calls"][:3000], flush=True)
     if args.experiments:
         result["experiments"] = []

@@ -125,18 +125,29 @@ def attention_works() -> str | None:
         from gobrrr.kernels import attention
 
         g = generator(2, DEVICE)
-        q, k, v = (torch.randn(2, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16, generator=g)
-                   .transpose(1, 2) for _ in range(3))  # (B, H, S, D) views, as the model has
-        err = (attention(q, k, v, causal=True).float()
-               - F.scaled_dot_product_attention(q, k, v, is_causal=True).float()).abs().max()
+        q, k, v = (
+            torch.randn(2, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16, generator=g).transpose(
+                1, 2
+            )
+            for _ in range(3)
+        )  # (B, H, S, D) views, as the model has
+        err = (
+            (
+                attention(q, k, v, causal=True).float()
+                - F.scaled_dot_product_attention(q, k, v, is_causal=True).float()
+            )
+            .abs()
+            .max()
+        )
         return None if err < 3e-2 else f"max error {err.item():.3g} vs SDPA"
     except Exception as e:  # noqa: BLE001 - any failure means: benchmark without it
         return repr(e)[:300]
 
 
 def make_step(model, compile_model: bool):
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     fwd = torch.compile(model) if compile_model else model
 
     def step(idx, targets):
@@ -155,8 +166,10 @@ def measure(name, cfg, kernels, compile_model, batch, steps=10, warmup=3, fast_h
     before: through the gobrrr:: ops (gobrrr.kernels._util.DIRECT)."""
     _util.DIRECT = fast_host
     try:
-        return {**_measure(name, cfg, kernels, compile_model, batch, steps, warmup),
-                "fast_host": fast_host}
+        return {
+            **_measure(name, cfg, kernels, compile_model, batch, steps, warmup),
+            "fast_host": fast_host,
+        }
     finally:
         _util.DIRECT = True
 
@@ -181,11 +194,17 @@ def _measure(name, cfg, kernels, compile_model, batch, steps, warmup):
     torch.cuda.synchronize()
     ms = t0.elapsed_time(t1) / steps
     tokens = idx.numel()
-    row = {"config": name, "kernels": asdict(kernels), "compile": compile_model, "step_ms": ms,
-           "tokens_per_s": tokens / ms * 1e3,
-           "mfu": model.flops_per_token() * tokens / (ms * 1e-3) / (PEAK_TFLOPS * 1e12),
-           "peak_gib": torch.cuda.max_memory_allocated() / GiB, "first_loss": first_loss,
-           "warmup_s": warm_s}
+    row = {
+        "config": name,
+        "kernels": asdict(kernels),
+        "compile": compile_model,
+        "step_ms": ms,
+        "tokens_per_s": tokens / ms * 1e3,
+        "mfu": model.flops_per_token() * tokens / (ms * 1e-3) / (PEAK_TFLOPS * 1e12),
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        "first_loss": first_loss,
+        "warmup_s": warm_s,
+    }
     del model, step
     torch.cuda.empty_cache()
     return row
@@ -199,8 +218,12 @@ def workload(batch_size: int = 16, seq_len: int = 1024, kernels: Kernels = Kerne
 
     cfg = replace(GPTConfig(), seq=seq_len)
     idx = torch.randint(0, cfg.vocab, (batch_size, cfg.seq))
-    return gobrrr.Workload(model=GPT(cfg, kernels), batch=(idx, idx), loss=None,
-                           optimizer=lambda p: torch.optim.AdamW(p, lr=6e-4, fused=True))
+    return gobrrr.Workload(
+        model=GPT(cfg, kernels),
+        batch=(idx, idx),
+        loss=None,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=6e-4, fused=True),
+    )
 
 
 def workload_gobrrr(batch_size: int = 16, seq_len: int = 1024):
@@ -218,27 +241,38 @@ def predicted(cfg, kernels, batch: int) -> dict:
     cal = find_calibration(gpu)
     if cal is None:
         return {}
-    est = gobrrr.estimate(lambda: workload(batch, cfg.seq, kernels), gpu,
-                          precision="bf16-mixed", calibration=cal)
+    est = gobrrr.estimate(
+        lambda: workload(batch, cfg.seq, kernels), gpu, precision="bf16-mixed", calibration=cal
+    )
     without = predict(est.graph, gpu, replace(cal, kernel_host={}))  # the same trace
-    return {"predicted_ms": est.time.step_s * 1e3,
-            "predicted_ms_no_kernel_host": without.step_s * 1e3,
-            "predicted_peak_gib": est.memory.peak / GiB}
+    return {
+        "predicted_ms": est.time.step_s * 1e3,
+        "predicted_ms_no_kernel_host": without.step_s * 1e3,
+        "predicted_peak_gib": est.memory.peak / GiB,
+    }
 
 
 def configs(attn_ok: bool):
     k_all = ALL if attn_ok else replace(ALL, attention=False)
-    out = [("torch eager", Kernels(), False), ("gobrrr all", k_all, False),
-           ("gobrrr all, through the ops", k_all, False, False),
-           ("gobrrr all but attention", replace(ALL, attention=False), False)]
+    out = [
+        ("torch eager", Kernels(), False),
+        ("gobrrr all", k_all, False),
+        ("gobrrr all, through the ops", k_all, False, False),
+        ("gobrrr all but attention", replace(ALL, attention=False), False),
+    ]
     for field in ("attention", "norms", "loss", "gelu"):
         if field != "attention" or attn_ok:
             out.append((f"+{field} only", replace(Kernels(), **{field: True}), False))
     return out + [("torch compile", Kernels(), True), ("gobrrr all + compile", k_all, True)]
 
 
-def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch: int = 16,
-        predict: bool = False) -> Path:
+def run(
+    out_path: str | Path,
+    sweep: bool = False,
+    budget_s: float = 1e9,
+    batch: int = 16,
+    predict: bool = False,
+) -> Path:
     deadline = time.perf_counter() + budget_s
     cfg = GPTConfig()
     why_not = attention_works()
@@ -261,16 +295,37 @@ def run(out_path: str | Path, sweep: bool = False, budget_s: float = 1e9, batch:
     for r in rows:
         if "step_ms" in r:
             r["speedup_vs_eager"] = base["step_ms"] / r["step_ms"]
-    path = write_json(out_path, {
-        "benchmark": "GPT-2 124M training step", "model": asdict(cfg), "batch": batch,
-        "dtype": "bf16 autocast, fp32 master weights, fused AdamW",
-        "attention_unavailable": why_not, "flops_convention": "6N + 12 L d S per token",
-        "rows": rows,
-    })
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "GPT-2 124M training step",
+            "model": asdict(cfg),
+            "batch": batch,
+            "dtype": "bf16 autocast, fp32 master weights, fused AdamW",
+            "attention_unavailable": why_not,
+            "flops_convention": "6N + 12 L d S per token",
+            "rows": rows,
+        },
+    )
     print("gobrrr attention:", "used" if why_not is None else f"not used ({why_not})")
-    print(table(rows, ["config", "compile", "step_ms", "tokens_per_s", "mfu", "peak_gib",
-                       "first_loss", "speedup_vs_eager", "predicted_ms",
-                       "predicted_ms_no_kernel_host", "predicted_peak_gib"]))
+    print(
+        table(
+            rows,
+            [
+                "config",
+                "compile",
+                "step_ms",
+                "tokens_per_s",
+                "mfu",
+                "peak_gib",
+                "first_loss",
+                "speedup_vs_eager",
+                "predicted_ms",
+                "predicted_ms_no_kernel_host",
+                "predicted_peak_gib",
+            ],
+        )
+    )
     return path
 
 
@@ -278,8 +333,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="output JSON path")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip compiles past this time")
-    p.add_argument("--predict", action="store_true",
-                   help="also record gobrrr's prediction of each eager configuration")
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="also record gobrrr's prediction of each eager configuration",
+    )
     args = p.parse_args(argv)
     run(args.out, budget_s=args.budget_s, predict=args.predict)
 

@@ -70,8 +70,13 @@ def measure(name, loss_fn, h, w, t, chunk=None):
     timing = time_ms(step, warmup=200, rep=1500, grad_to_none=[h, w])
     h.grad = w.grad = None
     torch.cuda.empty_cache()
-    return {"impl": name, "chunk": chunk, **timing, "peak_extra_gib": peak / GiB,
-            "first_call_s": first_s}
+    return {
+        "impl": name,
+        "chunk": chunk,
+        **timing,
+        "peak_extra_gib": peak / GiB,
+        "first_call_s": first_s,
+    }
 
 
 def ce_kernel_only() -> dict:
@@ -87,16 +92,21 @@ def ce_kernel_only() -> dict:
     moved = 3 * c * V * logits.element_size()
     if "median_ms" not in t:
         return {"chunk": c, **t}
-    return {"chunk": c, **t, "GBps_moved": moved / t["median_ms"] / 1e6,
-            "ms_per_step": t["median_ms"] * T / c}
+    return {
+        "chunk": c,
+        **t,
+        "GBps_moved": moved / t["median_ms"] / 1e6,
+        "ms_per_step": t["median_ms"] * T / c,
+    }
 
 
 def run(out_path: str | Path, sweep: bool = False) -> Path:
     h, w, t = make_inputs()
     ref = grads_of(eager_loss, h, w, t)
     mine = grads_of(linear_cross_entropy, h, w, t)
-    check = {k: rel_err(a, e) for k, a, e in zip(("loss", "dhidden", "dweight"), mine, ref,
-                                                   strict=True)}
+    check = {
+        k: rel_err(a, e) for k, a, e in zip(("loss", "dhidden", "dweight"), mine, ref, strict=True)
+    }
     del ref, mine
     rows = [measure("eager", eager_loss, h, w, t)]
     try:
@@ -113,19 +123,41 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
         if "median_ms" in r and "median_ms" in base:
             r["time_vs_eager"] = r["median_ms"] / base["median_ms"]
             r["mem_vs_eager"] = r["peak_extra_gib"] / base["peak_extra_gib"]
-    path = write_json(out_path, {
-        "benchmark": "linear_cross_entropy fwd+bwd",
-        "shape": {"tokens": T, "hidden": D, "vocab": V, "dtype": str(DTYPE),
-                  "ignored_fraction": 1 / 17},
-        "default_chunk": default_chunk(T, D, V),
-        "check_vs_eager_rel_err": check, "ce_kernel": kernel,
-        "targets": {"mem_vs_eager_max": 0.2, "time_vs_eager_max": 1.1},
-        "rows": rows,
-    })
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "linear_cross_entropy fwd+bwd",
+            "shape": {
+                "tokens": T,
+                "hidden": D,
+                "vocab": V,
+                "dtype": str(DTYPE),
+                "ignored_fraction": 1 / 17,
+            },
+            "default_chunk": default_chunk(T, D, V),
+            "check_vs_eager_rel_err": check,
+            "ce_kernel": kernel,
+            "targets": {"mem_vs_eager_max": 0.2, "time_vs_eager_max": 1.1},
+            "rows": rows,
+        },
+    )
     print("correctness vs eager (rel. Frobenius error):", check)
     print("loss kernel alone, one chunk:", kernel)
-    print(table(rows, ["impl", "chunk", "median_ms", "p20_ms", "p80_ms", "peak_extra_gib",
-                       "time_vs_eager", "mem_vs_eager"]))
+    print(
+        table(
+            rows,
+            [
+                "impl",
+                "chunk",
+                "median_ms",
+                "p20_ms",
+                "p80_ms",
+                "peak_extra_gib",
+                "time_vs_eager",
+                "mem_vs_eager",
+            ],
+        )
+    )
     return path
 
 

@@ -41,10 +41,16 @@ def ln_eager(x, w, b=None):
 
 
 IMPLS = {
-    "rms_norm": {"gobrrr": lambda x, w, b=None: rms_norm(x, w, EPS), "eager": rms_eager,
-                 "compile_fn": rms_ref},
-    "layer_norm": {"gobrrr": lambda x, w, b=None: layer_norm(x, w, b, EPS), "eager": ln_eager,
-                   "compile_fn": ln_eager},
+    "rms_norm": {
+        "gobrrr": lambda x, w, b=None: rms_norm(x, w, EPS),
+        "eager": rms_eager,
+        "compile_fn": rms_ref,
+    },
+    "layer_norm": {
+        "gobrrr": lambda x, w, b=None: layer_norm(x, w, b, EPS),
+        "eager": ln_eager,
+        "compile_fn": ln_eager,
+    },
 }
 
 
@@ -98,8 +104,14 @@ def row(norm, impl, shape, t):
     r = {"norm": norm, "impl": impl, "shape": f"{shape[0]}x{shape[1]}", "timings": t}
     if "median_ms" in t["fwd"] and "median_ms" in t["fwdbwd"]:
         f, fwb = t["fwd"]["median_ms"], max(t["fwdbwd"]["median_ms"], t["fwd"]["median_ms"] + 1e-6)
-        r.update(fwd_ms=f, bwd_ms=fwb - f, fwdbwd_ms=fwb, fwd_GBps=fb / f / 1e6,
-                 bwd_GBps=bb / (fwb - f) / 1e6, fwdbwd_GBps=(fb + bb) / fwb / 1e6)
+        r.update(
+            fwd_ms=f,
+            bwd_ms=fwb - f,
+            fwdbwd_ms=fwb,
+            fwd_GBps=fb / f / 1e6,
+            bwd_GBps=bb / (fwb - f) / 1e6,
+            fwdbwd_GBps=(fb + bb) / fwb / 1e6,
+        )
     if "median_ms" in t.get("fwd_launch", {}) and "median_ms" in t.get("fwdbwd_launch", {}):
         f, fwb = t["fwd_launch"]["median_ms"], t["fwdbwd_launch"]["median_ms"]
         r.update(launch_fwd_GBps=fb / f / 1e6, launch_fwdbwd_GBps=(fb + bb) / fwb / 1e6)
@@ -112,17 +124,28 @@ def sweep_configs(n: int) -> list[dict]:
     in 16 bits (bwd_keep16) at other warps and stages, and the fp32 paths it replaces (one read,
     or two: bwd_reload); a few forward block shapes."""
     if n >= 16384:
-        bwd = [{"bwd_keep16": 0, "bwd_reload": 0}, {"bwd_keep16": 0, "bwd_reload": 1},
-               {"bwd_keep16": 0, "bwd_reload": 1, "bwd_warps": 16},
-               {"bwd_keep16_warps_rms": 16, "bwd_keep16_warps_ln": 8},
-               {"bwd_keep16_warps_rms": 32, "bwd_keep16_warps_ln": 32},
-               {"bwd_stages": 1}, {"sum_block_n": 64}]
+        bwd = [
+            {"bwd_keep16": 0, "bwd_reload": 0},
+            {"bwd_keep16": 0, "bwd_reload": 1},
+            {"bwd_keep16": 0, "bwd_reload": 1, "bwd_warps": 16},
+            {"bwd_keep16_warps_rms": 16, "bwd_keep16_warps_ln": 8},
+            {"bwd_keep16_warps_rms": 32, "bwd_keep16_warps_ln": 32},
+            {"bwd_stages": 1},
+            {"sum_block_n": 64},
+        ]
         fwd = []
     else:
-        bwd = [{"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st} for r in (1, 2)
-               for w in (4, 8) for st in (1, 3)]
-        bwd += [{"bwd_elems": n, "bwd_warps": 4, "bwd_per_sm": 2, "bwd_stages": 3},
-                {"sum_block_n": 64}, {"sum_block_n": 128}]
+        bwd = [
+            {"bwd_elems": r * n, "bwd_warps": w, "bwd_stages": st}
+            for r in (1, 2)
+            for w in (4, 8)
+            for st in (1, 3)
+        ]
+        bwd += [
+            {"bwd_elems": n, "bwd_warps": 4, "bwd_per_sm": 2, "bwd_stages": 3},
+            {"sum_block_n": 64},
+            {"sum_block_n": 128},
+        ]
         fwd = [{"fwd_elems": e, "fwd_warps": w} for e in (4096, 8192) for w in (4, 16)]
     return bwd + fwd
 
@@ -145,27 +168,45 @@ def sweep_rows(norm, shape, x, w, b, dy):
         try:
             errs = check(norm, x, w, b, dy)  # every configuration is checked, not only timed
             same = _repeatable(norm, x, w, b, dy)
-            r = row(norm, "gobrrr", shape, measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy,
-                                                   launch=False))
+            r = row(
+                norm,
+                "gobrrr",
+                shape,
+                measure(IMPLS[norm]["gobrrr"], norm, x, w, b, dy, launch=False),
+            )
             t = norms.TUNING  # the effective values too, under the names older reports read
-            out.append({"tuning": cfg, "rows_per_prog": max(1, t["bwd_elems"] // shape[1]),
-                        "warps": t["bwd_warps"], "per_sm": t["bwd_per_sm"],
-                        "stages": t["bwd_stages"],
-                        "check_vs_fp32_rel_err": errs, "bitwise_repeatable": same,
-                        **{k: v for k, v in r.items() if k != "timings"}})
+            out.append(
+                {
+                    "tuning": cfg,
+                    "rows_per_prog": max(1, t["bwd_elems"] // shape[1]),
+                    "warps": t["bwd_warps"],
+                    "per_sm": t["bwd_per_sm"],
+                    "stages": t["bwd_stages"],
+                    "check_vs_fp32_rel_err": errs,
+                    "bitwise_repeatable": same,
+                    **{k: v for k, v in r.items() if k != "timings"},
+                }
+            )
         except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
             out.append({"norm": norm, "tuning": cfg, "error": repr(e)[:200]})
-        print(norm, shape, cfg, {k: out[-1].get(k) for k in ("bwd_GBps", "fwdbwd_GBps",
-                                                            "bitwise_repeatable", "error")},
-              flush=True)
+        print(
+            norm,
+            shape,
+            cfg,
+            {k: out[-1].get(k) for k in ("bwd_GBps", "fwdbwd_GBps", "bitwise_repeatable", "error")},
+            flush=True,
+        )
     norms.TUNING.clear()
     norms.TUNING.update(saved)
     return out
 
 
-def run(out_path: str | Path, sweep: bool = False,
-        impls: tuple[str, ...] = ("gobrrr", "eager", "torch.compile"),
-        sweep_shapes: tuple[str, ...] = ()) -> Path:
+def run(
+    out_path: str | Path,
+    sweep: bool = False,
+    impls: tuple[str, ...] = ("gobrrr", "eager", "torch.compile"),
+    sweep_shapes: tuple[str, ...] = (),
+) -> Path:
     rows, checks, sweeps = [], {}, []
     for shape in SHAPES:
         x, w, b, dy = make(*shape)
@@ -173,8 +214,11 @@ def run(out_path: str | Path, sweep: bool = False,
             checks[f"{norm} {shape[0]}x{shape[1]}"] = check(norm, x, w, b, dy)
             for impl in impls:
                 try:
-                    fn = fns[impl] if impl != "torch.compile" else torch.compile(
-                        fns["compile_fn"], dynamic=False)
+                    fn = (
+                        fns[impl]
+                        if impl != "torch.compile"
+                        else torch.compile(fns["compile_fn"], dynamic=False)
+                    )
                     rows.append(row(norm, impl, shape, measure(fn, norm, x, w, b, dy)))
                 except Exception as e:  # noqa: BLE001 - keep the other rows
                     rows.append({"norm": norm, "impl": impl, "error": repr(e)[:300]})
@@ -182,20 +226,43 @@ def run(out_path: str | Path, sweep: bool = False,
                 sweeps += sweep_rows(norm, shape, x, w, b, dy)
         del x, w, b, dy
         torch.cuda.empty_cache()
-    path = write_json(out_path, {
-        "benchmark": "norms fwd/bwd bandwidth (minimal bytes)",
-        "dtype": str(DTYPE), "shapes": SHAPES, "eps": EPS, "tuning": dict(norms.TUNING),
-        "check_vs_fp32_rel_err": checks, "target_fwdbwd_GBps": 2850, "rows": rows,
-        "sweep": sweeps,
-    })
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "norms fwd/bwd bandwidth (minimal bytes)",
+            "dtype": str(DTYPE),
+            "shapes": SHAPES,
+            "eps": EPS,
+            "tuning": dict(norms.TUNING),
+            "check_vs_fp32_rel_err": checks,
+            "target_fwdbwd_GBps": 2850,
+            "rows": rows,
+            "sweep": sweeps,
+        },
+    )
     if sweeps:
         best = sorted((r for r in sweeps if "bwd_GBps" in r), key=lambda r: -r["bwd_GBps"])
         for r in best:
             r["tuning"] = " ".join(f"{k}={v}" for k, v in r["tuning"].items())
         print(table(best, ["norm", "shape", "tuning", "fwd_GBps", "bwd_GBps", "fwdbwd_GBps"]))
     print("correctness vs fp32 eager (rel. Frobenius error):", checks)
-    print(table(rows, ["norm", "impl", "shape", "fwd_ms", "bwd_ms", "fwd_GBps", "bwd_GBps",
-                       "fwdbwd_GBps", "launch_fwd_GBps", "launch_fwdbwd_GBps"]))
+    print(
+        table(
+            rows,
+            [
+                "norm",
+                "impl",
+                "shape",
+                "fwd_ms",
+                "bwd_ms",
+                "fwd_GBps",
+                "bwd_GBps",
+                "fwdbwd_GBps",
+                "launch_fwd_GBps",
+                "launch_fwdbwd_GBps",
+            ],
+        )
+    )
     return path
 
 
@@ -203,13 +270,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="output JSON path")
     p.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
-    p.add_argument("--impls", nargs="+", default=["gobrrr", "eager", "torch.compile"],
-                   choices=["gobrrr", "eager", "torch.compile"], help="implementations to time")
-    p.add_argument("--sweep-shapes", nargs="*", default=[],
-                   help="sweep only these shapes, e.g. 4096x16384")
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=["gobrrr", "eager", "torch.compile"],
+        choices=["gobrrr", "eager", "torch.compile"],
+        help="implementations to time",
+    )
+    p.add_argument(
+        "--sweep-shapes", nargs="*", default=[], help="sweep only these shapes, e.g. 4096x16384"
+    )
     args = p.parse_args(argv)
-    run(args.out, sweep=args.sweep, impls=tuple(args.impls),
-        sweep_shapes=tuple(args.sweep_shapes))
+    run(args.out, sweep=args.sweep, impls=tuple(args.impls), sweep_shapes=tuple(args.sweep_shapes))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ OPS = {  # name: (ours, eager, number of inputs, tensors moved fwd, bwd)
 
 
 def copy_GBps() -> dict:
-    src = torch.randn(512 * 1024 * 1024 // 2, device=DEVICE, dtype=DTYPE,
-                      generator=generator(1, DEVICE))  # 512 MiB
+    src = torch.randn(
+        512 * 1024 * 1024 // 2, device=DEVICE, dtype=DTYPE, generator=generator(1, DEVICE)
+    )  # 512 MiB
     dst = torch.empty_like(src)
     nbytes = 2 * src.numel() * src.element_size()
     t, g = time_ms(lambda: dst.copy_(src)), time_graph_ms(lambda: dst.copy_(src))
@@ -50,8 +51,10 @@ def copy_GBps() -> dict:
 
 def inputs(n_in):
     g = generator(0, DEVICE)
-    xs = [torch.randn(SHAPE, device=DEVICE, dtype=DTYPE, generator=g).requires_grad_()
-          for _ in range(n_in)]
+    xs = [
+        torch.randn(SHAPE, device=DEVICE, dtype=DTYPE, generator=g).requires_grad_()
+        for _ in range(n_in)
+    ]
     return xs, torch.randn(SHAPE, device=DEVICE, dtype=DTYPE, generator=g)
 
 
@@ -66,16 +69,25 @@ def measure(fn, xs, dy, n_fwd, n_bwd):
     def fwdbwd():
         return torch.autograd.grad(fn(*xs), xs, dy)
 
-    t = {"fwd": time_graph_ms(fwd), "fwdbwd": time_graph_ms(fwdbwd),
-         "fwd_launch": time_ms(fwd), "fwdbwd_launch": time_ms(fwdbwd)}
+    t = {
+        "fwd": time_graph_ms(fwd),
+        "fwdbwd": time_graph_ms(fwdbwd),
+        "fwd_launch": time_ms(fwd),
+        "fwdbwd_launch": time_ms(fwdbwd),
+    }
     out = {"timings": t}
     for kind, f_key, fb_key in (("", "fwd", "fwdbwd"), ("launch_", "fwd_launch", "fwdbwd_launch")):
         if "median_ms" in t[f_key] and "median_ms" in t[fb_key]:
             f = t[f_key]["median_ms"]
             b = max(t[fb_key]["median_ms"] - f, 1e-6)
-            out.update({f"{kind}fwd_ms": f, f"{kind}bwd_ms": b,
-                        f"{kind}fwd_GBps": n_fwd * nbytes / f / 1e6,
-                        f"{kind}bwd_GBps": n_bwd * nbytes / b / 1e6})
+            out.update(
+                {
+                    f"{kind}fwd_ms": f,
+                    f"{kind}bwd_ms": b,
+                    f"{kind}fwd_GBps": n_fwd * nbytes / f / 1e6,
+                    f"{kind}bwd_GBps": n_bwd * nbytes / b / 1e6,
+                }
+            )
     if "fwd_GBps" not in out and "launch_fwd_GBps" in out:  # no graph: fall back
         out.update(fwd_GBps=out["launch_fwd_GBps"], bwd_GBps=out["launch_bwd_GBps"])
     return out
@@ -96,8 +108,9 @@ def sweep_swiglu(xs, dy):
         for warps in (4, 8, 16):
             pointwise.TUNING.update(block=block, warps=warps)
             r = measure(swiglu, xs, dy, 3, 5)
-            out.append({"block": block, "warps": warps,
-                        **{k: v for k, v in r.items() if k != "timings"}})
+            out.append(
+                {"block": block, "warps": warps, **{k: v for k, v in r.items() if k != "timings"}}
+            )
     pointwise.TUNING.update(saved)
     return out
 
@@ -123,16 +136,40 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
             sweeps = sweep_swiglu(xs, dy)
         del xs, dy
         torch.cuda.empty_cache()
-    path = write_json(out_path, {
-        "benchmark": "pointwise fwd/bwd bandwidth (minimal bytes)", "shape": SHAPE,
-        "dtype": str(DTYPE), "tuning": dict(pointwise.TUNING), "copy": copy,
-        "check_vs_fp32_rel_err": checks, "target_vs_copy": 0.9, "rows": rows, "sweep": sweeps,
-    })
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "pointwise fwd/bwd bandwidth (minimal bytes)",
+            "shape": SHAPE,
+            "dtype": str(DTYPE),
+            "tuning": dict(pointwise.TUNING),
+            "copy": copy,
+            "check_vs_fp32_rel_err": checks,
+            "target_vs_copy": 0.9,
+            "rows": rows,
+            "sweep": sweeps,
+        },
+    )
     if sweeps:
         print(table(sweeps, ["block", "warps", "fwd_GBps", "bwd_GBps"]))
     print(f"device copy: {copy['GBps']:.0f} GB/s; correctness (rel. err y, grads):", checks)
-    print(table(rows, ["op", "impl", "fwd_ms", "bwd_ms", "fwd_GBps", "bwd_GBps", "fwd_vs_copy",
-                       "bwd_vs_copy", "launch_fwd_GBps", "launch_bwd_GBps"]))
+    print(
+        table(
+            rows,
+            [
+                "op",
+                "impl",
+                "fwd_ms",
+                "bwd_ms",
+                "fwd_GBps",
+                "bwd_GBps",
+                "fwd_vs_copy",
+                "bwd_vs_copy",
+                "launch_fwd_GBps",
+                "launch_bwd_GBps",
+            ],
+        )
+    )
     return path
 
 

@@ -77,17 +77,35 @@ def run(out_path: str | Path, sweep: bool = False) -> Path:
     ours = train(gpt, cfg, kernels)
     s_ref, s_ours = smooth(ref), smooth(ours)
     gaps = [abs(a - b) for a, b in zip(s_ref, s_ours, strict=True)]
-    summary = {"max_smoothed_gap": max(gaps), "step_of_max_gap": gaps.index(max(gaps)),
-               "max_raw_gap": max(abs(a - b) for a, b in zip(ref, ours, strict=True)),
-               "first_loss": [ref[0], ours[0]], "final_smoothed": [s_ref[-1], s_ours[-1]]}
-    path = write_json(out_path, {
-        "benchmark": "convergence, small GPT", "model": asdict(cfg), "steps": STEPS,
-        "batch": BATCH, "period": PERIOD, "lr": LR, "ema": EMA, "kernels": asdict(kernels),
-        "attention_unavailable": why_not, "summary": summary,
-        "loss_torch": ref, "loss_gobrrr": ours,
-    })
-    rows = [{"step": i, "torch": s_ref[i], "gobrrr": s_ours[i], "gap": gaps[i]}
-            for i in sorted({0, 50, 100, 150, 200, 250, STEPS - 1}) if i < STEPS]
+    summary = {
+        "max_smoothed_gap": max(gaps),
+        "step_of_max_gap": gaps.index(max(gaps)),
+        "max_raw_gap": max(abs(a - b) for a, b in zip(ref, ours, strict=True)),
+        "first_loss": [ref[0], ours[0]],
+        "final_smoothed": [s_ref[-1], s_ours[-1]],
+    }
+    path = write_json(
+        out_path,
+        {
+            "benchmark": "convergence, small GPT",
+            "model": asdict(cfg),
+            "steps": STEPS,
+            "batch": BATCH,
+            "period": PERIOD,
+            "lr": LR,
+            "ema": EMA,
+            "kernels": asdict(kernels),
+            "attention_unavailable": why_not,
+            "summary": summary,
+            "loss_torch": ref,
+            "loss_gobrrr": ours,
+        },
+    )
+    rows = [
+        {"step": i, "torch": s_ref[i], "gobrrr": s_ours[i], "gap": gaps[i]}
+        for i in sorted({0, 50, 100, 150, 200, 250, STEPS - 1})
+        if i < STEPS
+    ]
     print(table(rows, ["step", "torch", "gobrrr", "gap"]))
     print({k: v for k, v in summary.items()})
     return path

@@ -43,16 +43,28 @@ VERSION = 1
 # ----------------------------------------------------------------------------- measurement
 def _stats() -> dict:
     m = torch.cuda.memory_stats()
-    return {k: m.get(k, 0) for k in (
-        "allocated_bytes.all.current", "reserved_bytes.all.current", "segment.all.current")}
+    return {
+        k: m.get(k, 0)
+        for k in (
+            "allocated_bytes.all.current",
+            "reserved_bytes.all.current",
+            "segment.all.current",
+        )
+    }
 
 
 def _segments() -> list[dict]:
     segs = sorted(torch.cuda.memory_snapshot(), key=lambda seg: seg["address"])
     base = segs[0]["address"] if segs else 0
-    return [{"offset": seg["address"] - base, "total_size": seg["total_size"],
-             "segment_type": seg["segment_type"],
-             "blocks": [[blk["size"], blk["state"]] for blk in seg["blocks"]]} for seg in segs]
+    return [
+        {
+            "offset": seg["address"] - base,
+            "total_size": seg["total_size"],
+            "segment_type": seg["segment_type"],
+            "blocks": [[blk["size"], blk["state"]] for blk in seg["blocks"]],
+        }
+        for seg in segs
+    ]
 
 
 def _fresh() -> int:
@@ -84,8 +96,13 @@ def run_sequence(events: list[list], limit: int | None) -> dict:
         else:
             live.pop(ev[1], None)
         st = _stats()
-        trace.append([st["allocated_bytes.all.current"], st["reserved_bytes.all.current"],
-                      st["segment.all.current"]])
+        trace.append(
+            [
+                st["allocated_bytes.all.current"],
+                st["reserved_bytes.all.current"],
+                st["segment.all.current"],
+            ]
+        )
     m = torch.cuda.memory_stats()
     out = {
         "start_reserved": start_reserved,
@@ -93,9 +110,18 @@ def run_sequence(events: list[list], limit: int | None) -> dict:
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
         "segments_peak": m.get("segment.all.peak"),
         "segments_end": len(torch.cuda.memory_snapshot()),
-        "counters": {k: m.get(k) for k in (
-            "segment.small_pool.peak", "segment.large_pool.peak", "inactive_split_bytes.all.peak",
-            "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")},
+        "counters": {
+            k: m.get(k)
+            for k in (
+                "segment.small_pool.peak",
+                "segment.large_pool.peak",
+                "inactive_split_bytes.all.peak",
+                "num_alloc_retries",
+                "num_ooms",
+                "num_device_alloc",
+                "num_device_free",
+            )
+        },
         "oom_events": ooms,
         "trace": trace,  # [allocated, reserved, segments] after each event
         "snapshot_end": _segments(),
@@ -116,13 +142,21 @@ def environment() -> dict:
     except (OSError, subprocess.SubprocessError):
         driver = None
     free, total = torch.cuda.mem_get_info()
-    return {"device": props.name, "memory_bytes": props.total_memory, "mem_get_info_total": total,
-            "mem_get_info_free": free, "driver": driver, "cuda": torch.version.cuda,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "allocator_backend": torch.cuda.get_allocator_backend(),
-            "alloc_conf": {k: os.environ.get(k) for k in
-                           ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "device": props.name,
+        "memory_bytes": props.total_memory,
+        "mem_get_info_total": total,
+        "mem_get_info_free": free,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "allocator_backend": torch.cuda.get_allocator_backend(),
+        "alloc_conf": {
+            k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+        },
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def outside_allocator(label: str) -> dict:
@@ -131,8 +165,13 @@ def outside_allocator(label: str) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     reserved = torch.cuda.memory_reserved()
-    return {"when": label, "total": total, "free": free, "reserved": reserved,
-            "outside_allocator": total - free - reserved}
+    return {
+        "when": label,
+        "total": total,
+        "free": free,
+        "reserved": reserved,
+        "outside_allocator": total - free - reserved,
+    }
 
 
 def library_context() -> list[dict]:
@@ -167,11 +206,13 @@ def record_step(case: str, steps: int = 4) -> dict:
     if clear:
         clear()  # the workspaces are allocated again in step 1, as in a fresh process
     _fresh()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                             max_entries=4_000_000)
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context=None, stacks="python", max_entries=4_000_000
+    )
     with torch.device("cuda"):
-        wl = get_workload(model, batch_size=int(batch),
-                          seq_len=None if seq in ("", "-", "0") else int(seq))
+        wl = get_workload(
+            model, batch_size=int(batch), seq_len=None if seq in ("", "-", "0") else int(seq)
+        )
     wl, opt, scaler = prepare(wl, "cuda", precision, rest[0] if rest else "none")
     after = []
     with matmul_precision(precision):
@@ -181,12 +222,19 @@ def record_step(case: str, steps: int = 4) -> dict:
             after.append([torch.cuda.memory_allocated(), torch.cuda.memory_reserved()])
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    trace = [[TRACE_CODES[e["action"]], e["addr"], e["size"]]
-             for e in snap["device_traces"][torch.cuda.current_device()]
-             if e["action"] in TRACE_CODES]
-    out = {"case": case, "steps": steps, "max_memory_allocated": torch.cuda.max_memory_allocated(),
-           "max_memory_reserved": torch.cuda.max_memory_reserved(), "after_step": after,
-           "trace": trace}
+    trace = [
+        [TRACE_CODES[e["action"]], e["addr"], e["size"]]
+        for e in snap["device_traces"][torch.cuda.current_device()]
+        if e["action"] in TRACE_CODES
+    ]
+    out = {
+        "case": case,
+        "steps": steps,
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "after_step": after,
+        "trace": trace,
+    }
     del wl, opt, scaler
     _fresh()
     return out
@@ -196,9 +244,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path, help="JSON file to write")
     ap.add_argument("--only", nargs="*", help="run only these sequences")
-    ap.add_argument("--steps", nargs="*", default=[], metavar="MODEL:BATCH:SEQ:PRECISION",
-                    help="also record the allocator's trace of these built-in workloads' "
-                         "first steps (needs gobrrr on the path), e.g. gpt2:1:256:bf16-mixed")
+    ap.add_argument(
+        "--steps",
+        nargs="*",
+        default=[],
+        metavar="MODEL:BATCH:SEQ:PRECISION",
+        help="also record the allocator's trace of these built-in workloads' "
+        "first steps (needs gobrrr on the path), e.g. gpt2:1:256:bf16-mixed",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("allocator_truth.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -212,18 +265,30 @@ def main() -> None:
         events = build().events
         res = run_sequence(events, limit)
         results[name] = {"events": events, "limit_bytes": limit, **res}
-        print(f"{name:20s} events {len(events):4d}  "
-              f"allocated {res['max_memory_allocated'] / MiB:9.2f} MiB  "
-              f"reserved {res['max_memory_reserved'] / MiB:9.2f} MiB  "
-              f"segments {res['segments_peak']:3d}  ooms {len(res['oom_events'])}", flush=True)
+        print(
+            f"{name:20s} events {len(events):4d}  "
+            f"allocated {res['max_memory_allocated'] / MiB:9.2f} MiB  "
+            f"reserved {res['max_memory_reserved'] / MiB:9.2f} MiB  "
+            f"segments {res['segments_peak']:3d}  ooms {len(res['oom_events'])}",
+            flush=True,
+        )
     context += library_context()  # cuBLAS keeps its workspace allocated afterwards
     steps = []
     for case in args.steps:
         steps.append(record_step(case))
-        print(f"{case:28s} {len(steps[-1]['trace']):6d} events  reserved "
-              f"{steps[-1]['max_memory_reserved'] / MiB:9.2f} MiB", flush=True)
-    out = {"version": VERSION, "env": env, "seconds": round(time.time() - t0, 2),
-           "context": context, "sequences": results, "steps": steps}
+        print(
+            f"{case:28s} {len(steps[-1]['trace']):6d} events  reserved "
+            f"{steps[-1]['max_memory_reserved'] / MiB:9.2f} MiB",
+            flush=True,
+        )
+    out = {
+        "version": VERSION,
+        "env": env,
+        "seconds": round(time.time() - t0, 2),
+        "context": context,
+        "sequences": results,
+        "steps": steps,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {args.out} ({out['seconds']} s)")

@@ -41,23 +41,60 @@ WARMUP, STEPS = 3, 10
 
 #: name -> (config class, config kwargs) of the model shapes, from their published configs
 SHAPES = {
-    "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
-                                n_positions=8192, attn_pdrop=0.0, embd_pdrop=0.0,
-                                resid_pdrop=0.0)),
-    "llama3.2-1b": ("LlamaConfig", dict(hidden_size=2048, num_hidden_layers=16,
-                                        num_attention_heads=32, num_key_value_heads=8,
-                                        intermediate_size=8192, vocab_size=128256,
-                                        tie_word_embeddings=True, rope_theta=500000.0,
-                                        max_position_embeddings=8192)),
-    "llama3.2-3b": ("LlamaConfig", dict(hidden_size=3072, num_hidden_layers=28,
-                                        num_attention_heads=24, num_key_value_heads=8,
-                                        intermediate_size=8192, vocab_size=128256,
-                                        tie_word_embeddings=True, rope_theta=500000.0,
-                                        max_position_embeddings=8192)),
-    "qwen2-1.5b": ("Qwen2Config", dict(hidden_size=1536, num_hidden_layers=28,
-                                       num_attention_heads=12, num_key_value_heads=2,
-                                       intermediate_size=8960, vocab_size=151936,
-                                       tie_word_embeddings=True, max_position_embeddings=8192)),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            vocab_size=50257,
+            n_positions=8192,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+        ),
+    ),
+    "llama3.2-1b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "llama3.2-3b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "qwen2-1.5b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
 
 #: name -> dict(shape, parallel, batch (per rank, per micro-batch), seq, accumulation,
@@ -66,11 +103,21 @@ CASES = {}
 
 
 def _case(shape, parallel, batch=1, seq=8192, accumulation=1, checkpoint=False, reshard=True):
-    name = (f"{shape}-{parallel}-b{batch}-s{seq}" + (f"-acc{accumulation}" if accumulation > 1
-            else "") + ("-ckpt" if checkpoint else "")
-            + ("-noreshard" if parallel == "fsdp" and not reshard else ""))
-    CASES[name] = dict(shape=shape, parallel=parallel, batch=batch, seq=seq,
-                       accumulation=accumulation, checkpoint=checkpoint, reshard=reshard)
+    name = (
+        f"{shape}-{parallel}-b{batch}-s{seq}"
+        + (f"-acc{accumulation}" if accumulation > 1 else "")
+        + ("-ckpt" if checkpoint else "")
+        + ("-noreshard" if parallel == "fsdp" and not reshard else "")
+    )
+    CASES[name] = dict(
+        shape=shape,
+        parallel=parallel,
+        batch=batch,
+        seq=seq,
+        accumulation=accumulation,
+        checkpoint=checkpoint,
+        reshard=reshard,
+    )
 
 
 _case("gpt2", "ddp", batch=2)
@@ -104,7 +151,7 @@ def build(case: dict):
     if case["checkpoint"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    blocks = (model.transformer.h if hasattr(model, "transformer") else model.model.layers)
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
     return model, list(blocks)
 
 
@@ -202,9 +249,13 @@ def communication(step) -> dict:
         (comm if "nccl" in ev.name.lower() else compute).append(span)
     comm_u, compute_u = _union(comm), _union(compute)
     every = _union(comm + compute)
-    return {"comm_busy_s": _length(comm_u), "comm_exposed_s": _minus(comm_u, compute_u),
-            "compute_busy_s": _length(compute_u), "nccl_kernels": len(comm),
-            "span_s": (every[-1][1] - every[0][0]) if every else 0.0}
+    return {
+        "comm_busy_s": _length(comm_u),
+        "comm_exposed_s": _minus(comm_u, compute_u),
+        "compute_busy_s": _length(compute_u),
+        "nccl_kernels": len(comm),
+        "span_s": (every[-1][1] - every[0][0]) if every else 0.0,
+    }
 
 
 def run_one(name: str) -> dict | None:
@@ -214,8 +265,9 @@ def run_one(name: str) -> dict | None:
     case = CASES[name]
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=300)
+    )
     model, blocks = build(case)
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
@@ -236,9 +288,14 @@ def run_one(name: str) -> dict | None:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    rank = {"rank": dist.get_rank(), "step_s": times, "median_s": statistics.median(times),
-            "peak_allocated": torch.cuda.max_memory_allocated(),
-            "peak_reserved": torch.cuda.max_memory_reserved(), **communication(step)}
+    rank = {
+        "rank": dist.get_rank(),
+        "step_s": times,
+        "median_s": statistics.median(times),
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        **communication(step),
+    }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, rank)
     dist.destroy_process_group()
@@ -246,35 +303,52 @@ def run_one(name: str) -> dict | None:
         return None
     slow = max(ranks, key=lambda r: r["median_s"])
     tokens = case["batch"] * case["seq"] * case["accumulation"] * len(ranks)
-    return {"name": name, **case, "world": len(ranks), "params": params,
-            "loop": "torchtitan: logits dropped before backward",
-            "precision": "bf16-mixed (DDP: autocast; FSDP2: param bf16, reduce fp32)",
-            "optimizer": "AdamW foreach", "measured": {
-                "step_s": slow["median_s"], "tokens_per_s": tokens / slow["median_s"],
-                "tokens_per_s_per_gpu": tokens / slow["median_s"] / len(ranks),
-                "peak_allocated": max(r["peak_allocated"] for r in ranks),
-                "peak_reserved": max(r["peak_reserved"] for r in ranks),
-                "comm_exposed_s": max(r["comm_exposed_s"] for r in ranks),
-                "comm_busy_s": max(r["comm_busy_s"] for r in ranks)},
-            "ranks": ranks}
+    return {
+        "name": name,
+        **case,
+        "world": len(ranks),
+        "params": params,
+        "loop": "torchtitan: logits dropped before backward",
+        "precision": "bf16-mixed (DDP: autocast; FSDP2: param bf16, reduce fp32)",
+        "optimizer": "AdamW foreach",
+        "measured": {
+            "step_s": slow["median_s"],
+            "tokens_per_s": tokens / slow["median_s"],
+            "tokens_per_s_per_gpu": tokens / slow["median_s"] / len(ranks),
+            "peak_allocated": max(r["peak_allocated"] for r in ranks),
+            "peak_reserved": max(r["peak_reserved"] for r in ranks),
+            "comm_exposed_s": max(r["comm_exposed_s"] for r in ranks),
+            "comm_busy_s": max(r["comm_busy_s"] for r in ranks),
+        },
+        "ranks": ranks,
+    }
 
 
 def environment() -> dict:
     import torch
 
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-            "driver": _smi("driver_version"), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "transformers": __import__("transformers").__version__,
-            "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
-            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "driver": _smi("driver_version"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "transformers": __import__("transformers").__version__,
+        "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
 
 
 def _smi(field: str) -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout.splitlines()[0].strip()
     except (OSError, IndexError, subprocess.SubprocessError):
         return None
@@ -283,8 +357,10 @@ def _smi(field: str) -> str | None:
 def parent(args) -> int:
     names = args.cases or list(CASES)
     if bad := [n for n in names if n not in CASES]:
-        print(f"error: unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}",
-              file=sys.stderr)
+        print(
+            f"error: unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"version": 1, "cases": {}}
@@ -292,22 +368,44 @@ def parent(args) -> int:
     for name in names:
         part = out.with_name(out.stem + f".{name}.part.json")
         t = time.perf_counter()
-        cmd = ["torchrun", "--nproc-per-node", str(args.gpus), __file__, "--one", name,
-               "--out", str(part)]
+        cmd = [
+            "torchrun",
+            "--nproc-per-node",
+            str(args.gpus),
+            __file__,
+            "--one",
+            name,
+            "--out",
+            str(part),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        row = (json.loads(part.read_text()) if proc.returncode == 0 and part.exists() else
-               {"name": name, **CASES[name], "world": args.gpus,
+        row = (
+            json.loads(part.read_text())
+            if proc.returncode == 0 and part.exists()
+            else {
+                "name": name,
+                **CASES[name],
+                "world": args.gpus,
                 "error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:500],
-                "oom": "OutOfMemoryError" in proc.stderr})
+                "oom": "OutOfMemoryError" in proc.stderr,
+            }
+        )
         part.unlink(missing_ok=True)
         result["cases"][f"{name}@{args.gpus}"] = row
         out.write_text(json.dumps(result, indent=1))
         m = row.get("measured", {})
-        print(f"{name} x{args.gpus}: " + (f"{m['step_s'] * 1e3:.1f} ms, "
-              f"{m['peak_allocated'] / 2**30:.2f} / {m['peak_reserved'] / 2**30:.2f} GiB, "
-              f"comm exposed {m['comm_exposed_s'] * 1e3:.2f} of {m['comm_busy_s'] * 1e3:.2f} ms"
-              if m else f"FAILED {row['error']}") + f"  ({time.perf_counter() - t:.0f} s)",
-              flush=True)
+        print(
+            f"{name} x{args.gpus}: "
+            + (
+                f"{m['step_s'] * 1e3:.1f} ms, "
+                f"{m['peak_allocated'] / 2**30:.2f} / {m['peak_reserved'] / 2**30:.2f} GiB, "
+                f"comm exposed {m['comm_exposed_s'] * 1e3:.2f} of {m['comm_busy_s'] * 1e3:.2f} ms"
+                if m
+                else f"FAILED {row['error']}"
+            )
+            + f"  ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
     return 0
 
 

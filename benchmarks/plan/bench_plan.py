@@ -29,8 +29,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
@@ -59,8 +63,16 @@ def grid(planner) -> list:
 
 
 # -- the child: one configuration ------------------------------------------------------------
-def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict, warmup: int,
-            steps: int, device: str) -> dict:
+def run_one(
+    source: str,
+    seq: int | None,
+    g: int,
+    precision: str,
+    knobs: dict,
+    warmup: int,
+    steps: int,
+    device: str,
+) -> dict:
     import torch
 
     from gobrrr.estimate import workload_factory
@@ -84,20 +96,35 @@ def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict, w
         times = time_steps(lambda: step(batch), steps, device)
         row.update(step_s=statistics.median(times), step_times=times)
         if cuda:  # a dry run on the CPU has no allocator peaks to read
-            row.update(peak_allocated=torch.cuda.max_memory_allocated(),
-                       peak_reserved=torch.cuda.max_memory_reserved())
+            row.update(
+                peak_allocated=torch.cuda.max_memory_allocated(),
+                peak_reserved=torch.cuda.max_memory_reserved(),
+            )
     except Exception as e:  # recorded: one configuration must not sink the run
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-        row["error"] = {"type": type(e).__name__, "message": str(e)[:1000], "oom": oom,
-                        "traceback": traceback.format_exc().splitlines()[-8:]}
+        row["error"] = {
+            "type": type(e).__name__,
+            "message": str(e)[:1000],
+            "oom": oom,
+            "traceback": traceback.format_exc().splitlines()[-8:],
+        }
     return row
 
 
 # -- the parent --------------------------------------------------------------------------------
 def measure(args, source, seq, g, precision, knobs) -> dict:
-    cmd = [sys.executable, str(HERE), "--one", json.dumps([source, seq, g, precision,
-                                                          knobs.to_dict()]),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--one",
+        json.dumps([source, seq, g, precision, knobs.to_dict()]),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+    ]
     return run_row(cmd, args.timeout)
 
 
@@ -117,15 +144,21 @@ def scenario(args, name: str, out: dict, save) -> None:
     from gobrrr.plan.search import Planner
 
     source, seq, g, precision, *rest = SCENARIOS[name]
-    allow, grid_mode = (list(rest) + [(), "all"][len(rest):])[:2]
+    allow, grid_mode = (list(rest) + [(), "all"][len(rest) :])[:2]
     t = time.perf_counter()
-    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                      allow=allow)
+    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision, allow=allow)
     result = planner.run()
-    rec = {"source": Path(source).name if "/" in source else source, "seq": seq,
-           "global_batch": g, "precision": precision, "allow": list(allow),
-           "grid": grid_mode, "plan_s": time.perf_counter() - t,
-           "plan": result.to_dict(top=5), "configs": []}
+    rec = {
+        "source": Path(source).name if "/" in source else source,
+        "seq": seq,
+        "global_batch": g,
+        "precision": precision,
+        "allow": list(allow),
+        "grid": grid_mode,
+        "plan_s": time.perf_counter() - t,
+        "plan": result.to_dict(top=5),
+        "configs": [],
+    }
     out["scenarios"][name] = rec
     chosen = [p.knobs for p in result.plans[:3] if p.fits]
     points = grid(planner)
@@ -136,12 +169,19 @@ def scenario(args, name: str, out: dict, save) -> None:
     measured: dict = {}  # a configuration the grid and the plan share runs once
     for knobs, role in configs:
         pred = planner.cost(knobs)
-        row = {"role": role, "knobs": knobs.to_dict(), "changes": list(pred.changes),
-               "predicted": {"step_s": pred.step_s, "units_per_s": pred.units_per_s,
-                             "peak_allocated": pred.peak_bytes,
-                             "peak_reserved": pred.reserved_bytes, "fits": pred.fits},
-               "measured": measured.get(knobs) or measure(args, source, seq, g, precision,
-                                                          knobs)}
+        row = {
+            "role": role,
+            "knobs": knobs.to_dict(),
+            "changes": list(pred.changes),
+            "predicted": {
+                "step_s": pred.step_s,
+                "units_per_s": pred.units_per_s,
+                "peak_allocated": pred.peak_bytes,
+                "peak_reserved": pred.reserved_bytes,
+                "fits": pred.fits,
+            },
+            "measured": measured.get(knobs) or measure(args, source, seq, g, precision, knobs),
+        }
         if knobs in measured:
             row["same_as_grid"] = True
         measured[knobs] = row["measured"]
@@ -149,8 +189,13 @@ def scenario(args, name: str, out: dict, save) -> None:
         if "step_s" in m:
             m.setdefault("units_per_s", pred.units_per_s * pred.step_s / m["step_s"])
         rec["configs"].append(row)
-        print(name, role, knobs.to_dict(), "->", {k: m.get(k) for k in
-                                                   ("step_s", "peak_allocated", "error")})
+        print(
+            name,
+            role,
+            knobs.to_dict(),
+            "->",
+            {k: m.get(k) for k in ("step_s", "peak_allocated", "error")},
+        )
         save()
     rec["summary"] = summarize(rec["configs"])
     save()
@@ -159,12 +204,16 @@ def scenario(args, name: str, out: dict, save) -> None:
 def summarize(configs: list[dict]) -> dict:
     """The plan over the grid's best, and the prediction's errors, from what ran."""
     ran = [c for c in configs if "step_s" in c["measured"]]
-    grid_best = max((c["measured"]["units_per_s"] for c in ran if c["role"] == "grid"),
-                    default=None)
+    grid_best = max(
+        (c["measured"]["units_per_s"] for c in ran if c["role"] == "grid"), default=None
+    )
     plan = next((c for c in configs if c["role"] == "plan#1"), None)
-    out: dict = {"grid_best_units_per_s": grid_best,
-                 "grid_oom": sum(1 for c in configs if c["role"] == "grid"
-                                 and c["measured"].get("error", {}).get("oom"))}
+    out: dict = {
+        "grid_best_units_per_s": grid_best,
+        "grid_oom": sum(
+            1 for c in configs if c["role"] == "grid" and c["measured"].get("error", {}).get("oom")
+        ),
+    }
     if plan is not None:
         m = plan["measured"]
         out["plan_ran"] = "step_s" in m
@@ -176,13 +225,21 @@ def summarize(configs: list[dict]) -> dict:
         p, m = c["predicted"], c["measured"]
         if "peak_allocated" not in m:  # measured on the CPU: time only
             continue
-        errs.append({"role": c["role"], "changes": c["changes"],
-                     "throughput_error": p["units_per_s"] / m["units_per_s"] - 1,
-                     "peak_error": p["peak_allocated"] / m["peak_allocated"] - 1,
-                     "reserved_error": p["peak_reserved"] / m["peak_reserved"] - 1})
+        errs.append(
+            {
+                "role": c["role"],
+                "changes": c["changes"],
+                "throughput_error": p["units_per_s"] / m["units_per_s"] - 1,
+                "peak_error": p["peak_allocated"] / m["peak_allocated"] - 1,
+                "reserved_error": p["peak_reserved"] / m["peak_reserved"] - 1,
+            }
+        )
     out["errors"] = errs
-    wrong_fit = [c["changes"] for c in configs if c["predicted"]["fits"]
-                 and c["measured"].get("error", {}).get("oom")]
+    wrong_fit = [
+        c["changes"]
+        for c in configs
+        if c["predicted"]["fits"] and c["measured"].get("error", {}).get("oom")
+    ]
     out["predicted_fit_but_oom"] = wrong_fit
     return out
 
@@ -197,11 +254,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300)
     child_flags(ap)
     args = ap.parse_args()
-    if serve_child(args, lambda spec: run_one(*json.loads(spec), args.warmup, args.steps,
-                                              args.device)):
+    if serve_child(
+        args, lambda spec: run_one(*json.loads(spec), args.warmup, args.steps, args.device)
+    ):
         return
-    out = {"version": VERSION, "environment": child_environment(), "scenarios": {},
-           "settings": {"warmup": args.warmup, "steps": args.steps}}
+    out = {
+        "version": VERSION,
+        "environment": child_environment(),
+        "scenarios": {},
+        "settings": {"warmup": args.warmup, "steps": args.steps},
+    }
     path = Path(args.out)
 
     def save() -> None:

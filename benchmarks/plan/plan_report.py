@@ -48,26 +48,34 @@ def rows() -> list[dict]:
             s = sc["summary"]
             plan = next(c for c in sc["configs"] if c["role"] == "plan#1")
             errs = s["errors"]
-            out.append({
-                "file": path.name, "name": name, "global_batch": sc["global_batch"],
-                "grid_points": sum(1 for c in sc["configs"] if c["role"] == "grid"),
-                "grid_oom": s["grid_oom"], "grid_best": s["grid_best_units_per_s"],
-                "plan": ", ".join(plan["changes"]) or "as given",
-                "plan_units": plan["measured"].get("units_per_s"),
-                "ratio": s.get("plan_over_grid_best"),
-                "plan_oom": s["plan_oom"],
-                "plan_tput_err": next((e["throughput_error"] for e in errs
-                                       if e["role"] == "plan#1"), None),
-                "plan_peak_err": next((e["peak_error"] for e in errs
-                                       if e["role"] == "plan#1"), None),
-                "worst_tput": max(errs, key=lambda e: abs(e["throughput_error"])),
-                "worst_peak": max(errs, key=lambda e: abs(e["peak_error"])),
-                "ran": len({tuple(e["changes"]) for e in errs}),
-                "fit_but_oom": len(s["predicted_fit_but_oom"]),
-                "device": data["environment"].get("device"),
-                "allow": sc.get("allow") or [], "grid_mode": sc.get("grid", "all"),
-                "now": again.get((path.name, name), []),
-            })
+            out.append(
+                {
+                    "file": path.name,
+                    "name": name,
+                    "global_batch": sc["global_batch"],
+                    "grid_points": sum(1 for c in sc["configs"] if c["role"] == "grid"),
+                    "grid_oom": s["grid_oom"],
+                    "grid_best": s["grid_best_units_per_s"],
+                    "plan": ", ".join(plan["changes"]) or "as given",
+                    "plan_units": plan["measured"].get("units_per_s"),
+                    "ratio": s.get("plan_over_grid_best"),
+                    "plan_oom": s["plan_oom"],
+                    "plan_tput_err": next(
+                        (e["throughput_error"] for e in errs if e["role"] == "plan#1"), None
+                    ),
+                    "plan_peak_err": next(
+                        (e["peak_error"] for e in errs if e["role"] == "plan#1"), None
+                    ),
+                    "worst_tput": max(errs, key=lambda e: abs(e["throughput_error"])),
+                    "worst_peak": max(errs, key=lambda e: abs(e["peak_error"])),
+                    "ran": len({tuple(e["changes"]) for e in errs}),
+                    "fit_but_oom": len(s["predicted_fit_but_oom"]),
+                    "device": data["environment"].get("device"),
+                    "allow": sc.get("allow") or [],
+                    "grid_mode": sc.get("grid", "all"),
+                    "now": again.get((path.name, name), []),
+                }
+            )
     return out
 
 
@@ -76,26 +84,32 @@ def _now(rows: list[dict]) -> str:
         return "—"
     plan = next((x for x in rows if x["role"] == "plan#1"), None)
     worst = max(rows, key=lambda x: abs(x["units_per_s_err"]))
-    return (f"{plan['units_per_s_err']:+.1%}" if plan else "—") + \
-        f", {worst['units_per_s_err']:+.1%}"
+    return (
+        f"{plan['units_per_s_err']:+.1%}" if plan else "—"
+    ) + f", {worst['units_per_s_err']:+.1%}"
 
 
 def _run(file: str) -> str:
-    """", run N" for a scenario's rerun (`plan_h100_<name>_runN.json`), else ""."""
+    """ ", run N" for a scenario's rerun (`plan_h100_<name>_runN.json`), else ""."""
     m = re.search(r"_run(\d+)\.json$", file)
     return f", run {m.group(1)}" if m else ""
 
 
 def table(rs: list[dict]) -> str:
-    lines = ["| scenario (global batch) | grid: OOM / points, best | plan | plan / grid best "
-             "| plan: predicted tok/s, peak | all that ran: worst tok/s, worst peak "
-             "| predicted now: plan tok/s, worst tok/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario (global batch) | grid: OOM / points, best | plan | plan / grid best "
+        "| plan: predicted tok/s, peak | all that ran: worst tok/s, worst peak "
+        "| predicted now: plan tok/s, worst tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rs:
         unit = "tok/s" if "resnet" not in r["name"] else "img/s"
-        best = (f"{r['grid_best']:,.0f} {unit}" if r["grid_best"] else
-                "none ran" + (" (its least-memory point only)" if r["grid_mode"] == "least"
-                              else ""))
+        best = (
+            f"{r['grid_best']:,.0f} {unit}"
+            if r["grid_best"]
+            else "none ran"
+            + (" (its least-memory point only)" if r["grid_mode"] == "least" else "")
+        )
         ratio = f"**{r['ratio']:.3f}x**" if r["ratio"] else "only the plan runs"
         allow = f" with --allow {','.join(r['allow'])}" if r["allow"] else ""
         lines.append(
@@ -104,26 +118,33 @@ def table(rs: list[dict]) -> str:
             f"{best} | {r['plan']}{allow} | {ratio} | "
             f"{r['plan_tput_err']:+.1%}, {r['plan_peak_err']:+.2%} | "
             f"{r['worst_tput']['throughput_error']:+.1%}, {r['worst_peak']['peak_error']:+.2%} "
-            f"({r['ran']} configurations) | {_now(r['now'])} |")
+            f"({r['ran']} configurations) | {_now(r['now'])} |"
+        )
     n_oom = sum(r["plan_oom"] for r in rs)
     now = [x for r in rs for x in r["now"]]
     wrong = sum(r["fit_but_oom"] for r in rs)
     lines.append("")
     names = {r["name"] for r in rs}
-    again = f" ({len(rs) - len(names)} measured again on another host)" if len(rs) > len(
-        names) else ""
-    lines.append(f"{len(names)} scenarios{again} on {rs[0]['device']}; the plan ran out of "
-                 f"memory in "
-                 f"{n_oom}; configurations predicted to fit that ran out of memory: {wrong}. "
-                 "Errors are predicted / measured - 1: throughput in the workload's unit, "
-                 "peak = `max_memory_allocated`. Files: "
-                 + ", ".join(f"`{f}`" for f in sorted({r['file'] for r in rs})) + ".")
+    again = (
+        f" ({len(rs) - len(names)} measured again on another host)" if len(rs) > len(names) else ""
+    )
+    lines.append(
+        f"{len(names)} scenarios{again} on {rs[0]['device']}; the plan ran out of "
+        f"memory in "
+        f"{n_oom}; configurations predicted to fit that ran out of memory: {wrong}. "
+        "Errors are predicted / measured - 1: throughput in the workload's unit, "
+        "peak = `max_memory_allocated`. Files: "
+        + ", ".join(f"`{f}`" for f in sorted({r["file"] for r in rs}))
+        + "."
+    )
     if now:
         within = sum(abs(x["units_per_s_err"]) <= 0.10 for x in now)
-        lines.append(f"Predicted now: every configuration that ran, costed again with the "
-                     f"calibration as shipped (`benchmarks/plan/plan_repredict.py`, "
-                     f"`{REPREDICTED.name}`): {within} of {len(now)} within 10% of the "
-                     f"measured throughput.")
+        lines.append(
+            f"Predicted now: every configuration that ran, costed again with the "
+            f"calibration as shipped (`benchmarks/plan/plan_repredict.py`, "
+            f"`{REPREDICTED.name}`): {within} of {len(now)} within 10% of the "
+            f"measured throughput."
+        )
     return "\n".join(lines)
 
 

@@ -34,14 +34,18 @@ def main(argv=None) -> int:
     for path in sorted(RUNS.glob("plan_h100_*.json")):
         rows += repredict(path, args.scenarios)
     for r in rows:
-        print(f"{r['scenario']:24s} {r['role']:7s} step {r['measured_step_s'] * 1e3:8.1f} ms  "
-              f"recorded {r['recorded_step_err']:+6.1%} now {r['step_err']:+6.1%}  tokens/s "
-              f"{r['units_per_s_err']:+6.1%}  alloc {r['alloc_err']:+6.2%}  reserved "
-              f"{r['reserved_err']:+6.2%}  {'; '.join(r['changes'])}")
+        print(
+            f"{r['scenario']:24s} {r['role']:7s} step {r['measured_step_s'] * 1e3:8.1f} ms  "
+            f"recorded {r['recorded_step_err']:+6.1%} now {r['step_err']:+6.1%}  tokens/s "
+            f"{r['units_per_s_err']:+6.1%}  alloc {r['alloc_err']:+6.2%}  reserved "
+            f"{r['reserved_err']:+6.2%}  {'; '.join(r['changes'])}"
+        )
     errs = [abs(r["units_per_s_err"]) for r in rows]
     if errs:
-        print(f"tokens/s |error|: median {statistics.median(errs):.1%}, worst {max(errs):.1%},"
-              f" {sum(e <= 0.10 for e in errs)} of {len(errs)} within 10%")
+        print(
+            f"tokens/s |error|: median {statistics.median(errs):.1%}, worst {max(errs):.1%},"
+            f" {sum(e <= 0.10 for e in errs)} of {len(errs)} within 10%"
+        )
     if args.out:
         from gobrrr.kernels.bench import write_json
 

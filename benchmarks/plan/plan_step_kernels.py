@@ -26,8 +26,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 from child_rows import child_flags, env_row, run_row, serve_child  # noqa: E402
 
@@ -68,8 +72,7 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict,
-            device: str) -> dict:
+def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict, device: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,11 +109,16 @@ def run_one(source: str, seq: int | None, g: int, precision: str, knobs: dict,
         t[0] += 1
         t[1] += us * 1e-6
         intervals.append((ev.time_range.start, ev.time_range.end))
-    return {"step_s": statistics.median(times), "step_times": times,
-            "busy_s": busy_seconds(intervals) * 1e-6,
-            "by_class": {k: {"kernels": n, "s": s} for k, (n, s) in by_class.items()},
-            "top_kernels": [{"name": k, "kernels": n, "s": s} for k, (n, s) in
-                            sorted(top.items(), key=lambda kv: -kv[1][1])[:40]]}
+    return {
+        "step_s": statistics.median(times),
+        "step_times": times,
+        "busy_s": busy_seconds(intervals) * 1e-6,
+        "by_class": {k: {"kernels": n, "s": s} for k, (n, s) in by_class.items()},
+        "top_kernels": [
+            {"name": k, "kernels": n, "s": s}
+            for k, (n, s) in sorted(top.items(), key=lambda kv: -kv[1][1])[:40]
+        ],
+    }
 
 
 def configs(path: Path, roles: list[str]):
@@ -132,19 +140,27 @@ def predicted(rec: dict, knobs: dict) -> dict:
     from gobrrr.plan.knobs import Knobs
     from gobrrr.plan.search import Planner
 
-    name = next(n for n, s in SCENARIOS.items() if s[0].rsplit(":", 1)[-1] == rec["source"].rsplit(
-        ":", 1)[-1] and s[1] == rec["seq"] and s[2] == rec["global_batch"])
+    name = next(
+        n
+        for n, s in SCENARIOS.items()
+        if s[0].rsplit(":", 1)[-1] == rec["source"].rsplit(":", 1)[-1]
+        and s[1] == rec["seq"]
+        and s[2] == rec["global_batch"]
+    )
     source, seq, g, precision, *rest = SCENARIOS[name]
-    planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision,
-                      allow=(list(rest) + [()])[0])
+    planner = Planner(
+        source, "h100", global_batch=g, seq=seq, precision=precision, allow=(list(rest) + [()])[0]
+    )
     k = Knobs.from_dict(knobs)
     g = planner.search.graph(k)  # one micro-batch: its ops run `accumulation` times
     if k.checkpoint:
         g = checkpoint_pass(g, dict(k.checkpoint))
     burst = Target(planner.target.gpu, replace(planner.target.cal, power_duty={}))
     out = {"step_s": planner.cost(k).step_s}
-    for key, target in (("device_by_kind_s", planner.target),
-                        ("device_by_kind_at_burst_rates_s", burst)):
+    for key, target in (
+        ("device_by_kind_s", planner.target),
+        ("device_by_kind_at_burst_rates_s", burst),
+    ):
         kinds: dict[str, float] = {}
         for o in evaluate(g, target).time.ops:
             times = 1 if o.phase == "optimizer" else k.accumulation
@@ -156,8 +172,7 @@ def predicted(rec: dict, knobs: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--from", dest="src", default=str(
-        FIXTURES / "plan_h100_llama5b.json"))
+    ap.add_argument("--from", dest="src", default=str(FIXTURES / "plan_h100_llama5b.json"))
     ap.add_argument("--roles", default="plan#1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=int, default=500)
@@ -180,15 +195,30 @@ def main() -> None:
         source = rec["source"]
         if source.startswith("plan_scenarios.py"):  # recorded before it moved to zoo/
             source = f"{scenarios.HERE}:{source.split(':', 1)[1]}"
-        cmd = [sys.executable, str(HERE), "x", "--one", json.dumps(
-            [source, rec["seq"], rec["global_batch"], rec["precision"], c["knobs"]]),
-            "--device", args.device]
-        row = {"file": Path(args.src).name, "scenario": name, "role": c["role"],
-               "knobs": c["knobs"], "changes": c["changes"],
-               "measured": run_row(cmd, args.timeout)}
+        cmd = [
+            sys.executable,
+            str(HERE),
+            "x",
+            "--one",
+            json.dumps([source, rec["seq"], rec["global_batch"], rec["precision"], c["knobs"]]),
+            "--device",
+            args.device,
+        ]
+        row = {
+            "file": Path(args.src).name,
+            "scenario": name,
+            "role": c["role"],
+            "knobs": c["knobs"],
+            "changes": c["changes"],
+            "measured": run_row(cmd, args.timeout),
+        }
         out["rows"].append(row)
-        print(name, c["role"], {k: row["measured"].get(k) for k in ("step_s", "busy_s",
-                                                                    "error")}, flush=True)
+        print(
+            name,
+            c["role"],
+            {k: row["measured"].get(k) for k in ("step_s", "busy_s", "error")},
+            flush=True,
+        )
         path.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -48,27 +48,43 @@ def _median_s(fn, repeats: int) -> tuple[float, list[float]]:
 
 def pass_rows(repeats: int) -> list[dict]:
     """The checkpointing pass over every block of a 32-block Llama's graph, per policy."""
-    g0 = capture(lambda: get_workload("llama3-8b", batch_size=1, seq_len=256),
-                 precision="bf16-mixed")
+    g0 = capture(
+        lambda: get_workload("llama3-8b", batch_size=1, seq_len=256), precision="bf16-mixed"
+    )
     blocks = g0.meta["blocks"]
     rows = []
     for policy in ("full", "selective"):
         med, times = _median_s(lambda p=policy: checkpoint(g0, dict.fromkeys(blocks, p)), repeats)
-        rows.append({"case": f"checkpoint pass, llama3-8b, {policy}", "ops": len(g0.nodes),
-                     "median_s": med, "times_s": times, "target_s": PASS_TARGET_S,
-                     "met": med < PASS_TARGET_S})
+        rows.append(
+            {
+                "case": f"checkpoint pass, llama3-8b, {policy}",
+                "ops": len(g0.nodes),
+                "median_s": med,
+                "times_s": times,
+                "target_s": PASS_TARGET_S,
+                "met": med < PASS_TARGET_S,
+            }
+        )
     return rows
 
 
 def build_rows(repeats: int) -> list[dict]:
     """llama3-405b at seq 4096 built under FakeTensorMode."""
+
     def build():
         with FakeTensorMode():
             get_workload("llama3-405b", seq_len=4096)
 
     med, times = _median_s(build, repeats)
-    return [{"case": "llama3-405b under FakeTensorMode", "median_s": med, "times_s": times,
-             "target_s": BUILD_TARGET_S, "met": med < BUILD_TARGET_S}]
+    return [
+        {
+            "case": "llama3-405b under FakeTensorMode",
+            "median_s": med,
+            "times_s": times,
+            "target_s": BUILD_TARGET_S,
+            "met": med < BUILD_TARGET_S,
+        }
+    ]
 
 
 def main(argv=None) -> None:
@@ -78,13 +94,20 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = pass_rows(args.repeats) + build_rows(args.repeats)
     for r in rows:
-        print(f"{r['case']:40s} {r['median_s']:7.3f} s  target < {r['target_s']} s"
-              f"{'' if r['met'] else '  MISSED'}")
-    result = {"version": 1, "cpu": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "load_1min": os.getloadavg()[0],
-              "python": platform.python_version(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "cases": rows}
+        print(
+            f"{r['case']:40s} {r['median_s']:7.3f} s  target < {r['target_s']} s"
+            f"{'' if r['met'] else '  MISSED'}"
+        )
+    result = {
+        "version": 1,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_1min": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cases": rows,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -24,8 +24,10 @@ import torch
 
 FLOORS = [
     ("python + import torch", "import torch"),
-    ("... + FakeTensorMode()", "import torch\n"
-     "from torch._subclasses.fake_tensor import FakeTensorMode\nFakeTensorMode()"),
+    (
+        "... + FakeTensorMode()",
+        "import torch\nfrom torch._subclasses.fake_tensor import FakeTensorMode\nFakeTensorMode()",
+    ),
 ]
 COMMANDS = [
     ("gpt2", ["--model", "gpt2"], 3.0),
@@ -42,17 +44,31 @@ def main() -> None:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "gobrrr", "estimate", *args,
-                                   "--json"], capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, "-m", "gobrrr", "estimate", *args, "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             times.append(time.perf_counter() - t0)
             if proc.returncode:
                 raise SystemExit(f"{name} failed: {proc.stderr}")
         ops = json.loads(proc.stdout)["ops"]
-        rows.append({"case": name, "args": args, "median_s": statistics.median(times),
-                     "times_s": times, "ops": ops, "target_s": target,
-                     "met": target is None or statistics.median(times) < target})
-        print(f"{name:22s} {statistics.median(times):6.2f} s  ({ops} ops)"
-              + (f"  target < {target} s" if target else ""))
+        rows.append(
+            {
+                "case": name,
+                "args": args,
+                "median_s": statistics.median(times),
+                "times_s": times,
+                "ops": ops,
+                "target_s": target,
+                "met": target is None or statistics.median(times) < target,
+            }
+        )
+        print(
+            f"{name:22s} {statistics.median(times):6.2f} s  ({ops} ops)"
+            + (f"  target < {target} s" if target else "")
+        )
     floors = []
     for name, code in FLOORS:
         times = []
@@ -62,11 +78,16 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         floors.append({"case": name, "median_s": statistics.median(times), "times_s": times})
         print(f"{name:22s} {statistics.median(times):6.2f} s")
-    result = {"version": 1, "cpu": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "python": platform.python_version(),
-              "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "cases": rows, "floors": floors}
+    result = {
+        "version": 1,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cases": rows,
+        "floors": floors,
+    }
     out_path.write_text(json.dumps(result, indent=1))
 
 

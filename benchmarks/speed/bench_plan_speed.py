@@ -26,8 +26,11 @@ import torch
 COMMANDS = [
     ("gpt2", ["--model", "gpt2"], 15.0),
     ("gpt2 global batch 64", ["--model", "gpt2", "--global-batch", "64"], None),
-    ("llama3-1b seq 16384 global batch 4",
-     ["--model", "llama3-1b", "--seq", "16384", "--global-batch", "4"], None),
+    (
+        "llama3-1b seq 16384 global batch 4",
+        ["--model", "llama3-1b", "--seq", "16384", "--global-batch", "4"],
+        None,
+    ),
     ("llama3-70b seq 4096", ["--model", "llama3-70b", "--seq", "4096"], 60.0),
 ]
 
@@ -42,24 +45,44 @@ def main(argv=None) -> None:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "gobrrr", "plan", *args, "--json"],
-                                  capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, "-m", "gobrrr", "plan", *args, "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             times.append(time.perf_counter() - t0)
             if proc.returncode not in (0, 1):
                 raise SystemExit(f"{name} failed: {proc.stderr}")
         out = json.loads(proc.stdout)
         med = statistics.median(times)
-        rows.append({"case": name, "args": args, "median_s": med, "times_s": times,
-                     "exit": proc.returncode, "traces": out["traces"],
-                     "considered": out["considered"], "fits": out["fits"],
-                     "target_s": target, "met": target is None or med < target})
-        print(f"{name:36s} {med:6.2f} s  ({out['traces']} traces, {out['considered']} "
-              f"configurations)" + (f"  target < {target} s" if target else ""))
-    result = {"version": 1, "cpu": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "python": platform.python_version(),
-              "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "cases": rows}
+        rows.append(
+            {
+                "case": name,
+                "args": args,
+                "median_s": med,
+                "times_s": times,
+                "exit": proc.returncode,
+                "traces": out["traces"],
+                "considered": out["considered"],
+                "fits": out["fits"],
+                "target_s": target,
+                "met": target is None or med < target,
+            }
+        )
+        print(
+            f"{name:36s} {med:6.2f} s  ({out['traces']} traces, {out['considered']} "
+            f"configurations)" + (f"  target < {target} s" if target else "")
+        )
+    result = {
+        "version": 1,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cases": rows,
+    }
     out_path.write_text(json.dumps(result, indent=1))
 
 

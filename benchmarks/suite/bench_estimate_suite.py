@@ -74,11 +74,17 @@ def environment() -> dict:
         driver = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"device": torch.cuda.get_device_name(), "memory_bytes": props.total_memory,
-            "sms": props.multi_processor_count, "driver": driver, "cuda": torch.version.cuda,
-            "torch": torch.__version__, "triton": triton_version,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "memory_bytes": props.total_memory,
+        "sms": props.multi_processor_count,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def _free() -> None:
@@ -103,11 +109,17 @@ def measure_case(name, batch, seq, precision, checkpoint, compile_, steps=10, wa
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
         times = time_steps(step, steps, "cuda")
-    out = {"peak_allocated": stats["allocated_bytes.all.peak"],
-           "requested_peak": stats.get("requested_bytes.all.peak"),
-           "reserved_peak": stats["reserved_bytes.all.peak"], "allocated_before_step": before,
-           "allocated_before_build": base, "step_s": statistics.median(times),
-           "step_s_min": min(times), "step_s_max": max(times), "step_times": times}
+    out = {
+        "peak_allocated": stats["allocated_bytes.all.peak"],
+        "requested_peak": stats.get("requested_bytes.all.peak"),
+        "reserved_peak": stats["reserved_bytes.all.peak"],
+        "allocated_before_step": before,
+        "allocated_before_build": base,
+        "step_s": statistics.median(times),
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "step_times": times,
+    }
     return out  # the workload dies with this frame; the next case frees the cache
 
 
@@ -123,8 +135,9 @@ def runtime_estimator(name, batch, seq, precision, checkpoint) -> float | None:
     with FakeTensorMode(), torch.device("cuda"):
         wl = get_workload(name, batch_size=batch, seq_len=seq)
         if precision == "bf16":
-            _convert_tensors(wl.model, lambda t: t.to(torch.bfloat16) if t.is_floating_point()
-                             else t)
+            _convert_tensors(
+                wl.model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t
+            )
         if checkpoint == "full":
             apply_checkpointing(wl.model)
         opt = wl.make_optimizer()
@@ -143,29 +156,44 @@ def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | N
     from gobrrr.evaluate import evaluate
     from gobrrr.hardware import Target
 
-    est = estimate(name, "h100", batch=batch, seq=seq, precision=precision,
-                   checkpoint=checkpoint, calibration=False, compile=compile_)
+    est = estimate(
+        name,
+        "h100",
+        batch=batch,
+        seq=seq,
+        precision=precision,
+        checkpoint=checkpoint,
+        calibration=False,
+        compile=compile_,
+    )
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:
         calibrated = evaluate(est.graph, Target(est.gpu, cal), compiled=compile_)
-        out.update(peak_calibrated=calibrated.memory.peak,
-                   step_s_calibrated=calibrated.time.step_s)
+        out.update(peak_calibrated=calibrated.memory.peak, step_s_calibrated=calibrated.time.step_s)
     return out
 
 
 def run_case(i: int, cal: Calibration | None) -> dict:
     case = CASES[i]
     name, batch, seq, precision, checkpoint, compile_ = case
-    row = {"model": name, "batch": batch, "seq": seq, "precision": precision,
-           "checkpoint": checkpoint, "compile": compile_}
+    row = {
+        "model": name,
+        "batch": batch,
+        "seq": seq,
+        "precision": precision,
+        "checkpoint": checkpoint,
+        "compile": compile_,
+    }
     t0 = time.time()
     try:
         row["measured"] = measure_case(*case)
     except torch.cuda.OutOfMemoryError:
         row["measured"] = {"oom": True}
         _free()
-    for key, fn in (("runtime_estimator_s", lambda: runtime_estimator(*case[:5])),
-                    ("gobrrr", lambda: ours(*case, cal))):
+    for key, fn in (
+        ("runtime_estimator_s", lambda: runtime_estimator(*case[:5])),
+        ("gobrrr", lambda: ours(*case, cal)),
+    ):
         if compile_ and key == "runtime_estimator_s":
             continue
         try:
@@ -205,13 +233,15 @@ def _summary(row: dict) -> str:
         return f"{row['model']} {row['batch']} {row['precision']}: {row}"
     re_s = row.get("runtime_estimator_s") or 0.0
     cal_s = g.get("step_s_calibrated", float("nan"))
-    return (f"{row['model']:12s} b={row['batch']:<5} s={row['seq']} {row['precision']:10s} "
-            f"ck={row['checkpoint']:4s} c={int(row['compile'])} peak "
-            f"{m['peak_allocated'] / 2**30:7.3f} GiB pred {g['peak'] / 2**30:7.3f} "
-            f"({g['peak'] / m['peak_allocated'] - 1:+.1%})  step {m['step_s'] * 1e3:8.2f} ms "
-            f"pred {g['step_s'] * 1e3:8.2f} cal {cal_s * 1e3:8.2f} "
-            f"({cal_s / m['step_s'] - 1:+.0%}) RE {re_s * 1e3:8.2f} "
-            f"({re_s / m['step_s'] - 1:+.0%})")
+    return (
+        f"{row['model']:12s} b={row['batch']:<5} s={row['seq']} {row['precision']:10s} "
+        f"ck={row['checkpoint']:4s} c={int(row['compile'])} peak "
+        f"{m['peak_allocated'] / 2**30:7.3f} GiB pred {g['peak'] / 2**30:7.3f} "
+        f"({g['peak'] / m['peak_allocated'] - 1:+.1%})  step {m['step_s'] * 1e3:8.2f} ms "
+        f"pred {g['step_s'] * 1e3:8.2f} cal {cal_s * 1e3:8.2f} "
+        f"({cal_s / m['step_s'] - 1:+.0%}) RE {re_s * 1e3:8.2f} "
+        f"({re_s / m['step_s'] - 1:+.0%})"
+    )
 
 
 def main() -> None:
@@ -220,8 +250,12 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="a range like 0-9")
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--merge", nargs="+", default=None,
-                    help="join runs of parts of the suite (--cases) into OUT.json")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="join runs of parts of the suite (--cases) into OUT.json",
+    )
     args = ap.parse_args()
     if args.merge:
         merge(args.out, args.merge)
@@ -252,10 +286,19 @@ def main() -> None:
         results.append(json.loads(rows[-1]))
         print(_summary(results[-1]), flush=True)
         tmp = Path(args.out + ".tmp")  # rewritten after every case: a cut run keeps its cases
-        tmp.write_text(json.dumps({"version": 1, "environment": env, "workspace": probe,
-                                   "calibration": args.calibration and json.loads(
-                                       Path(args.calibration).read_text()),
-                                   "cases": results}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "environment": env,
+                    "workspace": probe,
+                    "calibration": args.calibration
+                    and json.loads(Path(args.calibration).read_text()),
+                    "cases": results,
+                },
+                indent=1,
+            )
+        )
         tmp.replace(args.out)
 
 
@@ -266,10 +309,15 @@ def merge(out: str, parts: list[str]) -> None:
     own calibration)."""
     data = [json.loads(Path(p).read_text()) for p in parts]
     merged = {k: data[0][k] for k in ("version", "environment", "workspace", "calibration")}
-    merged["parts"] = [{"file": Path(p).name, "environment": d["environment"],
-                        "calibration": d["calibration"],
-                        "cases": [f"{c['model']} b{c['batch']} {c['precision']}"
-                                  for c in d["cases"]]} for p, d in zip(parts, data, strict=True)]
+    merged["parts"] = [
+        {
+            "file": Path(p).name,
+            "environment": d["environment"],
+            "calibration": d["calibration"],
+            "cases": [f"{c['model']} b{c['batch']} {c['precision']}" for c in d["cases"]],
+        }
+        for p, d in zip(parts, data, strict=True)
+    ]
     merged["cases"] = [c for d in data for c in d["cases"]]
     tmp = Path(out + ".tmp")
     tmp.write_text(json.dumps(merged, indent=1))

@@ -34,8 +34,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 # src/, the repository root (zoo/), benchmarks/ (child_rows, suite/, plan/) and this folder
-sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1]),
-                str(HERE.parent)]
+sys.path[:0] = [
+    str(HERE.parents[2] / "src"),
+    str(HERE.parents[2]),
+    str(HERE.parents[1]),
+    str(HERE.parent),
+]
 
 import measure  # noqa: E402  (benchmarks/zoo/measure.py)
 import torch  # noqa: E402
@@ -83,14 +87,20 @@ class PhaseProbe:
         torch.cuda.reset_peak_memory_stats()
         yield
         torch.cuda.synchronize()
-        self.phases[name] = {"allocated_start": start,
-                             "allocated_end": torch.cuda.memory_allocated(),
-                             "peak": torch.cuda.max_memory_allocated()}
+        self.phases[name] = {
+            "allocated_start": start,
+            "allocated_end": torch.cuda.memory_allocated(),
+            "peak": torch.cuda.max_memory_allocated(),
+        }
         if before is not None:
             new = [v for a, v in _active_blocks().items() if before.get(a) != v]
             sizes = sorted((r for _, r in new), reverse=True)
-            self.kept = {"count": len(new), "bytes": sum(s for s, _ in new),
-                         "requested_bytes": sum(sizes), "requested_sizes": sizes[:KEEP_SIZES]}
+            self.kept = {
+                "count": len(new),
+                "bytes": sum(s for s, _ in new),
+                "requested_bytes": sum(sizes),
+                "requested_sizes": sizes[:KEEP_SIZES],
+            }
 
 
 class PhaseTimer:
@@ -118,9 +128,15 @@ class PhaseTimer:
 def _dynamo_counters() -> dict:
     from torch._dynamo.utils import counters
 
-    return {"stats": dict(counters["stats"]), "graph_break": dict(counters["graph_break"]),
-            "inductor": {k: v for k, v in counters["inductor"].items()
-                         if k in ("fxgraph_cache_miss", "fxgraph_cache_hit")}}
+    return {
+        "stats": dict(counters["stats"]),
+        "graph_break": dict(counters["graph_break"]),
+        "inductor": {
+            k: v
+            for k, v in counters["inductor"].items()
+            if k in ("fxgraph_cache_miss", "fxgraph_cache_hit")
+        },
+    }
 
 
 def _measure_into(row: dict, case: ZooCase, device: str, warmup: int, steps: int) -> None:
@@ -131,8 +147,9 @@ def _measure_into(row: dict, case: ZooCase, device: str, warmup: int, steps: int
     row["model"] = measure.model_facts(wl)
     wl, opt, scaler = prepare(wl, device, case.precision, "none", case.compile)
     dev = device.split(":")[0]
-    make = lambda phase=None: TrainStep(wl, opt, case.precision, device_type=dev,
-                                        scaler=scaler, phase=phase)
+    make = lambda phase=None: TrainStep(
+        wl, opt, case.precision, device_type=dev, scaler=scaler, phase=phase
+    )
     step = make()
     row["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -167,15 +184,25 @@ def _probe_into(row: dict, make) -> None:
 
 def run_case(case: ZooCase, device: str, warmup: int, steps: int) -> dict:
     """One case's JSON-ready row (an `error` on failure)."""
-    row: dict = {"name": case.name, "spec": case.spec(), "batch": case.batch, "seq": case.seq,
-                 "device": device, "backends": measure.backend_flags()}
+    row: dict = {
+        "name": case.name,
+        "spec": case.spec(),
+        "batch": case.batch,
+        "seq": case.seq,
+        "device": device,
+        "backends": measure.backend_flags(),
+    }
     t0 = time.perf_counter()
     try:
         _measure_into(row, case, device, warmup, steps)
     except Exception as e:  # recorded, not fatal
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-        row["error"] = {"type": type(e).__name__, "message": str(e)[:2000], "oom": oom,
-                        "traceback": traceback.format_exc().splitlines()[-12:]}
+        row["error"] = {
+            "type": type(e).__name__,
+            "message": str(e)[:2000],
+            "oom": oom,
+            "traceback": traceback.format_exc().splitlines()[-12:],
+        }
     row["wall_s"] = time.perf_counter() - t0
     return row
 
@@ -184,35 +211,60 @@ def run_case(case: ZooCase, device: str, warmup: int, steps: int) -> dict:
 
 
 def run_child(args, case: ZooCase) -> dict:
-    cmd = [sys.executable, str(HERE), "--out", args.out, "--one", case.name, "--device",
-           args.device, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--out",
+        args.out,
+        "--one",
+        case.name,
+        "--device",
+        args.device,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     return measure.run_command(cmd, case, args.timeout)
 
 
 def run_all(args) -> None:
-    cases = ([case_named(n.strip()) for n in args.cases.split(",") if n.strip()]
-             if args.cases else CASES)
+    cases = (
+        [case_named(n.strip()) for n in args.cases.split(",") if n.strip()] if args.cases else CASES
+    )
     env_args = argparse.Namespace(out=args.out, device=args.device)
     try:
         env = measure.child_environment(env_args)
     except Exception as e:  # the measurements matter more than the header
         env = {"error": f"{type(e).__name__}: {e}"}
-    doc = {"version": VERSION, "environment": env,
-           "settings": {"device": args.device, "warmup": args.warmup, "steps": args.steps,
-                        "budget_s": args.budget, "timeout_s": args.timeout}, "cases": []}
+    doc = {
+        "version": VERSION,
+        "environment": env,
+        "settings": {
+            "device": args.device,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "budget_s": args.budget,
+            "timeout_s": args.timeout,
+        },
+        "cases": [],
+    }
     t0 = time.perf_counter()
     for case in cases:
         if time.perf_counter() - t0 > args.budget:
-            row = {"name": case.name, "spec": case.spec(), "skipped": f"over the {args.budget} s "
-                   "budget"}
+            row = {
+                "name": case.name,
+                "spec": case.spec(),
+                "skipped": f"over the {args.budget} s budget",
+            }
         else:
             row = run_child(args, case)
         doc["cases"].append(row)
-        print(measure.summary(row) if "skipped" not in row else f"{case.name:28s} skipped",
-              flush=True)
+        print(
+            measure.summary(row) if "skipped" not in row else f"{case.name:28s} skipped", flush=True
+        )
         measure.write(args.out, doc)
-    print(f"done: {len(cases)} cases in {time.perf_counter() - t0:.0f} s -> {args.out}",
-          flush=True)
+    print(f"done: {len(cases)} cases in {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
 
 
 def parse(argv=None):
@@ -222,8 +274,12 @@ def parse(argv=None):
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--budget", type=float, default=140.0,
-                    help="seconds; cases that would start later are recorded as skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=140.0,
+        help="seconds; cases that would start later are recorded as skipped",
+    )
     ap.add_argument("--timeout", type=int, default=90, help="seconds per case")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     return ap.parse_args(argv)

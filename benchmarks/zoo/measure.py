@@ -67,23 +67,30 @@ def _sync(device: str) -> None:
 
 def backend_flags() -> dict:
     """The PyTorch switches that decide which kernels run: TF32, SDPA backends."""
-    sdp = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
-           for k in ("flash", "mem_efficient", "math", "cudnn")
-           if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")}
-    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark, "sdp_enabled": sdp}
+    sdp = {
+        k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
+        for k in ("flash", "mem_efficient", "math", "cudnn")
+        if hasattr(torch.backends.cuda, f"{k}_sdp_enabled")
+    }
+    return {
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "sdp_enabled": sdp,
+    }
 
 
 def model_facts(wl) -> dict:
     """Parameter counts (all, trainable) and the attention implementation a HF model chose."""
     params = list(wl.model.parameters())
     cfg = getattr(wl.model, "config", None)
-    return {"params": sum(p.numel() for p in params),
-            "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-            "attn_implementation": getattr(cfg, "_attn_implementation", None),
-            "class": type(wl.model).__name__}
+    return {
+        "params": sum(p.numel() for p in params),
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "attn_implementation": getattr(cfg, "_attn_implementation", None),
+        "class": type(wl.model).__name__,
+    }
 
 
 def memory_record(device: str) -> dict:
@@ -92,30 +99,49 @@ def memory_record(device: str) -> dict:
     if not device.startswith("cuda"):
         return {}
     stats = torch.cuda.memory_stats()
-    keep = {k: v for k, v in stats.items()
-            if k.endswith((".current", ".peak")) or k.startswith("num_")}
-    return {"peak_allocated": torch.cuda.max_memory_allocated(),
-            "peak_reserved": torch.cuda.max_memory_reserved(), "stats": keep}
+    keep = {
+        k: v for k, v in stats.items() if k.endswith((".current", ".peak")) or k.startswith("num_")
+    }
+    return {
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "stats": keep,
+    }
 
 
 def _timed(step, n: int, device: str) -> dict:
     times = time_steps(step, n, device)
-    return {"step_s": statistics.median(times), "step_s_min": min(times),
-            "step_s_max": max(times), "step_times": times}
+    return {
+        "step_s": statistics.median(times),
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "step_times": times,
+    }
 
 
-def run_case(case: ZooCase, device: str, batch: int, seq: int | None, warmup: int,
-             steps: int) -> dict:
+def run_case(
+    case: ZooCase, device: str, batch: int, seq: int | None, warmup: int, steps: int
+) -> dict:
     """Build, warm up, time and count one case; the JSON-ready row (an `error` on failure)."""
-    row: dict = {"name": case.name, "spec": case.spec(), "batch": batch, "seq": seq,
-                 "device": device, "backends": backend_flags()}
+    row: dict = {
+        "name": case.name,
+        "spec": case.spec(),
+        "batch": batch,
+        "seq": seq,
+        "device": device,
+        "backends": backend_flags(),
+    }
     t0 = time.perf_counter()
     try:
         _measure_into(row, case, device, batch, seq, warmup, steps)
     except Exception as e:  # recorded, not fatal: one case must not sink the run
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-        row["error"] = {"type": type(e).__name__, "message": str(e)[:2000], "oom": oom,
-                        "traceback": traceback.format_exc().splitlines()[-12:]}
+        row["error"] = {
+            "type": type(e).__name__,
+            "message": str(e)[:2000],
+            "oom": oom,
+            "traceback": traceback.format_exc().splitlines()[-12:],
+        }
         if device.startswith("cuda"):
             row["error"]["memory"] = memory_record(device)
     row["wall_s"] = time.perf_counter() - t0
@@ -161,9 +187,12 @@ def environment(device: str) -> dict:
 
         env = gpu_environment()
     else:
-        env = {"device": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "python": platform.python_version(),
-               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        env = {
+            "device": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
     for lib in LIBRARIES:
         try:
             env[lib] = __import__(lib).__version__
@@ -185,12 +214,23 @@ def child_environment(args) -> dict:
 def select(args) -> list[ZooCase]:
     if args.cases:
         return [get_case(n.strip()) for n in args.cases.split(",") if n.strip()]
-    return CASES[args.start:args.stop]
+    return CASES[args.start : args.stop]
 
 
 def child_command(args, name: str) -> list[str]:
-    cmd = [sys.executable, str(HERE), args.out, "--one", name, "--device", args.device,
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        args.out,
+        "--one",
+        name,
+        "--device",
+        args.device,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     for flag in ("batch", "seq"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
@@ -207,20 +247,36 @@ def run_command(cmd: list[str], case: ZooCase, timeout: float) -> dict:
     for `case` saying how the process died (timeout, exit code, out of memory)."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=_child_env())
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=_child_env()
+        )
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-1500:]
-        return {"name": case.name, "spec": case.spec(), "wall_s": time.perf_counter() - t0,
-                "error": {"type": "Timeout", "message": f"no result in {timeout} s",
-                          "oom": False, "traceback": _text(tail).splitlines()[-12:]}}
+        return {
+            "name": case.name,
+            "spec": case.spec(),
+            "wall_s": time.perf_counter() - t0,
+            "error": {
+                "type": "Timeout",
+                "message": f"no result in {timeout} s",
+                "oom": False,
+                "traceback": _text(tail).splitlines()[-12:],
+            },
+        }
     rows = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
     if rows:
         return json.loads(rows[-1])
-    return {"name": case.name, "spec": case.spec(), "wall_s": time.perf_counter() - t0,
-            "error": {"type": "ProcessDied", "message": f"exit code {proc.returncode}",
-                      "oom": "out of memory" in proc.stderr,
-                      "traceback": proc.stderr.splitlines()[-12:]}}
+    return {
+        "name": case.name,
+        "spec": case.spec(),
+        "wall_s": time.perf_counter() - t0,
+        "error": {
+            "type": "ProcessDied",
+            "message": f"exit code {proc.returncode}",
+            "oom": "out of memory" in proc.stderr,
+            "traceback": proc.stderr.splitlines()[-12:],
+        },
+    }
 
 
 def _text(b) -> str:
@@ -240,8 +296,12 @@ def summary(row: dict) -> str:
         msg = err["message"].splitlines()[0][:140] if err["message"] else ""
         return f"{head} {'OOM' if err.get('oom') else 'ERROR'} {err['type']}: {msg}"
     m, gib = row["measured"], 2**30
-    mem = (f"alloc {m['peak_allocated'] / gib:7.3f} GiB  reserved "
-           f"{m['peak_reserved'] / gib:7.3f} GiB  " if "peak_allocated" in m else "")
+    mem = (
+        f"alloc {m['peak_allocated'] / gib:7.3f} GiB  reserved "
+        f"{m['peak_reserved'] / gib:7.3f} GiB  "
+        if "peak_allocated" in m
+        else ""
+    )
     spread = f"[{m['step_s_min'] * 1e3:.2f}-{m['step_s_max'] * 1e3:.2f}]"
     return f"{head} {mem}step {m['step_s'] * 1e3:8.2f} ms {spread}  wall {row['wall_s']:.0f} s"
 
@@ -255,13 +315,23 @@ def write(out: str, doc: dict) -> None:
 def run_all(args) -> None:
     cases = select(args)
     env = child_environment(args)
-    print(f"{len(cases)} cases on {env['device']} (torch {env['torch']}, transformers "
-          f"{env['transformers']}, torchvision {env['torchvision']}, timm {env['timm']})",
-          flush=True)
-    doc = {"version": VERSION, "environment": env,
-           "settings": {"device": args.device, "warmup": args.warmup, "steps": args.steps,
-                        "batch_override": args.batch, "seq_override": args.seq},
-           "cases": []}
+    print(
+        f"{len(cases)} cases on {env['device']} (torch {env['torch']}, transformers "
+        f"{env['transformers']}, torchvision {env['torchvision']}, timm {env['timm']})",
+        flush=True,
+    )
+    doc = {
+        "version": VERSION,
+        "environment": env,
+        "settings": {
+            "device": args.device,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "batch_override": args.batch,
+            "seq_override": args.seq,
+        },
+        "cases": [],
+    }
     if args.append and Path(args.out).exists():
         doc = json.loads(Path(args.out).read_text())
     t0 = time.perf_counter()
@@ -270,8 +340,7 @@ def run_all(args) -> None:
         doc["cases"] = [r for r in doc["cases"] if r["name"] != case.name] + [row]
         print(summary(row), flush=True)
         write(args.out, doc)
-    print(f"done: {len(cases)} cases in {time.perf_counter() - t0:.0f} s -> {args.out}",
-          flush=True)
+    print(f"done: {len(cases)} cases in {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
 
 
 def parse(argv=None):
@@ -286,9 +355,12 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="override every case's batch")
     ap.add_argument("--seq", type=int, default=None, help="override every case's seq")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per case")
-    ap.add_argument("--append", action="store_true",
-                    help="keep the cases already in OUT.json (a case measured again replaces "
-                         "its row): run the zoo in parts into one file")
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the cases already in OUT.json (a case measured again replaces "
+        "its row): run the zoo in parts into one file",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -303,13 +375,13 @@ def main(argv=None) -> int:
         if args.one is not None:  # child: one case, its row on the last line
             case = get_case(args.one)
             seq = args.seq if args.seq is not None and case.seq is not None else case.seq
-            row = run_case(case, args.device, args.batch or case.batch, seq, args.warmup,
-                           args.steps)
+            row = run_case(
+                case, args.device, args.batch or case.batch, seq, args.warmup, args.steps
+            )
             print("ROW " + json.dumps(row))
             return 0
         if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise GobrrrError("--device cuda: no CUDA device here; use --device cpu for a "
-                              "dry run")
+            raise GobrrrError("--device cuda: no CUDA device here; use --device cpu for a dry run")
         run_all(args)
     except GobrrrError as e:
         print(f"error: {e}", file=sys.stderr)

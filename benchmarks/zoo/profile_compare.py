@@ -36,14 +36,29 @@ def one(name: str, device: str, batch: int | None, seq: int | None) -> dict:
     spec = spec or gobrrr.hardware.get_gpu("h100")
     cal = find_calibration(spec)
     kw = {k: v for k, v in (("batch_size", batch), ("seq_len", seq)) if v is not None}
-    est = gobrrr.estimate(lambda: case.factory()(**kw), gpu=spec, precision=case.precision,
-                          compile=case.compile, calibration=cal)
-    result = profile(case.factory()(**kw), device=device, precision=case.precision,
-                     compile=case.compile, graph=est.graph, calibration=cal,
-                     steps=3 if device == "cpu" else 10)
+    est = gobrrr.estimate(
+        lambda: case.factory()(**kw),
+        gpu=spec,
+        precision=case.precision,
+        compile=case.compile,
+        calibration=cal,
+    )
+    result = profile(
+        case.factory()(**kw),
+        device=device,
+        precision=case.precision,
+        compile=case.compile,
+        graph=est.graph,
+        calibration=cal,
+        steps=3 if device == "cpu" else 10,
+    )
     cmp = compare(est.time, result).to_dict()
-    return {"name": name, "predicted_step_s": est.time.step_s, "measured_step_s": result.step_s,
-            "compare": cmp}
+    return {
+        "name": name,
+        "predicted_step_s": est.time.step_s,
+        "measured_step_s": result.step_s,
+        "compare": cmp,
+    }
 
 
 def main(argv=None) -> None:
@@ -59,21 +74,32 @@ def main(argv=None) -> None:
         try:
             row = one(name, args.device, args.batch, args.seq)
             top = sorted(row["compare"]["kinds"], key=lambda r: -r["measured_s"])[:6]
-            print(f"{name}: step {row['predicted_step_s'] * 1e3:.1f} ms predicted, "
-                  f"{row['measured_step_s'] * 1e3:.1f} measured; " + ", ".join(
-                      f"{r['name']} {r['predicted_s'] * 1e3:.1f}/{r['measured_s'] * 1e3:.1f}"
-                      for r in top), flush=True)
+            print(
+                f"{name}: step {row['predicted_step_s'] * 1e3:.1f} ms predicted, "
+                f"{row['measured_step_s'] * 1e3:.1f} measured; "
+                + ", ".join(
+                    f"{r['name']} {r['predicted_s'] * 1e3:.1f}/{r['measured_s'] * 1e3:.1f}"
+                    for r in top
+                ),
+                flush=True,
+            )
         except Exception as e:  # recorded: one case failing keeps the others
-            row = {"name": name, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc()[-2000:]}
+            row = {
+                "name": name,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-2000:],
+            }
             print(f"{name}: {row['error'][:200]}", flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-    env = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    Path(args.out).write_text(json.dumps({"version": 1, "environment": env, "cases": rows},
-                                         indent=1))
+    env = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    Path(args.out).write_text(
+        json.dumps({"version": 1, "environment": env, "cases": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,12 @@ RESULTS = ROOT / "tests" / "fixtures" / "zoo_h100.json"
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -43,8 +47,10 @@ def _commit() -> str | None:
 
 def load(path: Path) -> dict:
     if not path.exists():
-        raise GobrrrError(f"{path} does not exist: measure the zoo first "
-                          "(python benchmarks/zoo/measure.py OUT.json on a GPU)")
+        raise GobrrrError(
+            f"{path} does not exist: measure the zoo first "
+            "(python benchmarks/zoo/measure.py OUT.json on a GPU)"
+        )
     return json.loads(path.read_text())
 
 
@@ -58,12 +64,15 @@ def markers(results: Path) -> tuple[str, str]:
     if results.name == RESULTS.name:
         return START, END
     name = results.stem.replace("_h100", "").replace("_", "-")
-    return (f"<!-- {name}-table: start (benchmarks/zoo/report.py {results.name} --readme) -->",
-            f"<!-- {name}-table: end -->")
+    return (
+        f"<!-- {name}-table: start (benchmarks/zoo/report.py {results.name} --readme) -->",
+        f"<!-- {name}-table: end -->",
+    )
 
 
-def write_readme(readme: Path, text: str, summary: list[str],
-                 marks: tuple[str, str] = (START, END)) -> None:
+def write_readme(
+    readme: Path, text: str, summary: list[str], marks: tuple[str, str] = (START, END)
+) -> None:
     """Replace the README's block between the markers by the table and its summary."""
     doc = readme.read_text()
     start, end = marks
@@ -75,8 +84,9 @@ def write_readme(readme: Path, text: str, summary: list[str],
     readme.write_text(head + start + body + end + tail)
 
 
-def run(results: Path, predictions: Path, markdown: Path | None,
-        readme: Path | None = None) -> None:
+def run(
+    results: Path, predictions: Path, markdown: Path | None, readme: Path | None = None
+) -> None:
     doc = load(results)
     rows = compare.measured_rows(doc)
     reruns = compare.rerun_steps(results.parent)
@@ -84,25 +94,35 @@ def run(results: Path, predictions: Path, markdown: Path | None,
     for row in rows:
         errors.append(compare.compare_row(row, reruns=reruns))
         e = errors[-1]
-        print(f"predicted {e.name}: " + (e.trace_error or f"{e.capture_s:.1f} s trace"),
-              file=sys.stderr, flush=True)
+        print(
+            f"predicted {e.name}: " + (e.trace_error or f"{e.capture_s:.1f} s trace"),
+            file=sys.stderr,
+            flush=True,
+        )
     text = compare.table(errors)
     print(text)
     print()
     for line in compare.summary(errors):
         print(line)
     for r in compare.failed_rows(doc):
-        print(f"measurement failed: {r['name']}: {r['error']['type']}: "
-              f"{r['error']['message'].splitlines()[0][:160] if r['error']['message'] else ''}")
+        print(
+            f"measurement failed: {r['name']}: {r['error']['type']}: "
+            f"{r['error']['message'].splitlines()[0][:160] if r['error']['message'] else ''}"
+        )
     if markdown:
         markdown.write_text(text + "\n")
     if readme:
         write_readme(readme, text, compare.summary(errors), markers(results))
-    out = {"version": VERSION, "results": results.name, "gpu": compare.GPU,
-           "gobrrr_commit": _commit(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "measured_environment": doc.get("environment"),
-           "cases": [e.to_dict() for e in errors]}
+    out = {
+        "version": VERSION,
+        "results": results.name,
+        "gpu": compare.GPU,
+        "gobrrr_commit": _commit(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "measured_environment": doc.get("environment"),
+        "cases": [e.to_dict() for e in errors],
+    }
     predictions.write_text(json.dumps(out, indent=1))
     print(f"wrote {predictions}")
 
@@ -110,18 +130,31 @@ def run(results: Path, predictions: Path, markdown: Path | None,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="?", default=str(RESULTS))
-    ap.add_argument("--predictions", default=None,
-                    help="default: the results file's name with _predictions")
+    ap.add_argument(
+        "--predictions", default=None, help="default: the results file's name with _predictions"
+    )
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
-    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None,
-                    help="also put the table into the README (between its zoo-table markers)")
+    ap.add_argument(
+        "--readme",
+        nargs="?",
+        const=str(ROOT / "README.md"),
+        default=None,
+        help="also put the table into the README (between its zoo-table markers)",
+    )
     args = ap.parse_args(argv)
     results = Path(args.results)
-    predictions = Path(args.predictions) if args.predictions else results.with_name(
-        results.stem + "_predictions.json")
+    predictions = (
+        Path(args.predictions)
+        if args.predictions
+        else results.with_name(results.stem + "_predictions.json")
+    )
     try:
-        run(results, predictions, Path(args.markdown) if args.markdown else None,
-            Path(args.readme) if args.readme else None)
+        run(
+            results,
+            predictions,
+            Path(args.markdown) if args.markdown else None,
+            Path(args.readme) if args.readme else None,
+        )
     except GobrrrError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,5 +18,15 @@ from gobrrr.workload import Workload
 
 __version__ = "0.1.0"
 
-__all__ = ["Estimate", "GobrrrError", "Knobs", "Target", "Workload", "__version__", "apply",
-           "estimate", "evaluate", "plan"]
+__all__ = [
+    "Estimate",
+    "GobrrrError",
+    "Knobs",
+    "Target",
+    "Workload",
+    "__version__",
+    "apply",
+    "estimate",
+    "evaluate",
+    "plan",
+]

@@ -33,7 +33,7 @@ class GobrrrWarning(UserWarning):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" when `word` is a close misspelling of one of `choices` (case
+    """ " (did you mean 'x'?)" when `word` is a close misspelling of one of `choices` (case
     and separators ignored), else ""."""
     choices = list(choices)
     if word in choices:
@@ -43,8 +43,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
         folded.setdefault(_fold(c), c)
     if _fold(word) in folded and folded[_fold(word)] != word:
         return f" (did you mean {folded[_fold(word)]!r}?)"
-    close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1,
-                                      cutoff=0.75)
+    close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1, cutoff=0.75)
     if not close:
         return ""
     original = next(c for c in choices if c.lower() == close[0])

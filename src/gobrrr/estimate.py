@@ -19,8 +19,11 @@ from gobrrr.workload import Workload
 __all__ = ["Estimate", "estimate", "workload_factory"]
 
 
-def workload_factory(source: str | Callable[..., Workload] | Workload,
-                     batch: int | None = None, seq: int | None = None) -> Callable[[], Workload]:
+def workload_factory(
+    source: str | Callable[..., Workload] | Workload,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> Callable[[], Workload]:
     """A zero-argument function building the workload: a built-in model name, a
     "file.py:function" spec, a function taking optional batch_size/seq_len, or a Workload."""
     if isinstance(source, Workload):
@@ -30,8 +33,10 @@ def workload_factory(source: str | Callable[..., Workload] | Workload,
             return lambda: get_workload(source, batch_size=batch, seq_len=seq)
         if ":" in source or source.endswith(".py"):
             return lambda: load_workload(source, batch_size=batch, seq_len=seq)
-        raise GobrrrError(f"unknown model {source!r}: choose one of {', '.join(model_names())}, "
-                          "or give path/to/file.py:function")
+        raise GobrrrError(
+            f"unknown model {source!r}: choose one of {', '.join(model_names())}, "
+            "or give path/to/file.py:function"
+        )
     if callable(source):
         kwargs = _accepted(source, batch_size=batch, seq_len=seq)
         return lambda: source(**kwargs)
@@ -46,10 +51,17 @@ def _accepted(fn: Callable, **kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None and k in params}
 
 
-def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpec = "h100",
-             *, batch: int | None = None, seq: int | None = None,
-             precision: str = "bf16-mixed", checkpoint: str = "none",
-             calibration: Calibration | None | bool = True, compile: bool = False) -> Estimate:
+def estimate(
+    source: str | Callable[..., Workload] | Workload,
+    gpu: str | GpuSpec = "h100",
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    precision: str = "bf16-mixed",
+    checkpoint: str = "none",
+    calibration: Calibration | None | bool = True,
+    compile: bool = False,
+) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
 
     compile: the model runs under torch.compile (the optimizer stays eager): the step is
@@ -65,7 +77,11 @@ def estimate(source: str | Callable[..., Workload] | Workload, gpu: str | GpuSpe
             raise GobrrrError(f"--{what} must be a positive number, got {v}")
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
-    graph = capture(workload_factory(source, batch, seq), precision=precision,
-                    checkpoint=checkpoint, sdpa=target_for(target.gpu.full_name),
-                    compile=compile)
+    graph = capture(
+        workload_factory(source, batch, seq),
+        precision=precision,
+        checkpoint=checkpoint,
+        sdpa=target_for(target.gpu.full_name),
+        compile=compile,
+    )
     return evaluate(graph, target, capture_s=time.perf_counter() - t0)

@@ -44,8 +44,13 @@ from gobrrr.schedule.scheduler import Timeline, schedule
 from gobrrr.schedule.streams import stream_of
 
 
-def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
-             compiled: bool | None = None, capture_s: float = 0.0) -> Estimate:
+def evaluate(
+    graph: StepGraph,
+    target: str | GpuSpec | Target = "h100",
+    *,
+    compiled: bool | None = None,
+    capture_s: float = 0.0,
+) -> Estimate:
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
     `target`. compiled: the model's forward and backward run under torch.compile; None =
@@ -56,21 +61,28 @@ def evaluate(graph: StepGraph, target: str | GpuSpec | Target = "h100", *,
         compiled = bool(graph.meta.compiled)
     t = Target.resolve(target)
     time = predict(graph, t.gpu, t.cal, compiled=compiled)
-    return Estimate(graph=graph, gpu=t.gpu, memory=step_memory(graph, t.gpu, t.cal),
-                    time=time, cal=t.cal, formulas=closed_forms(graph), capture_s=capture_s,
-                    compiled=compiled)
+    return Estimate(
+        graph=graph,
+        gpu=t.gpu,
+        memory=step_memory(graph, t.gpu, t.cal),
+        time=time,
+        cal=t.cal,
+        formulas=closed_forms(graph),
+        capture_s=capture_s,
+        compiled=compiled,
+    )
 
 
-def predict(graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None,
-            compiled: bool = False) -> Prediction:
+def predict(
+    graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None, compiled: bool = False
+) -> Prediction:
     """The step's time on `gpu`: the stages costs -> times -> schedule -> power. `compiled`:
     the model runs under torch.compile (forward and backward fused by Inductor; the
     optimizer stays eager)."""
     rates = Rates(gpu, calibration)
     costs = op_costs(graph)
     ops = op_times(graph, costs, rates, compiled)
-    ops, fraction, timeline = power_limited(ops, graph.weights(), rates,
-                                            step_schedule(graph, ops))
+    ops, fraction, timeline = power_limited(ops, graph.weights(), rates, step_schedule(graph, ops))
     return prediction(graph, costs, ops, timeline, gpu, calibration, fraction)
 
 
@@ -80,20 +92,24 @@ def op_costs(graph: StepGraph) -> list[OpCost]:
     return [op_cost(n, tf32) for n in graph.nodes]
 
 
-def op_times(graph: StepGraph, costs: list[OpCost], rates: Rates, compiled: bool
-             ) -> tuple[OpTime, ...]:
+def op_times(
+    graph: StepGraph, costs: list[OpCost], rates: Rates, compiled: bool
+) -> tuple[OpTime, ...]:
     """Stage times: each node's roofline time (s), a checkpointed forward op at its host
     cost; under torch.compile, Inductor's kernels; the optimizer's measured host time."""
     under, selective = checkpointed_modules(graph), selective_modules(graph)
-    ops = tuple(time_op(n, c, rates, host_phase=host_key(n, under, selective))
-                for n, c in zip(graph.nodes, costs, strict=True))
+    ops = tuple(
+        time_op(n, c, rates, host_phase=host_key(n, under, selective))
+        for n, c in zip(graph.nodes, costs, strict=True)
+    )
     if compiled:
         ops = compiled_times(graph, costs, ops, rates)
     return optimizer_host(graph, ops, rates)
 
 
-def step_schedule(graph: StepGraph, ops: tuple[OpTime, ...]
-                  ) -> Callable[[tuple[OpTime, ...]], Timeline]:
+def step_schedule(
+    graph: StepGraph, ops: tuple[OpTime, ...]
+) -> Callable[[tuple[OpTime, ...]], Timeline]:
     """Stage schedule: the scheduler of `graph`'s ops, given their times (the power limit
     changes the ops' times, never which ops they are, on which streams or what they wait
     for)."""
@@ -105,13 +121,22 @@ def step_schedule(graph: StepGraph, ops: tuple[OpTime, ...]
 
 def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
     """{op index: its parameter's storage} for CPU offload's ops (their first input)."""
-    return {o.index: graph.nodes[o.index].inputs[0].storage for o in ops
-            if o.kind in OFFLOAD_KINDS and graph.nodes[o.index].inputs}
+    return {
+        o.index: graph.nodes[o.index].inputs[0].storage
+        for o in ops
+        if o.kind in OFFLOAD_KINDS and graph.nodes[o.index].inputs
+    }
 
 
-def prediction(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
-               timeline: Timeline, gpu: GpuSpec, calibration: Calibration | None,
-               fraction: float) -> Prediction:
+def prediction(
+    graph: StepGraph,
+    costs: list[OpCost],
+    ops: tuple[OpTime, ...],
+    timeline: Timeline,
+    gpu: GpuSpec,
+    calibration: Calibration | None,
+    fraction: float,
+) -> Prediction:
     """The step's figures from its scheduled ops: busy device time, FLOPs, time by phase
     and by regime, each op counted as often as it runs (`StepGraph.weights`)."""
     weights = graph.weights()
@@ -124,13 +149,20 @@ def prediction(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
         if o.device_s > 0:
             regime_s[o.regime] += o.device_s * w
     return Prediction(
-        gpu=gpu.name, calibrated=calibration is not None, ops=ops, step_s=step,
-        device_s=device_busy, host_s=timeline.host_end, idle_s=max(step - device_busy, 0.0),
+        gpu=gpu.name,
+        calibrated=calibration is not None,
+        ops=ops,
+        step_s=step,
+        device_s=device_busy,
+        host_s=timeline.host_end,
+        idle_s=max(step - device_busy, 0.0),
         flops=sum(o.flops * w for o, w in zip(ops, weights, strict=True)),
         model_flops=model_flops(graph, costs),
         tokens=int(graph.meta.tokens or 0),
         peak_flops=gpu.peak(graph.meta.precision.peak_mode),
-        phase_s=dict(phase_s), regime_s=dict(regime_s), clock_fraction=fraction,
+        phase_s=dict(phase_s),
+        regime_s=dict(regime_s),
+        clock_fraction=fraction,
         timeline=timeline,
     )
 
@@ -221,8 +253,7 @@ class Estimate:
         """Units per second in the workload's unit: tokens for sequences, samples otherwise."""
         unit = throughput_unit(self.graph)
         t = self.time
-        out: dict[str, Any] = {"unit": unit, "units_per_step": t.tokens,
-                               "per_s": t.tokens_per_s}
+        out: dict[str, Any] = {"unit": unit, "units_per_step": t.tokens, "per_s": t.tokens_per_s}
         if unit == "tokens":
             out["tokens_per_s"] = t.tokens_per_s
         return out
@@ -232,10 +263,14 @@ class Estimate:
         definitions; for sequence models also MFU by the 6·N + attention convention."""
         t = self.time
         out: dict[str, Any] = {
-            "mfu": t.mfu, "hfu": t.hfu, "flops": t.flops, "model_flops": t.model_flops,
+            "mfu": t.mfu,
+            "hfu": t.hfu,
+            "flops": t.flops,
+            "model_flops": t.model_flops,
             "peak_flops": t.peak_flops,
             "peak": f"dense {self.graph.meta.precision.peak_mode} matmul peak",
-            "mfu_definition": MFU_DEFINITION, "hfu_definition": HFU_DEFINITION,
+            "mfu_definition": MFU_DEFINITION,
+            "hfu_definition": HFU_DEFINITION,
         }
         if self.graph.meta.seq_len and t.step_s > 0:
             flops_6n = model_flops_6n(self.graph)
@@ -244,13 +279,14 @@ class Estimate:
         return out
 
 
-MFU_DEFINITION = ("model FLOPs: the traced forward and backward, without recomputation, per "
-                  "second over the peak")
+MFU_DEFINITION = (
+    "model FLOPs: the traced forward and backward, without recomputation, per second over the peak"
+)
 HFU_DEFINITION = "every FLOP the step runs (recompute, optimizer) per second over the peak"
 
 
 def throughput_unit(graph: StepGraph) -> str:
-    """"tokens" for a sequence workload (a seq_len, or its units counted from an integer
+    """ "tokens" for a sequence workload (a seq_len, or its units counted from an integer
     (batch, sequence) input), else "samples"."""
     if graph.meta.seq_len:
         return "tokens"
@@ -286,8 +322,11 @@ def parameter_shapes(graph: StepGraph) -> list[tuple[str, tuple[int, ...]]]:
         for t in (*n.inputs, *n.outputs):
             if t.storage in sizes and t.storage not in whole and t.nbytes == sizes[t.storage]:
                 whole[t.storage] = tuple(t.shape)
-    return [(s.label, whole.get(s.id, (s.nbytes // 4,))) for s in graph.storages
-            if s.kind == "parameter"]
+    return [
+        (s.label, whole.get(s.id, (s.nbytes // 4,)))
+        for s in graph.storages
+        if s.kind == "parameter"
+    ]
 
 
 def closed_forms(graph: StepGraph) -> dict[str, Any]:
@@ -302,15 +341,18 @@ def closed_forms(graph: StepGraph) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params_traced": graph.meta.params,
         "params_textbook_12d2L_2dV": formulas.textbook_params(L, d, V),
-        "params_gap": [list(g) for g in formulas.textbook_param_gap(L, d, V,
-                                                                     parameter_shapes(graph))],
+        "params_gap": [
+            list(g) for g in formulas.textbook_param_gap(L, d, V, parameter_shapes(graph))
+        ],
     }
     if seq:
         out["activations_traced_bytes"] = saved_activations(graph)
         out["activations_lecture_bytes"] = batch * formulas.activation_bytes_per_sequence(
-            L, d, seq, a, V, elem)
+            L, d, seq, a, V, elem
+        )
         recompute = "full" if graph.meta.checkpoint == "full" else "flash"
         out["activations_megatron_bytes"] = formulas.megatron_activation_bytes(
-            seq, batch, d, a, L, recompute=recompute)
+            seq, batch, d, a, L, recompute=recompute
+        )
         out["megatron_variant"] = recompute
     return out

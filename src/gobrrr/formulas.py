@@ -150,10 +150,16 @@ def textbook_param_gap(
         else:
             other += n
     gap = [
-        ("head tied to the embedding (one V×d table, not two)" if tables < 2 * V * d
-         else "V×d tables beyond an embedding and a head", tables - 2 * V * d),
-        ("layer matrices beyond 12·d² per layer (grouped K/V, gated or resized MLP)",
-         layer - 12 * d * d * L),
+        (
+            "head tied to the embedding (one V×d table, not two)"
+            if tables < 2 * V * d
+            else "V×d tables beyond an embedding and a head",
+            tables - 2 * V * d,
+        ),
+        (
+            "layer matrices beyond 12·d² per layer (grouped K/V, gated or resized MLP)",
+            layer - 12 * d * d * L,
+        ),
         ("matrices outside the layers (e.g. a position table)", other),
         ("biases and norm weights (1-D), left out of 12·d²·L", vectors),
     ]

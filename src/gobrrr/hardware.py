@@ -72,8 +72,10 @@ class GpuSpec:
     def peak(self, mode: str) -> float:
         """Dense peak FLOP/s for a math mode; fp32 falls back to the CUDA-core rate."""
         if mode not in self.peak_flops:
-            raise GobrrrError(f"GPU {self.name} has no peak for {mode!r}; "
-                              f"known: {', '.join(sorted(self.peak_flops))}")
+            raise GobrrrError(
+                f"GPU {self.name} has no peak for {mode!r}; "
+                f"known: {', '.join(sorted(self.peak_flops))}"
+            )
         return self.peak_flops[mode]
 
 
@@ -81,29 +83,112 @@ def _spec(name, full, mem_gib, bw_gbs, fp32, tf32, bf16, fp8, sms, **kw) -> GpuS
     peaks = {"fp32": fp32 * TF, "tf32": tf32 * TF, "bf16": bf16 * TF, "fp16": bf16 * TF}
     if fp8:
         peaks["fp8"] = fp8 * TF
-    return GpuSpec(name=name, full_name=full, memory_bytes=int(mem_gib * GiB),
-                   bandwidth=bw_gbs * GB, peak_flops=peaks, sms=sms, **kw)
+    return GpuSpec(
+        name=name,
+        full_name=full,
+        memory_bytes=int(mem_gib * GiB),
+        bandwidth=bw_gbs * GB,
+        peak_flops=peaks,
+        sms=sms,
+        **kw,
+    )
 
 
 _HOPPER_WS = 32 * 1024**2  # cuBLAS workspace default on sm90+: 4096 KiB x 8
 
 BUILTIN_GPUS: tuple[GpuSpec, ...] = (
-    _spec("a100-40gb", "NVIDIA A100-SXM4-40GB", 39.39, 1555, 19.5, 156, 312, None, 108,
-          aliases=("a100-40",)),
-    _spec("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.15, 2039, 19.5, 156, 312, None, 108,
-          aliases=("a100", "a100-80")),
-    _spec("h100-sxm", "NVIDIA H100 80GB HBM3", 79.65, 3350, 66.9, 494.7, 989.4, 1978.9, 132,
-          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS, aliases=("h100", "h100-80gb")),
-    _spec("h100-pcie", "NVIDIA H100 PCIe", 79.65, 2000, 51.2, 378, 756.5, 1513, 114,
-          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS),
-    _spec("h200", "NVIDIA H200", 140.4, 4800, 66.9, 494.7, 989.4, 1978.9, 132,
-          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS, aliases=("h200-sxm",)),
-    _spec("b200", "NVIDIA B200", 178.4, 8000, 75, 1100, 2250, 4500, 148,
-          blas_workspace=_HOPPER_WS, blaslt_workspace=_HOPPER_WS),
+    _spec(
+        "a100-40gb",
+        "NVIDIA A100-SXM4-40GB",
+        39.39,
+        1555,
+        19.5,
+        156,
+        312,
+        None,
+        108,
+        aliases=("a100-40",),
+    ),
+    _spec(
+        "a100-80gb",
+        "NVIDIA A100-SXM4-80GB",
+        79.15,
+        2039,
+        19.5,
+        156,
+        312,
+        None,
+        108,
+        aliases=("a100", "a100-80"),
+    ),
+    _spec(
+        "h100-sxm",
+        "NVIDIA H100 80GB HBM3",
+        79.65,
+        3350,
+        66.9,
+        494.7,
+        989.4,
+        1978.9,
+        132,
+        blas_workspace=_HOPPER_WS,
+        blaslt_workspace=_HOPPER_WS,
+        aliases=("h100", "h100-80gb"),
+    ),
+    _spec(
+        "h100-pcie",
+        "NVIDIA H100 PCIe",
+        79.65,
+        2000,
+        51.2,
+        378,
+        756.5,
+        1513,
+        114,
+        blas_workspace=_HOPPER_WS,
+        blaslt_workspace=_HOPPER_WS,
+    ),
+    _spec(
+        "h200",
+        "NVIDIA H200",
+        140.4,
+        4800,
+        66.9,
+        494.7,
+        989.4,
+        1978.9,
+        132,
+        blas_workspace=_HOPPER_WS,
+        blaslt_workspace=_HOPPER_WS,
+        aliases=("h200-sxm",),
+    ),
+    _spec(
+        "b200",
+        "NVIDIA B200",
+        178.4,
+        8000,
+        75,
+        1100,
+        2250,
+        4500,
+        148,
+        blas_workspace=_HOPPER_WS,
+        blaslt_workspace=_HOPPER_WS,
+    ),
     _spec("l4", "NVIDIA L4", 22.5, 300, 30.3, 60, 121, 242, 58),
     _spec("l40s", "NVIDIA L40S", 44.5, 864, 91.6, 183, 362, 733, 142),
-    _spec("rtx4090", "NVIDIA GeForce RTX 4090", 23.6, 1008, 82.6, 82.6, 165.2, 330.3, 128,
-          aliases=("4090", "rtx-4090")),
+    _spec(
+        "rtx4090",
+        "NVIDIA GeForce RTX 4090",
+        23.6,
+        1008,
+        82.6,
+        82.6,
+        165.2,
+        330.3,
+        128,
+        aliases=("4090", "rtx-4090"),
+    ),
 )
 
 
@@ -125,15 +210,20 @@ def get_gpu(name: str) -> GpuSpec:
         return g
     names = ", ".join(gpu_names())
     if Path(name).is_dir():
-        raise GobrrrError(f"GPU spec {name} is a directory",
-                          hint="give a .toml or .json GPU spec file, or a built-in GPU name")
+        raise GobrrrError(
+            f"GPU spec {name} is a directory",
+            hint="give a .toml or .json GPU spec file, or a built-in GPU name",
+        )
     if Path(name).exists():
-        raise GobrrrError(f"GPU spec file {name} must end in .toml or .json",
-                          hint=f"rename it, or choose a built-in GPU: {names}")
+        raise GobrrrError(
+            f"GPU spec file {name} must end in .toml or .json",
+            hint=f"rename it, or choose a built-in GPU: {names}",
+        )
     known = [*gpu_names(), *(a for g in BUILTIN_GPUS for a in g.aliases)]
-    raise GobrrrError(f"unknown GPU {name!r}{did_you_mean(name, known)}",
-                      hint=f"choose one of {names} (`gobrrr gpus` lists them), "
-                      "or give a .toml/.json spec file")
+    raise GobrrrError(
+        f"unknown GPU {name!r}{did_you_mean(name, known)}",
+        hint=f"choose one of {names} (`gobrrr gpus` lists them), or give a .toml/.json spec file",
+    )
 
 
 def match_device_name(device_name: str) -> GpuSpec | None:
@@ -163,9 +253,12 @@ def load_gpu_file(path: str | Path) -> GpuSpec:
     if "fp8_tflops" in data:
         peaks["fp8"] = data["fp8_tflops"] * TF
     return GpuSpec(
-        name=data["name"], full_name=data.get("full_name", data["name"]),
-        memory_bytes=int(data["memory_gb"] * GB), bandwidth=data["bandwidth_gbs"] * GB,
-        peak_flops=peaks, sms=data.get("sms", 100),
+        name=data["name"],
+        full_name=data.get("full_name", data["name"]),
+        memory_bytes=int(data["memory_gb"] * GB),
+        bandwidth=data["bandwidth_gbs"] * GB,
+        peak_flops=peaks,
+        sms=data.get("sms", 100),
         launch_overhead=data.get("launch_overhead_us", 10.0) * 1e-6,
     )
 
@@ -195,11 +288,13 @@ SPEC_KEYS: tuple[SpecKey, ...] = (
     SpecKey("fp32_tflops", "number", False, "fp32 CUDA-core peak in TFLOP/s, default bf16/15"),
     SpecKey("fp8_tflops", "number", False, "dense fp8 peak in TFLOP/s"),
     SpecKey("sms", "count", False, "number of streaming multiprocessors, default 100"),
-    SpecKey("launch_overhead_us", "number", False,
-            "host time per kernel launch in µs, default 10"),
+    SpecKey("launch_overhead_us", "number", False, "host time per kernel launch in µs, default 10"),
 )
-_FORMS = {"text": "a quoted string, e.g. \"mygpu\"", "number": "a finite number > 0, e.g. 80",
-          "count": "a whole number > 0, e.g. 132"}
+_FORMS = {
+    "text": 'a quoted string, e.g. "mygpu"',
+    "number": "a finite number > 0, e.g. 80",
+    "count": "a whole number > 0, e.g. 132",
+}
 
 
 def read_spec_file(path: str | Path) -> dict[str, Any]:
@@ -211,35 +306,46 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     keys = {k.key: k for k in SPEC_KEYS}
     for k in data:
         if k not in keys:
-            raise GobrrrError(f"GPU spec file {path}: unknown key {k!r}{did_you_mean(k, keys)}",
-                              hint=f"the keys are {', '.join(keys)}")
+            raise GobrrrError(
+                f"GPU spec file {path}: unknown key {k!r}{did_you_mean(k, keys)}",
+                hint=f"the keys are {', '.join(keys)}",
+            )
     missing = [k.key for k in SPEC_KEYS if k.required and k.key not in data]
     if missing:
-        raise GobrrrError(f"GPU spec file {path} lacks {', '.join(missing)}",
-                          hint="add " + "; ".join(f"{k}, the {keys[k].doc}" for k in missing))
+        raise GobrrrError(
+            f"GPU spec file {path} lacks {', '.join(missing)}",
+            hint="add " + "; ".join(f"{k}, the {keys[k].doc}" for k in missing),
+        )
     return {k: _spec_value(path, keys[k], v) for k, v in data.items()}
 
 
 def _parse_spec(p: Path) -> dict[str, Any]:
     if p.is_dir():
-        raise GobrrrError(f"GPU spec file {p} is a directory",
-                          hint="give the path of the .toml or .json file itself")
+        raise GobrrrError(
+            f"GPU spec file {p} is a directory",
+            hint="give the path of the .toml or .json file itself",
+        )
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise GobrrrError(f"cannot read GPU spec file {p}: {e.strerror}",
-                          hint="check the path (a .toml or .json file)") from None
+        raise GobrrrError(
+            f"cannot read GPU spec file {p}: {e.strerror}",
+            hint="check the path (a .toml or .json file)",
+        ) from None
     kind = "TOML" if p.suffix.lower() == ".toml" else "JSON"
     try:
         text = raw.decode()
         data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
-        raise GobrrrError(f"GPU spec file {p} is not valid {kind} ({e})",
-                          hint=f"write it as {kind} with keys name, memory_gb, bandwidth_gbs, "
-                          "bf16_tflops") from None
+        raise GobrrrError(
+            f"GPU spec file {p} is not valid {kind} ({e})",
+            hint=f"write it as {kind} with keys name, memory_gb, bandwidth_gbs, bf16_tflops",
+        ) from None
     if not isinstance(data, dict):
-        raise GobrrrError(f"GPU spec file {p} holds a {type(data).__name__}, not a table of "
-                          "keys", hint='write {"name": "mygpu", "memory_gb": 80, ...}')
+        raise GobrrrError(
+            f"GPU spec file {p} holds a {type(data).__name__}, not a table of keys",
+            hint='write {"name": "mygpu", "memory_gb": 80, ...}',
+        )
     return data
 
 
@@ -253,8 +359,10 @@ def _spec_value(path: str | Path, spec: SpecKey, v: Any) -> Any:
             return v
         raise GobrrrError(bad, hint=form)
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise GobrrrError(f"{bad}, a {type(v).__name__}, not a number",
-                          hint=form.replace(", e.g.", " without quotes or units, e.g.", 1))
+        raise GobrrrError(
+            f"{bad}, a {type(v).__name__}, not a number",
+            hint=form.replace(", e.g.", " without quotes or units, e.g.", 1),
+        )
     if not math.isfinite(v) or v <= 0:
         raise GobrrrError(bad, hint=form)
     if spec.type == "count" and v != int(v):
@@ -402,28 +510,39 @@ class Calibration:
         file, the field and the fix."""
         data = _read_calibration(Path(path))
         if data.get("version") != CALIBRATION_VERSION:
-            raise GobrrrError(f"calibration {path} has version {data.get('version')!r}, "
-                              f"expected {CALIBRATION_VERSION}", hint=_RECALIBRATE)
+            raise GobrrrError(
+                f"calibration {path} has version {data.get('version')!r}, "
+                f"expected {CALIBRATION_VERSION}",
+                hint=_RECALIBRATE,
+            )
         hints = _calibration_fields()
         known = {k: v for k, v in data.items() if k in hints and k != "unknown_sections"}
         unknown = {k: v for k, v in data.items() if k not in known}
         if unknown:
-            log.debug("calibration %s: keeping sections this gobrrr does not read: %s",
-                      path, ", ".join(unknown))
-        missing = [f.name for f in fields(Calibration) if f.name not in known
-                   and f.default is MISSING and f.default_factory is MISSING]
+            log.debug(
+                "calibration %s: keeping sections this gobrrr does not read: %s",
+                path,
+                ", ".join(unknown),
+            )
+        missing = [
+            f.name
+            for f in fields(Calibration)
+            if f.name not in known and f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing:
-            raise GobrrrError(f"calibration {path} lacks {', '.join(missing)}",
-                              hint=_RECALIBRATE)
+            raise GobrrrError(f"calibration {path} lacks {', '.join(missing)}", hint=_RECALIBRATE)
         for k, v in known.items():
             if not _is_a(v, hints[k]):
-                raise GobrrrError(f"calibration {path}: {k} is {_brief(v)}, not "
-                                  f"{_type_name(hints[k])}", hint=_RECALIBRATE)
+                raise GobrrrError(
+                    f"calibration {path}: {k} is {_brief(v)}, not {_type_name(hints[k])}",
+                    hint=_RECALIBRATE,
+                )
         return Calibration(**known, unknown_sections=unknown)
 
 
-_RECALIBRATE = ("run `gobrrr calibrate` on that GPU again, or restore the file (delete it to "
-                "use the datasheet)")
+_RECALIBRATE = (
+    "run `gobrrr calibrate` on that GPU again, or restore the file (delete it to use the datasheet)"
+)
 
 
 def _read_calibration(p: Path) -> dict[str, Any]:
@@ -436,11 +555,13 @@ def _read_calibration(p: Path) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError as e:
-        raise GobrrrError(f"calibration {p} is not valid JSON (truncated or damaged: {e})",
-                          hint=_RECALIBRATE) from None
+        raise GobrrrError(
+            f"calibration {p} is not valid JSON (truncated or damaged: {e})", hint=_RECALIBRATE
+        ) from None
     if not isinstance(data, dict):
-        raise GobrrrError(f"calibration {p} holds a {type(data).__name__}, not a JSON object",
-                          hint=_RECALIBRATE)
+        raise GobrrrError(
+            f"calibration {p} holds a {type(data).__name__}, not a JSON object", hint=_RECALIBRATE
+        )
     return data
 
 
@@ -458,8 +579,9 @@ def _is_a(v: Any, hint: Any) -> bool:
     if origin in (types.UnionType, typing.Union):
         return any(_is_a(v, a) for a in args)
     if origin is dict:
-        return isinstance(v, dict) and all(isinstance(k, str) and _is_a(x, args[1])
-                                           for k, x in v.items())
+        return isinstance(v, dict) and all(
+            isinstance(k, str) and _is_a(x, args[1]) for k, x in v.items()
+        )
     if origin is list:
         return isinstance(v, list) and all(_is_a(x, args[0]) for x in v)
     if hint is type(None):
@@ -505,8 +627,9 @@ class Target:
     cal: Calibration | None
 
     @staticmethod
-    def resolve(gpu: str | GpuSpec | Target = "h100",
-                calibration: Calibration | None | bool = True) -> Target:
+    def resolve(
+        gpu: str | GpuSpec | Target = "h100", calibration: Calibration | None | bool = True
+    ) -> Target:
         """The one place a GPU and its calibration are resolved.
 
         gpu: a built-in name or alias, a .toml/.json spec file, a CUDA device name as

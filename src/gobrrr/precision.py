@@ -1,8 +1,8 @@
 """The training precisions gobrrr knows, and what each means: parsed once into a `Precision`.
 
-    p = Precision.parse("bf16-mixed")
-    p.autocast_dtype  # torch.bfloat16: forward and loss under autocast
-    p.peak_mode       # "bf16": the GPU's dense peak its matmuls run at
+p = Precision.parse("bf16-mixed")
+p.autocast_dtype  # torch.bfloat16: forward and loss under autocast
+p.peak_mode       # "bf16": the GPU's dense peak its matmuls run at
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ from gobrrr.errors import GobrrrError
 # weights. bf16: weights, gradients and optimizer states in bf16.
 PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed", "bf16")
 
-_PEAK_MODE = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16",
-              "bf16": "bf16"}
+_PEAK_MODE = {
+    "fp32": "fp32",
+    "tf32": "tf32",
+    "bf16-mixed": "bf16",
+    "fp16-mixed": "fp16",
+    "bf16": "bf16",
+}
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 

@@ -71,13 +71,15 @@ class Workload:
             raise GobrrrError(
                 f"Workload(optimizer={_short(self.optimizer)}) raised {type(e).__name__}: {e}",
                 hint="it is called as optimizer(params) with the model's trainable parameters: "
-                "check the arguments it gives the optimizer") from e
+                "check the arguments it gives the optimizer",
+            ) from e
         if not isinstance(opt, torch.optim.Optimizer):
             raise GobrrrError(
                 f"Workload(optimizer=...) returned {type(opt).__name__}, not a "
                 "torch.optim.Optimizer",
                 hint="the factory must return the optimizer it builds, e.g. "
-                "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
+                "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)",
+            )
         return opt
 
     def run_model(self, batch: Batch) -> Any:
@@ -170,25 +172,38 @@ def _check_fields(w: Workload) -> None:
     _check_model(w.model)
     _check_batch(w.batch)
     if w.loss is not None and w.step is not None:
-        raise GobrrrError("Workload has both loss= and step=",
-                          hint="give one: step(model, batch) -> loss computes the loss itself")
-    for name, fn, form in (("loss", w.loss, "a function loss(output, batch) -> scalar tensor, "
-                            "or None when the model returns its loss"),
-                           ("step", w.step, "a function step(model, batch) -> scalar loss")):
+        raise GobrrrError(
+            "Workload has both loss= and step=",
+            hint="give one: step(model, batch) -> loss computes the loss itself",
+        )
+    for name, fn, form in (
+        (
+            "loss",
+            w.loss,
+            "a function loss(output, batch) -> scalar tensor, "
+            "or None when the model returns its loss",
+        ),
+        ("step", w.step, "a function step(model, batch) -> scalar loss"),
+    ):
         if fn is not None and not callable(fn):
-            raise GobrrrError(f"Workload({name}={fn!r}) is a {type(fn).__name__}",
-                              hint=f"give {form}")
+            raise GobrrrError(
+                f"Workload({name}={fn!r}) is a {type(fn).__name__}", hint=f"give {form}"
+            )
     _check_optimizer(w.optimizer)
     for name in ("tokens", "seq_len", "max_seq_len"):
         v = getattr(w, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise GobrrrError(f"Workload({name}={v!r}) is not a positive whole number",
-                              hint=f"give {name} as an int > 0, or None")
+            raise GobrrrError(
+                f"Workload({name}={v!r}) is not a positive whole number",
+                hint=f"give {name} as an int > 0, or None",
+            )
     if not isinstance(w.name, str) or not w.name:
         raise GobrrrError(f"Workload(name={w.name!r}) is not a name", hint="give a short string")
     if not isinstance(w.info, dict):
-        raise GobrrrError(f"Workload(info=...) is a {type(w.info).__name__}",
-                          hint="give a dict (e.g. info=dict(layers=12, hidden=768)) or leave it")
+        raise GobrrrError(
+            f"Workload(info=...) is a {type(w.info).__name__}",
+            hint="give a dict (e.g. info=dict(layers=12, hidden=768)) or leave it",
+        )
 
 
 def _check_model(model: Any) -> None:
@@ -197,32 +212,50 @@ def _check_model(model: Any) -> None:
             raise GobrrrError(
                 f"Workload(model=...): the {type(model).__name__} has no trainable parameters "
                 "(none with requires_grad=True)",
-                hint="gobrrr traces a training step: give a model with parameters to train")
+                hint="gobrrr traces a training step: give a model with parameters to train",
+            )
         return
     if isinstance(model, type) and issubclass(model, nn.Module):
-        raise GobrrrError(f"Workload(model={model.__name__}) is the class, not a model",
-                          hint=f"give an instance: model={model.__name__}(...)")
-    what = "None" if model is None else "a function" if callable(model) else \
-        f"a {type(model).__name__}"
-    raise GobrrrError(f"Workload(model={_short(model)}) is {what}, not an nn.Module",
-                      hint="give the torch.nn.Module to train, e.g. model=MyModel()" + (
-                          " (a function has no parameters to train: wrap it in an nn.Module)"
-                          if callable(model) else ""))
+        raise GobrrrError(
+            f"Workload(model={model.__name__}) is the class, not a model",
+            hint=f"give an instance: model={model.__name__}(...)",
+        )
+    what = (
+        "None"
+        if model is None
+        else "a function"
+        if callable(model)
+        else f"a {type(model).__name__}"
+    )
+    raise GobrrrError(
+        f"Workload(model={_short(model)}) is {what}, not an nn.Module",
+        hint="give the torch.nn.Module to train, e.g. model=MyModel()"
+        + (
+            " (a function has no parameters to train: wrap it in an nn.Module)"
+            if callable(model)
+            else ""
+        ),
+    )
 
 
 def _check_batch(batch: Any) -> None:
     if batch is None:
-        raise GobrrrError("Workload(batch=None) holds no inputs",
-                          hint="give the model's inputs: a tensor, a tuple/list or a dict of "
-                          "tensors, e.g. batch=(x, y)")
+        raise GobrrrError(
+            "Workload(batch=None) holds no inputs",
+            hint="give the model's inputs: a tensor, a tuple/list or a dict of "
+            "tensors, e.g. batch=(x, y)",
+        )
     for where, v in _leaves(batch, "batch"):
         if type(v).__module__ == "numpy":
-            raise GobrrrError(f"Workload(batch=...): {where} is a numpy {type(v).__name__}",
-                              hint=f"make it a tensor: torch.from_numpy({where})")
+            raise GobrrrError(
+                f"Workload(batch=...): {where} is a numpy {type(v).__name__}",
+                hint=f"make it a tensor: torch.from_numpy({where})",
+            )
     if next(iter_tensors(batch), None) is None:
-        raise GobrrrError(f"Workload(batch={_short(batch)}) holds no tensor",
-                          hint="give the model's inputs as tensors: a tensor, a tuple/list or a "
-                          "dict of tensors")
+        raise GobrrrError(
+            f"Workload(batch={_short(batch)}) holds no tensor",
+            hint="give the model's inputs as tensors: a tensor, a tuple/list or a dict of tensors",
+        )
 
 
 def _check_optimizer(opt: Any) -> None:
@@ -234,14 +267,18 @@ def _check_optimizer(opt: Any) -> None:
             f"Workload(optimizer=...) is an instance of {cls}, already built on the model's "
             "parameters",
             hint=f"give a factory that builds one from the parameters it is handed: "
-            f"optimizer=lambda params: torch.optim.{cls}(params, lr={lr})")
+            f"optimizer=lambda params: torch.optim.{cls}(params, lr={lr})",
+        )
     if not callable(opt):
-        raise GobrrrError(f"Workload(optimizer={opt!r}) is a {type(opt).__name__}, not a "
-                          "factory", hint=f"give a function params -> optimizer, e.g. {_FACTORY}")
+        raise GobrrrError(
+            f"Workload(optimizer={opt!r}) is a {type(opt).__name__}, not a factory",
+            hint=f"give a function params -> optimizer, e.g. {_FACTORY}",
+        )
     if not _binds(opt, ([],)):
-        raise GobrrrError(f"Workload(optimizer={_short(opt)}) cannot be called as "
-                          "optimizer(params)", hint=f"take the parameters as the one argument, "
-                          f"e.g. {_FACTORY}")
+        raise GobrrrError(
+            f"Workload(optimizer={_short(opt)}) cannot be called as optimizer(params)",
+            hint=f"take the parameters as the one argument, e.g. {_FACTORY}",
+        )
 
 
 def _check_calls(w: Workload) -> None:
@@ -249,24 +286,32 @@ def _check_calls(w: Workload) -> None:
     arguments (checked on the signatures, before anything runs)."""
     if w.step is not None:
         if not _binds(w.step, (w.model, w.batch)):
-            raise GobrrrError(f"Workload(step={_short(w.step)}) cannot be called as "
-                              "step(model, batch)", hint="take two arguments: "
-                              "step=lambda model, batch: F.cross_entropy(model(batch[0]), "
-                              "batch[1])")
+            raise GobrrrError(
+                f"Workload(step={_short(w.step)}) cannot be called as step(model, batch)",
+                hint="take two arguments: "
+                "step=lambda model, batch: F.cross_entropy(model(batch[0]), "
+                "batch[1])",
+            )
         return
     if w.loss is not None and not _binds(w.loss, (None, w.batch)):
-        raise GobrrrError(f"Workload(loss={_short(w.loss)}) cannot be called as "
-                          "loss(output, batch)", hint="take two arguments, e.g. loss=lambda "
-                          "out, batch: F.cross_entropy(out, batch[1]), or use step=")
+        raise GobrrrError(
+            f"Workload(loss={_short(w.loss)}) cannot be called as loss(output, batch)",
+            hint="take two arguments, e.g. loss=lambda "
+            "out, batch: F.cross_entropy(out, batch[1]), or use step=",
+        )
     args, kwargs = _model_args(w.batch)
     if not _binds(w.model.forward, args, kwargs):
-        how = (f"model(**batch) with keys {', '.join(map(str, kwargs))}" if kwargs else
-               f"model(*batch) with {len(args)} argument{'s' * (len(args) != 1)}")
+        how = (
+            f"model(**batch) with keys {', '.join(map(str, kwargs))}"
+            if kwargs
+            else f"model(*batch) with {len(args)} argument{'s' * (len(args) != 1)}"
+        )
         raise GobrrrError(
             f"Workload(batch=...) is passed as {how}, but "
             f"{type(w.model).__name__}.forward{_signature(w.model.forward)} does not take that",
             hint="give only the model's inputs as batch (a tuple is unpacked, a dict passed as "
-            "keywords), or write step=lambda model, batch: loss for inputs and labels")
+            "keywords), or write step=lambda model, batch: loss for inputs and labels",
+        )
 
 
 def _model_args(batch: Any) -> tuple[tuple, dict]:
@@ -308,7 +353,8 @@ def _call_loss(loss_fn: Callable, out: Any, batch: Batch) -> torch.Tensor:
         raise GobrrrError(
             f"Workload(loss={_short(loss_fn)}) raised TypeError: {e}",
             hint="it is called as loss(output, batch) with the whole batch: take the target "
-            "out of it (e.g. loss=lambda out, batch: F.cross_entropy(out, batch[1]))") from e
+            "out of it (e.g. loss=lambda out, batch: F.cross_entropy(out, batch[1]))",
+        ) from e
     return _check_loss(loss, "Workload(loss=...) returned", loss)
 
 
@@ -317,19 +363,28 @@ def _check_loss(loss: Any, what: str, out: Any) -> torch.Tensor:
     terms."""
     if not isinstance(loss, torch.Tensor):
         if getattr(out, "loss", False) is None or (isinstance(out, dict) and "loss" in out):
-            raise GobrrrError(f"{what} {type(out).__name__} with loss=None",
-                              hint="pass the labels in the batch (e.g. batch={'input_ids': ids, "
-                              "'labels': ids}) or give Workload(loss=...)")
-        raise GobrrrError(f"{what} {_short(out)} ({type(out).__name__}), not a loss tensor",
-                          hint="return the loss as a scalar tensor computed from the model's "
-                          "output, or give Workload(loss=fn), fn(output, batch) -> scalar tensor")
+            raise GobrrrError(
+                f"{what} {type(out).__name__} with loss=None",
+                hint="pass the labels in the batch (e.g. batch={'input_ids': ids, "
+                "'labels': ids}) or give Workload(loss=...)",
+            )
+        raise GobrrrError(
+            f"{what} {_short(out)} ({type(out).__name__}), not a loss tensor",
+            hint="return the loss as a scalar tensor computed from the model's "
+            "output, or give Workload(loss=fn), fn(output, batch) -> scalar tensor",
+        )
     if loss.numel() != 1:
-        raise GobrrrError(f"{what} a loss of shape {tuple(loss.shape)}, not a scalar",
-                          hint="reduce it (e.g. .mean()) or give Workload(loss=...)")
+        raise GobrrrError(
+            f"{what} a loss of shape {tuple(loss.shape)}, not a scalar",
+            hint="reduce it (e.g. .mean()) or give Workload(loss=...)",
+        )
     if torch.is_grad_enabled() and not loss.requires_grad:
-        raise GobrrrError(f"{what} a loss that does not depend on the model's parameters "
-                          "(requires_grad is False)", hint="compute it from the model's output, "
-                          "without .detach(), .item(), torch.no_grad() or torch.tensor(...)")
+        raise GobrrrError(
+            f"{what} a loss that does not depend on the model's parameters "
+            "(requires_grad is False)",
+            hint="compute it from the model's output, "
+            "without .detach(), .item(), torch.no_grad() or torch.tensor(...)",
+        )
     return loss
 
 

@@ -16,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 if importlib.util.find_spec("triton") is None:
     collect_ignore_glob = ["test_*.py"]
 
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:
     """Max abs error, relative to the reference's max magnitude, within `tol`; shapes equal."""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"

@@ -17,8 +17,9 @@ from gobrrr.plan.knobs import Knobs  # noqa: E402
 def test_fused_loss_kernel_is_the_same_step(name):
     step = apply(make(name), Knobs(micro_batch=2, accumulation=2, fused_loss=True), "fp32")
     grads = {}
-    step.optimizer.register_step_pre_hook(lambda o, a, k: grads.update(
-        {n: p.grad.clone() for n, p in step.model.named_parameters()}))
+    step.optimizer.register_step_pre_hook(
+        lambda o, a, k: grads.update({n: p.grad.clone() for n, p in step.model.named_parameters()})
+    )
     with Ops() as rec:
         loss = step()
     assert any("gobrrr.linear_cross_entropy" in op for op, _ in rec.ops)

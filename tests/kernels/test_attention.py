@@ -54,15 +54,17 @@ def check_against_reference(q, k, v, causal, scale=None, dq_mode=None):
     else:
         scale_ = scale or 1.0 / math.sqrt(d)
         out, lse = torch.ops.gobrrr.attention_fwd(q, k, v, causal, scale_)
-        grads = _attention_bwd.attention_backward(dout, q.detach(), k.detach(), v.detach(), out,
-                                                  lse, causal, scale_, dq_mode=dq_mode)
+        grads = _attention_bwd.attention_backward(
+            dout, q.detach(), k.detach(), v.detach(), out, lse, causal, scale_, dq_mode=dq_mode
+        )
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref, _ = reference(q32, k32, v32, causal, scale or 1.0 / math.sqrt(d))
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
     tol = TOL[q.dtype]
     assert out.dtype == q.dtype and out.shape == q.shape
-    for name, got, want in zip("out dq dk dv".split(), (out, *grads), (ref, *ref_grads),
-                               strict=True):
+    for name, got, want in zip(
+        "out dq dk dv".split(), (out, *grads), (ref, *ref_grads), strict=True
+    ):
         assert got.shape == want.shape, name
         err = (got.float() - want).abs().max().item()
         assert torch.allclose(got.float(), want, atol=tol, rtol=tol), f"{name}: max err {err:.3g}"
@@ -82,8 +84,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}kv{}S{}x{}D{}{}".format(
-    *c[:6], "c" if c[6] else ""))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "B{}H{}kv{}S{}x{}D{}{}".format(*c[:6], "c" if c[6] else "")
+)
 def test_matches_reference(case, dtype):
     b, h, hkv, s_q, s_k, d, causal = case
     q, k, v = make((b, h, s_q, d), (b, hkv, s_k, d), dtype)
@@ -126,11 +129,13 @@ def test_other_block_shapes():
         ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout)
         for bm, bn in ((16, 32), (32, 16), (16, 16)):
             out, lse = _attention_fwd.attention_forward(q, k, v, causal, scale, cfg(bm, bn, 4, 1))
-            dq, delta = _attention_bwd.bwd_dq(dout, q, k, v, out, lse, causal, scale,
-                                              config=cfg(bm, bn, 4, 1))
+            dq, delta = _attention_bwd.bwd_dq(
+                dout, q, k, v, out, lse, causal, scale, config=cfg(bm, bn, 4, 1)
+            )
             torch.testing.assert_close(delta, (dout * out).sum(-1), atol=1e-5, rtol=1e-5)
-            dk, dv = _attention_bwd.bwd_dkdv(dout, q, k, v, lse, delta, causal, scale,
-                                             config=cfg(bm, bn, 4, 1))
+            dk, dv = _attention_bwd.bwd_dkdv(
+                dout, q, k, v, lse, delta, causal, scale, config=cfg(bm, bn, 4, 1)
+            )
             for got, want in zip((out, dq, dk, dv), (ref, *ref_grads), strict=True):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -145,18 +150,21 @@ def _bad(shape_q=(1, 2, 8, 16), shape_kv=(1, 2, 8, 16), dtype=torch.float16, **o
     return dict(dict(q=q, k=k, v=v), **over)
 
 
-@pytest.mark.parametrize("args,match", [
-    (_bad(shape_q=(2, 8, 16)), "must be 4-D"),
-    (_bad(dtype=torch.int32), "dtype is torch.int32"),
-    (_bad(v=torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)), "dtypes must match"),
-    (_bad(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16, device="meta")), "one device"),
-    (_bad(shape_q=(1, 2, 8, 160), shape_kv=(1, 2, 8, 160)), "D=160"),
-    (_bad(shape_q=(1, 3, 8, 16)), "multiple of key/value heads"),
-    (_bad(shape_kv=(1, 2, 9, 16), causal=True), "S_q=8, S_k=9"),
-    (_bad(v=torch.zeros(1, 2, 9, 16, dtype=torch.float16)), "k and v shapes"),
-    (_bad(shape_kv=(2, 2, 8, 16)), "batch and head_dim"),
-    (_bad(scale=-1.0), "scale=-1.0"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (_bad(shape_q=(2, 8, 16)), "must be 4-D"),
+        (_bad(dtype=torch.int32), "dtype is torch.int32"),
+        (_bad(v=torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)), "dtypes must match"),
+        (_bad(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16, device="meta")), "one device"),
+        (_bad(shape_q=(1, 2, 8, 160), shape_kv=(1, 2, 8, 160)), "D=160"),
+        (_bad(shape_q=(1, 3, 8, 16)), "multiple of key/value heads"),
+        (_bad(shape_kv=(1, 2, 9, 16), causal=True), "S_q=8, S_k=9"),
+        (_bad(v=torch.zeros(1, 2, 9, 16, dtype=torch.float16)), "k and v shapes"),
+        (_bad(shape_kv=(2, 2, 8, 16)), "batch and head_dim"),
+        (_bad(scale=-1.0), "scale=-1.0"),
+    ],
+)
 def test_input_validation(args, match):
     with pytest.raises(GobrrrError, match=match):
         attention(**args)

@@ -49,7 +49,7 @@ def make_inputs(lead, d, v, ignore, bias, contiguous, dtype):
         w = (torch.randn(d, v) / d**0.5).T
     t = torch.randint(0, v, lead)
     if ignore:
-        t.view(-1)[:: 3] = -100
+        t.view(-1)[::3] = -100
     b = 0.5 * torch.randn(v) if bias else None
     cast = lambda x: None if x is None else x.to(dtype)
     return cast(h), cast(w), t, cast(b)
@@ -62,14 +62,19 @@ def test_against_reference(close, dtype, case):
     torch.manual_seed(0)
     inputs = make_inputs(lead, d, v, ignore, bias, contiguous, dtype)
     assert contiguous or not inputs[0].is_contiguous()
-    leaves = [x.detach().clone().requires_grad_() if x is not None and x.is_floating_point() else x
-              for x in inputs]
+    leaves = [
+        x.detach().clone().requires_grad_() if x is not None and x.is_floating_point() else x
+        for x in inputs
+    ]
     h, w, t, b = leaves
-    loss = linear_cross_entropy(h, w, t, b, reduction=reduction, label_smoothing=smoothing,
-                                chunk_size=chunk)
+    loss = linear_cross_entropy(
+        h, w, t, b, reduction=reduction, label_smoothing=smoothing, chunk_size=chunk
+    )
     (2.5 * loss).backward()  # grad_output != 1 checks the backward's scaling
-    refs = [x.detach().float().requires_grad_() if x is not None and x.is_floating_point() else x
-            for x in inputs]
+    refs = [
+        x.detach().float().requires_grad_() if x is not None and x.is_floating_point() else x
+        for x in inputs
+    ]
     rh, rw, rt, rb = refs
     ref = ref_loss(rh, rw, rt, rb, -100, reduction, smoothing)
     (2.5 * ref).backward()
@@ -175,8 +180,11 @@ def test_backward_allocates_no_zero_gradients(recorder):
     loss = linear_cross_entropy(h, w, torch.randint(0, 50, (6,)))
     with recorder() as rec:
         loss.backward()
-    allocs = [name for name, shapes in rec.ops if (50, 16) in shapes and "mul_" not in name
-              and "detach" not in name]
+    allocs = [
+        name
+        for name, shapes in rec.ops
+        if (50, 16) in shapes and "mul_" not in name and "detach" not in name
+    ]
     assert allocs == [], allocs
 
 

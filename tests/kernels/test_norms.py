@@ -62,8 +62,9 @@ def test_rms_norm(close, dtype, shape, contiguous):
     if len(shape) > 2 and not contiguous:
         shape = x.shape
     w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
-    run_case(close, lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref_rms(a, b, 1e-6), [x, w],
-             dtype)
+    run_case(
+        close, lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: ref_rms(a, b, 1e-6), [x, w], dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", TOLS)
@@ -75,19 +76,34 @@ def test_layer_norm(close, dtype, shape, bias):
     w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
     if bias:
         b = (0.1 * torch.randn(shape[-1])).to(dtype)
-        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
-                 [x, w, b], dtype)
+        run_case(
+            close,
+            lambda a, c, d: layer_norm(a, c, d),
+            lambda a, c, d: ref_ln(a, c, d, 1e-5),
+            [x, w, b],
+            dtype,
+        )
     else:
-        run_case(close, lambda a, c: layer_norm(a, c), lambda a, c: ref_ln(a, c, None, 1e-5),
-                 [x, w], dtype)
+        run_case(
+            close,
+            lambda a, c: layer_norm(a, c),
+            lambda a, c: ref_ln(a, c, None, 1e-5),
+            [x, w],
+            dtype,
+        )
 
 
 def test_layer_norm_non_contiguous(close):
     torch.manual_seed(2)
     x = make_x((5, 123, 80), torch.float32, contiguous=False)
     w, b = torch.randn(80), torch.randn(80)
-    run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
-             [x, w, b], torch.float32)
+    run_case(
+        close,
+        lambda a, c, d: layer_norm(a, c, d),
+        lambda a, c, d: ref_ln(a, c, d, 1e-5),
+        [x, w, b],
+        torch.float32,
+    )
 
 
 def test_fp32_weight_bf16_input(close):
@@ -160,11 +176,21 @@ def _check_fp32(close, norm, x, w, b):
     """Outputs and gradients of rms_norm(x, w) or layer_norm(x, w, b) against the fp32
     references."""
     if norm == "rms":
-        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
-                 torch.float32)
+        run_case(
+            close,
+            lambda a, c: rms_norm(a, c),
+            lambda a, c: ref_rms(a, c, 1e-6),
+            [x, w],
+            torch.float32,
+        )
     else:
-        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
-                 [x, w, b], torch.float32)
+        run_case(
+            close,
+            lambda a, c, d: layer_norm(a, c, d),
+            lambda a, c, d: ref_ln(a, c, d, 1e-5),
+            [x, w, b],
+            torch.float32,
+        )
 
 
 @pytest.mark.parametrize("reload", [0, 1])
@@ -196,11 +222,17 @@ def test_backward_held16(close, monkeypatch, dtype, shape, norm):
     x = (1 + torch.randn(shape)).to(dtype)
     w, b = (1 + 0.1 * torch.randn(shape[-1])).to(dtype), torch.randn(shape[-1]).to(dtype)
     if norm == "rms":
-        run_case(close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w],
-                 dtype)
+        run_case(
+            close, lambda a, c: rms_norm(a, c), lambda a, c: ref_rms(a, c, 1e-6), [x, w], dtype
+        )
     else:
-        run_case(close, lambda a, c, d: layer_norm(a, c, d), lambda a, c, d: ref_ln(a, c, d, 1e-5),
-                 [x, w, b], dtype)
+        run_case(
+            close,
+            lambda a, c, d: layer_norm(a, c, d),
+            lambda a, c, d: ref_ln(a, c, d, 1e-5),
+            [x, w, b],
+            dtype,
+        )
 
 
 def test_backward_launch_plan(monkeypatch):
@@ -232,4 +264,3 @@ def test_op_path_matches_direct(recorder, norm):
     assert f"gobrrr::{kind}_fwd" in names and f"gobrrr::{kind}_bwd" in names
     for a, e in zip([direct_out[0], *direct_out[1]], [op_out[0], *op_out[1]], strict=True):
         assert (a is None and e is None) or torch.equal(a, e)
-

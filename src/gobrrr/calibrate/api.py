@@ -38,12 +38,20 @@ from gobrrr.profile.timing import sync
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 GPU_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 CPU_SIZES = (64, 128, 256)
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
-                "fp32": torch.float32}
+_TORCH_DTYPE = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "tf32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
-def calibrate(device: str = "cuda", save: bool | str | Path = True,
-              sizes: tuple[int, ...] | None = None, stream_bytes: int | None = None) -> Calibration:
+def calibrate(
+    device: str = "cuda",
+    save: bool | str | Path = True,
+    sizes: tuple[int, ...] | None = None,
+    stream_bytes: int | None = None,
+) -> Calibration:
     """Measure `device` and return (and by default save) its Calibration.
 
     save: True writes `~/.cache/gobrrr/calibration/<gpu>.json` (GOBRRR_HOME overrides the
@@ -53,8 +61,10 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
     """
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        raise GobrrrError(f"calibrate on {device!r}: no CUDA GPU is visible; run it on the GPU "
-                          "to calibrate, or pass device='cpu'")
+        raise GobrrrError(
+            f"calibrate on {device!r}: no CUDA GPU is visible; run it on the GPU "
+            "to calibrate, or pass device='cpu'"
+        )
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     key = _gpu_key(name) if cuda else _slug(name)
@@ -69,10 +79,19 @@ def calibrate(device: str = "cuda", save: bool | str | Path = True,
     host, latency = launch_overhead(dev)
     extra = _step_measurements(dev, cuda)
     cal = Calibration(
-        gpu=key, device_name=name, matmul_flops=rates, copy_bandwidth=copy_bw,
-        pointwise_bandwidth=pw_bw, reduction_bandwidth=red_bw, launch_overhead=host,
-        kernel_latency=latency, blas_workspace=workspace, matmul_curve=curves,
-        meta=_meta(dev, sizes, nbytes, time.perf_counter() - t0), **extra)
+        gpu=key,
+        device_name=name,
+        matmul_flops=rates,
+        copy_bandwidth=copy_bw,
+        pointwise_bandwidth=pw_bw,
+        reduction_bandwidth=red_bw,
+        launch_overhead=host,
+        kernel_latency=latency,
+        blas_workspace=workspace,
+        matmul_curve=curves,
+        meta=_meta(dev, sizes, nbytes, time.perf_counter() - t0),
+        **extra,
+    )
     if save:
         path = Path(save) if not isinstance(save, bool) else default_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,21 +123,24 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
     """The calibration sections measured on a GPU, in the order `calibrate` measures them:
     name -> fn(device) -> {Calibration field: value}."""
     return {
-        "conv_grid": lambda d: dict(zip(("conv_grid", "conv_workspace"), cc.conv_grid(d),
-                                        strict=True)),
+        "conv_grid": lambda d: dict(
+            zip(("conv_grid", "conv_workspace"), cc.conv_grid(d), strict=True)
+        ),
         "batch_norm_bandwidth": lambda d: {"batch_norm_bandwidth": cs.batch_norm_bandwidths(d)},
         "batch_norm_grid": lambda d: {"batch_norm_grid": cs.batch_norm_grid(d)},
         "layer_norm_grid": lambda d: {"layer_norm_grid": cs.layer_norm_grid(d)},
         "depthwise_bandwidth": lambda d: {"depthwise_bandwidth": cc.depthwise_bandwidths(d)},
         "outer_sum_bandwidth": lambda d: {"outer_sum_bandwidth": cs.outer_sum_bandwidths(d)},
-        "matmul_misaligned": lambda d: {"matmul_misaligned": {
-            **cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}},
+        "matmul_misaligned": lambda d: {
+            "matmul_misaligned": {**cs.misaligned_fractions(d), **csh.misaligned_by_alignment(d)}
+        },
         "size_bandwidth": lambda d: {"size_bandwidth": csh.size_bandwidths(d)},
         "path_bandwidth": lambda d: {"path_bandwidth": cpa.path_bandwidths(d)},
         "softmax_grid": lambda d: {"softmax_grid": cpa.softmax_grid(d)},
         "embedding_backward": lambda d: {"embedding_backward": cs.embedding_backward_fit(d)},
-        "attention_curve": lambda d: {"attention_curve": {**cs.attention_rate(d),
-                                                          **cs.attention_variants(d)}},
+        "attention_curve": lambda d: {
+            "attention_curve": {**cs.attention_rate(d), **cs.attention_variants(d)}
+        },
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
         "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
@@ -228,13 +250,18 @@ def blas_workspace(dev: torch.device) -> int | None:
 def _meta(dev: torch.device, sizes, nbytes: int, seconds: float) -> dict:
     import datetime
 
-    meta = {"torch": torch.__version__, "sizes": list(sizes), "stream_bytes": nbytes,
-            "seconds": round(seconds, 2),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    meta = {
+        "torch": torch.__version__,
+        "sizes": list(sizes),
+        "stream_bytes": nbytes,
+        "seconds": round(seconds, 2),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
-        meta.update(cuda=torch.version.cuda, memory=props.total_memory,
-                    sms=props.multi_processor_count)
+        meta.update(
+            cuda=torch.version.cuda, memory=props.total_memory, sms=props.multi_processor_count
+        )
         try:
             import triton
 

@@ -121,16 +121,22 @@ def _converter(fn: Callable[[torch.Tensor], torch.Tensor], memo: dict[int, Any])
     def convert(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in memo:
             new = fn(t.detach())
-            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else new
+            memo[id(t)] = (
+                torch.nn.Parameter(new, t.requires_grad)
+                if isinstance(t, torch.nn.Parameter)
+                else new
+            )
         return memo[id(t)]
 
     return convert
 
 
-def _convert_tensors(model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
-                     recurse: bool = True,
-                     only: Callable[[torch.Tensor], bool] = lambda t: True) -> None:
+def _convert_tensors(
+    model: torch.nn.Module,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    recurse: bool = True,
+    only: Callable[[torch.Tensor], bool] = lambda t: True,
+) -> None:
     """Replace every parameter and buffer (for which `only` holds) by fn(it), keeping tied
     parameters tied. (Module.to and _apply cannot swap fake tensors.)"""
     convert = _converter(fn, {})
@@ -203,8 +209,9 @@ def _build(source: WorkloadSource, mode: FakeTensorMode, values: assume.Values) 
     except Exception as e:
         raise GobrrrError(f"building the workload raised {type(e).__name__}: {e}") from e
     if not isinstance(w, Workload):
-        raise GobrrrError(f"the workload function returned {type(w).__name__}, "
-                          "expected a gobrrr.Workload")
+        raise GobrrrError(
+            f"the workload function returned {type(w).__name__}, expected a gobrrr.Workload"
+        )
     return _fake_rest(w, mode, values, real.made)
 
 
@@ -217,8 +224,11 @@ def _fake_rest(w: Workload, mode: FakeTensorMode, values: assume.Values, made) -
         return _to_fake(w, mode, values)
     with unset_fake_temporarily():  # conversions of real tensors, outside the fake mode
         if reals:
-            _convert_tensors(w.model, _faker(mode, values),
-                             only=lambda t: not isinstance(t, torch._subclasses.FakeTensor))
+            _convert_tensors(
+                w.model,
+                _faker(mode, values),
+                only=lambda t: not isinstance(t, torch._subclasses.FakeTensor),
+            )
         return dataclasses.replace(w, batch=map_tensors(w.batch, _faker(mode, values)))
 
 
@@ -226,8 +236,9 @@ def _prepare(w: Workload, precision: Precision) -> Workload:
     if precision.casts_weights:
         dtype = precision.param_dtype
         _convert_tensors(w.model, lambda t: t.to(dtype) if t.is_floating_point() else t)
-        w = dataclasses.replace(w, batch=map_tensors(
-            w.batch, lambda t: t.to(dtype) if t.is_floating_point() else t))
+        w = dataclasses.replace(
+            w, batch=map_tensors(w.batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        )
     return w
 
 
@@ -246,12 +257,24 @@ class _Step(TrainStep):
     driver's phase, and the fp16 optimizer step does GradScaler.step's ops without its
     value read (see optimizer_step)."""
 
-    def __init__(self, w: Workload, precision: Precision, driver: _Driver | None = None,
-                 accumulation: int = 1) -> None:
+    def __init__(
+        self,
+        w: Workload,
+        precision: Precision,
+        driver: _Driver | None = None,
+        accumulation: int = 1,
+    ) -> None:
         opt = w.make_optimizer()
         _cuda_optimizer_defaults(opt)
-        super().__init__(w, opt, precision, device_type="cpu", accumulation=accumulation,
-                         scaler=make_scaler(precision, "cpu"), keep_loss=False)
+        super().__init__(
+            w,
+            opt,
+            precision,
+            device_type="cpu",
+            accumulation=accumulation,
+            scaler=make_scaler(precision, "cpu"),
+            keep_loss=False,
+        )
         self.driver = driver
         self.syncs: list[int] = []  # where the real step makes the host wait for the GPU
         self.recorder: Recorder | None = None
@@ -301,8 +324,11 @@ def _optimizer_meta(opt: torch.optim.Optimizer) -> OptimizerInfo:
     large (over LARGE_TENSOR_BYTES)."""
     groups = opt.param_groups
     params = [p for g in groups for p in g["params"] if p.requires_grad]
-    return OptimizerInfo(key=optimizer_key(opt), tensors=len(params), large=sum(
-        1 for p in params if p.numel() * p.element_size() > LARGE_TENSOR_BYTES))
+    return OptimizerInfo(
+        key=optimizer_key(opt),
+        tensors=len(params),
+        large=sum(1 for p in params if p.numel() * p.element_size() > LARGE_TENSOR_BYTES),
+    )
 
 
 def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer) -> None:
@@ -339,10 +365,15 @@ def _mark_grads(table: StorageTable, w: Workload, names: dict[int, str]) -> None
                 table.records[sid].label = f"{names.get(id(p), '?')}.grad"
 
 
-def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
-            checkpoint: str | Mapping[str, str] = "none",
-            sdpa: SdpaTarget | None = None, accumulation: int = 1,
-            compile: bool = False) -> StepGraph:
+def capture(
+    source: WorkloadSource,
+    *,
+    precision: str = "bf16-mixed",
+    checkpoint: str | Mapping[str, str] = "none",
+    sdpa: SdpaTarget | None = None,
+    accumulation: int = 1,
+    compile: bool = False,
+) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
     one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
     (every repeated block) or {block name: "full" | "selective"}. `sdpa`: the GPU whose
@@ -354,28 +385,44 @@ def capture(source: WorkloadSource, *, precision: str = "bf16-mixed",
     Inductor fuses is not allocated (`gobrrr.passes.compile.inductor`)."""
     precision = Precision.parse(precision)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
-        raise GobrrrError(f"unknown checkpoint mode {checkpoint!r}: "
-                          f"choose {', '.join(CHECKPOINTS)} or a {{block: policy}} mapping")
+        raise GobrrrError(
+            f"unknown checkpoint mode {checkpoint!r}: "
+            f"choose {', '.join(CHECKPOINTS)} or a {{block: policy}} mapping"
+        )
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if precision.is_mixed else contextlib.nullcontext()
     values = assume.Values()
     regions = compiled.Regions() if compile else None
-    with mode, assume.ValueMode(values), rules, cuda_dropout(), as_on_cuda(), \
-            cuda_sdpa(sdpa or SdpaTarget()) as chosen, \
-            compiled.compiling() if compile else contextlib.nullcontext():
+    with (
+        mode,
+        assume.ValueMode(values),
+        rules,
+        cuda_dropout(),
+        as_on_cuda(),
+        cuda_sdpa(sdpa or SdpaTarget()) as chosen,
+        compiled.compiling() if compile else contextlib.nullcontext(),
+    ):
         w = _prepare(_build(source, mode, values), precision)
         names = block_names(w.model)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
         with real_to_libraries(values.answerable):
-            graph = _trace(w, precision, values, on_step=chosen.chosen.clear,
-                           accumulation=accumulation, regions=regions)
+            graph = _trace(
+                w,
+                precision,
+                values,
+                on_step=chosen.chosen.clear,
+                accumulation=accumulation,
+                regions=regions,
+            )
     meta = graph.meta.replace(
         checkpoint=checkpoint_meta(checkpointed(w.model), names),
-        checkpointed_blocks=len(blocks), blocks=tuple(_in_forward_order(names, graph)),
+        checkpointed_blocks=len(blocks),
+        blocks=tuple(_in_forward_order(names, graph)),
         sdpa_backends=dict(chosen.chosen),
         assumptions=tuple(a.to_dict() for a in values.assumptions()),
-        syncs=tuple(sorted({*graph.meta.syncs, *values.syncs})))
+        syncs=tuple(sorted({*graph.meta.syncs, *values.syncs})),
+    )
     graph = dataclasses.replace(graph, meta=meta)
     if regions is None:
         return graph
@@ -387,8 +434,10 @@ def _checkpoint(model: torch.nn.Module, checkpoint: str | Mapping[str, str]) -> 
         return []
     blocks = apply_checkpointing(model, None if checkpoint == "full" else checkpoint)
     if not blocks:  # "full" on a model without repeated blocks
-        raise GobrrrError("--checkpoint full found no repeated blocks (an nn.ModuleList of "
-                          "modules of one class) to checkpoint in this model")
+        raise GobrrrError(
+            "--checkpoint full found no repeated blocks (an nn.ModuleList of "
+            "modules of one class) to checkpoint in this model"
+        )
     return blocks
 
 
@@ -405,9 +454,14 @@ def _in_forward_order(names: list[str], graph: StepGraph) -> list[str]:
     return sorted(names, key=lambda b: first.get(b, never))
 
 
-def _trace(w: Workload, precision: Precision, values: assume.Values,
-           on_step: Callable[[], None] = lambda: None, accumulation: int = 1,
-           regions: compiled.Regions | None = None) -> StepGraph:
+def _trace(
+    w: Workload,
+    precision: Precision,
+    values: assume.Values,
+    on_step: Callable[[], None] = lambda: None,
+    accumulation: int = 1,
+    regions: compiled.Regions | None = None,
+) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
         step = _Step(w, precision, accumulation=accumulation)
@@ -422,8 +476,9 @@ def _trace(w: Workload, precision: Precision, values: assume.Values,
                 with assume.HostMode(values):
                     driver.names[id(_compiled_warm_up(step, w, regions))] = ""
             saved = SavedTracker(table)
-            rec = step.recorder = Recorder(table, driver.module, driver.current_phase,
-                                           on_op=saved.on_op)
+            rec = step.recorder = Recorder(
+                table, driver.module, driver.current_phase, on_op=saved.on_op
+            )
             values.where = lambda: (driver.module(), driver.current_phase(), len(rec.nodes))
             if regions is not None:
                 regions.clock = lambda: len(rec.nodes)
@@ -431,9 +486,10 @@ def _trace(w: Workload, precision: Precision, values: assume.Values,
             def grab_grads(opt, args, kwargs):  # grads exist only between backward and step
                 _mark_grads(table, w, names)
 
-            hooks = [step.optimizer.register_step_pre_hook(grab_grads),
-                     *([] if regions is not None else
-                       saved.watch_blocks(w.model, block_names(w.model)))]
+            hooks = [
+                step.optimizer.register_step_pre_hook(grab_grads),
+                *([] if regions is not None else saved.watch_blocks(w.model, block_names(w.model))),
+            ]
             try:
                 with rec, assume.HostMode(values):
                     _guarded(step, "traced step", rec)
@@ -445,9 +501,15 @@ def _trace(w: Workload, precision: Precision, values: assume.Values,
     in_place = accumulate.in_place(table.records, rec.nodes, rec.engine_sums)
     _classify(table, rec.nodes)
     graph = _assemble(rec, table, w, precision)
-    return dataclasses.replace(graph, meta=graph.meta.replace(
-        syncs=tuple(step.syncs), autograd=saved.meta(), gradient_sums_in_place=in_place,
-        optimizer=_optimizer_meta(step.optimizer)))
+    return dataclasses.replace(
+        graph,
+        meta=graph.meta.replace(
+            syncs=tuple(step.syncs),
+            autograd=saved.meta(),
+            gradient_sums_in_place=in_place,
+            optimizer=_optimizer_meta(step.optimizer),
+        ),
+    )
 
 
 def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:
@@ -464,8 +526,7 @@ def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> to
     return runner
 
 
-def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precision
-              ) -> StepGraph:
+def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precision) -> StepGraph:
     frees: dict[int, list[int]] = {}
     for r in table.records:
         if r.freed is not None and r.freed >= 0:
@@ -474,13 +535,22 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precis
     params = list(w.model.parameters())
     n_params = sum(p.numel() for p in params)
     meta = StepMeta(
-        name=w.name, precision=precision, tokens=w.token_count(), seq_len=w.seq_len,
-        params=n_params, trainable_params=sum(p.numel() for p in params if p.requires_grad),
-        embedding_params=embedding_only_params(w.model), info=dict(w.info),
-        traced_on="cpu-fake", torch=torch.__version__,
+        name=w.name,
+        precision=precision,
+        tokens=w.token_count(),
+        seq_len=w.seq_len,
+        params=n_params,
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        embedding_params=embedding_only_params(w.model),
+        info=dict(w.info),
+        traced_on="cpu-fake",
+        torch=torch.__version__,
         # read after the user's workload ran: it may set them
-        tf32=Tf32(matmul=precision.tf32 or torch.backends.cuda.matmul.allow_tf32,
-                  conv=precision.tf32 or torch.backends.cudnn.allow_tf32))
+        tf32=Tf32(
+            matmul=precision.tf32 or torch.backends.cuda.matmul.allow_tf32,
+            conv=precision.tf32 or torch.backends.cudnn.allow_tf32,
+        ),
+    )
     return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
 
 
@@ -492,12 +562,15 @@ def _guarded(fn: Callable[[], None], what: str, rec: Recorder | None = None) -> 
         raise
     except torch._subclasses.fake_tensor.UnsupportedFakeTensorException as e:
         raise GobrrrError(f"the {what} used an op fake tensors cannot run{_where(rec)}: {e}") from e
-    except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-            torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+    except (
+        torch._subclasses.fake_tensor.DynamicOutputShapeException,
+        torch._subclasses.fake_tensor.DataDependentOutputException,
+    ) as e:
         raise GobrrrError(
             f"the {what} used a data-dependent op ({e}){_where(rec)}: its output shape depends on "
             "tensor values, which a fake-tensor trace does not have; rewrite it with static "
-            "shapes (e.g. masking instead of boolean indexing)") from e
+            "shapes (e.g. masking instead of boolean indexing)"
+        ) from e
     except Exception as e:
         raise GobrrrError(f"the {what} raised {type(e).__name__}{_where(rec)}: {e}") from e
 

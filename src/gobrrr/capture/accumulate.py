@@ -64,13 +64,20 @@ def in_place(records: list[_Storage], nodes: list[OpNode], sums: list[int]) -> i
             continue
         first, out = node.inputs[0], node.outputs[0]
         old, new = first.storage, out.storage
-        if (records[old].freed != i or new == old or new not in node.allocs
-                or old not in made_by or first.dtype != out.dtype or first.shape != out.shape
-                or not first.is_dense()):
+        if (
+            records[old].freed != i
+            or new == old
+            or new not in node.allocs
+            or old not in made_by
+            or first.dtype != out.dtype
+            or first.shape != out.shape
+            or not first.is_dense()
+        ):
             continue
         maker = nodes[made_by[old]]
         nodes[maker.index] = dataclasses.replace(
-            maker, allocs=tuple(new if s == old else s for s in maker.allocs))
+            maker, allocs=tuple(new if s == old else s for s in maker.allocs)
+        )
         nodes[i] = dataclasses.replace(node, allocs=tuple(s for s in node.allocs if s != new))
         made_by[new] = maker.index
         records[new].created = records[old].created

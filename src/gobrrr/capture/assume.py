@@ -48,7 +48,7 @@ KINDS = {
     "upper-bound": "a count or length takes its largest possible value",
     "distinct": "unique finds every value it could (an upper bound)",
     "optimizer-scale": "a value the optimizer reads only scales its update: which ops run "
-                       "does not depend on it (taken as 1.0)",
+    "does not depend on it (taken as 1.0)",
 }
 
 
@@ -104,8 +104,9 @@ class Values:
         """Reads from now on happen outside the recorded step, in `phase`."""
         self.where = lambda: ("", phase, None)
 
-    def note(self, kind: str, func: Any, value: str, t: torch.Tensor | None = None,
-             recorded: bool = True) -> None:
+    def note(
+        self, kind: str, func: Any, value: str, t: torch.Tensor | None = None, recorded: bool = True
+    ) -> None:
         """Record one read of `t`. Unless `t` lives in host memory, the host waits for the
         GPU: at the op (`recorded`: it lands in the graph), else after the last recorded op."""
         module, phase, n = self.where()
@@ -129,8 +130,10 @@ class Values:
             self.syncs.append(n)
 
     def assumptions(self) -> list[Assumption]:
-        return [Assumption(k, KINDS[k], op, m, ph, v, c)
-                for (k, op, m, ph, v), c in self._counts.items()]
+        return [
+            Assumption(k, KINDS[k], op, m, ph, v, c)
+            for (k, op, m, ph, v), c in self._counts.items()
+        ]
 
     def fail(self, func: Any, t: torch.Tensor | None, why: str) -> GobrrrError:
         module, phase, _ = self.where()
@@ -143,7 +146,8 @@ class Values:
             f"the step reads tensor values ({str(func).removesuffix('.default')}{made}) in "
             f"module '{module or '<top>'}', phase {phase}, and no assumption about them is "
             f"sound: {why}. Make the value known when the workload is built (a Python number, "
-            "or a tensor computed from constants), or move the read out of the training step")
+            "or a tensor computed from constants), or move the read out of the training step"
+        )
 
     def answerable(self, t: Any) -> bool:
         """Whether reads of `t`'s values can be answered as the GPU's run would answer them:
@@ -165,14 +169,19 @@ class Values:
             kind, value = "derived", f.lo
         elif f is not None and f.mean is not None and f.basis:
             kind, value = f.basis, f.mean
-        elif f is not None and f.hi < INF and not t.dtype.is_floating_point and \
-                t.dtype != torch.bool:
+        elif (
+            f is not None and f.hi < INF and not t.dtype.is_floating_point and t.dtype != torch.bool
+        ):
             kind, value = "upper-bound", f.hi
         elif t.dtype.is_floating_point and self.where()[1] in ("warm-up", "optimizer"):
             kind, value = "optimizer-scale", 1.0  # Adafactor's norms, clipping factors
         else:
-            raise self.fail(func, t, "its value is not bounded by how it was made, and a "
-                            "branch on it could go either way")
+            raise self.fail(
+                func,
+                t,
+                "its value is not bounded by how it was made, and a "
+                "branch on it could go either way",
+            )
         out = _python(value, t.dtype)
         odds = f" (p={value:.2f})" if kind == "likely-draw" and t.dtype == torch.bool else ""
         self.note(kind, func, f"{out!r}{odds}", t, recorded=False)
@@ -197,8 +206,9 @@ class Values:
         if t.numel() == 0:
             return floor, "derived"
         if f is None or f.hi == INF or f.lo < 0 and func.__name__.startswith("bincount"):
-            raise self.fail(func, t, "the largest value decides the output's shape and "
-                            "nothing bounds it")
+            raise self.fail(
+                func, t, "the largest value decides the output's shape and nothing bounds it"
+            )
         top = int(f.hi)
         return max(top, floor), "derived" if f.exact or top <= floor else "upper-bound"
 
@@ -242,6 +252,7 @@ class ValueMode(TorchDispatchMode):
 
 
 # -- resolvers: (values, func, args, kwargs) -> what the op returns ------------------------------
+
 
 def _item(v: Values, func: Any, args: tuple, kwargs: dict) -> Any:
     return v.read(func, args[0])
@@ -288,8 +299,11 @@ def _bincount(v: Values, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     top, kind = v.bound(func, x, minlength - 1)
     length = top + 1
     v.note(kind, func, f"{length} bins", x)
-    dtype = torch.long if weights is None else (
-        torch.double if weights.dtype != torch.float else torch.float)
+    dtype = (
+        torch.long
+        if weights is None
+        else (torch.double if weights.dtype != torch.float else torch.float)
+    )
     out = torch.empty((length,), dtype=dtype, device=x.device)
     if weights is None and length:
         v.table.set(out, Fact(0, x.numel(), x.numel() / length, "balanced", origin=str(func)))
@@ -323,8 +337,7 @@ def _unique(v: Values, func: Any, args: tuple, kwargs: dict) -> tuple:
     n = x.numel()
     if f is not None and f.hi < INF and f.lo > -INF and not x.dtype.is_floating_point:
         n = min(n, int(f.hi - f.lo) + 1)
-    v.note("derived" if f is not None and f.exact else "distinct", func, f"{n} of {x.numel()}",
-           x)
+    v.note("derived" if f is not None and f.exact else "distinct", func, f"{n} of {x.numel()}", x)
     values = x.new_empty((n,))
     inverse = x.new_empty(x.shape if flag("return_inverse") else (0,), dtype=torch.long)
     if name == "_unique":
@@ -341,8 +354,7 @@ def _ctc_loss(v: Values, func: Any, args: tuple, kwargs: dict) -> tuple:
         longest, kind = max(target_lengths, default=0), "derived"
     v.note(kind, func, f"longest target {longest}", log_probs)
     steps, batch = log_probs.shape[0], log_probs.shape[1]
-    return (log_probs.new_empty((batch,)),
-            log_probs.new_empty((batch, steps, 2 * longest + 1)))
+    return (log_probs.new_empty((batch,)), log_probs.new_empty((batch, steps, 2 * longest + 1)))
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
@@ -356,8 +368,10 @@ def _grouped_mm_fallback(v: Values, func: Any, args: tuple, kwargs: dict) -> tor
     matmul each, in fp32. PyTorch's meta function refuses these dtypes; the output's shape is
     the 16-bit call's, its dtype the inputs'."""
     a, b, *rest = args
-    stand_in = [torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device=t.device)
-                for t in (a, b)]
+    stand_in = [
+        torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device=t.device)
+        for t in (a, b)
+    ]
     ref = func(*stand_in, *rest, **{k: w for k, w in kwargs.items() if k != "out_dtype"})
     dtype = kwargs.get("out_dtype") or (rest[2] if len(rest) > 2 else None) or a.dtype
     v.sync()
@@ -365,17 +379,40 @@ def _grouped_mm_fallback(v: Values, func: Any, args: tuple, kwargs: dict) -> tor
 
 
 RESOLVERS: dict[str, Callable[..., Any]] = {
-    "_local_scalar_dense": _item, "item": _item,
-    "nonzero": _nonzero, "argwhere": _nonzero, "masked_select": _masked_select,
-    "index": _index, "index_put": _index, "index_put_": _index, "_index_put_impl_": _index,
-    "bincount": _bincount, "repeat_interleave": _repeat_interleave,
-    "_unique2": _unique, "_unique": _unique, "unique_consecutive": _unique,
+    "_local_scalar_dense": _item,
+    "item": _item,
+    "nonzero": _nonzero,
+    "argwhere": _nonzero,
+    "masked_select": _masked_select,
+    "index": _index,
+    "index_put": _index,
+    "index_put_": _index,
+    "_index_put_impl_": _index,
+    "bincount": _bincount,
+    "repeat_interleave": _repeat_interleave,
+    "_unique2": _unique,
+    "_unique": _unique,
+    "unique_consecutive": _unique,
     "_ctc_loss": _ctc_loss,
 }
 
 
-_FACTORIES = ("rand", "randn", "randint", "randperm", "zeros", "ones", "full", "empty",
-              "arange", "linspace", "tensor", "as_tensor", "scalar_tensor", "eye")
+_FACTORIES = (
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "arange",
+    "linspace",
+    "tensor",
+    "as_tensor",
+    "scalar_tensor",
+    "eye",
+)
 
 
 class HostMode(TorchFunctionMode):
@@ -392,13 +429,17 @@ class HostMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in self.factories and kwargs.get("device") is None and \
-                isinstance(out, torch.Tensor):
+        if (
+            func in self.factories
+            and kwargs.get("device") is None
+            and isinstance(out, torch.Tensor)
+        ):
             self.values.host[out] = True
         return out
 
 
 # -- the build: small tensors real -------------------------------------------------------------
+
 
 class RealSmall(TorchDispatchMode):
     """While the workload is built: an op none of whose inputs is fake and whose outputs are
@@ -421,8 +462,11 @@ class RealSmall(TorchDispatchMode):
         if any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs))):
             return out
         outs = _tensors(out)
-        if not outs or not all(isinstance(t, FakeTensor) and t.device.type == "cpu"
-                               for t in outs) or sum(t.numel() for t in outs) > self.limit:
+        if (
+            not outs
+            or not all(isinstance(t, FakeTensor) and t.device.type == "cpu" for t in outs)
+            or sum(t.numel() for t in outs) > self.limit
+        ):
             return out
         with unset_fake_temporarily():
             real = func(*args, **kwargs)
@@ -441,6 +485,14 @@ def fake_copy(t: torch.Tensor, mode: Any, table: FactTable) -> torch.Tensor:
     return fake
 
 
-__all__ = ["KINDS", "REAL_LIMIT", "Assumption", "HostMode", "RealSmall", "ValueMode", "Values",
-           "exact",
-           "fake_copy"]
+__all__ = [
+    "KINDS",
+    "REAL_LIMIT",
+    "Assumption",
+    "HostMode",
+    "RealSmall",
+    "ValueMode",
+    "Values",
+    "exact",
+    "fake_copy",
+]

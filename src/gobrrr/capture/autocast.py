@@ -25,70 +25,164 @@ from gobrrr.errors import GobrrrError
 
 # (op, overload) pairs; "" = the default overload.
 LOWER_PRECISION = [
-    ("_convolution", "deprecated"), ("_convolution", ""), ("conv1d", ""), ("conv2d", ""),
-    ("conv3d", ""), ("conv_tbc", ""), ("conv_transpose1d", ""), ("conv_transpose2d", "input"),
-    ("conv_transpose3d", "input"), ("convolution", ""), ("cudnn_convolution", ""),
-    ("cudnn_convolution_transpose", ""), ("prelu", ""), ("addmm", ""),
-    ("addmv", ""), ("addr", ""), ("matmul", ""), ("einsum", ""), ("mm", ""), ("mv", ""),
-    ("linalg_vecdot", ""), ("linear", ""), ("addbmm", ""), ("baddbmm", ""), ("bmm", ""),
-    ("chain_matmul", ""), ("linalg_multi_dot", ""), ("_thnn_fused_lstm_cell", ""),
-    ("_thnn_fused_gru_cell", ""), ("lstm_cell", ""), ("gru_cell", ""),
-    ("rnn_tanh_cell", ""), ("rnn_relu_cell", ""), ("_scaled_dot_product_flash_attention", ""),
+    ("_convolution", "deprecated"),
+    ("_convolution", ""),
+    ("conv1d", ""),
+    ("conv2d", ""),
+    ("conv3d", ""),
+    ("conv_tbc", ""),
+    ("conv_transpose1d", ""),
+    ("conv_transpose2d", "input"),
+    ("conv_transpose3d", "input"),
+    ("convolution", ""),
+    ("cudnn_convolution", ""),
+    ("cudnn_convolution_transpose", ""),
+    ("prelu", ""),
+    ("addmm", ""),
+    ("addmv", ""),
+    ("addr", ""),
+    ("matmul", ""),
+    ("einsum", ""),
+    ("mm", ""),
+    ("mv", ""),
+    ("linalg_vecdot", ""),
+    ("linear", ""),
+    ("addbmm", ""),
+    ("baddbmm", ""),
+    ("bmm", ""),
+    ("chain_matmul", ""),
+    ("linalg_multi_dot", ""),
+    ("_thnn_fused_lstm_cell", ""),
+    ("_thnn_fused_gru_cell", ""),
+    ("lstm_cell", ""),
+    ("gru_cell", ""),
+    ("rnn_tanh_cell", ""),
+    ("rnn_relu_cell", ""),
+    ("_scaled_dot_product_flash_attention", ""),
     ("scaled_dot_product_attention", ""),
     ("_cudnn_rnn", ""),  # AutocastRNN.cpp: casts (and re-packs) to the lower precision
 ]
-_UPSAMPLE = ["upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-             "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
-             "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
-             "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"]
+_UPSAMPLE = [
+    "upsample_nearest1d",
+    "upsample_nearest2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "upsample_bicubic2d",
+    "upsample_trilinear3d",
+    "_upsample_bilinear2d_aa",
+    "_upsample_bicubic2d_aa",
+]
 FP32 = [
-    ("acos", ""), ("asin", ""), ("cosh", ""), ("erfinv", ""), ("exp", ""), ("expm1", ""),
-    ("log", ""), ("log10", ""), ("log2", ""), ("log1p", ""), ("reciprocal", ""), ("rsqrt", ""),
-    ("sinh", ""), ("tan", ""), ("pow", "Tensor_Scalar"), ("pow", "Tensor_Tensor"),
-    ("pow", "Scalar"), ("softplus", ""), ("layer_norm", ""), ("native_layer_norm", ""),
-    ("group_norm", ""), ("rms_norm", ""), ("frobenius_norm", "dim"), ("nuclear_norm", ""),
-    ("nuclear_norm", "dim"), ("linalg_matrix_sqrth", ""),
-    ("cosine_similarity", ""), ("poisson_nll_loss", ""), ("cosine_embedding_loss", ""),
-    ("nll_loss", ""), ("nll_loss2d", ""), ("hinge_embedding_loss", ""), ("kl_div", ""),
-    ("l1_loss", ""), ("smooth_l1_loss", ""), ("huber_loss", ""), ("mse_loss", ""),
-    ("margin_ranking_loss", ""), ("multilabel_margin_loss", ""), ("soft_margin_loss", ""),
-    ("triplet_margin_loss", ""), ("multi_margin_loss", ""),
-    ("binary_cross_entropy_with_logits", ""), ("dist", ""), ("pdist", ""), ("cdist", ""),
-    ("renorm", ""), ("logsumexp", ""), *[(n, "") for n in _UPSAMPLE],
+    ("acos", ""),
+    ("asin", ""),
+    ("cosh", ""),
+    ("erfinv", ""),
+    ("exp", ""),
+    ("expm1", ""),
+    ("log", ""),
+    ("log10", ""),
+    ("log2", ""),
+    ("log1p", ""),
+    ("reciprocal", ""),
+    ("rsqrt", ""),
+    ("sinh", ""),
+    ("tan", ""),
+    ("pow", "Tensor_Scalar"),
+    ("pow", "Tensor_Tensor"),
+    ("pow", "Scalar"),
+    ("softplus", ""),
+    ("layer_norm", ""),
+    ("native_layer_norm", ""),
+    ("group_norm", ""),
+    ("rms_norm", ""),
+    ("frobenius_norm", "dim"),
+    ("nuclear_norm", ""),
+    ("nuclear_norm", "dim"),
+    ("linalg_matrix_sqrth", ""),
+    ("cosine_similarity", ""),
+    ("poisson_nll_loss", ""),
+    ("cosine_embedding_loss", ""),
+    ("nll_loss", ""),
+    ("nll_loss2d", ""),
+    ("hinge_embedding_loss", ""),
+    ("kl_div", ""),
+    ("l1_loss", ""),
+    ("smooth_l1_loss", ""),
+    ("huber_loss", ""),
+    ("mse_loss", ""),
+    ("margin_ranking_loss", ""),
+    ("multilabel_margin_loss", ""),
+    ("soft_margin_loss", ""),
+    ("triplet_margin_loss", ""),
+    ("multi_margin_loss", ""),
+    ("binary_cross_entropy_with_logits", ""),
+    ("dist", ""),
+    ("pdist", ""),
+    ("cdist", ""),
+    ("renorm", ""),
+    ("logsumexp", ""),
+    *[(n, "") for n in _UPSAMPLE],
 ]
 FP32_SET_OPT_DTYPE = [
-    ("prod", ""), ("prod", "dim_int"), ("softmax", "int"), ("log_softmax", "int"),
-    ("cumprod", ""), ("cumsum", ""), ("linalg_vector_norm", ""), ("linalg_matrix_norm", ""),
-    ("linalg_matrix_norm", "str_ord"), ("sum", ""), ("sum", "dim_IntList"),
+    ("prod", ""),
+    ("prod", "dim_int"),
+    ("softmax", "int"),
+    ("log_softmax", "int"),
+    ("cumprod", ""),
+    ("cumsum", ""),
+    ("linalg_vector_norm", ""),
+    ("linalg_matrix_norm", ""),
+    ("linalg_matrix_norm", "str_ord"),
+    ("sum", ""),
+    ("sum", "dim_IntList"),
 ]
 # norm without a dtype argument: CUDA calls its dtype overload with float32
 FP32_APPEND_DTYPE = [("norm", "Scalar"), ("norm", "ScalarOpt_dim")]
 _DTYPE_OVERLOAD = {"Scalar": "ScalarOpt_dtype", "ScalarOpt_dim": "ScalarOpt_dim_dtype"}
 PROMOTE = [
-    ("addcdiv", ""), ("addcmul", ""), ("atan2", ""), ("bilinear", ""), ("cross", ""),
-    ("dot", ""), ("vdot", ""), ("grid_sampler", ""), ("index_put", ""), ("tensordot", ""),
+    ("addcdiv", ""),
+    ("addcmul", ""),
+    ("atan2", ""),
+    ("bilinear", ""),
+    ("cross", ""),
+    ("dot", ""),
+    ("vdot", ""),
+    ("grid_sampler", ""),
+    ("index_put", ""),
+    ("tensordot", ""),
     ("scatter_add", ""),
 ]
 # CUDA autocast refuses these (the step raises on a GPU)
 BANNED = [("binary_cross_entropy", "")]
 
-_TABLES = ((LOWER_PRECISION, "lower"), (FP32, "fp32"), (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
-           (FP32_APPEND_DTYPE, "fp32_append_dtype"), (PROMOTE, "promote"), (BANNED, "banned"))
+_TABLES = (
+    (LOWER_PRECISION, "lower"),
+    (FP32, "fp32"),
+    (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+    (FP32_APPEND_DTYPE, "fp32_append_dtype"),
+    (PROMOTE, "promote"),
+    (BANNED, "banned"),
+)
 
 
 def cuda_policies() -> dict[str, str]:
     """gobrrr's table of CUDA autocast: op ("name" or "name.overload") -> policy."""
-    return {(f"{n}.{ov}" if ov else n): policy for entries, policy in _TABLES
-            for n, ov in entries}
+    return {(f"{n}.{ov}" if ov else n): policy for entries, policy in _TABLES for n, ov in entries}
 
 
 @functools.cache
 def autocast_ops(key: str) -> frozenset[str]:
     """The aten ops ("name" or "name.overload") with a kernel for dispatch key `key`
     ("AutocastCUDA", "AutocastCPU") in the running torch."""
-    return frozenset(n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
-                     if n.startswith("aten::")
-                     and torch._C._dispatch_has_kernel_for_dispatch_key(n, key))
+    return frozenset(
+        n.removeprefix("aten::")
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)
+    )
 
 
 def cpu_only_ops() -> list[str]:
@@ -121,8 +215,14 @@ class _CastCache:
             return type(x)(self.cast(v, dtype) for v in x)
         if not _eligible(x) or x.dtype == dtype:
             return x
-        cacheable = (dtype != torch.float32 and x.dtype == torch.float32 and x.requires_grad
-                     and x.is_leaf and not x._is_view() and torch.is_autocast_cache_enabled())
+        cacheable = (
+            dtype != torch.float32
+            and x.dtype == torch.float32
+            and x.requires_grad
+            and x.is_leaf
+            and not x._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
         if cacheable:
             hit = self.casts.get(id(x))
             if hit is not None and hit[0] is x:
@@ -145,8 +245,9 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return widest
 
 
-def _cast_all(cache: _CastCache, args: tuple, kwargs: dict,
-              dtype: torch.dtype) -> tuple[tuple, dict]:
+def _cast_all(
+    cache: _CastCache, args: tuple, kwargs: dict, dtype: torch.dtype
+) -> tuple[tuple, dict]:
     """Every argument cast, the last first: CUDA autocast casts them as the arguments of one
     C++ call (`WrapFunction_`), which GCC evaluates right to left, so a Linear's weight is cast
     (and allocated) before its input, as the allocator traces of the zoo's steps show."""
@@ -178,7 +279,8 @@ def _kernel(op: Any, policy: str, cache: _CastCache):
                 raise GobrrrError(
                     f"{op} is refused by CUDA autocast (unsafe in reduced precision: the step "
                     "raises on a GPU); use binary_cross_entropy_with_logits "
-                    "(nn.BCEWithLogitsLoss) on the logits, or run this loss outside autocast")
+                    "(nn.BCEWithLogitsLoss) on the logits, or run this loss outside autocast"
+                )
             return op(*args, **kwargs)
 
     return run
@@ -194,7 +296,7 @@ def _set_dtype(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     pos = names.index("dtype")
     if pos < len(args):
         if args[pos] is None:
-            args = args[:pos] + (torch.float32,) + args[pos + 1:]
+            args = args[:pos] + (torch.float32,) + args[pos + 1 :]
     elif kwargs.get("dtype") is None:
         kwargs = {**kwargs, "dtype": torch.float32}
     return args, kwargs

@@ -37,8 +37,9 @@ from gobrrr.errors import GobrrrError
 from gobrrr.graph.meta import Region
 
 _ACTIVE = contextvars.ContextVar("gobrrr_compiled_capture", default=False)
-_MODULE: contextvars.ContextVar[str | None] = contextvars.ContextVar("gobrrr_compiled_module",
-                                                                   default=None)
+_MODULE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "gobrrr_compiled_module", default=None
+)
 
 
 def active() -> bool:
@@ -130,8 +131,7 @@ def _partition(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 
         joint_graph_passes(gm)
-        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor",
-                                                   **kwargs)
+        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
 
 
 def recording_backend(regions: Regions) -> Callable:
@@ -155,9 +155,13 @@ def recording_backend(regions: Regions) -> Callable:
 
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"), partition_fn=_partition,
-                        decompositions=select_decomp_table())
+    return aot_autograd(
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        partition_fn=_partition,
+        decompositions=select_decomp_table(),
+    )
 
 
 @contextlib.contextmanager
@@ -191,16 +195,25 @@ def tag(graph, regions: Regions):
     if not regions.runs:
         raise GobrrrError(
             "torch.compile ran no compiled graph in the traced step (dynamo skipped the model "
-            f"under torch {torch.__version__}'s dispatch modes): estimate it without compile")
+            f"under torch {torch.__version__}'s dispatch modes): estimate it without compile"
+        )
     made = Counter(kind for kind, _ in regions.graphs)
-    return dataclasses.replace(graph, meta=graph.meta.replace(
-        compiled=True, compiled_regions=regions.meta(), compiled_graphs=dict(made),
-        sdpa_backends=_backends(graph)))
+    return dataclasses.replace(
+        graph,
+        meta=graph.meta.replace(
+            compiled=True,
+            compiled_regions=regions.meta(),
+            compiled_graphs=dict(made),
+            sdpa_backends=_backends(graph),
+        ),
+    )
 
 
-_SDPA = {"_scaled_dot_product_cudnn_attention": "cudnn",
-         "_scaled_dot_product_flash_attention": "flash",
-         "_scaled_dot_product_efficient_attention": "efficient"}
+_SDPA = {
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+}
 
 
 def _backends(graph) -> dict[str, int]:
@@ -219,5 +232,14 @@ def ignore_compile_internals(cls) -> bool:
     return active()
 
 
-__all__ = ["Regions", "active", "compile_model", "compiling", "current_module",
-           "ignore_compile_internals", "module_of", "recording_backend", "tag"]
+__all__ = [
+    "Regions",
+    "active",
+    "compile_model",
+    "compiling",
+    "current_module",
+    "ignore_compile_internals",
+    "module_of",
+    "recording_backend",
+    "tag",
+]

@@ -24,8 +24,9 @@ from gobrrr.capture.facts import INF, Fact, exact, is_number, safe_mul, span, un
 FactOf = Callable[[Any], Fact | None]
 
 
-def derive(fact_of: FactOf, name: str, func: Any, args: tuple, kwargs: dict, out: Any
-           ) -> tuple[bool, Fact | list[Fact | None] | None]:
+def derive(
+    fact_of: FactOf, name: str, func: Any, args: tuple, kwargs: dict, out: Any
+) -> tuple[bool, Fact | list[Fact | None] | None]:
     """(whether a rule knows op `name`, the fact(s) it derives for `out`)."""
     rule = RULES.get(name)
     if rule is None:
@@ -69,6 +70,7 @@ class Ctx:
 
 # -- rules: ctx -> Fact | list[Fact | None] | None -------------------------------------------
 
+
 def _same(ctx: Ctx) -> Fact | None:
     return ctx.fact()
 
@@ -86,8 +88,12 @@ def _cast(ctx: Ctx) -> Fact | None:
         return f if f.boolean and not from_float else Fact(0, 1)  # 0/1 integers keep values
     if not out.is_floating_point() and not out.is_complex():
         keep = f.exact or not from_float
-        return Fact(math.trunc(f.lo) if f.lo > -INF else -INF,
-                    math.trunc(f.hi) if f.hi < INF else INF, f.mean if keep else None, f.basis)
+        return Fact(
+            math.trunc(f.lo) if f.lo > -INF else -INF,
+            math.trunc(f.hi) if f.hi < INF else INF,
+            f.mean if keep else None,
+            f.basis,
+        )
     return f
 
 
@@ -103,6 +109,7 @@ def _const(value_index: int, name: str) -> Callable[[Ctx], Fact | None]:
     def rule(ctx: Ctx) -> Fact | None:
         f = ctx.fact(value_index, name)
         return f if f is not None and f.exact else None
+
     return rule
 
 
@@ -150,21 +157,26 @@ def _linspace(ctx: Ctx) -> Fact | None:
     return Fact(min(a, b), max(a, b), (a + b) / 2) if is_number(a) and is_number(b) else None
 
 
-def _binary(fn: Callable[[float, float], float], linear: bool = False
-            ) -> Callable[[Ctx], Fact | None]:
+def _binary(
+    fn: Callable[[float, float], float], linear: bool = False
+) -> Callable[[Ctx], Fact | None]:
     def rule(ctx: Ctx) -> Fact | None:
         a, b = ctx.fact(0), ctx.fact(1, "other")
         alpha = ctx.kwargs.get("alpha", 1)
         if a is None or b is None:
             return None
         if alpha != 1:
-            b = Fact(*sorted((b.lo * alpha, b.hi * alpha)),
-                     None if b.mean is None else b.mean * alpha, b.basis)
+            b = Fact(
+                *sorted((b.lo * alpha, b.hi * alpha)),
+                None if b.mean is None else b.mean * alpha,
+                b.basis,
+            )
         lo, hi = span(a, b, fn)
         mean = None
         if a.mean is not None and b.mean is not None and (linear or a.exact or b.exact):
             mean = fn(a.mean, b.mean)
         return Fact(lo, hi, mean, a.basis or b.basis)
+
     return rule
 
 
@@ -176,8 +188,9 @@ def _div(ctx: Ctx) -> Fact | None:
     rnd = {"floor": math.floor, "trunc": math.trunc}.get(mode, lambda v: v)
     lo, hi = span(a, b, lambda x, y: x / y)
     lo, hi = rnd(lo) if lo > -INF else lo, rnd(hi) if hi < INF else hi
-    mean = a.mean / b.mean if a.mean is not None and b.exact and (mode is None or lo == hi) \
-        else None
+    mean = (
+        a.mean / b.mean if a.mean is not None and b.exact and (mode is None or lo == hi) else None
+    )
     return Fact(lo, hi, mean, a.basis)
 
 
@@ -205,6 +218,7 @@ def _logic(both: bool) -> Callable[[Ctx], Fact | None]:
             return None
         pick = min if both else max
         return Fact(pick(a.lo, b.lo), pick(a.hi, b.hi))
+
     return rule
 
 
@@ -214,15 +228,22 @@ def _clamp(ctx: Ctx) -> Fact | None:
         return None
     name = ctx.func.__name__.split(".")[0].rstrip("_")
     lo = ctx.arg(1, "min") if name in ("clamp", "clamp_min") else None
-    hi = ctx.arg(2, "max") if name == "clamp" else ctx.arg(1, "max") if name == "clamp_max" \
-        else None
+    hi = (
+        ctx.arg(2, "max") if name == "clamp" else ctx.arg(1, "max") if name == "clamp_max" else None
+    )
     lo = lo if is_number(lo) else -INF
     hi = hi if is_number(hi) else INF
     return Fact(min(max(f.lo, lo), hi), min(max(f.hi, lo), hi))
 
 
-_CMP = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
-        "eq": operator.eq, "ne": operator.ne}
+_CMP = {
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "eq": operator.eq,
+    "ne": operator.ne,
+}
 
 
 def _decided(name: str, a: Fact, b: Fact, integral: bool) -> bool | None:
@@ -230,8 +251,12 @@ def _decided(name: str, a: Fact, b: Fact, integral: bool) -> bool | None:
     A uniform draw of floats never reaches its upper bound."""
     below = a.hi < b.lo or a.uniform and not integral and a.hi <= b.lo  # a < b everywhere
     if name in ("lt", "le", "gt", "ge"):
-        true, false = {"lt": (below, a.lo >= b.hi), "le": (a.hi <= b.lo, a.lo > b.hi),
-                       "gt": (a.lo > b.hi, a.hi <= b.lo), "ge": (a.lo >= b.hi, below)}[name]
+        true, false = {
+            "lt": (below, a.lo >= b.hi),
+            "le": (a.hi <= b.lo, a.lo > b.hi),
+            "gt": (a.lo > b.hi, a.hi <= b.lo),
+            "ge": (a.lo >= b.hi, below),
+        }[name]
     else:
         same = a.exact and b.exact and a.lo == b.lo
         apart = a.hi < b.lo or b.hi < a.lo
@@ -355,8 +380,9 @@ def _all(ctx: Ctx) -> Fact | None:
     f, n = ctx.fact(), ctx.reduced()
     if n == 0 or f is not None and (f.lo > 0 or f.hi < 0):
         return exact(1)
-    if f is not None and (f.lo == f.hi == 0 or f.boolean and f.mean is not None
-                          and not f.basis and f.mean < 1):
+    if f is not None and (
+        f.lo == f.hi == 0 or f.boolean and f.mean is not None and not f.basis and f.mean < 1
+    ):
         return exact(0)
     return Fact(0, 1, 1.0, "check-passes")
 
@@ -400,11 +426,15 @@ def _copy(ctx: Ctx) -> Fact | None:
 
 
 # every element kept (a whole-tensor mean holds) / some elements (it does not)
-_VIEWS = ("view _unsafe_view reshape expand expand_as permute transpose t unsqueeze squeeze "
-          "flatten unflatten movedim repeat tile flip roll clone contiguous detach alias "
-          "lift_fresh lift_fresh_copy _reshape_alias expand_copy view_copy permute_copy").split()
-_SUBSETS = ("slice select as_strided narrow unbind split split_with_sizes chunk diagonal "
-            "index_select gather index take masked_select").split()
+_VIEWS = (
+    "view _unsafe_view reshape expand expand_as permute transpose t unsqueeze squeeze "
+    "flatten unflatten movedim repeat tile flip roll clone contiguous detach alias "
+    "lift_fresh lift_fresh_copy _reshape_alias expand_copy view_copy permute_copy"
+).split()
+_SUBSETS = (
+    "slice select as_strided narrow unbind split split_with_sizes chunk diagonal "
+    "index_select gather index take masked_select"
+).split()
 
 RULES: dict[str, Callable[[Ctx], Any]] = {
     **{n: _same for n in _VIEWS},
@@ -412,26 +442,59 @@ RULES: dict[str, Callable[[Ctx], Any]] = {
     **{n: _cast for n in ("_to_copy", "to", "type_as", "_to_dtype")},
     **{n: _fill(0) for n in ("zeros", "zeros_like", "new_zeros", "zero")},
     **{n: _fill(1) for n in ("ones", "ones_like", "new_ones")},
-    "full": _const(1, "fill_value"), "full_like": _const(1, "fill_value"),
-    "new_full": _const(2, "fill_value"), "fill": _const(1, "value"),
+    "full": _const(1, "fill_value"),
+    "full_like": _const(1, "fill_value"),
+    "new_full": _const(2, "fill_value"),
+    "fill": _const(1, "value"),
     "scalar_tensor": _const(0, "s"),
-    "arange": _arange, "linspace": _linspace,
-    "rand": _rand, "rand_like": _rand, "uniform": _uniform,
-    "randint": _randint, "randint_like": _randint, "randperm": _randperm,
+    "arange": _arange,
+    "linspace": _linspace,
+    "rand": _rand,
+    "rand_like": _rand,
+    "uniform": _uniform,
+    "randint": _randint,
+    "randint_like": _randint,
+    "randperm": _randperm,
     "bernoulli": _bernoulli,
-    "add": _binary(operator.add, linear=True), "sub": _binary(operator.sub, linear=True),
-    "rsub": _binary(lambda a, b: b - a, linear=True), "mul": _binary(safe_mul),
-    "maximum": _binary(max), "minimum": _binary(min),
-    "div": _div, "floor_divide": _floordiv,
-    "neg": _neg, "logical_not": _not, "bitwise_not": _not,
-    "logical_and": _logic(True), "bitwise_and": _logic(True), "__and__": _logic(True),
-    "logical_or": _logic(False), "bitwise_or": _logic(False), "__or__": _logic(False),
-    "clamp": _clamp, "clamp_min": _clamp, "clamp_max": _clamp,
+    "add": _binary(operator.add, linear=True),
+    "sub": _binary(operator.sub, linear=True),
+    "rsub": _binary(lambda a, b: b - a, linear=True),
+    "mul": _binary(safe_mul),
+    "maximum": _binary(max),
+    "minimum": _binary(min),
+    "div": _div,
+    "floor_divide": _floordiv,
+    "neg": _neg,
+    "logical_not": _not,
+    "bitwise_not": _not,
+    "logical_and": _logic(True),
+    "bitwise_and": _logic(True),
+    "__and__": _logic(True),
+    "logical_or": _logic(False),
+    "bitwise_or": _logic(False),
+    "__or__": _logic(False),
+    "clamp": _clamp,
+    "clamp_min": _clamp,
+    "clamp_max": _clamp,
     **{n: _compare for n in _CMP},
-    "sum": _sum, "mean": _same, "amax": _bounds, "amin": _bounds,
-    "max": _extreme, "min": _extreme, "argmax": _arg, "argmin": _arg,
-    "topk": _topk, "sort": _sort, "argsort": _sort,
-    "any": _any, "all": _all, "cumsum": _cumsum,
+    "sum": _sum,
+    "mean": _same,
+    "amax": _bounds,
+    "amin": _bounds,
+    "max": _extreme,
+    "min": _extreme,
+    "argmax": _arg,
+    "argmin": _arg,
+    "topk": _topk,
+    "sort": _sort,
+    "argsort": _sort,
+    "any": _any,
+    "all": _all,
+    "cumsum": _cumsum,
     "histc": _histc,
-    "cat": _cat, "stack": _cat, "where": _where, "masked_fill": _masked_fill, "copy": _copy,
+    "cat": _cat,
+    "stack": _cat,
+    "where": _where,
+    "masked_fill": _masked_fill,
+    "copy": _copy,
 }

@@ -59,12 +59,18 @@ class FactTable:
     def propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Give the tensors `func` returned (or mutated) the facts its rule derives."""
         name = func.__name__.split(".")[0]  # "add_" of aten.add_.Tensor
-        inplace = name.endswith("_") and not name.startswith("_") and bool(args) and \
-            isinstance(args[0], torch.Tensor) and out is args[0]
+        inplace = (
+            name.endswith("_")
+            and not name.startswith("_")
+            and bool(args)
+            and isinstance(args[0], torch.Tensor)
+            and out is args[0]
+        )
         if not _wanted(out):
             return
-        found, facts = derive(self.get, name.rstrip("_") if inplace else name, func, args,
-                                    kwargs, out)
+        found, facts = derive(
+            self.get, name.rstrip("_") if inplace else name, func, args, kwargs, out
+        )
         if not found:
             return
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -72,8 +78,11 @@ class FactTable:
             facts = [facts] * len(outs)
         origin = str(func).removesuffix(".default")
         for t, f in zip(outs, facts, strict=False):
-            self.set(t, f if f is None or f.origin else replace(f, origin=origin),
-                     bump=1 if inplace else 0)
+            self.set(
+                t,
+                f if f is None or f.origin else replace(f, origin=origin),
+                bump=1 if inplace else 0,
+            )
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -63,8 +63,12 @@ def union(facts: list[Fact | None], weights: list[int] | None = None) -> Fact | 
     mean = None
     if weights and all(f.mean is not None for f in facts) and sum(weights):
         mean = sum(f.mean * w for f, w in zip(facts, weights, strict=True)) / sum(weights)
-    return Fact(min(f.lo for f in facts), max(f.hi for f in facts), mean,
-                next((f.basis for f in facts if f.basis), ""))
+    return Fact(
+        min(f.lo for f in facts),
+        max(f.hi for f in facts),
+        mean,
+        next((f.basis for f in facts if f.basis), ""),
+    )
 
 
 def of_real(t: torch.Tensor) -> Fact | None:

@@ -23,8 +23,15 @@ from gobrrr.graph.ir import OpNode, StorageInfo, TensorInfo
 SUM_OP = "aten.add.Tensor"  # the engine's sum of two gradients in an input buffer
 
 # Ops that only read metadata; they produce no tensor and cost nothing.
-_SKIP = {"aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
-         "prim.device", "aten.is_same_size", "aten._local_scalar_dense"}
+_SKIP = {
+    "aten.sym_size",
+    "aten.sym_stride",
+    "aten.sym_numel",
+    "aten.sym_storage_offset",
+    "prim.device",
+    "aten.is_same_size",
+    "aten._local_scalar_dense",
+}
 
 
 @dataclass
@@ -58,8 +65,9 @@ class StorageTable:
         if sid is not None:
             return sid
         sid = len(self.records)
-        self.records.append(_Storage(sid, st.nbytes(), kind, self.clock, label=label,
-                                     module=module))
+        self.records.append(
+            _Storage(sid, st.nbytes(), kind, self.clock, label=label, module=module)
+        )
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._died, key, sid))
         return sid
@@ -76,9 +84,18 @@ class StorageTable:
         self._finalizers.clear()
 
     def infos(self) -> tuple[StorageInfo, ...]:
-        return tuple(StorageInfo(id=r.id, nbytes=0 if r.host else r.nbytes, kind=r.kind,
-                                 created=r.created, freed=r.freed, label=r.label,
-                                 module=r.module) for r in self.records)
+        return tuple(
+            StorageInfo(
+                id=r.id,
+                nbytes=0 if r.host else r.nbytes,
+                kind=r.kind,
+                created=r.created,
+                freed=r.freed,
+                label=r.label,
+                module=r.module,
+            )
+            for r in self.records
+        )
 
 
 def _jsonable(x: Any, refs: dict[int, int]) -> Any:
@@ -107,9 +124,15 @@ def is_engine_sum(recorder: Recorder, name: str, args: tuple) -> bool:
     so its storage, referenced twice: `can_accumulate_inplace` refuses it). Why the GPU's sum
     differs from the trace's: gobrrr.capture.accumulate."""
     node = recorder.after_node
-    return (node is not None and name == SUM_OP and not torch.is_grad_enabled()
-            and torch._C._current_autograd_node() is node and len(args) >= 2
-            and isinstance(args[0], torch.Tensor) and not args[0]._is_view())
+    return (
+        node is not None
+        and name == SUM_OP
+        and not torch.is_grad_enabled()
+        and torch._C._current_autograd_node() is node
+        and len(args) >= 2
+        and isinstance(args[0], torch.Tensor)
+        and not args[0]._is_view()
+    )
 
 
 class Recorder(TorchDispatchMode):
@@ -146,8 +169,13 @@ class Recorder(TorchDispatchMode):
         sid = self.table.lookup(t)
         if sid is None:  # first seen as an output of this op (or a constant from outside)
             sid = self.table.register(t, "temporary", module=module)
-        return TensorInfo(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
-                          str(t.dtype).removeprefix("torch."), sid, int(t.storage_offset()))
+        return TensorInfo(
+            tuple(int(s) for s in t.shape),
+            tuple(int(s) for s in t.stride()),
+            str(t.dtype).removeprefix("torch."),
+            sid,
+            int(t.storage_offset()),
+        )
 
     def _record(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         index = len(self.nodes)
@@ -167,10 +195,18 @@ class Recorder(TorchDispatchMode):
         allocs = tuple(range(before, len(self.table.records)))
         for sid in allocs:
             self.table.records[sid].created = index
-        self.nodes.append(OpNode(
-            index=index, op=name, phase=phase, module=module, inputs=tuple(inputs),
-            outputs=tuple(outputs), args=tuple(_jsonable(a, refs) for a in args),
-            kwargs={k: _jsonable(v, refs) for k, v in kwargs.items()}, allocs=allocs,
-        ))
+        self.nodes.append(
+            OpNode(
+                index=index,
+                op=name,
+                phase=phase,
+                module=module,
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                args=tuple(_jsonable(a, refs) for a in args),
+                kwargs={k: _jsonable(v, refs) for k, v in kwargs.items()},
+                allocs=allocs,
+            )
+        )
         if self._on_op is not None:
             self._on_op(index, phase, out_flat, [t.storage for t in outputs])

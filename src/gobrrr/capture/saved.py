@@ -81,21 +81,31 @@ class SavedTracker:
 
     def meta(self) -> Autograd:
         """What the trace learnt, for StepMeta.autograd."""
-        return Autograd.from_dict({
-            "version": AUTOGRAD_VERSION, "hooked": self.hooked, "saved": self.rows or [],
-            "node_spans": sorted(self.spans), "unreferenced": self.unreferenced,
-            "block_inputs": self.block_inputs})
+        return Autograd.from_dict(
+            {
+                "version": AUTOGRAD_VERSION,
+                "hooked": self.hooked,
+                "saved": self.rows or [],
+                "node_spans": sorted(self.spans),
+                "unreferenced": self.unreferenced,
+                "block_inputs": self.block_inputs,
+            }
+        )
 
     def watch_blocks(self, model: torch.nn.Module, names: list[str]) -> list[Any]:
         """Record the tensors each block in `names` is called with; returns the hook handles."""
+
         def hook(name):
             def pre(mod, args, kwargs):
                 sids = {self.table.lookup(t) for t in iter_tensors((args, kwargs))}
                 self.block_inputs[name] = sorted(sids - {None})
+
             return pre
 
-        return [model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True)
-                for n in names]
+        return [
+            model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True)
+            for n in names
+        ]
 
     def _release(self, now: int) -> None:
         """Note the storages whose every tensor Python has let go of since the last op: the
@@ -129,8 +139,11 @@ class SavedTracker:
 
     def _walk(self) -> list[list[Any]]:
         seen: dict[int, Any] = {}
-        todo = [t.grad_fn for r in self._outputs
-                if (t := r()) is not None and not t._is_view() and t.grad_fn]
+        todo = [
+            t.grad_fn
+            for r in self._outputs
+            if (t := r()) is not None and not t._is_view() and t.grad_fn
+        ]
         while todo:
             fn = todo.pop()
             if fn is None or id(fn) in seen:
@@ -174,14 +187,27 @@ class SavedTracker:
 
     def _row(self, index: int, t: torch.Tensor) -> list[Any]:
         sid = self.table.lookup(t)
-        return [index, sid, sid in self._out_sids.get(index, ()), bool(t.requires_grad),
-                [int(s) for s in t.shape], [int(s) for s in t.stride()],
-                str(t.dtype).removeprefix("torch."), int(t.storage_offset())]
+        return [
+            index,
+            sid,
+            sid in self._out_sids.get(index, ()),
+            bool(t.requires_grad),
+            [int(s) for s in t.shape],
+            [int(s) for s in t.stride()],
+            str(t.dtype).removeprefix("torch."),
+            int(t.storage_offset()),
+        ]
 
 
 # frames of the dispatch itself: gobrrr's modes, torch's op and mode wrappers
-_MACHINERY = ("/gobrrr/capture/", "/torch/utils/_python_dispatch", "/torch/_ops.py",
-              "/torch/_subclasses/", "/torch/_dynamo/", "/torch/_compile.py")
+_MACHINERY = (
+    "/gobrrr/capture/",
+    "/torch/utils/_python_dispatch",
+    "/torch/_ops.py",
+    "/torch/_subclasses/",
+    "/torch/_dynamo/",
+    "/torch/_compile.py",
+)
 
 
 def _call_site(depth: int = 6) -> tuple[int, ...]:
@@ -227,8 +253,11 @@ def _saved_tensors(fn: Any) -> list[torch.Tensor]:
             continue
         field = name.removeprefix("_raw_saved_")
         try:
-            value = fn.saved_tensors if field == "tensors" and not hasattr(
-                fn, "_saved_tensors") else getattr(fn, "_saved_" + field)
+            value = (
+                fn.saved_tensors
+                if field == "tensors" and not hasattr(fn, "_saved_tensors")
+                else getattr(fn, "_saved_" + field)
+            )
         except RuntimeError:  # freed already, or modified in place since it was saved
             continue
         for t in value if isinstance(value, (list, tuple)) else (value,):

@@ -54,10 +54,22 @@ class SdpaTarget:
 
 
 # compute capability by GPU (the spec's full name), for the gates that depend on it
-_CAPABILITY = (("H100", (9, 0)), ("H200", (9, 0)), ("GH200", (9, 0)), ("B200", (10, 0)),
-               ("B100", (10, 0)), ("A100", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)),
-               ("L40", (8, 9)), ("L4", (8, 9)), ("4090", (8, 9)), ("3090", (8, 6)),
-               ("V100", (7, 0)), ("T4", (7, 5)))
+_CAPABILITY = (
+    ("H100", (9, 0)),
+    ("H200", (9, 0)),
+    ("GH200", (9, 0)),
+    ("B200", (10, 0)),
+    ("B100", (10, 0)),
+    ("A100", (8, 0)),
+    ("A10", (8, 6)),
+    ("A40", (8, 6)),
+    ("L40", (8, 9)),
+    ("L4", (8, 9)),
+    ("4090", (8, 9)),
+    ("3090", (8, 6)),
+    ("V100", (7, 0)),
+    ("T4", (7, 5)),
+)
 
 
 def target_for(full_name: str) -> SdpaTarget:
@@ -102,7 +114,7 @@ def _cudnn(c: _Call, t: SdpaTarget) -> bool:
     if not torch.backends.cuda.cudnn_sdp_enabled() or t.capability < (8, 0):
         return False
     if c.q.dtype not in _HALF:  # (newer sources also want dropout in steps of 1/16; torch
-        return False           # 2.11 on an H100 ran cuDNN at 0.1: sdpa_backends_h100.json)
+        return False  # 2.11 on an H100 ran cuDNN at 0.1: sdpa_backends_h100.json)
     b, h, sq, dqk = c.q.shape
     sk, dv = c.k.shape[-2], c.v.shape[-1]
     if b > 65535 or h > 65535 or dqk % 8 or dv % 8 or sk == 1 or (c.dropout and sq == 1):
@@ -171,8 +183,9 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     if mask is None or mask.dtype != torch.bool:
         return mask
     zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.scalar_tensor(float("-inf"), dtype=dtype,
-                                                       device=mask.device))
+    return torch.where(
+        mask, zero, torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
+    )
 
 
 def _pad_mask_16(mask: torch.Tensor, c: _Call) -> torch.Tensor:
@@ -190,13 +203,15 @@ def _run(backend: str, c: _Call) -> torch.Tensor:
     if backend == "cudnn":
         mask = _additive(c.mask, c.q.dtype)
         return aten._scaled_dot_product_cudnn_attention(
-            c.q, c.k, c.v, mask, c.grad, c.dropout, c.causal, False, scale=c.scale)[0]
+            c.q, c.k, c.v, mask, c.grad, c.dropout, c.causal, False, scale=c.scale
+        )[0]
     if backend == "flash":
         d = c.q.shape[-1]
         q, k, v = (F.pad(x, (0, -d % 8)) if d % 8 else x for x in (c.q, c.k, c.v))
         scale = c.scale if c.scale is not None else 1 / math.sqrt(d)
-        out = aten._scaled_dot_product_flash_attention(q, k, v, c.dropout, c.causal, False,
-                                                       scale=scale)[0]
+        out = aten._scaled_dot_product_flash_attention(
+            q, k, v, c.dropout, c.causal, False, scale=scale
+        )[0]
         return out[..., :d] if d % 8 else out
     if backend == "efficient":
         mask = _additive(c.mask, c.q.dtype)
@@ -205,9 +220,11 @@ def _run(backend: str, c: _Call) -> torch.Tensor:
         if c.q.shape[1] != k.shape[1]:  # no GQA in this kernel: K and V repeated to Q's heads
             k, v = (x.repeat_interleave(c.q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         return aten._scaled_dot_product_efficient_attention(
-            c.q, k, v, mask, c.grad, c.dropout, c.causal, scale=c.scale)[0]
+            c.q, k, v, mask, c.grad, c.dropout, c.causal, scale=c.scale
+        )[0]
     return aten._scaled_dot_product_attention_math(
-        c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa)[0]
+        c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa
+    )[0]
 
 
 @dataclass
@@ -229,10 +246,19 @@ def cuda_sdpa(target: SdpaTarget) -> Iterator[SdpaChoices]:
     the forward, a checkpointed block's recomputation, nn.MultiheadAttention."""
     choices = SdpaChoices(target)
 
-    def kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False):
-        c = _Call(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale,
-                  bool(enable_gqa))
+    def kernel(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
+        c = _Call(
+            query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa)
+        )
         backend = choose(c, target)
         choices.chosen[backend] += 1
         with torch._C._ExcludeDispatchKeyGuard(EXCLUDE_AUTOCAST):

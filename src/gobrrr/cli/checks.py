@@ -36,8 +36,10 @@ def check_args(args: argparse.Namespace) -> None:
             get_gpu(args.gpu)
         for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
             if value < least:
-                raise GobrrrError(f"{flag} {value} is too few", hint="give a positive whole "
-                                  "number" if least else "give 0 or more")
+                raise GobrrrError(
+                    f"{flag} {value} is too few",
+                    hint="give a positive whole number" if least else "give 0 or more",
+                )
     if args.command in ("estimate", "profile", "plan"):
         spec = _spec(args)
         if spec is not None:
@@ -48,13 +50,17 @@ def _spec(args: argparse.Namespace) -> str | None:
     for name, flag in (("workload", "the workload argument"), ("model", "--model")):
         value = getattr(args, name, None)
         if value is not None and not value.strip():
-            raise GobrrrError(f"{flag} is empty", hint="name a built-in model ("
-                              f"{', '.join(model_names())}) or give path/to/file.py:function")
+            raise GobrrrError(
+                f"{flag} is empty",
+                hint="name a built-in model ("
+                f"{', '.join(model_names())}) or give path/to/file.py:function",
+            )
     spec = getattr(args, "workload", None) or getattr(args, "model", None)
     if spec and not _is_file_spec(spec) and spec not in model_names():
-        raise GobrrrError(f"unknown model {spec!r}{did_you_mean(spec, model_names())}",
-                          hint=f"choose one of {', '.join(model_names())}, or give "
-                          "path/to/file.py:function")
+        raise GobrrrError(
+            f"unknown model {spec!r}{did_you_mean(spec, model_names())}",
+            hint=f"choose one of {', '.join(model_names())}, or give path/to/file.py:function",
+        )
     return spec or (None if args.command == "profile" else "gpt2")
 
 
@@ -69,29 +75,38 @@ def check_output_file(path: str, flag: str) -> None:
     if not str(path).strip():
         raise GobrrrError(f"{flag} is empty", hint=f"give a file path, e.g. {flag} out.json")
     if p.is_dir():
-        raise GobrrrError(f"{flag} {path} is a directory",
-                          hint=f"give a file path, e.g. {p / 'out.json'}")
+        raise GobrrrError(
+            f"{flag} {path} is a directory", hint=f"give a file path, e.g. {p / 'out.json'}"
+        )
     folder = p.parent
     if not folder.exists():
-        raise GobrrrError(f"{flag} {path}: directory {folder} does not exist",
-                          hint=f"create it first (mkdir -p {folder}) or choose another path")
+        raise GobrrrError(
+            f"{flag} {path}: directory {folder} does not exist",
+            hint=f"create it first (mkdir -p {folder}) or choose another path",
+        )
     if not folder.is_dir():
-        raise GobrrrError(f"{flag} {path}: {folder} is a file, not a directory",
-                          hint="choose a path inside a directory")
+        raise GobrrrError(
+            f"{flag} {path}: {folder} is a file, not a directory",
+            hint="choose a path inside a directory",
+        )
     if not os.access(folder, os.W_OK):
-        raise GobrrrError(f"{flag} {path}: directory {folder} is not writable",
-                          hint="choose a directory you can write to")
+        raise GobrrrError(
+            f"{flag} {path}: directory {folder} is not writable",
+            hint="choose a directory you can write to",
+        )
 
 
 def check_output_dir(path: str, flag: str) -> None:
     p = Path(path).expanduser()
     if not p.is_dir():
         what = "is a file" if p.exists() else "does not exist"
-        raise GobrrrError(f"{flag} {path} {what}",
-                          hint=f"give an existing directory (mkdir -p {path})")
+        raise GobrrrError(
+            f"{flag} {path} {what}", hint=f"give an existing directory (mkdir -p {path})"
+        )
     if not os.access(p, os.W_OK):
-        raise GobrrrError(f"{flag} {path} is not writable", hint="choose a directory you can "
-                          "write to")
+        raise GobrrrError(
+            f"{flag} {path} is not writable", hint="choose a directory you can write to"
+        )
 
 
 def check_unused(spec: str, batch: int | None, seq: int | None) -> None:
@@ -102,13 +117,19 @@ def check_unused(spec: str, batch: int | None, seq: int | None) -> None:
             return
         for flag, value, arg in (("--batch", batch, "batch_size"), ("--seq", seq, "seq_len")):
             if value is not None and arg not in takes and "**" not in takes:
-                warnings.warn(f"{flag} {value} is not used: {spec} takes no {arg} argument "
-                              f"(add `{arg}: int` to its parameters to receive it)",
-                              GobrrrWarning, stacklevel=2)
+                warnings.warn(
+                    f"{flag} {value} is not used: {spec} takes no {arg} argument "
+                    f"(add `{arg}: int` to its parameters to receive it)",
+                    GobrrrWarning,
+                    stacklevel=2,
+                )
         return
     if seq is not None and "max_seq_len" not in describe(spec):
-        warnings.warn(f"--seq {seq} is not used: {spec} is not a sequence model (drop --seq)",
-                      GobrrrWarning, stacklevel=2)
+        warnings.warn(
+            f"--seq {seq} is not used: {spec} is not a sequence model (drop --seq)",
+            GobrrrWarning,
+            stacklevel=2,
+        )
 
 
 def _function_args(spec: str) -> set[str] | None:
@@ -129,19 +150,37 @@ def _function_args(spec: str) -> set[str] | None:
 
 # (text in the message, what to change): the errors users meet most, worded as fixes
 KNOWN = (
-    ("numpy() is not supported", "gobrrr traces the step on fake tensors, which hold no "
-     "values: .numpy() (and .tolist(), .item()) cannot run inside it; compute it with torch ops"),
-    ("Can't call numpy()", "gobrrr traces the step on fake tensors, which hold no values: "
-     "compute it with torch ops instead of .numpy()"),
-    ("_local_scalar_dense", "the code reads a tensor's value (.item(), float(t), `if t > 0:`, "
-     ".tolist()), which fake tensors do not have: keep it in torch (e.g. torch.where) or "
-     "compute it from Python numbers"),
-    ("the traced step raised", "the error is in the step's own code on the batch given: run "
-     "one step of it in plain PyTorch to find it (GOBRRR_DEBUG=1 shows the traceback)"),
-    ("optimizer's first step raised", "the optimizer failed on the model's parameters: try it "
-     "in plain PyTorch (GOBRRR_DEBUG=1 shows the traceback)"),
-    (" raised ", "the workload function failed before anything was traced: call it once in "
-     "plain Python to debug (GOBRRR_DEBUG=1 shows the traceback)"),
+    (
+        "numpy() is not supported",
+        "gobrrr traces the step on fake tensors, which hold no "
+        "values: .numpy() (and .tolist(), .item()) cannot run inside it; compute it with torch ops",
+    ),
+    (
+        "Can't call numpy()",
+        "gobrrr traces the step on fake tensors, which hold no values: "
+        "compute it with torch ops instead of .numpy()",
+    ),
+    (
+        "_local_scalar_dense",
+        "the code reads a tensor's value (.item(), float(t), `if t > 0:`, "
+        ".tolist()), which fake tensors do not have: keep it in torch (e.g. torch.where) or "
+        "compute it from Python numbers",
+    ),
+    (
+        "the traced step raised",
+        "the error is in the step's own code on the batch given: run "
+        "one step of it in plain PyTorch to find it (GOBRRR_DEBUG=1 shows the traceback)",
+    ),
+    (
+        "optimizer's first step raised",
+        "the optimizer failed on the model's parameters: try it "
+        "in plain PyTorch (GOBRRR_DEBUG=1 shows the traceback)",
+    ),
+    (
+        " raised ",
+        "the workload function failed before anything was traced: call it once in "
+        "plain Python to debug (GOBRRR_DEBUG=1 shows the traceback)",
+    ),
 )
 
 

@@ -58,8 +58,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         command = self.prog.removeprefix("gobrrr").strip()
-        raise GobrrrError(f"{command + ': ' if command else ''}{message}"
-                          f"{_suggest(self, message)}", hint=f"see `{self.prog} --help`")
+        raise GobrrrError(
+            f"{command + ': ' if command else ''}{message}{_suggest(self, message)}",
+            hint=f"see `{self.prog} --help`",
+        )
 
 
 def _suggest(parser: argparse.ArgumentParser, message: str) -> str:
@@ -88,26 +90,38 @@ def positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a positive whole number (e.g. 8), got {text!r}") from None
+            f"expected a positive whole number (e.g. 8), got {text!r}"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number (e.g. 8), got {value}")
     return value
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def byte_size(text: str) -> int:
     """argparse type: a size in bytes, e.g. 70GiB, 75GB, 8e10."""
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("kmgtib")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num) * _UNITS[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(
-            f"expected a size such as 70GiB, 75GB or 80000000000, got {text!r}") from None
+            f"expected a size such as 70GiB, 75GB or 80000000000, got {text!r}"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
     return int(value)
@@ -119,22 +133,35 @@ def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text in options:
             return text
-        raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}{did_you_mean(text, options)}"
-                                         f": choose one of {', '.join(options)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown {kind} {text!r}{did_you_mean(text, options)}"
+            f": choose one of {', '.join(options)}"
+        )
 
     return check
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", nargs="?", help="path/to/file.py:function returning a "
-                   "gobrrr.Workload (or use --model)")
+    p.add_argument(
+        "workload",
+        nargs="?",
+        help="path/to/file.py:function returning a gobrrr.Workload (or use --model)",
+    )
     p.add_argument("--model", help="a built-in model (listed below)")
     p.add_argument("--batch", type=positive_int, help="batch size passed to the workload")
     p.add_argument("--seq", type=positive_int, help="sequence length passed to the workload")
-    p.add_argument("--precision", default="bf16-mixed", type=one_of("precision", PRECISIONS),
-                   help=PRECISION_HELP)
-    p.add_argument("--checkpoint", default="none", type=one_of("checkpoint mode", CHECKPOINTS),
-                   help="none | full (checkpoint every block)")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        type=one_of("precision", PRECISIONS),
+        help=PRECISION_HELP,
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="none",
+        type=one_of("checkpoint mode", CHECKPOINTS),
+        help="none | full (checkpoint every block)",
+    )
     p.add_argument("--compile", action="store_true", help="the model runs under torch.compile")
 
 
@@ -145,14 +172,20 @@ def workload_spec(args: argparse.Namespace, default: str = "gpt2") -> str:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    est = estimate(workload_spec(args), args.gpu, batch=args.batch, seq=args.seq,
-                   precision=args.precision, checkpoint=args.checkpoint,
-                   calibration=not args.no_calibration, compile=args.compile)
+    est = estimate(
+        workload_spec(args),
+        args.gpu,
+        batch=args.batch,
+        seq=args.seq,
+        precision=args.precision,
+        checkpoint=args.checkpoint,
+        calibration=not args.no_calibration,
+        compile=args.compile,
+    )
     if args.save_graph:
         est.graph.save(args.save_graph)
     if args.json:
-        print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings},
-                         indent=2))
+        print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings}, indent=2))
     else:
         from gobrrr.report.terminal import print_estimate  # lazy: rich, for tables only
 
@@ -161,15 +194,25 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    result = plan(workload_spec(args), args.gpu, global_batch=args.global_batch, seq=args.seq,
-                  precision=args.precision, memory_budget=args.memory_budget,
-                  allow=args.allow, margin=args.margin,
-                  calibration=not args.no_calibration)
+    result = plan(
+        workload_spec(args),
+        args.gpu,
+        global_batch=args.global_batch,
+        seq=args.seq,
+        precision=args.precision,
+        memory_budget=args.memory_budget,
+        allow=args.allow,
+        margin=args.margin,
+        calibration=not args.no_calibration,
+    )
     verified = _verify(args, result) if args.verify else None
     if args.json:
         extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
-        print(json.dumps({**result.to_dict(top=args.top), **extra,
-                          "warnings": args.warnings}, indent=2))
+        print(
+            json.dumps(
+                {**result.to_dict(top=args.top), **extra, "warnings": args.warnings}, indent=2
+            )
+        )
     else:
         from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
@@ -180,17 +223,33 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace, result) -> list:
-    fitting = [p for p in result.plans if p.fits][:args.verify]
+    fitting = [p for p in result.plans if p.fits][: args.verify]
     make = lambda g: workload_factory(workload_spec(args), g, args.seq)()  # noqa: E731
     return verify(make, fitting, args.precision)
 
 
 def _gpus(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps({"version": JSON_VERSION, "gpus": [
-            {"name": g.name, "aliases": list(g.aliases), "full_name": g.full_name,
-             "memory_bytes": g.memory_bytes, "bandwidth": g.bandwidth,
-             "peak_flops": g.peak_flops, "sms": g.sms} for g in BUILTIN_GPUS]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "version": JSON_VERSION,
+                    "gpus": [
+                        {
+                            "name": g.name,
+                            "aliases": list(g.aliases),
+                            "full_name": g.full_name,
+                            "memory_bytes": g.memory_bytes,
+                            "bandwidth": g.bandwidth,
+                            "peak_flops": g.peak_flops,
+                            "sms": g.sms,
+                        }
+                        for g in BUILTIN_GPUS
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         from gobrrr.report.terminal import print_gpus  # lazy: rich, for tables only
 
@@ -201,8 +260,7 @@ def _gpus(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     paths = run_benchmarks(args.out, which=tuple(args.which))
     if args.json:
-        print(json.dumps({"version": JSON_VERSION, "written": [str(p) for p in paths]},
-                         indent=2))
+        print(json.dumps({"version": JSON_VERSION, "written": [str(p) for p in paths]}, indent=2))
     else:
         for p in paths:
             print(p)
@@ -211,38 +269,67 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="gobrrr", description="Where the time and memory of a PyTorch training step go.")
+        prog="gobrrr", description="Where the time and memory of a PyTorch training step go."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
 
-    p = sub.add_parser("estimate", help="predict memory and time on a GPU, without one",
-                       epilog=EXAMPLES["estimate"] + "\n\nbuilt-in models: "
-                       + ", ".join(model_names()), formatter_class=fmt)
+    p = sub.add_parser(
+        "estimate",
+        help="predict memory and time on a GPU, without one",
+        epilog=EXAMPLES["estimate"] + "\n\nbuilt-in models: " + ", ".join(model_names()),
+        formatter_class=fmt,
+    )
     _add_workload_args(p)
-    p.add_argument("--gpu", default="h100", help="target GPU name (see `gobrrr gpus`) or a "
-                   ".toml/.json spec file (default h100)")
-    p.add_argument("--no-calibration", action="store_true",
-                   help="use datasheet peaks even if a calibration exists")
-    p.add_argument("--top", type=positive_int, default=12, metavar="N",
-                   help="rows of the op and module tables (default 12)")
+    p.add_argument(
+        "--gpu",
+        default="h100",
+        help="target GPU name (see `gobrrr gpus`) or a .toml/.json spec file (default h100)",
+    )
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="use datasheet peaks even if a calibration exists",
+    )
+    p.add_argument(
+        "--top",
+        type=positive_int,
+        default=12,
+        metavar="N",
+        help="rows of the op and module tables (default 12)",
+    )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_estimate)
 
     _add_plan_parser(sub, fmt, model_names())
 
-    p = sub.add_parser("gpus", help="list the built-in GPUs", epilog=EXAMPLES["gpus"],
-                       formatter_class=fmt)
+    p = sub.add_parser(
+        "gpus", help="list the built-in GPUs", epilog=EXAMPLES["gpus"], formatter_class=fmt
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_gpus)
 
-    p = sub.add_parser("bench", help="run the kernel benchmarks (needs a GPU)",
-                       epilog=EXAMPLES["bench"], formatter_class=fmt)
+    p = sub.add_parser(
+        "bench",
+        help="run the kernel benchmarks (needs a GPU)",
+        epilog=EXAMPLES["bench"],
+        formatter_class=fmt,
+    )
     p.add_argument("target", choices=["kernels"])
-    p.add_argument("--which", nargs="*", default=["all"], choices=["all", *SCRIPTS],
-                   metavar="NAME", help=f"which benchmarks: {', '.join(SCRIPTS)} (default all)")
-    p.add_argument("--out", default="benchmarks/results",
-                   help="an existing directory for the JSON results (default benchmarks/results)")
+    p.add_argument(
+        "--which",
+        nargs="*",
+        default=["all"],
+        choices=["all", *SCRIPTS],
+        metavar="NAME",
+        help=f"which benchmarks: {', '.join(SCRIPTS)} (default all)",
+    )
+    p.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="an existing directory for the JSON results (default benchmarks/results)",
+    )
     p.add_argument("--json", action="store_true", help="print the written paths as JSON")
     p.set_defaults(func=_bench)
 
@@ -251,41 +338,80 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub, fmt, models: list[str]) -> None:
-    p = sub.add_parser("plan", help="find the fastest configuration that fits the GPU",
-                       epilog=EXAMPLES["plan"] + "\n\nbuilt-in models: " + ", ".join(models),
-                       formatter_class=fmt)
-    p.add_argument("workload", nargs="?", help="path/to/file.py:function returning a "
-                   "gobrrr.Workload (or use --model)")
+    p = sub.add_parser(
+        "plan",
+        help="find the fastest configuration that fits the GPU",
+        epilog=EXAMPLES["plan"] + "\n\nbuilt-in models: " + ", ".join(models),
+        formatter_class=fmt,
+    )
+    p.add_argument(
+        "workload",
+        nargs="?",
+        help="path/to/file.py:function returning a gobrrr.Workload (or use --model)",
+    )
     p.add_argument("--model", help="a built-in model (listed below)")
-    p.add_argument("--global-batch", type=positive_int, metavar="N",
-                   help="samples (sequences or images) per optimizer step (default: the "
-                   "workload's batch)")
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        metavar="N",
+        help="samples (sequences or images) per optimizer step (default: the workload's batch)",
+    )
     p.add_argument("--seq", type=positive_int, help="sequence length passed to the workload")
-    p.add_argument("--precision", default="bf16-mixed", type=one_of("precision", PRECISIONS),
-                   help=PRECISION_HELP + "; the plan keeps it")
-    p.add_argument("--gpu", default="h100", help="target GPU name (see `gobrrr gpus`) or a "
-                   ".toml/.json spec file (default h100)")
-    p.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
-                   help="most memory the step may reserve, e.g. 70GiB (default: what CUDA "
-                   "leaves the process on the GPU)")
-    p.add_argument("--margin", type=float, default=0.0, metavar="F",
-                   help="share of the budget to leave free, e.g. 0.05 (default 0: the "
-                   "predicted reserved peak may take the whole budget)")
-    p.add_argument("--allow", type=lambda s: [a for a in s.split(",") if a], default=[],
-                   metavar="A,B", help="knobs that change the numerics, allowed to the plan: "
-                   "bf16-states (the optimizer's moments in bf16), 8bit-states (torchao's "
-                   "8-bit AdamW moments; gobrrr[optim] to apply), bf16-weights (pure bf16: "
-                   "weights, gradients and states in bf16, no autocast), compile (the model "
-                   "under torch.compile), offload (the optimizer's states and AdamW update on "
-                   "the CPU, torchao's CPUOffloadOptimizer; costed from the calibration's "
-                   "offload section)")
-    p.add_argument("--no-calibration", action="store_true",
-                   help="use datasheet peaks even if a calibration exists")
-    p.add_argument("--top", type=positive_int, default=8, metavar="N",
-                   help="plans shown (default 8)")
-    p.add_argument("--verify", type=positive_int, nargs="?", const=3, metavar="K",
-                   help="on a GPU: apply the best K plans (default 3) and measure each beside "
-                   "its prediction")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        type=one_of("precision", PRECISIONS),
+        help=PRECISION_HELP + "; the plan keeps it",
+    )
+    p.add_argument(
+        "--gpu",
+        default="h100",
+        help="target GPU name (see `gobrrr gpus`) or a .toml/.json spec file (default h100)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=byte_size,
+        metavar="SIZE",
+        help="most memory the step may reserve, e.g. 70GiB (default: what CUDA "
+        "leaves the process on the GPU)",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of the budget to leave free, e.g. 0.05 (default 0: the "
+        "predicted reserved peak may take the whole budget)",
+    )
+    p.add_argument(
+        "--allow",
+        type=lambda s: [a for a in s.split(",") if a],
+        default=[],
+        metavar="A,B",
+        help="knobs that change the numerics, allowed to the plan: "
+        "bf16-states (the optimizer's moments in bf16), 8bit-states (torchao's "
+        "8-bit AdamW moments; gobrrr[optim] to apply), bf16-weights (pure bf16: "
+        "weights, gradients and states in bf16, no autocast), compile (the model "
+        "under torch.compile), offload (the optimizer's states and AdamW update on "
+        "the CPU, torchao's CPUOffloadOptimizer; costed from the calibration's "
+        "offload section)",
+    )
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="use datasheet peaks even if a calibration exists",
+    )
+    p.add_argument(
+        "--top", type=positive_int, default=8, metavar="N", help="plans shown (default 8)"
+    )
+    p.add_argument(
+        "--verify",
+        type=positive_int,
+        nargs="?",
+        const=3,
+        metavar="K",
+        help="on a GPU: apply the best K plans (default 3) and measure each beside its prediction",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_plan)
 
@@ -315,10 +441,14 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
     except SystemExit as e:  # the user's code exited; argparse never gets here
         if _raised_by(e, "rich."):  # rich's way out when the reader of a pipe went away
             raise
-        return _fail(GobrrrError(
-            f"the workload called sys.exit({e.code!r}) while gobrrr imported or ran it",
-            hint="gobrrr builds and runs the step itself: remove the exit, or put the "
-            "script's own code under `if __name__ == \"__main__\":`"), as_json)
+        return _fail(
+            GobrrrError(
+                f"the workload called sys.exit({e.code!r}) while gobrrr imported or ran it",
+                hint="gobrrr builds and runs the step itself: remove the exit, or put the "
+                'script\'s own code under `if __name__ == "__main__":`',
+            ),
+            as_json,
+        )
     except KeyboardInterrupt:
         return _fail(GobrrrError("interrupted", hint="nothing was written"), as_json)
     except Exception as e:
@@ -342,8 +472,16 @@ def _fail(e: BaseException, as_json: bool) -> int:
     line = f"{message}: {one_line(hint)}" if hint else message
     print(f"gobrrr: error: {line}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"version": JSON_VERSION, "error": message,
-                          "hint": one_line(hint) if hint else None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "version": JSON_VERSION,
+                    "error": message,
+                    "hint": one_line(hint) if hint else None,
+                },
+                indent=2,
+            )
+        )
     return 2
 
 

@@ -39,24 +39,37 @@ CALIBRATE_EXAMPLES = """examples:
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """The `profile` subcommand: measure a real training step."""
-    p = subparsers.add_parser("profile", help="measure a real training step on the GPU",
-                              description=PROFILE_DESCRIPTION, epilog=PROFILE_EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "profile",
+        help="measure a real training step on the GPU",
+        description=PROFILE_DESCRIPTION,
+        epilog=PROFILE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("workload", nargs="?", help="a built-in model name, or path/file.py:function")
     p.add_argument("--model", help="a built-in model (same as the positional argument)")
     p.add_argument("--gpu", help="GPU spec to judge against (default: the one CUDA reports)")
     p.add_argument("--batch", type=int, help="batch size")
     p.add_argument("--seq", type=int, help="sequence length")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (default 3)")
     p.add_argument("--checkpoint", default="none", help="none | full (checkpoint every block)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    p.add_argument("--compare", action="store_true",
-                   help="also capture the step graph and compare with the prediction")
-    p.add_argument("--scaling", action="store_true",
-                   help="time the step at batch B, 2B, 4B: is it overhead-bound?")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also capture the step graph and compare with the prediction",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="time the step at batch B, 2B, 4B: is it overhead-bound?",
+    )
     p.add_argument("--trace", metavar="FILE", help="write the profiled step as a Chrome trace")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -66,12 +79,18 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     """The `calibrate` subcommand: microbenchmarks of this GPU."""
-    p = subparsers.add_parser("calibrate", help="measure this GPU's achieved rates",
-                              epilog=CALIBRATE_EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this GPU's achieved rates",
+        epilog=CALIBRATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    p.add_argument("--output", metavar="FILE",
-                   help="where to save (default ~/.cache/gobrrr/calibration/<gpu>.json)")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="where to save (default ~/.cache/gobrrr/calibration/<gpu>.json)",
+    )
     p.add_argument("--no-save", action="store_true", help="measure and print only")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_calibrate)
@@ -97,9 +116,18 @@ def run_profile(args) -> int:
     gpu: str | Target | None = args.gpu
     if args.compare:
         graph, gpu, prediction = _predict(make, args)
-    result = profile(make(args.batch), device=args.device, precision=args.precision,
-                     steps=args.steps, warmup=args.warmup, checkpoint=args.checkpoint,
-                     compile=args.compile, trace_path=args.trace, graph=graph, gpu=gpu)
+    result = profile(
+        make(args.batch),
+        device=args.device,
+        precision=args.precision,
+        steps=args.steps,
+        warmup=args.warmup,
+        checkpoint=args.checkpoint,
+        compile=args.compile,
+        trace_path=args.trace,
+        graph=graph,
+        gpu=gpu,
+    )
     out["profile"] = asdict(result)
     comparison = scaling = None
     if prediction is not None:
@@ -111,8 +139,9 @@ def run_profile(args) -> int:
         from gobrrr.profile.scaling import scaling as run_scaling  # lazy: this command only
 
         batch = args.batch or _default_batch(make)
-        scaling = run_scaling(make, batch, args.device, args.precision,
-                              args.steps, args.warmup, compile=args.compile)
+        scaling = run_scaling(
+            make, batch, args.device, args.precision, args.steps, args.warmup, compile=args.compile
+        )
         out["scaling"] = scaling.to_dict()
     if args.json:
         print(json.dumps(out, indent=1))
@@ -137,9 +166,13 @@ def _predict(make, args):
     attention backends, torch.compile when the profiled step is compiled) and evaluated on
     its spec and calibration (`Target.resolve`)."""
     target = _compare_target(args)
-    graph = capture(lambda: make(args.batch), precision=args.precision,
-                    checkpoint=args.checkpoint, sdpa=target_for(target.gpu.full_name),
-                    compile=args.compile)
+    graph = capture(
+        lambda: make(args.batch),
+        precision=args.precision,
+        checkpoint=args.checkpoint,
+        sdpa=target_for(target.gpu.full_name),
+        compile=args.compile,
+    )
     return graph, target, evaluate(graph, target).time
 
 
@@ -150,17 +183,21 @@ def _compare_target(args) -> Target:
     import torch
 
     if not (args.device.startswith("cuda") and torch.cuda.is_available()):
-        raise GobrrrError(f"--compare on {args.device!r}: no CUDA GPU names the GPU to predict "
-                          "for", hint="pass --gpu NAME (a built-in name or a spec file)")
+        raise GobrrrError(
+            f"--compare on {args.device!r}: no CUDA GPU names the GPU to predict for",
+            hint="pass --gpu NAME (a built-in name or a spec file)",
+        )
     name = torch.cuda.get_device_name(args.device)
     try:
         return Target.resolve(name)
     except GobrrrError as e:
         if match_device_name(name) is not None:
             raise  # the GPU is known: its calibration failed to load
-        raise GobrrrError(f"--compare: CUDA reports {name!r}, which no built-in GPU spec "
-                          "names", hint="pass --gpu NAME or a .toml/.json spec file of this "
-                          "GPU (`gobrrr gpus` lists the built-ins)") from e
+        raise GobrrrError(
+            f"--compare: CUDA reports {name!r}, which no built-in GPU spec names",
+            hint="pass --gpu NAME or a .toml/.json spec file of this "
+            "GPU (`gobrrr gpus` lists the built-ins)",
+        ) from e
 
 
 def run_calibrate(args) -> int:

@@ -45,10 +45,12 @@ _SPECS: dict[str, _Spec] = {
     "aten._scaled_dot_product_flash_attention_for_cpu_backward": _Spec(True, (7, "is_causal"), 1),
     "aten._flash_attention_forward": _Spec(False, (8, "is_causal"), 1, True, cum_seq=(3, 5)),
     "aten._flash_attention_backward": _Spec(True, (11, "is_causal"), 3, True, cum_seq=(6, 8)),
-    "aten._efficient_attention_forward": _Spec(False, (9, "custom_mask_type"), 1, True, True,
-                                               (4, 6)),
-    "aten._efficient_attention_backward": _Spec(True, (14, "custom_mask_type"), 2, True, True,
-                                                (6, 8)),
+    "aten._efficient_attention_forward": _Spec(
+        False, (9, "custom_mask_type"), 1, True, True, (4, 6)
+    ),
+    "aten._efficient_attention_backward": _Spec(
+        True, (14, "custom_mask_type"), 2, True, True, (6, 8)
+    ),
     "gobrrr.attention_fwd": _Spec(False, (3, "causal"), 1),
     "gobrrr.attention_bwd": _Spec(True, (6, "causal"), 2),
 }
@@ -95,8 +97,9 @@ def attention(node: OpNode, tf32: bool) -> OpCost:
     flops = b * h * sq * sk * per_pair * _factor(node, spec, sq, sk)
     outs = node.outputs if spec.backward else node.outputs[:2]  # never the debug S×S mask
     nbytes = sum_read(node.inputs) + sum_read(outs)
-    return OpCost(float(flops), float(nbytes), matmul_math(q.dtype, tf32), "attention",
-                  spec.launches)
+    return OpCost(
+        float(flops), float(nbytes), matmul_math(q.dtype, tf32), "attention", spec.launches
+    )
 
 
 #: Fused attention kernels work on (query, key) tiles of this many positions: a sequence

@@ -86,8 +86,9 @@ def linear_cross_entropy(node: OpNode, tf32: bool) -> OpCost:
     flops = 2 * n * d * v * (1 + grads) + (CE_PER_LOGIT + bias) * n * v
     chunk = int(node.arg(7, "chunk_size", 0) or 0) or _default_chunk(n, d, v)
     launches = 5 + -(-n // max(chunk, 1)) * (6 + 2 * bias)
-    return OpCost(float(flops), float(io_bytes(node)), matmul_math(hidden.dtype, tf32), "loss",
-                  launches)
+    return OpCost(
+        float(flops), float(io_bytes(node)), matmul_math(hidden.dtype, tf32), "loss", launches
+    )
 
 
 def _default_chunk(n: int, d: int, v: int) -> int:
@@ -97,9 +98,13 @@ def _default_chunk(n: int, d: int, v: int) -> int:
 
 
 COSTS: dict[str, CostFn] = {
-    "gobrrr.rms_norm_fwd": rms_norm_fwd, "gobrrr.rms_norm_bwd": rms_norm_bwd,
-    "gobrrr.layer_norm_fwd": layer_norm_fwd, "gobrrr.layer_norm_bwd": layer_norm_bwd,
-    "gobrrr.swiglu_fwd": swiglu_fwd, "gobrrr.swiglu_bwd": swiglu_bwd,
-    "gobrrr.gelu_fwd": gelu_fwd, "gobrrr.gelu_bwd": gelu_bwd,
+    "gobrrr.rms_norm_fwd": rms_norm_fwd,
+    "gobrrr.rms_norm_bwd": rms_norm_bwd,
+    "gobrrr.layer_norm_fwd": layer_norm_fwd,
+    "gobrrr.layer_norm_bwd": layer_norm_bwd,
+    "gobrrr.swiglu_fwd": swiglu_fwd,
+    "gobrrr.swiglu_bwd": swiglu_bwd,
+    "gobrrr.gelu_fwd": gelu_fwd,
+    "gobrrr.gelu_bwd": gelu_bwd,
     "gobrrr.linear_cross_entropy": linear_cross_entropy,
 }

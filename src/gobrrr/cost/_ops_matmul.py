@@ -72,8 +72,9 @@ def grouped_mm(node: OpNode, tf32: bool) -> OpCost:
     else:
         flops = 2 * out.numel * a.shape[-1]
     launches = 1 if a.dtype in ("bfloat16", "float16") else grouped_mm_groups(node)
-    return OpCost(float(flops), float(io_bytes(node)), matmul_math(a.dtype, tf32), "matmul",
-                  launches)
+    return OpCost(
+        float(flops), float(io_bytes(node)), matmul_math(a.dtype, tf32), "matmul", launches
+    )
 
 
 def conv_flop_count(x: tuple, w: tuple, out: tuple, transposed: bool) -> int:
@@ -86,15 +87,15 @@ def conv_flop_count(x: tuple, w: tuple, out: tuple, transposed: bool) -> int:
 
 def _conv_cost(node: OpNode, tf32: bool, flops: int, launches: int) -> OpCost:
     x = node.inputs[0]
-    return OpCost(float(flops), float(io_bytes(node)), conv_math(x.dtype, tf32), "conv",
-                  launches)
+    return OpCost(float(flops), float(io_bytes(node)), conv_math(x.dtype, tf32), "conv", launches)
 
 
 def convolution(node: OpNode, tf32: bool) -> OpCost:
     """convolution(input, weight, bias?, stride, padding, dilation, transposed, ...)."""
     x, w = targ(node, 0, "input"), targ(node, 1, "weight")
     transposed = node.name in ("convolution", "_convolution", "convolution_overrideable") and bool(
-        node.arg(6, "transposed", False))
+        node.arg(6, "transposed", False)
+    )
     flops = conv_flop_count(x.shape, w.shape, node.outputs[0].shape, transposed)
     return _conv_cost(node, tf32, flops, 1)
 
@@ -133,19 +134,51 @@ def convolution_backward(node: OpNode, tf32: bool) -> OpCost:
     # grad_out is always read; input only for grad_weight, weight only for grad_input
     nbytes = sum_read([go, x if mask[1] else None, w if mask[0] else None])
     nbytes += sum_read(node.outputs)
-    return OpCost(float(flops), float(nbytes), conv_math(go.dtype, tf32), "conv",
-                  max(1, sum(bool(m) for m in mask)))
+    return OpCost(
+        float(flops),
+        float(nbytes),
+        conv_math(go.dtype, tf32),
+        "conv",
+        max(1, sum(bool(m) for m in mask)),
+    )
 
 
 COSTS: dict[str, CostFn] = {
-    **{f"aten.{n}": mm for n in ("mm", "bmm", "matmul", "linear", "_scaled_mm", "_int_mm", "mv",
-                                 "dot", "vdot", "inner")},
+    **{
+        f"aten.{n}": mm
+        for n in (
+            "mm",
+            "bmm",
+            "matmul",
+            "linear",
+            "_scaled_mm",
+            "_int_mm",
+            "mv",
+            "dot",
+            "vdot",
+            "inner",
+        )
+    },
     "aten._grouped_mm": grouped_mm,
-    "aten.addmm": addmm, "aten.addmm_": addmm, "aten._addmm_activation": addmm,
-    "aten.baddbmm": baddbmm, "aten.baddbmm_": baddbmm,
-    "aten.addbmm": addbmm, "aten.addbmm_": addbmm, "aten.addmv": addmv, "aten.addmv_": addmv,
-    **{f"aten.{n}": convolution for n in ("convolution", "_convolution", "cudnn_convolution",
-                                          "convolution_overrideable", "_slow_conv2d_forward",
-                                          "mkldnn_convolution")},
+    "aten.addmm": addmm,
+    "aten.addmm_": addmm,
+    "aten._addmm_activation": addmm,
+    "aten.baddbmm": baddbmm,
+    "aten.baddbmm_": baddbmm,
+    "aten.addbmm": addbmm,
+    "aten.addbmm_": addbmm,
+    "aten.addmv": addmv,
+    "aten.addmv_": addmv,
+    **{
+        f"aten.{n}": convolution
+        for n in (
+            "convolution",
+            "_convolution",
+            "cudnn_convolution",
+            "convolution_overrideable",
+            "_slow_conv2d_forward",
+            "mkldnn_convolution",
+        )
+    },
     "aten.convolution_backward": convolution_backward,
 }

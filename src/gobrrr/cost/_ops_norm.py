@@ -154,8 +154,11 @@ def scatter_like(node: OpNode, tf32: bool) -> OpCost:
     element for the accumulating variants (add/reduce/accumulate), else 0."""
     name = node.name.rstrip("_")
     src = list(node.inputs[1:])
-    accumulate = ("add" in name or "reduce" in name
-                  or (name.endswith("index_put") and bool(node.arg(3, "accumulate", False))))
+    accumulate = (
+        "add" in name
+        or "reduce" in name
+        or (name.endswith("index_put") and bool(node.arg(3, "accumulate", False)))
+    )
     n_src = max((t.numel for t in src), default=0)
     flops = n_src if accumulate else 0
     if node.name.endswith("_"):  # in place: read the sources, read-modify-write those elements
@@ -185,33 +188,54 @@ def pooling(node: OpNode, tf32: bool) -> OpCost:
 
 def _table() -> dict[str, CostFn]:
     costs: dict[str, CostFn] = {
-        "aten.native_layer_norm": layer_norm, "aten.layer_norm": layer_norm,
+        "aten.native_layer_norm": layer_norm,
+        "aten.layer_norm": layer_norm,
         "aten.native_layer_norm_backward": layer_norm_backward,
-        "aten._fused_rms_norm": rms_norm, "aten.rms_norm": rms_norm,
+        "aten._fused_rms_norm": rms_norm,
+        "aten.rms_norm": rms_norm,
         "aten._fused_rms_norm_backward": rms_norm_backward,
         "aten.native_group_norm": group_norm,
         "aten.native_group_norm_backward": group_norm_backward,
         "aten.native_batch_norm_backward": batch_norm_backward,
         "aten.cudnn_batch_norm_backward": batch_norm_backward,
-        "aten._softmax": softmax, "aten._log_softmax": softmax, "aten.softmax": softmax,
-        "aten.log_softmax": softmax, "aten._safe_softmax": softmax,
+        "aten._softmax": softmax,
+        "aten._log_softmax": softmax,
+        "aten.softmax": softmax,
+        "aten.log_softmax": softmax,
+        "aten._safe_softmax": softmax,
         "aten._softmax_backward_data": softmax_backward,
         "aten._log_softmax_backward_data": softmax_backward,
-        "aten.embedding": embedding, "aten.embedding_dense_backward": embedding_backward,
-        "aten.nll_loss_forward": nll_loss, "aten.nll_loss2d_forward": nll_loss,
+        "aten.embedding": embedding,
+        "aten.embedding_dense_backward": embedding_backward,
+        "aten.nll_loss_forward": nll_loss,
+        "aten.nll_loss2d_forward": nll_loss,
         "aten.nll_loss_backward": nll_loss_backward,
         "aten.nll_loss2d_backward": nll_loss_backward,
     }
-    for n in ("native_batch_norm", "_native_batch_norm_legit",
-              "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-              "cudnn_batch_norm", "batch_norm"):
+    for n in (
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+        "cudnn_batch_norm",
+        "batch_norm",
+    ):
         costs[f"aten.{n}"] = batch_norm
     for n in _LOSSES:
         costs[f"aten.{n}"] = costs[f"aten.{n}_backward"] = elementwise_loss
     for n in _POOLS:
         costs[f"aten.{n}"] = costs[f"aten.{n}_backward"] = pooling
-    for n in ("scatter", "scatter_add", "scatter_reduce", "index_add", "index_put", "index_copy",
-              "_index_put_impl", "index_fill", "masked_scatter"):
+    for n in (
+        "scatter",
+        "scatter_add",
+        "scatter_reduce",
+        "index_add",
+        "index_put",
+        "index_copy",
+        "_index_put_impl",
+        "index_fill",
+        "masked_scatter",
+    ):
         costs[f"aten.{n}"] = costs[f"aten.{n}_"] = scatter_like
     return costs
 

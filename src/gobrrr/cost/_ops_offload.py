@@ -32,6 +32,7 @@ def cpu_step(node: OpNode, tf32: bool) -> OpCost:
 
 
 COSTS: dict[str, CostFn] = {
-    "gobrrr.offload_grad_d2h": grad_d2h, "gobrrr.offload_param_h2d": param_h2d,
+    "gobrrr.offload_grad_d2h": grad_d2h,
+    "gobrrr.offload_param_h2d": param_h2d,
     "gobrrr.offload_cpu_step": cpu_step,
 }

@@ -51,13 +51,16 @@ def mta_launches(numels: list[int], depth: int, scalar_list: bool = False) -> in
 
 
 def _tensor_lists(node: OpNode) -> list[list]:
-    return [refs(node, a) for a in node.args if isinstance(a, (list, tuple))
-            and any(isinstance(x, dict) for x in a)]
+    return [
+        refs(node, a)
+        for a in node.args
+        if isinstance(a, (list, tuple)) and any(isinstance(x, dict) for x in a)
+    ]
 
 
 def foreach(node: OpNode, tf32: bool) -> OpCost:
     """_foreach_<op>[_](self[], ...): the pointwise op applied to each tensor of the list."""
-    base = node.name[len("_foreach_"):].rstrip("_")
+    base = node.name[len("_foreach_") :].rstrip("_")
     lists = _tensor_lists(node)
     selves = lists[0] if lists else list(node.inputs)
     numels = [t.numel for t in selves]
@@ -69,8 +72,9 @@ def foreach(node: OpNode, tf32: bool) -> OpCost:
         nbytes = sum_read(node.inputs) + sum_read(node.outputs if node.outputs else selves)
     depth = len([lst for lst in lists if len(lst) == len(selves)]) + (not in_place)
     depth = 1 if base == "norm" else depth  # norm reduces into a side buffer
-    scalar_list = any(isinstance(a, (list, tuple)) and a and not isinstance(a[0], dict)
-                      for a in node.args)
+    scalar_list = any(
+        isinstance(a, (list, tuple)) and a and not isinstance(a[0], dict) for a in node.args
+    )
     launches = mta_launches(numels, depth, scalar_list) + (base == "norm")  # + norm cleanup
     kind = "reduction" if base == "norm" else "optimizer"
     return vector(_FOREACH_PER_ELEM.get(base, 1) * sum(numels), nbytes, kind, launches)
@@ -84,15 +88,22 @@ def fused_adam(node: OpNode, tf32: bool) -> OpCost:
     """_fused_adam_/_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale?,
     found_inf?)."""
-    params, grads, m, v, vmax, steps = (_list(node, i, n) for i, n in enumerate(
-        ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")))
+    params, grads, m, v, vmax, steps = (
+        _list(node, i, n)
+        for i, n in enumerate(
+            ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")
+        )
+    )
     amsgrad = bool(node.arg(11, "amsgrad", False)) and bool(vmax)
     wd = float(node.arg(9, "weight_decay", 0.0) or 0.0)
     per = 13 + (wd != 0) * (1 if node.name.startswith("_fused_adamw") else 2)
     per += amsgrad + (node.arg(13, "grad_scale") is not None)
     states = m + v + (vmax if amsgrad else [])
-    scalars = [t for i, k in ((6, "lr"), (13, "grad_scale"), (14, "found_inf"))
-               for t in refs(node, node.arg(i, k))]
+    scalars = [
+        t
+        for i, k in ((6, "lr"), (13, "grad_scale"), (14, "found_inf"))
+        for t in refs(node, node.arg(i, k))
+    ]
     nbytes = 2 * sum_read(params + states) + sum_read(grads + steps + scalars)
     numels = [t.numel for t in params]
     return vector(per * sum(numels), nbytes, "optimizer", mta_launches(numels, 4 + amsgrad))
@@ -101,14 +112,18 @@ def fused_adam(node: OpNode, tf32: bool) -> OpCost:
 def fused_sgd(node: OpNode, tf32: bool) -> OpCost:
     """_fused_sgd_(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr,
     dampening, nesterov, maximize, is_first_step, grad_scale?, found_inf?)."""
-    params, grads, bufs = (_list(node, i, n) for i, n in enumerate(
-        ("self", "grads", "momentum_buffer_list")))
+    params, grads, bufs = (
+        _list(node, i, n) for i, n in enumerate(("self", "grads", "momentum_buffer_list"))
+    )
     momentum = float(node.arg(4, "momentum", 0.0) or 0.0) != 0 and bool(bufs)
     first = bool(node.arg(9, "is_first_step", False))
     per = 2 + 2 * (float(node.arg(3, "weight_decay", 0.0) or 0.0) != 0)
     per += momentum * (0 if first else 3) + 2 * (momentum and bool(node.arg(7, "nesterov", False)))
-    scalars = [t for i, k in ((5, "lr"), (10, "grad_scale"), (11, "found_inf"))
-               for t in refs(node, node.arg(i, k))]
+    scalars = [
+        t
+        for i, k in ((5, "lr"), (10, "grad_scale"), (11, "found_inf"))
+        for t in refs(node, node.arg(i, k))
+    ]
     nbytes = 2 * sum_read(params) + sum_read(grads + scalars)
     if momentum:  # the buffer is written, and read unless this is the first step
         nbytes += sum_read(bufs) * (1 if first else 2)
@@ -172,13 +187,17 @@ def adam8bit_update(node: OpNode, tf32: bool) -> OpCost:
     this op's device and host time with what was measured on the GPU (see
     cost.roofline.Rates.adam8bit)."""
     p, g = node.inputs[0], node.inputs[1]
-    return vector(ADAM8_PER_ELEM * p.numel, adam8bit_bytes(p.numel, p.itemsize, g.itemsize),
-                  "optimizer", 1)
+    return vector(
+        ADAM8_PER_ELEM * p.numel, adam8bit_bytes(p.numel, p.itemsize, g.itemsize), "optimizer", 1
+    )
 
 
 COSTS: dict[str, CostFn] = {
     "gobrrr.adam8bit_update": adam8bit_update,
-    "aten._fused_adam_": fused_adam, "aten._fused_adamw_": fused_adam,
-    "aten._fused_adam": fused_adam, "aten._fused_adamw": fused_adam,
-    "aten._fused_sgd_": fused_sgd, "aten._fused_sgd": fused_sgd,
+    "aten._fused_adam_": fused_adam,
+    "aten._fused_adamw_": fused_adam,
+    "aten._fused_adam": fused_adam,
+    "aten._fused_adamw": fused_adam,
+    "aten._fused_sgd_": fused_sgd,
+    "aten._fused_sgd": fused_sgd,
 }

@@ -38,11 +38,32 @@ _prelu_kernel _prelu_kernel_backward softshrink softshrink_backward hardshrink
 hardshrink_backward native_dropout native_dropout_backward _masked_scale rrelu_with_noise
 bernoulli normal polar complex float_power isin bucketize _fused_dropout""".split()
 _PER_ELEM = {
-    "addcmul": 3, "addcdiv": 3, "lerp": 3, "gelu": 8, "gelu_backward": 12, "silu": 4,
-    "silu_backward": 6, "sigmoid": 3, "sigmoid_backward": 3, "tanh_backward": 3, "softplus": 4,
-    "softplus_backward": 4, "mish": 8, "mish_backward": 12, "elu": 3, "elu_backward": 3,
-    "hardswish": 4, "hardswish_backward": 4, "logit": 3, "logaddexp": 4, "hypot": 3, "glu": 4,
-    "glu_backward": 6, "native_dropout": 2, "clamp": 2, "xlogy": 2,
+    "addcmul": 3,
+    "addcdiv": 3,
+    "lerp": 3,
+    "gelu": 8,
+    "gelu_backward": 12,
+    "silu": 4,
+    "silu_backward": 6,
+    "sigmoid": 3,
+    "sigmoid_backward": 3,
+    "tanh_backward": 3,
+    "softplus": 4,
+    "softplus_backward": 4,
+    "mish": 8,
+    "mish_backward": 12,
+    "elu": 3,
+    "elu_backward": 3,
+    "hardswish": 4,
+    "hardswish_backward": 4,
+    "logit": 3,
+    "logaddexp": 4,
+    "hypot": 3,
+    "glu": 4,
+    "glu_backward": 6,
+    "native_dropout": 2,
+    "clamp": 2,
+    "xlogy": 2,
 }
 # Write their output without reading any tensor input (in-place ones write `self`).
 _WRITE_ONLY = """fill fill_ zero_ zeros ones full zeros_like ones_like full_like new_zeros new_ones
@@ -63,16 +84,53 @@ new_empty_strided empty_permuted _has_compatible_shallow_copy_type is_same_size 
 sym_stride sym_numel sym_storage_offset record_stream _assert_async _assert_tensor_metadata
 _functional_assert_async _make_dep_token lift _indices _values indices values
 _nested_tensor_size _version""".split()
-_RANDOM = ("rand", "normal", "uniform", "exponential", "random", "geometric", "cauchy",
-           "log_normal", "bernoulli")
+_RANDOM = (
+    "rand",
+    "normal",
+    "uniform",
+    "exponential",
+    "random",
+    "geometric",
+    "cauchy",
+    "log_normal",
+    "bernoulli",
+)
 # view-or-copy ops: a view when the output shares the input's storage, else a copy
 _MAYBE_VIEWS = "reshape reshape_as flatten contiguous to _unsafe_view_copy".split()
 _REDUCE_PER_ELEM = {
-    "sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "prod": 1, "amax": 1, "amin": 1, "max": 1,
-    "min": 1, "argmax": 1, "argmin": 1, "any": 1, "all": 1, "aminmax": 1, "count_nonzero": 1,
-    "cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 4, "logsumexp": 4,
-    "var": 3, "std": 3, "var_mean": 3, "std_mean": 3, "norm": 2, "linalg_vector_norm": 2,
-    "median": 1, "nanmedian": 1, "mode": 1, "kthvalue": 1, "sort": 1, "topk": 1,
+    "sum": 1,
+    "mean": 1,
+    "nansum": 1,
+    "nanmean": 1,
+    "prod": 1,
+    "amax": 1,
+    "amin": 1,
+    "max": 1,
+    "min": 1,
+    "argmax": 1,
+    "argmin": 1,
+    "any": 1,
+    "all": 1,
+    "aminmax": 1,
+    "count_nonzero": 1,
+    "cumsum": 1,
+    "cumprod": 1,
+    "cummax": 1,
+    "cummin": 1,
+    "logcumsumexp": 4,
+    "logsumexp": 4,
+    "var": 3,
+    "std": 3,
+    "var_mean": 3,
+    "std_mean": 3,
+    "norm": 2,
+    "linalg_vector_norm": 2,
+    "median": 1,
+    "nanmedian": 1,
+    "mode": 1,
+    "kthvalue": 1,
+    "sort": 1,
+    "topk": 1,
     "_cdist_forward": 3,
 }
 
@@ -152,8 +210,9 @@ def _table() -> dict[str, CostFn]:
     costs.update({f"aten.{n}": view for n in VIEWS})
     costs.update({f"aten.{n}": maybe_view for n in _MAYBE_VIEWS})
     costs.update({f"aten.{n}": write_only for n in _WRITE_ONLY})
-    costs.update({"aten.copy_": copy_, "aten.index": gather_like, "prim.device": view,
-                  "prim.layout": view})
+    costs.update(
+        {"aten.copy_": copy_, "aten.index": gather_like, "prim.device": view, "prim.layout": view}
+    )
     return costs
 
 

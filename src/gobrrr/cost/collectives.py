@@ -106,8 +106,9 @@ class Curve:
         raise AssertionError("unreachable: nbytes lies inside the measured sizes")
 
 
-def curves_from_measurement(points: Iterable[Mapping], dtype: str = "bf16"
-                            ) -> dict[tuple[str, int], Curve]:
+def curves_from_measurement(
+    points: Iterable[Mapping], dtype: str = "bf16"
+) -> dict[tuple[str, int], Curve]:
     """{(op, ranks): Curve} from a collectives calibration's points (dicts with op, dtype,
     bytes, ranks, seconds), taking those in `dtype`."""
     grouped: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -117,8 +118,13 @@ def curves_from_measurement(points: Iterable[Mapping], dtype: str = "bf16"
     return {k: Curve.from_points(k[0], k[1], v) for k, v in grouped.items()}
 
 
-def collective_time(op: str, nbytes: float, ranks: int, link: Link,
-                    curves: Mapping[tuple[str, int], Curve] | None = None) -> float:
+def collective_time(
+    op: str,
+    nbytes: float,
+    ranks: int,
+    link: Link,
+    curves: Mapping[tuple[str, int], Curve] | None = None,
+) -> float:
     """Seconds one collective `op` over a whole buffer of `nbytes` takes on `ranks` ranks.
 
     With `curves` (a calibration's): the curve measured on these ranks; else the one measured

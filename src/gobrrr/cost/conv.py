@@ -84,14 +84,16 @@ def layout_scratch(node: OpNode) -> int:
         out = node.outputs[0] if node.outputs else None
         if x is None or x.dtype not in HALF or not channels_first(x):
             return 0
-        return _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w, pad_channels=True) + \
-            _nhwc_bytes(out)
+        return (
+            _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w, pad_channels=True) + _nhwc_bytes(out)
+        )
     if node.name in BACKWARD:
         go, x, w = (targ(node, i, n) for i, n in enumerate(("grad_output", "input", "weight")))
         if go is None or go.dtype not in HALF or not channels_first(go):
             return 0
-        return _nhwc_bytes(go) + _nhwc_bytes(x, pad_channels=True) + \
-            _nhwc_bytes(w, pad_channels=True)
+        return (
+            _nhwc_bytes(go) + _nhwc_bytes(x, pad_channels=True) + _nhwc_bytes(w, pad_channels=True)
+        )
     return 0
 
 
@@ -139,8 +141,12 @@ def depthwise(node: OpNode) -> bool:
     x = targ(node, 1 if backward else 0, "input")
     w = targ(node, 2 if backward else 1, "weight")
     groups = node.arg(9 if backward else 8, "groups", 1) or 1
-    if x is None or w is None or len(x.shape) not in (4, 5) or node.arg(
-            7 if backward else 6, "transposed", False):
+    if (
+        x is None
+        or w is None
+        or len(x.shape) not in (4, 5)
+        or node.arg(7 if backward else 6, "transposed", False)
+    ):
         return False
     return groups > 1 and x.shape[1] == groups and w.shape[0] % groups == 0
 
@@ -149,8 +155,12 @@ def native_depthwise(node: OpNode) -> bool:
     """A depthwise convolution PyTorch runs on its own kernels, not cuDNN's
     (ConvParams::use_cudnn_depthwise): channels-first in fp32 or bf16."""
     x = targ(node, 1 if node.name in BACKWARD else 0, "input")
-    return depthwise(node) and conv_layout(node) == "channels_first" and \
-        x is not None and x.dtype != "float16"
+    return (
+        depthwise(node)
+        and conv_layout(node) == "channels_first"
+        and x is not None
+        and x.dtype != "float16"
+    )
 
 
 def bias_kernel(node: OpNode) -> tuple[str, TensorInfo] | None:
@@ -197,9 +207,16 @@ def pointwise_wgrad_partials(node: OpNode, math_mode: str) -> int | None:
     partials = WGRAD_PARTIALS_1X1.get(math_mode)
     w = targ(node, 2, "weight")
     stride = node.arg(4, "stride", (1,)) or (1,)
-    if node.name not in BACKWARD or partials is None or w is None or len(w.shape) != 4 or \
-            w.shape[2:] != (1, 1) or any(s != 1 for s in stride) or depthwise(node) or \
-            conv_layout(node) != "channels_first":
+    if (
+        node.name not in BACKWARD
+        or partials is None
+        or w is None
+        or len(w.shape) != 4
+        or w.shape[2:] != (1, 1)
+        or any(s != 1 for s in stride)
+        or depthwise(node)
+        or conv_layout(node) != "channels_first"
+    ):
         return None
     return partials * w.numel * 4
 
@@ -218,8 +235,9 @@ def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
             partials = pointwise_wgrad_partials(node, math_mode)
             if inside is not None and partials is not None:
                 inside = min(inside, partials)
-        extra = inside if inside is not None else \
-            layout_scratch(node) + workspace(node, cal, math_mode)
+        extra = (
+            inside if inside is not None else layout_scratch(node) + workspace(node, cal, math_mode)
+        )
         if extra:
             out[node.index] = extra
     return out

@@ -6,8 +6,13 @@ from __future__ import annotations
 import math
 
 
-def measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
-              x: float, variants: tuple[str, ...] = ()) -> float | None:
+def measured(
+    curves: dict[str, list[list[float]]],
+    direction: str,
+    dtype: str,
+    x: float,
+    variants: tuple[str, ...] = (),
+) -> float | None:
     """A calibration curve {"direction:bf16" | "direction:fp32": [[x, value], ...]} at x
     (linear in log x, clamped), for a tensor of `dtype`: the first of `variants` measured
     ("direction:bf16:<variant>", e.g. a layout), else the plain curve; None when not
@@ -15,17 +20,18 @@ def measured(curves: dict[str, list[list[float]]], direction: str, dtype: str,
     points = curve_points(curves, direction, dtype, variants)
     if not points:
         return None
-    return interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                   math.log(max(x, 1.0)))
+    return interp([math.log(p[0]) for p in points], [p[1] for p in points], math.log(max(x, 1.0)))
 
 
-def curve_points(curves: dict[str, list[list[float]]], direction: str, dtype: str,
-                 variants: tuple[str, ...] = ()) -> list[list[float]] | None:
+def curve_points(
+    curves: dict[str, list[list[float]]], direction: str, dtype: str, variants: tuple[str, ...] = ()
+) -> list[list[float]] | None:
     """The points `measured` reads: "direction:bf16|fp32:<variant>" for the first of
     `variants` measured, else "direction:bf16|fp32"; None when neither was."""
     key = f"{direction}:{'bf16' if dtype in ('bfloat16', 'float16') else 'fp32'}"
-    return next((curves[f"{key}:{v}"] for v in variants if curves.get(f"{key}:{v}")),
-                curves.get(key))
+    return next(
+        (curves[f"{key}:{v}"] for v in variants if curves.get(f"{key}:{v}")), curves.get(key)
+    )
 
 
 def curve(points: list[list[float]] | None, flops: float) -> float:

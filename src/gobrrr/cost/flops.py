@@ -33,8 +33,15 @@ __all__ = ["OpCost", "UNKNOWN_OPS", "graph_costs", "op_cost", "register_cost"]
 UNKNOWN_OPS: set[str] = set()  # ops costed by the default (unknown, or their formula failed)
 
 _REGISTRY: dict[str, CostFn] = {}
-for _module in (_ops_pointwise, _ops_norm, _ops_matmul, _ops_attention, _ops_optim, _ops_gobrrr,
-                _ops_offload):
+for _module in (
+    _ops_pointwise,
+    _ops_norm,
+    _ops_matmul,
+    _ops_attention,
+    _ops_optim,
+    _ops_gobrrr,
+    _ops_offload,
+):
     _REGISTRY.update(_module.COSTS)
 
 

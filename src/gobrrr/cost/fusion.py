@@ -23,17 +23,34 @@ ANCHORS = ("matmul", "conv", "attention")
 REDUCING = ("reduction", "norm", "softmax", "loss", "embedding")
 #: ATen ops Inductor does not generate code for but calls as they are (its fallbacks): they
 #: run alone, and their inputs and outputs are allocated.
-FALLBACKS = frozenset({"sort", "topk", "_grouped_mm", "nonzero", "randperm", "_fft_r2c",
-                       "_fft_c2r", "_fft_c2c", "_cudnn_rnn", "_embedding_bag",
-                       "_embedding_bag_backward", "multinomial", "_scaled_mm"})
+FALLBACKS = frozenset(
+    {
+        "sort",
+        "topk",
+        "_grouped_mm",
+        "nonzero",
+        "randperm",
+        "_fft_r2c",
+        "_fft_c2r",
+        "_fft_c2c",
+        "_cudnn_rnn",
+        "_embedding_bag",
+        "_embedding_bag_backward",
+        "multinomial",
+        "_scaled_mm",
+    }
+)
 
 
 def extern(node: OpNode, cost: OpCost) -> bool:
     """Whether Inductor runs `node` as an extern kernel (a library call or a fallback), not
     inside a fused kernel: matmuls, convolutions, attention, custom ops (gobrrr's kernels:
     namespaces other than aten and prims) and FALLBACKS."""
-    return (cost.kind in ANCHORS or node.op.split(".")[0] not in ("aten", "prims")
-            or node.name in FALLBACKS)
+    return (
+        cost.kind in ANCHORS
+        or node.op.split(".")[0] not in ("aten", "prims")
+        or node.name in FALLBACKS
+    )
 
 
 @dataclass(frozen=True)
@@ -53,8 +70,9 @@ def last_uses(graph: StepGraph) -> dict[int, int]:
     return out
 
 
-def group_cost(graph: StepGraph, members: list[OpNode], costs: list[OpCost],
-               uses: dict[int, int]) -> OpCost:
+def group_cost(
+    graph: StepGraph, members: list[OpNode], costs: list[OpCost], uses: dict[int, int]
+) -> OpCost:
     """Bytes a fused kernel moves: what it reads from outside plus what others need after it."""
     lo, hi = members[0].index, members[-1].index
     made = {sid for n in members for sid in n.allocs}
@@ -69,8 +87,13 @@ def group_cost(graph: StepGraph, members: list[OpNode], costs: list[OpCost],
     launches = max(1, sum(1 for c in costs if c.kind in REDUCING and c.launches))
     if all(c.launches == 0 for c in costs):
         launches = 0
-    return OpCost(flops=sum(c.flops for c in costs), bytes=float(read
-                  + sum(written.values())), math="vector", kind="fused", launches=launches)
+    return OpCost(
+        flops=sum(c.flops for c in costs),
+        bytes=float(read + sum(written.values())),
+        math="vector",
+        kind="fused",
+        launches=launches,
+    )
 
 
 #: Inductor keeps a reduction "persistent" (the whole reduced extent in registers, its
@@ -108,8 +131,11 @@ def _reads(members: list[OpNode], costs: list[OpCost], made: set[int]) -> int:
     for n, c in zip(members, costs, strict=True):
         need: dict[int, int] = {}
         for t in n.inputs:
-            need.update(sources.get(t.storage, {t.storage: t.nbytes}) if t.storage in made
-                        else {t.storage: t.nbytes})
+            need.update(
+                sources.get(t.storage, {t.storage: t.nbytes})
+                if t.storage in made
+                else {t.storage: t.nbytes}
+            )
         kernel.update(need)
         for sid in n.allocs:
             sources[sid] = {sid: 0} if c.kind in REDUCING else need
@@ -121,15 +147,16 @@ def _reads(members: list[OpNode], costs: list[OpCost], made: set[int]) -> int:
     return total + sum(kernel.values())
 
 
-def regions(graph: StepGraph,
-            phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> list[int]:
+def regions(
+    graph: StepGraph, phases: tuple[str, ...] = ("forward", "backward", "recompute")
+) -> list[int]:
     """Each node's compiled region (an index; -1: runs eagerly): the compiled graphs' runs
     on a compiled capture, else one region per run of consecutive nodes in `phases`."""
     runs = graph.meta.compiled_regions
     out = [-1] * len(graph.nodes)
     if runs is not None:
         for r, (_, first, last) in enumerate(runs):
-            out[first:last + 1] = [r] * (last + 1 - first)
+            out[first : last + 1] = [r] * (last + 1 - first)
         return out
     r, prev = -1, None
     for n in graph.nodes:  # eager trace: each run of one phase is one region
@@ -140,8 +167,11 @@ def regions(graph: StepGraph,
     return out
 
 
-def fuse(graph: StepGraph, costs: list[OpCost],
-         phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> list[FusedGroup]:
+def fuse(
+    graph: StepGraph,
+    costs: list[OpCost],
+    phases: tuple[str, ...] = ("forward", "backward", "recompute"),
+) -> list[FusedGroup]:
     """Split the compiled regions' non-extern ops into fused groups (extern ops stay
     alone); see `regions` for what is compiled."""
     uses = last_uses(graph)
@@ -152,8 +182,9 @@ def fuse(graph: StepGraph, costs: list[OpCost],
     def flush() -> None:
         if run:
             idx = [n.index for n in run]
-            groups.append(FusedGroup(tuple(idx), group_cost(graph, run, [costs[i] for i in idx],
-                                                            uses)))
+            groups.append(
+                FusedGroup(tuple(idx), group_cost(graph, run, [costs[i] for i in idx], uses))
+            )
             run.clear()
 
     for n in graph.nodes:

@@ -17,9 +17,11 @@ from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import OpNode
 from gobrrr.hardware import Calibration
 
-NOT_CALIBRATED = ("CPU offload is costed from a calibration measured on the GPU's machine "
-                  "(the host link's bandwidth and the CPU's AdamW time), and {what} has none: "
-                  "run `gobrrr calibrate` on that machine")
+NOT_CALIBRATED = (
+    "CPU offload is costed from a calibration measured on the GPU's machine "
+    "(the host link's bandwidth and the CPU's AdamW time), and {what} has none: "
+    "run `gobrrr calibrate` on that machine"
+)
 
 
 def require_section(cal: Calibration | None, what: str = "this GPU's calibration") -> dict:
@@ -35,8 +37,9 @@ def copy_seconds(points: list[list[float]], nbytes: float) -> float:
     interpolated in log size; below the smallest size measured, that copy's time (latency)."""
     if nbytes <= points[0][0]:
         return points[0][0] / points[0][1]
-    return nbytes / interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                           math.log(nbytes))
+    return nbytes / interp(
+        [math.log(p[0]) for p in points], [p[1] for p in points], math.log(nbytes)
+    )
 
 
 def step_seconds(points: list[list[float]], numel: float) -> float:
@@ -45,8 +48,7 @@ def step_seconds(points: list[list[float]], numel: float) -> float:
     call's own overhead); above the largest, its per-element time."""
     if numel <= points[0][0]:
         return points[0][1]
-    per = interp([math.log(p[0]) for p in points], [p[1] / p[0] for p in points],
-                 math.log(numel))
+    per = interp([math.log(p[0]) for p in points], [p[1] / p[0] for p in points], math.log(numel))
     return numel * per
 
 
@@ -58,15 +60,16 @@ def cpu_key(node: OpNode) -> str:
     return f"{node.arg(1, 'optimizer', 'adamw')}:{bits}"
 
 
-def offload_times(node: OpNode, cost: OpCost, cal: Calibration | None
-                  ) -> tuple[float, float]:
+def offload_times(node: OpNode, cost: OpCost, cal: Calibration | None) -> tuple[float, float]:
     """(host seconds, side-stream seconds) of one offload op."""
     section = require_section(cal)
     if cost.kind == "cpu_step":
         key = cpu_key(node)
         if not section.get(key):
-            raise GobrrrError(f"the calibration's offload section has no CPU step times for "
-                              f"{key!r} (measured: fused AdamW): offload with AdamW, or "
-                              "measure this optimizer's step")
+            raise GobrrrError(
+                f"the calibration's offload section has no CPU step times for "
+                f"{key!r} (measured: fused AdamW): offload with AdamW, or "
+                "measure this optimizer's step"
+            )
         return step_seconds(section[key], node.inputs[0].numel if node.inputs else 0), 0.0
     return section[f"{cost.kind}_issue_s"], copy_seconds(section[cost.kind], cost.bytes)

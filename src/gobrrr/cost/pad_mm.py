@@ -82,13 +82,18 @@ def by_op(graph: StepGraph, costs: list | None = None):
     made_by = graph.allocated_by()
     out: dict[int, list[tuple[TensorInfo, int]]] = {}
     for _, first, last in runs:
+
         def planned(t, first=first, last=last) -> bool:
             at, s = made_by.get(t.storage), graph.storages[t.storage]
-            return (at is not None and first <= at <= last
-                    and not extern(graph.nodes[at], costs[at])
-                    and s.freed is not None and s.freed <= last)
+            return (
+                at is not None
+                and first <= at <= last
+                and not extern(graph.nodes[at], costs[at])
+                and s.freed is not None
+                and s.freed <= last
+            )
 
-        for node in graph.nodes[first:last + 1]:
+        for node in graph.nodes[first : last + 1]:
             if made := copies(node, planned):
                 out[node.index] = made
     return out

@@ -49,8 +49,9 @@ class Rates:
         self.launch = cal.launch_overhead if cal else gpu.launch_overhead
         self.latency = cal.kernel_latency if cal else gpu.kernel_latency
 
-    def matmul(self, math_mode: str, flops: float, dims: tuple[float, float] | None = None
-               ) -> float:
+    def matmul(
+        self, math_mode: str, flops: float, dims: tuple[float, float] | None = None
+    ) -> float:
         """Achieved FLOP/s of a matmul-class kernel doing `flops` in `math_mode`; `dims` =
         (output elements, depth k) when known, looked up in the calibration's grid."""
         if self.cal and dims and self.cal.matmul_grid.get(math_mode):
@@ -134,8 +135,7 @@ class Rates:
         points = self.cal.size_bandwidth.get(kind)
         if not points or nbytes <= 0:
             return None
-        return interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                       math.log(nbytes))
+        return interp([math.log(p[0]) for p in points], [p[1] for p in points], math.log(nbytes))
 
     def path(self, node: OpNode, kind: str, nbytes: float) -> float | None:
         """Measured bytes/s of a TensorIterator copy or pointwise kernel on the path it
@@ -154,8 +154,9 @@ class Rates:
         fallback = ("bcast",) if path == "generic_cast" else ()
         return self._path_rate(kind, nbytes, (path, *fallback), node.outputs[0].itemsize)
 
-    def _path_rate(self, kind: str, nbytes: float, paths: tuple[str, ...] = (),
-                   itemsize: int = 2) -> float | None:
+    def _path_rate(
+        self, kind: str, nbytes: float, paths: tuple[str, ...] = (), itemsize: int = 2
+    ) -> float | None:
         """The path_bandwidth curve at `nbytes`: "<kind>:<path>:<bf16|fp32>" for the first
         of `paths` measured, at the output's width, else the other width ("foreach": `kind`
         alone); None without a measurement."""
@@ -166,8 +167,7 @@ class Rates:
         points = next((table[k] for k in keys if table.get(k)), None)
         if not points or nbytes <= 0:
             return None
-        return interp([math.log(p[0]) for p in points], [p[1] for p in points],
-                      math.log(nbytes))
+        return interp([math.log(p[0]) for p in points], [p[1] for p in points], math.log(nbytes))
 
     def softmax(self, node: OpNode) -> float | None:
         """Measured bytes/s of (log-)softmax or its backward at its row width and rows, per
@@ -187,8 +187,11 @@ class Rates:
     def layer_norm(self, node: OpNode) -> float | None:
         """Measured bytes/s of native_layer_norm or its backward at its width, rows and input
         dtype (the calibration's grid), or None."""
-        if node.name not in ("native_layer_norm", "native_layer_norm_backward") or \
-                not self.cal or not node.inputs:
+        if (
+            node.name not in ("native_layer_norm", "native_layer_norm_backward")
+            or not self.cal
+            or not node.inputs
+        ):
             return None
         x = node.inputs[1 if node.name.endswith("backward") else 0]
         key = "bf16" if x.dtype in ("bfloat16", "float16") else "fp32"
@@ -207,8 +210,7 @@ class Rates:
         g = node.inputs[0]
         d, s = g.shape[-1] if g.shape else 1, g.itemsize
         v = int(node.arg(2, "num_weights", 0))
-        return (v * d * s / fit["fill_Bps"] + g.numel / fit["token_values_per_s"] +
-                fit["fixed_s"])
+        return v * d * s / fit["fill_Bps"] + g.numel / fit["token_values_per_s"] + fit["fixed_s"]
 
     def outer_sum(self, node: OpNode) -> float | None:
         """Measured bytes/s of a sum over leading dimensions at its output size, rows summed
@@ -238,8 +240,9 @@ class Rates:
         channels, rate = t.shape[1], None
         if what == "add":
             nbytes = 2 * t.nbytes + channels * t.itemsize
-            rate = self._path_rate("pointwise", nbytes, ("bcast",), t.itemsize) or \
-                self.bandwidth("pointwise")
+            rate = self._path_rate("pointwise", nbytes, ("bcast",), t.itemsize) or self.bandwidth(
+                "pointwise"
+            )
         else:
             nbytes = t.nbytes + channels * t.itemsize
             if self.cal and channels_last_strides(t):
@@ -247,8 +250,9 @@ class Rates:
             rate = rate or self.bandwidth("reduction")
         return nbytes / rate + self.latency
 
-    def misaligned_fraction(self, math_mode: str, nt: bool = False, align: int | None = None
-                            ) -> float:
+    def misaligned_fraction(
+        self, math_mode: str, nt: bool = False, align: int | None = None
+    ) -> float:
         """Achieved fraction of the aligned rate when a leading dimension is not 16-byte
         aligned (tensor-core modes only; CUDA-core fp32 kernels do not care). `nt`: the odd
         dimension is the output's and the second operand a transposed weight (a linear
@@ -263,8 +267,13 @@ class Rates:
             return self.cal.matmul_misaligned[math_mode]
         return MISALIGNED_FRACTION
 
-    def attention(self, math_mode: str, seq: int | None = None,
-                  direction: str | None = None, variant: str | None = None) -> float:
+    def attention(
+        self,
+        math_mode: str,
+        seq: int | None = None,
+        direction: str | None = None,
+        variant: str | None = None,
+    ) -> float:
         """Achieved FLOP/s of a fused attention kernel (FlashAttention's FLOP count), in this
         direction ("forward" / "backward") where the calibration measured it apart, for this
         kernel variant (`_ops_attention.variant`: mask, dropout, head dim) where it measured
@@ -328,8 +337,11 @@ class Rates:
         elif nbytes <= pts[0][0]:
             device = pts[0][1]
         else:
-            device = math.exp(interp([math.log(p[0]) for p in pts],
-                                     [math.log(p[1]) for p in pts], math.log(nbytes)))
+            device = math.exp(
+                interp(
+                    [math.log(p[0]) for p in pts], [math.log(p[1]) for p in pts], math.log(nbytes)
+                )
+            )
         return device, sec.get("host_distinct") or sec["host"]
 
     def bandwidth(self, kind: str, name: str = "") -> float:
@@ -345,10 +357,14 @@ class Rates:
 
 
 BATCH_NORMS = {
-    "native_batch_norm": "forward", "_native_batch_norm_legit": "forward",
-    "_native_batch_norm_legit_functional": "forward", "cudnn_batch_norm": "forward",
-    "_batch_norm_with_update": "forward", "native_batch_norm_backward": "backward",
-    "cudnn_batch_norm_backward": "backward", "batch_norm_backward": "backward",
+    "native_batch_norm": "forward",
+    "_native_batch_norm_legit": "forward",
+    "_native_batch_norm_legit_functional": "forward",
+    "cudnn_batch_norm": "forward",
+    "_batch_norm_with_update": "forward",
+    "native_batch_norm_backward": "backward",
+    "cudnn_batch_norm_backward": "backward",
+    "batch_norm_backward": "backward",
 }
 
 
@@ -358,8 +374,7 @@ def _variant_curve(curves: dict, prefix: str, variant: str) -> list | None:
     if f"{prefix}:{variant}" in curves:
         return curves[f"{prefix}:{variant}"]
     mask, d = variant.rsplit(":d", 1)
-    dims = [int(k.rsplit(":d", 1)[1]) for k in curves
-            if k.startswith(f"{prefix}:{mask}:d")]
+    dims = [int(k.rsplit(":d", 1)[1]) for k in curves if k.startswith(f"{prefix}:{mask}:d")]
     if not dims:
         return None
     return curves[f"{prefix}:{mask}:d{min(dims, key=lambda x: abs(x - int(d)))}"]

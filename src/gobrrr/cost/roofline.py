@@ -55,8 +55,10 @@ class OpTime:
 
 
 # the `op_host` names: the CPU trace and CUDA pick different overloads of one op
-_HOST_ALIASES = {**{n: "convolution" for n in conv.FORWARD},
-                 **{n: "native_batch_norm" for n, d in BATCH_NORMS.items() if d == "forward"}}
+_HOST_ALIASES = {
+    **{n: "convolution" for n in conv.FORWARD},
+    **{n: "native_batch_norm" for n, d in BATCH_NORMS.items() if d == "forward"},
+}
 
 
 def _host_op(name: str) -> str:
@@ -64,25 +66,68 @@ def _host_op(name: str) -> str:
     return _HOST_ALIASES.get(name, name)
 
 
-def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
-            host_phase: str | None = None) -> OpTime:
+def time_op(
+    node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *, host_phase: str | None = None
+) -> OpTime:
     """Roofline time of one op. `padded`: misaligned matmul dimensions were padded to
     alignment first (Inductor's pad_mm does this under torch.compile). `host_phase`: the
     host-cost key in place of the op's phase ("checkpointed": a forward op under
     checkpointing)."""
     if cost.kind in OFFLOAD_KINDS:  # the host's CPU and the host link, not the compute stream
         host, side = offload_times(node, cost, rates.cal)
-        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
-                      0.0, cost.bytes, 0.0, 0.0, 0.0, 0.0, host, "none", side)
+        return OpTime(
+            node.index,
+            node.op,
+            node.module,
+            node.phase,
+            cost.kind,
+            cost.math,
+            0.0,
+            cost.bytes,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            host,
+            "none",
+            side,
+        )
     host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
     if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
         device, host = measured8
-        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
-                      cost.flops, cost.bytes, cost.flops / max(cost.bytes, 1.0), 0.0, device,
-                      device, host, "overhead" if host >= device else "memory")
+        return OpTime(
+            node.index,
+            node.op,
+            node.module,
+            node.phase,
+            cost.kind,
+            cost.math,
+            cost.flops,
+            cost.bytes,
+            cost.flops / max(cost.bytes, 1.0),
+            0.0,
+            device,
+            device,
+            host,
+            "overhead" if host >= device else "memory",
+        )
     if cost.launches == 0:
-        return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
-                      0.0, 0.0, 0.0, 0.0, 0.0, 0.0, host, "none")
+        return OpTime(
+            node.index,
+            node.op,
+            node.module,
+            node.phase,
+            cost.kind,
+            cost.math,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            host,
+            "none",
+        )
     conv_rate = None
     dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None
     if dw_bw is not None:  # CUDA-core kernels bound by memory and latency: its bandwidth
@@ -90,8 +135,12 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     elif cost.kind == "attention":
         backward = "backward" in node.name or node.name.endswith("_bwd")
         seq, pad = attention_padded(node)  # the kernel works on whole tiles of positions
-        rate = rates.attention(cost.math, seq, "backward" if backward else "forward",
-                               attention_variant(node)) / pad
+        rate = (
+            rates.attention(
+                cost.math, seq, "backward" if backward else "forward", attention_variant(node)
+            )
+            / pad
+        )
     elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
@@ -106,11 +155,21 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
         rate = rates.gpu.peak("fp32")  # CUDA cores
     compute = cost.flops / rate if rate > 0 else 0.0
     memory = rates.embedding_backward(node)
-    memory = memory if memory is not None else cost.bytes / (
-        dw_bw or rates.batch_norm(node) or rates.layer_norm(node) or rates.outer_sum(node) or
-        rates.softmax(node) or rates.path(node, cost.kind, cost.bytes) or
-        rates.sized(cost.kind, node.name, cost.bytes) or
-        rates.bandwidth(cost.kind, node.name))
+    memory = (
+        memory
+        if memory is not None
+        else cost.bytes
+        / (
+            dw_bw
+            or rates.batch_norm(node)
+            or rates.layer_norm(node)
+            or rates.outer_sum(node)
+            or rates.softmax(node)
+            or rates.path(node, cost.kind, cost.bytes)
+            or rates.sized(cost.kind, node.name, cost.bytes)
+            or rates.bandwidth(cost.kind, node.name)
+        )
+    )
     latency = rates.latency * cost.launches
     device = max(compute, memory) + latency
     measured = conv_rate is not None or dw_bw is not None  # transposes included
@@ -124,8 +183,22 @@ def time_op(node: OpNode, cost: OpCost, rates: Rates, padded: bool = False, *,
     else:
         regime = "compute" if compute >= memory else "memory"
     intensity = cost.flops / cost.bytes if cost.bytes else math.inf
-    return OpTime(node.index, node.op, node.module, node.phase, cost.kind, cost.math,
-                  cost.flops, cost.bytes, intensity, compute, memory, device, host, regime)
+    return OpTime(
+        node.index,
+        node.op,
+        node.module,
+        node.phase,
+        cost.kind,
+        cost.math,
+        cost.flops,
+        cost.bytes,
+        intensity,
+        compute,
+        memory,
+        device,
+        host,
+        regime,
+    )
 
 
 def fused_loss_fraction(node: OpNode, cost: OpCost, rates: Rates) -> float:
@@ -157,8 +230,7 @@ def _per_tensor(points: list[list[float]], tensors: int) -> float:
     return interp([p[0] for p in points], [p[1] / p[0] for p in points], tensors)
 
 
-def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
-                    ) -> tuple[OpTime, ...]:
+def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:
     """The optimizer step's host seconds as measured for its optimizer, by its number of
     parameter tensors and how many are large (the calibration's `optimizer_host`: per tensor
     at that count, the small and the large ones each at their own size's curve), in place of
@@ -172,8 +244,9 @@ def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
         return ops
     by_size = sorted((int(k), v) for k, v in curves.items())
     small_pts, large_pts = by_size[0][1], by_size[-1][1]
-    total = ((tensors - large) * _per_tensor(small_pts, tensors)
-             + large * _per_tensor(large_pts, tensors))
+    total = (tensors - large) * _per_tensor(small_pts, tensors) + large * _per_tensor(
+        large_pts, tensors
+    )
     weights = graph.weights()
     before = sum(ops[i].host_s * weights[i] for i in idx)
     if before <= 0:
@@ -184,8 +257,9 @@ def optimizer_host(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates
     return tuple(out)
 
 
-def compiled_times(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...],
-              rates: Rates) -> tuple[OpTime, ...]:
+def compiled_times(
+    graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...], rates: Rates
+) -> tuple[OpTime, ...]:
     """Replace each fused group by one kernel; compiled code launches kernels from a
     generated wrapper, so no per-op eager dispatch cost remains. A misaligned 16-bit matmul
     runs at the aligned rate on padded copies of its operands (pad_mm), whose copy kernels
@@ -205,11 +279,20 @@ def compiled_times(graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...
     for g in fuse(graph, costs):
         first = graph.nodes[g.nodes[0]]
         t = time_op(first, g.cost, rates)
-        out[first.index] = replace(t, op=f"fused[{len(g.nodes)} ops]", kind="fused",
-                                   host_s=rates.launch * g.cost.launches)
+        out[first.index] = replace(
+            t, op=f"fused[{len(g.nodes)} ops]", kind="fused", host_s=rates.launch * g.cost.launches
+        )
         for i in g.nodes[1:]:
-            out[i] = replace(ops[i], flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0,
-                             device_s=0.0, host_s=0.0, regime="none")
+            out[i] = replace(
+                ops[i],
+                flops=0.0,
+                bytes=0.0,
+                compute_s=0.0,
+                memory_s=0.0,
+                device_s=0.0,
+                host_s=0.0,
+                regime="none",
+            )
     return tuple(out)
 
 
@@ -222,8 +305,11 @@ def model_flops(graph: StepGraph, costs: list[OpCost] | None = None) -> float:
     The same definition for every model: a CNN's convolutions, a ViT's patches, only the
     experts an MoE routes to, as they ran. `costs`: the nodes' costs, if already computed."""
     costs = costs if costs is not None else [op_cost(n) for n in graph.nodes]
-    return sum(c.flops * w for n, c, w in zip(graph.nodes, costs, graph.weights(), strict=True)
-               if n.phase in MODEL_PHASES)
+    return sum(
+        c.flops * w
+        for n, c, w in zip(graph.nodes, costs, graph.weights(), strict=True)
+        if n.phase in MODEL_PHASES
+    )
 
 
 def model_flops_6n(graph: StepGraph) -> float:

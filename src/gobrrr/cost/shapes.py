@@ -14,8 +14,7 @@ from gobrrr.graph.ir import OpNode, StepGraph
 # host-cost keys beyond the graph's phases: a recomputed op, a forward op inside a checkpointed
 # block; "_selective" for a block under a selective policy (every op of it passes through the
 # policy's dispatch mode, in forward and in recompute)
-CHECKPOINT_PHASES = ("recompute", "checkpointed", "recompute_selective",
-                     "checkpointed_selective")
+CHECKPOINT_PHASES = ("recompute", "checkpointed", "recompute_selective", "checkpointed_selective")
 
 
 def checkpointed_modules(graph: StepGraph) -> set[str]:
@@ -71,8 +70,11 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
     name = node.name
     if name in ("mm", "addmm", "bmm", "baddbmm") and node.outputs:
         out = node.outputs[0]
-        a = node.inputs[1] if name in ("addmm", "baddbmm") and len(node.inputs) > 2 else \
-            node.inputs[0]
+        a = (
+            node.inputs[1]
+            if name in ("addmm", "baddbmm") and len(node.inputs) > 2
+            else node.inputs[0]
+        )
         return float(out.numel), float(a.shape[-1])
     if name == "_grouped_mm" and node.outputs:
         # one GEMM per group (CUDA's fallback for non-16-bit dtypes: one kernel each)
@@ -84,8 +86,11 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
     if name.startswith("convolution") or name.startswith("cudnn_convolution"):
         # by argument position: a late-stage weight can be larger than the activations
         backward = name.endswith("backward")
-        acts = [targ(node, 0, "grad_output"), targ(node, 1, "input")] if backward else \
-            (node.outputs[:1] or [targ(node, 0, "input")])
+        acts = (
+            [targ(node, 0, "grad_output"), targ(node, 1, "input")]
+            if backward
+            else (node.outputs[:1] or [targ(node, 0, "input")])
+        )
         w = targ(node, 2 if backward else 1, "weight")
         acts = [t for t in acts if t is not None]
         if w is None or len(w.shape) < 3 or not acts:
@@ -134,8 +139,11 @@ def conv_layout(node: OpNode) -> str:
     w = targ(node, 2 if backward else 1, "weight")
     if w is None or len(w.shape) != 4:
         return "channels_first"
-    return "channels_last" if channels_last_strides(x) or channels_last_strides(w) \
+    return (
+        "channels_last"
+        if channels_last_strides(x) or channels_last_strides(w)
         else "channels_first"
+    )
 
 
 STEM_CHANNELS = 8  # fewer input channels than this: an image stem (cuDNN pads them to 8)
@@ -171,13 +179,20 @@ def conv_class(node: OpNode) -> str | None:
 
 
 # where a convolution's shape class was not measured, the class whose kernels come closest
-CONV_FALLBACK = {"1x1-reduce": ("1x1",), "1x1-expand": ("1x1",), "3x3-s2": ("3x3",),
-                 "patchify": ("3x3-s2", "3x3"), "stem-patchify": ("stem", "3x3-s2"),
-                 "stem": ("3x3-s2", "3x3"), "grouped-1d": ("grouped",)}
+CONV_FALLBACK = {
+    "1x1-reduce": ("1x1",),
+    "1x1-expand": ("1x1",),
+    "3x3-s2": ("3x3",),
+    "patchify": ("3x3-s2", "3x3"),
+    "stem-patchify": ("stem", "3x3-s2"),
+    "stem": ("3x3-s2", "3x3"),
+    "grouped-1d": ("grouped",),
+}
 
 
-def conv_points(table: dict[str, list[list[float]]], layout: str, cls: str | None,
-                 direction: str) -> list[list[float]] | None:
+def conv_points(
+    table: dict[str, list[list[float]]], layout: str, cls: str | None, direction: str
+) -> list[list[float]] | None:
     """The measured [[outputs, depth, FLOP/s], ...] of a convolution grid ({"layout:class:
     direction": points}) for this layout, shape class and direction: the class's own, else
     the nearest class's (CONV_FALLBACK), else the same from the channels-first grid (a
@@ -273,7 +288,6 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
     return 2.0 * sum(t.nbytes for t in acts if t is not weight)
 
 
-
 # Elementwise kernels by the path CUDA's TensorIterator takes (ATen's CUDALoops.cuh):
 # operands all dense in one layout and of one dtype run the vectorized kernel; a dtype that
 # differs (an input cast on the fly: bf16 + fp32, a bf16 -> fp32 copy) runs the unrolled kernel
@@ -283,8 +297,19 @@ def layout_bytes(node: OpNode, cost: OpCost) -> float:
 # times an fp32 per-channel scale, an RMSNorm's fp32 weight times bf16 rows). fp32 -> bf16/fp16
 # copies have a vectorized kernel of their own.
 ELEMENTWISE_COPIES = frozenset(("clone", "_to_copy", "copy", "copy_", "_copy_from"))
-_OWN_KERNELS = frozenset(("native_dropout", "_fused_dropout", "bernoulli", "normal",
-                          "rrelu_with_noise", "isin", "bucketize", "polar", "complex"))
+_OWN_KERNELS = frozenset(
+    (
+        "native_dropout",
+        "_fused_dropout",
+        "bernoulli",
+        "normal",
+        "rrelu_with_noise",
+        "isin",
+        "bucketize",
+        "polar",
+        "complex",
+    )
+)
 _CAST_DOWN = (("float32", "bfloat16"), ("float32", "float16"))
 # kernels that take a bool operand as bool (a condition, a mask), not cast to the data's dtype
 _BOOL_OPERAND = frozenset(("where", "masked_fill"))
@@ -357,8 +382,15 @@ def elementwise_path(node: OpNode, kind: str) -> str | None:
         layouts.append(tuple(strides[d] for d in dims))
     dtypes = {t.dtype for t in ins if not (t.dtype == "bool" and base in _BOOL_OPERAND)}
     mixed = len(dtypes) > 1 or bool(dtypes and out.dtype not in dtypes and out.dtype != "bool")
-    generic = "bcast_inner" if bcast_inner else "bcast" if bcast else "strided" if any(
-        lay != tuple(out.stride[d] for d in dims) for lay in layouts) else None
+    generic = (
+        "bcast_inner"
+        if bcast_inner
+        else "bcast"
+        if bcast
+        else "strided"
+        if any(lay != tuple(out.stride[d] for d in dims) for lay in layouts)
+        else None
+    )
     if generic:
         return "generic_cast" if mixed and kind == "pointwise" else generic
     if kind == "copy":

@@ -34,10 +34,25 @@ KINDS = (
 )
 
 _ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
 }
 
 
@@ -76,8 +91,9 @@ class TensorInfo:
         """Non-overlapping and dense (torch's is_non_overlapping_and_dense): the strides,
         sorted, step through every element exactly once (in some order of the dims)."""
         expected = 1
-        for st, sz in sorted((st, sz) for sz, st in zip(self.shape, self.stride, strict=False)
-                             if sz > 1):
+        for st, sz in sorted(
+            (st, sz) for sz, st in zip(self.shape, self.stride, strict=False) if sz > 1
+        ):
             if st != expected:
                 return False
             expected *= sz
@@ -125,7 +141,7 @@ class OpNode:
 
     @property
     def name(self) -> str:
-        """"aten.mm.default" -> "mm"."""
+        """ "aten.mm.default" -> "mm"."""
         parts = self.op.split(".")
         return parts[1] if len(parts) >= 2 else self.op
 
@@ -155,8 +171,10 @@ class StepGraph:
 
     def __post_init__(self) -> None:
         if not isinstance(self.meta, StepMeta):  # a dict would be read by key, untyped
-            raise TypeError(f"StepGraph.meta must be a StepMeta, got {type(self.meta).__name__}"
-                            ": build it with StepMeta(...) or StepMeta.from_dict(d)")
+            raise TypeError(
+                f"StepGraph.meta must be a StepMeta, got {type(self.meta).__name__}"
+                ": build it with StepMeta(...) or StepMeta.from_dict(d)"
+            )
 
     def storage(self, sid: int) -> StorageInfo:
         return self.storages[sid]
@@ -180,14 +198,17 @@ class StepGraph:
         """How many times each node runs in the step (see `repeat`)."""
         w = [1] * len(self.nodes)
         if (r := self.repeat) is not None:
-            w[r[0]:r[1]] = [r[2]] * (r[1] - r[0])
+            w[r[0] : r[1]] = [r[2]] * (r[1] - r[0])
         return w
 
     # -- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
-        data = {"nodes": [asdict(n) for n in self.nodes],
-                "storages": [asdict(s) for s in self.storages],
-                "meta": self.meta.to_dict(), "version": self.version}
+        data = {
+            "nodes": [asdict(n) for n in self.nodes],
+            "storages": [asdict(s) for s in self.storages],
+            "meta": self.meta.to_dict(),
+            "version": self.version,
+        }
         return json.dumps(data, separators=(",", ":"))
 
     def save(self, path: str | Path) -> None:
@@ -212,23 +233,30 @@ class StepGraph:
             )
 
         def tinfo(d: dict) -> TensorInfo:
-            return TensorInfo(tuple(d["shape"]), tuple(d["stride"]), d["dtype"],
-                              d["storage"], d.get("offset", 0))
+            return TensorInfo(
+                tuple(d["shape"]), tuple(d["stride"]), d["dtype"], d["storage"], d.get("offset", 0)
+            )
 
         nodes = tuple(
             OpNode(
-                index=n["index"], op=n["op"], phase=n["phase"], module=n["module"],
+                index=n["index"],
+                op=n["op"],
+                phase=n["phase"],
+                module=n["module"],
                 inputs=tuple(tinfo(t) for t in n["inputs"]),
                 outputs=tuple(tinfo(t) for t in n["outputs"]),
-                args=tuple(n["args"]), kwargs=n["kwargs"],
-                allocs=tuple(n["allocs"]), frees=tuple(n["frees"]),
+                args=tuple(n["args"]),
+                kwargs=n["kwargs"],
+                allocs=tuple(n["allocs"]),
+                frees=tuple(n["frees"]),
                 stream=n.get("stream", "compute"),
             )
             for n in data["nodes"]
         )
         storages = tuple(StorageInfo(**s) for s in data["storages"])
-        return StepGraph(nodes=nodes, storages=storages, meta=StepMeta.from_dict(data["meta"]),
-                         version=version)
+        return StepGraph(
+            nodes=nodes, storages=storages, meta=StepMeta.from_dict(data["meta"]), version=version
+        )
 
     @staticmethod
     def load(path: str | Path) -> StepGraph:

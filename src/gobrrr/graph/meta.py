@@ -89,18 +89,24 @@ class Autograd:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Autograd:
-        return Autograd(version=d.get("version", 0), hooked=bool(d.get("hooked", False)),
-                        saved=tuple(_saved_row(*r) for r in d.get("saved", ())),
-                        node_spans=tuple(NodeSpan(*r) for r in d.get("node_spans", ())),
-                        unreferenced=tuple(Unreferenced(*r) for r in d.get("unreferenced", ())),
-                        block_inputs=dict(d.get("block_inputs", {})))
+        return Autograd(
+            version=d.get("version", 0),
+            hooked=bool(d.get("hooked", False)),
+            saved=tuple(_saved_row(*r) for r in d.get("saved", ())),
+            node_spans=tuple(NodeSpan(*r) for r in d.get("node_spans", ())),
+            unreferenced=tuple(Unreferenced(*r) for r in d.get("unreferenced", ())),
+            block_inputs=dict(d.get("block_inputs", {})),
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "hooked": self.hooked,
-                "saved": [[*r[:4], list(r.shape), list(r.stride), *r[6:]] for r in self.saved],
-                "node_spans": [list(r) for r in self.node_spans],
-                "unreferenced": [list(r) for r in self.unreferenced],
-                "block_inputs": dict(self.block_inputs)}
+        return {
+            "version": self.version,
+            "hooked": self.hooked,
+            "saved": [[*r[:4], list(r.shape), list(r.stride), *r[6:]] for r in self.saved],
+            "node_spans": [list(r) for r in self.node_spans],
+            "unreferenced": [list(r) for r in self.unreferenced],
+            "block_inputs": dict(self.block_inputs),
+        }
 
 
 def _saved_row(op, storage, after, requires_grad, shape, stride, dtype, offset) -> SavedRow:
@@ -142,17 +148,23 @@ class Repeat(NamedTuple):
 #: Fields whose JSON form is not the value itself: (to JSON, from JSON).
 _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "precision": (str, Precision.parse),
-    "tf32": (dataclasses.asdict, lambda d: Tf32(bool(d.get("matmul", False)),
-                                                 bool(d.get("conv", True)))),
+    "tf32": (
+        dataclasses.asdict,
+        lambda d: Tf32(bool(d.get("matmul", False)), bool(d.get("conv", True))),
+    ),
     "syncs": (list, tuple),
     "autograd": (Autograd.to_dict, Autograd.from_dict),
     "optimizer": (dataclasses.asdict, lambda d: OptimizerInfo(**d)),
     "blocks": (list, tuple),
     "assumptions": (list, tuple),
-    "compiled_regions": (lambda rs: [list(r) for r in rs],
-                         lambda rs: tuple(Region(*r) for r in rs)),
-    "repeat": (lambda r: r._asdict(), lambda d: Repeat(int(d["start"]), int(d["end"]),
-                                                       int(d["times"]))),
+    "compiled_regions": (
+        lambda rs: [list(r) for r in rs],
+        lambda rs: tuple(Region(*r) for r in rs),
+    ),
+    "repeat": (
+        lambda r: r._asdict(),
+        lambda d: Repeat(int(d["start"]), int(d["end"]), int(d["times"])),
+    ),
     "passes": (list, tuple),
 }
 #: Fields written even when None (the file holds null).
@@ -249,14 +261,19 @@ class StepMeta:
         `passes`."""
         return dataclasses.replace(self, **changes, passes=(*(self.passes or ()), dict(record)))
 
-    def with_ops_moved(self, at: Callable[[int], int], new_syncs: Iterable[int] = ()
-                       ) -> StepMeta:
+    def with_ops_moved(self, at: Callable[[int], int], new_syncs: Iterable[int] = ()) -> StepMeta:
         """This meta after a pass renumbered the ops: every op index it holds (syncs,
         compiled regions) goes to `at(index)`; `new_syncs` (new indices) join the syncs."""
-        syncs = None if self.syncs is None and not new_syncs else \
-            tuple(sorted([at(i) for i in self.syncs or ()] + list(new_syncs)))
-        regions = None if self.compiled_regions is None else \
-            tuple(Region(k, at(a), at(b)) for k, a, b in self.compiled_regions)
+        syncs = (
+            None
+            if self.syncs is None and not new_syncs
+            else tuple(sorted([at(i) for i in self.syncs or ()] + list(new_syncs)))
+        )
+        regions = (
+            None
+            if self.compiled_regions is None
+            else tuple(Region(k, at(a), at(b)) for k, a, b in self.compiled_regions)
+        )
         return dataclasses.replace(self, syncs=syncs, compiled_regions=regions)
 
     def with_repeated(self, split: int, shift: int, pos: Mapping[int, int], n: int) -> StepMeta:
@@ -270,12 +287,15 @@ class StepMeta:
         moved = {*(i for i in syncs if i < split), *(i + shift for i in syncs)}
         regions = self.compiled_regions
         if regions:  # micro-batch 2 runs the same compiled graphs
-            regions = (*regions, *(Region(k, pos[a], pos[b]) for k, a, b in regions
-                                   if b < split))
-        return self.with_pass({"pass": "accumulate", "n": n}, accumulation=n,
-                              repeat=Repeat(split, split + shift, n - 1),
-                              tokens=int(self.tokens or 0) * n, syncs=tuple(sorted(moved)),
-                              compiled_regions=regions)
+            regions = (*regions, *(Region(k, pos[a], pos[b]) for k, a, b in regions if b < split))
+        return self.with_pass(
+            {"pass": "accumulate", "n": n},
+            accumulation=n,
+            repeat=Repeat(split, split + shift, n - 1),
+            tokens=int(self.tokens or 0) * n,
+            syncs=tuple(sorted(moved)),
+            compiled_regions=regions,
+        )
 
     def replace(self, **changes: Any) -> StepMeta:
         """This meta with `changes` made (field names as above)."""
@@ -299,8 +319,11 @@ class StepMeta:
         """The meta of a JSON object (`to_dict`'s form); unknown keys go to `extra`."""
         if not isinstance(d, Mapping):
             raise GobrrrError(f"step graph meta must be a JSON object, got {type(d).__name__}")
-        known = {k: (_CODECS[k][1](v) if v is not None and k in _CODECS else v)
-                 for k, v in d.items() if k in _FIELDS}
+        known = {
+            k: (_CODECS[k][1](v) if v is not None and k in _CODECS else v)
+            for k, v in d.items()
+            if k in _FIELDS
+        }
         return StepMeta(**known, extra={k: v for k, v in d.items() if k not in _FIELDS})
 
 

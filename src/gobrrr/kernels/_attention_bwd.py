@@ -1,19 +1,19 @@
 """Triton flash-attention backward (FlashAttention-2).
 
-    delta = rowsum(dO * O)                       (B, H, S_q) fp32
-    P  = exp2(q kᵀ · scale·log2e - lse·log2e)    recomputed from the saved log-sum-exp
-    dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP - delta)
-    dK = scale · dSᵀ Q                           dK/dV kernel: one program per key block,
-                                                 looping over the query blocks of every query
-                                                 head that shares the KV head (GQA sums there)
-    dQ = scale · dS K                            dQ kernel: one program per query block, looping
-                                                 over key blocks (recomputes P and dP); it runs
-                                                 first and also computes delta, so no separate
-                                                 preprocess pass. Alternative, measured slower
-                                                 on an H100 (docs/investigations/
-                                                 2026-11-22-attention-kernels-against-sdpa.md):
-                                                 dq_mode="atomic", fp32 atomics from the dK/dV
-                                                 kernel after a preprocess pass
+delta = rowsum(dO * O)                       (B, H, S_q) fp32
+P  = exp2(q kᵀ · scale·log2e - lse·log2e)    recomputed from the saved log-sum-exp
+dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP - delta)
+dK = scale · dSᵀ Q                           dK/dV kernel: one program per key block,
+                                             looping over the query blocks of every query
+                                             head that shares the KV head (GQA sums there)
+dQ = scale · dS K                            dQ kernel: one program per query block, looping
+                                             over key blocks (recomputes P and dP); it runs
+                                             first and also computes delta, so no separate
+                                             preprocess pass. Alternative, measured slower
+                                             on an H100 (docs/investigations/
+                                             2026-11-22-attention-kernels-against-sdpa.md):
+                                             dq_mode="atomic", fp32 atomics from the dK/dV
+                                             kernel after a preprocess pass
 """
 
 from __future__ import annotations
@@ -49,16 +49,32 @@ def dkdv_configs(bd: int) -> list[triton.Config]:
     (ptxas, Triton 3.9) and some still win on the H100
     (docs/investigations/2026-11-22-attention-kernels-against-sdpa.md)."""
     if bd <= 64:
-        return [cfg(32, 64, 4, 3), cfg(32, 64, 4, 4), cfg(16, 64, 4, 3), cfg(64, 128, 8, 3),
-                cfg(32, 128, 8, 3)]
-    return [cfg(32, 128, 8, 3), cfg(32, 128, 8, 4), cfg(64, 128, 8, 2), cfg(64, 128, 8, 3),
-            cfg(32, 64, 4, 3), cfg(32, 64, 4, 4)]
+        return [
+            cfg(32, 64, 4, 3),
+            cfg(32, 64, 4, 4),
+            cfg(16, 64, 4, 3),
+            cfg(64, 128, 8, 3),
+            cfg(32, 128, 8, 3),
+        ]
+    return [
+        cfg(32, 128, 8, 3),
+        cfg(32, 128, 8, 4),
+        cfg(64, 128, 8, 2),
+        cfg(64, 128, 8, 3),
+        cfg(32, 64, 4, 3),
+        cfg(32, 64, 4, 4),
+    ]
 
 
 def dq_configs(bd: int) -> list[triton.Config]:
     if bd <= 64:
-        return [cfg(64, 64, 4, 3), cfg(64, 64, 4, 4), cfg(64, 32, 4, 3), cfg(128, 64, 8, 3),
-                cfg(128, 32, 4, 3)]
+        return [
+            cfg(64, 64, 4, 3),
+            cfg(64, 64, 4, 4),
+            cfg(64, 32, 4, 3),
+            cfg(128, 64, 8, 3),
+            cfg(128, 32, 4, 3),
+        ]
     return [cfg(128, 64, 8, 3), cfg(128, 32, 8, 3), cfg(128, 32, 8, 4), cfg(64, 32, 4, 3)]
 
 
@@ -70,10 +86,22 @@ def dkdv_atomic_configs(bd: int) -> list[triton.Config]:
 
 @triton.jit(do_not_specialize=["H", "S_Q"])
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dod,
+    H,
+    S_Q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -91,11 +119,33 @@ def _bwd_preprocess_kernel(
 
 # ----------------------------------------------------------------------------- dK, dV
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE, DELTA,
-                stride_qs, stride_dos, stride_dqs, offs_n, offs_d, lo, hi, S_Q,
-                qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    dq_ptrs,
+    LSE,
+    DELTA,
+    stride_qs,
+    stride_dos,
+    stride_dqs,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    S_Q,
+    qk_scale,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     offs_m = lo + tl.arange(0, BLOCK_M)
     q_ptrs += lo * stride_qs
     do_ptrs += lo * stride_dos
@@ -135,17 +185,56 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE, DELTA,
 
 @triton.jit(do_not_specialize=["H", "S_Q", "S_K", "S_BUCKET"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dkb, stride_dkh, stride_dks, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    H, GROUP, S_Q, S_K, S_BUCKET, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvs,
+    stride_dvd,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    stride_dqd,
+    H,
+    GROUP,
+    S_Q,
+    S_K,
+    S_BUCKET,
+    qk_scale,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bk = tl.program_id(1)
@@ -181,32 +270,122 @@ def _attn_bwd_dkdv_kernel(
         dq_ptrs += offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
         row0 = (off_b * H + off_h) * S_Q
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE + row0,
-                                 DELTA + row0, stride_qs, stride_dos, stride_dqs, offs_n, offs_d,
-                                 start_n, diag_hi, S_Q, qk_scale, scale, HEAD_DIM, BLOCK_D,
-                                 CAUSAL, ATOMIC_DQ, BLOCK_M, True)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE + row0, DELTA + row0,
-                             stride_qs, stride_dos, stride_dqs, offs_n, offs_d, diag_hi, full_hi,
-                             S_Q, qk_scale, scale, HEAD_DIM, BLOCK_D, CAUSAL, ATOMIC_DQ, BLOCK_M,
-                             False)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, LSE + row0, DELTA + row0,
-                             stride_qs, stride_dos, stride_dqs, offs_n, offs_d, full_hi, S_Q,
-                             S_Q, qk_scale, scale, HEAD_DIM, BLOCK_D, CAUSAL, ATOMIC_DQ, BLOCK_M,
-                             True)
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                q_ptrs,
+                do_ptrs,
+                dq_ptrs,
+                LSE + row0,
+                DELTA + row0,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                offs_n,
+                offs_d,
+                start_n,
+                diag_hi,
+                S_Q,
+                qk_scale,
+                scale,
+                HEAD_DIM,
+                BLOCK_D,
+                CAUSAL,
+                ATOMIC_DQ,
+                BLOCK_M,
+                True,
+            )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            dq_ptrs,
+            LSE + row0,
+            DELTA + row0,
+            stride_qs,
+            stride_dos,
+            stride_dqs,
+            offs_n,
+            offs_d,
+            diag_hi,
+            full_hi,
+            S_Q,
+            qk_scale,
+            scale,
+            HEAD_DIM,
+            BLOCK_D,
+            CAUSAL,
+            ATOMIC_DQ,
+            BLOCK_M,
+            False,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            dq_ptrs,
+            LSE + row0,
+            DELTA + row0,
+            stride_qs,
+            stride_dos,
+            stride_dqs,
+            offs_n,
+            offs_d,
+            full_hi,
+            S_Q,
+            S_Q,
+            qk_scale,
+            scale,
+            HEAD_DIM,
+            BLOCK_D,
+            CAUSAL,
+            ATOMIC_DQ,
+            BLOCK_M,
+            True,
+        )
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh
     dk_ptrs += offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh
     dv_ptrs += offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
-    store_tile(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), offs_n, S_K, offs_d, HEAD_DIM,
-               BLOCK_D)
+    store_tile(
+        dk_ptrs, (dk * scale).to(DK.dtype.element_ty), offs_n, S_K, offs_d, HEAD_DIM, BLOCK_D
+    )
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, S_K, offs_d, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- dQ
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n,
-              offs_d, lo, hi, S_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    stride_ks,
+    stride_vs,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    S_K,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     k_ptrs += lo * stride_ks
     v_ptrs += lo * stride_vs
     for start_n in range(lo, hi, BLOCK_N):
@@ -230,16 +409,50 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs
 
 @triton.jit(do_not_specialize=["H", "S_Q", "S_K", "S_BUCKET"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    H, GROUP, S_Q, S_K, S_BUCKET, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    stride_dqd,
+    H,
+    GROUP,
+    S_Q,
+    S_K,
+    S_BUCKET,
+    qk_scale,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -273,14 +486,57 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_hi, hi = kv_ranges(start_m, S_K, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n,
-                   offs_d, 0, full_hi, S_K, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, BLOCK_N, False)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n,
-                   offs_d, full_hi, hi, S_K, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, BLOCK_N, True)
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_n,
+        offs_d,
+        0,
+        full_hi,
+        S_K,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        CAUSAL,
+        BLOCK_N,
+        False,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        S_K,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        CAUSAL,
+        BLOCK_N,
+        True,
+    )
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh
     dq_ptrs += offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-    store_tile(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM,
-               BLOCK_D)
+    store_tile(
+        dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), offs_m, S_Q, offs_d, HEAD_DIM, BLOCK_D
+    )
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -289,8 +545,19 @@ def bwd_preprocess(out, dout):
     b, h, s_q, d = out.shape
     delta = torch.empty((b, h, s_q), device=out.device, dtype=torch.float32)
     grid = (triton.cdiv(s_q, PRE_BLOCK_M), b * h)
-    _bwd_preprocess_kernel[grid](out, dout, delta, *strides(out), *strides(dout), h, s_q,
-                                 HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PRE_BLOCK_M, num_warps=4)
+    _bwd_preprocess_kernel[grid](
+        out,
+        dout,
+        delta,
+        *strides(out),
+        *strides(dout),
+        h,
+        s_q,
+        HEAD_DIM=d,
+        BLOCK_D=block_d(d),
+        BLOCK_M=PRE_BLOCK_M,
+        num_warps=4,
+    )
     return delta
 
 
@@ -305,18 +572,58 @@ def bwd_dkdv(dout, q, k, v, lse, delta, causal, scale, dq_acc=None, config=None)
     def grid(META):  # Triton passes the launch's meta-parameters
         return (triton.cdiv(s_k, META["BLOCK_N"]), b * hkv)
 
-    args = (q, k, v, dout, lse, delta, dk, dv, dq_arg,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-            *strides(dq_arg), h, h // hkv, s_q, s_k, bucket, scale * LOG2E, scale)
+    args = (
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq_arg,
+        *strides(q),
+        *strides(k),
+        *strides(v),
+        *strides(dout),
+        *strides(dk),
+        *strides(dv),
+        *strides(dq_arg),
+        h,
+        h // hkv,
+        s_q,
+        s_k,
+        bucket,
+        scale * LOG2E,
+        scale,
+    )
     consts = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, ATOMIC_DQ=atomic)
     key = (d, causal, bucket, q.dtype)
     if atomic:
-        launch(_attn_bwd_dkdv_kernel, grid, args, consts, tag="dkdv_atomic", key=key,
-               configs=dkdv_atomic_configs, config=config, interpret_config=INTERPRET_DKDV,
-               reset_to_zero=["DQ"])
+        launch(
+            _attn_bwd_dkdv_kernel,
+            grid,
+            args,
+            consts,
+            tag="dkdv_atomic",
+            key=key,
+            configs=dkdv_atomic_configs,
+            config=config,
+            interpret_config=INTERPRET_DKDV,
+            reset_to_zero=["DQ"],
+        )
     else:
-        launch(_attn_bwd_dkdv_kernel, grid, args, consts, tag="dkdv", key=key,
-               configs=dkdv_configs, config=config, interpret_config=INTERPRET_DKDV)
+        launch(
+            _attn_bwd_dkdv_kernel,
+            grid,
+            args,
+            consts,
+            tag="dkdv",
+            key=key,
+            configs=dkdv_configs,
+            config=config,
+            interpret_config=INTERPRET_DKDV,
+        )
     return dk, dv
 
 
@@ -332,17 +639,46 @@ def bwd_dq(dout, q, k, v, out, lse, causal, scale, config=None):
     def grid(META):  # Triton passes the launch's meta-parameters
         return (triton.cdiv(s_q, META["BLOCK_M"]), b * h)
 
-    args = (q, k, v, out, dout, lse, delta, dq,
-            *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout), *strides(dq),
-            h, h // hkv, s_q, s_k, bucket, scale * LOG2E, scale)
-    launch(_attn_bwd_dq_kernel, grid, args, dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
-           tag="dq", key=(d, causal, bucket, q.dtype), configs=dq_configs, config=config,
-           interpret_config=INTERPRET_DQ)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        delta,
+        dq,
+        *strides(q),
+        *strides(k),
+        *strides(v),
+        *strides(out),
+        *strides(dout),
+        *strides(dq),
+        h,
+        h // hkv,
+        s_q,
+        s_k,
+        bucket,
+        scale * LOG2E,
+        scale,
+    )
+    launch(
+        _attn_bwd_dq_kernel,
+        grid,
+        args,
+        dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
+        tag="dq",
+        key=(d, causal, bucket, q.dtype),
+        configs=dq_configs,
+        config=config,
+        interpret_config=INTERPRET_DQ,
+    )
     return dq, delta
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
-                       dq_mode: str | None = None):
+def attention_backward(
+    dout, q, k, v, out, lse, causal: bool, scale: float, dq_mode: str | None = None
+):
     """dq, dk, dv for saved q, k, v, out, lse and the incoming gradient dout (all like q/k/v)."""
     if (dq_mode or DQ_MODE) == "atomic":
         delta = bwd_preprocess(out, dout)

@@ -33,8 +33,9 @@ def seq_bucket(s: int) -> int:
 
 
 def cfg(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
-                         num_stages=stages)
+    return triton.Config(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages
+    )
 
 
 def config_kwargs(c: triton.Config) -> dict:
@@ -54,10 +55,21 @@ def fwd_configs(bd: int) -> list[triton.Config]:
     """Candidate (BLOCK_M, BLOCK_N, warps, stages) for the GPU, by head-dim tile width; each
     compiles for sm_90 without register spills (ptxas -v)."""
     if bd <= 64:
-        return [cfg(128, 64, 4, 3), cfg(128, 64, 4, 4), cfg(128, 128, 8, 3), cfg(128, 64, 8, 3),
-                cfg(128, 32, 4, 3), cfg(64, 64, 4, 3)]
-    return [cfg(128, 64, 8, 3), cfg(128, 64, 8, 2), cfg(128, 64, 8, 4), cfg(128, 32, 8, 3),
-            cfg(64, 64, 4, 3)]
+        return [
+            cfg(128, 64, 4, 3),
+            cfg(128, 64, 4, 4),
+            cfg(128, 128, 8, 3),
+            cfg(128, 64, 8, 3),
+            cfg(128, 32, 4, 3),
+            cfg(64, 64, 4, 3),
+        ]
+    return [
+        cfg(128, 64, 8, 3),
+        cfg(128, 64, 8, 2),
+        cfg(128, 64, 8, 4),
+        cfg(128, 32, 8, 3),
+        cfg(64, 64, 4, 3),
+    ]
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -75,15 +87,23 @@ def mma(a, b, acc):
 
 
 @triton.jit
-def load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              ROW_MASK: tl.constexpr):
+def load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROW_MASK: tl.constexpr,
+):
     """Load a (rows, BLOCK_D) tile; zero rows >= n_rows (if ROW_MASK) and columns >= HEAD_DIM."""
     if ROW_MASK:
         if BLOCK_D == HEAD_DIM:
             x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
         else:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
-                        other=0.0)
+            x = tl.load(
+                ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
+            )
     else:
         if BLOCK_D == HEAD_DIM:
             x = tl.load(ptrs)
@@ -115,9 +135,28 @@ def kv_ranges(start_m, S_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-               lo, hi, S_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    stride_ks,
+    stride_vs,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    S_K,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     k_ptrs += lo * stride_ks
     v_ptrs += lo * stride_vs
     for start_n in range(lo, hi, BLOCK_N):
@@ -148,14 +187,38 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, o
 
 @triton.jit(do_not_specialize=["H", "S_Q", "S_K", "S_BUCKET"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_oh, stride_os, stride_od,
-    H, GROUP, S_Q, S_K, S_BUCKET, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    H,
+    GROUP,
+    S_Q,
+    S_K,
+    S_BUCKET,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first
@@ -182,12 +245,50 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_hi, hi = kv_ranges(start_m, S_K, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m,
-                               offs_n, offs_d, 0, full_hi, S_K, qk_scale, HEAD_DIM, BLOCK_D,
-                               CAUSAL, BLOCK_N, False)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m,
-                               offs_n, offs_d, full_hi, hi, S_K, qk_scale, HEAD_DIM, BLOCK_D,
-                               CAUSAL, BLOCK_N, True)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_n,
+        offs_d,
+        0,
+        full_hi,
+        S_K,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        CAUSAL,
+        BLOCK_N,
+        False,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        S_K,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        CAUSAL,
+        BLOCK_N,
+        True,
+    )
     # every row sees key 0, so l_i >= 1 and m_i is finite
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * K_LN2  # natural log
@@ -201,9 +302,19 @@ BEST: dict = {}  # (tag, key) -> the config the autotuner chose
 _BEST_KWARGS: dict = {}  # (tag, key) -> (that config, its launch kwargs)
 
 
-def launch(kernel, grid, args: tuple, consts: dict, *, tag: str, key: tuple,
-           configs, config: triton.Config | None = None,
-           interpret_config: triton.Config | None = None, **tune_kwargs) -> None:
+def launch(
+    kernel,
+    grid,
+    args: tuple,
+    consts: dict,
+    *,
+    tag: str,
+    key: tuple,
+    configs,
+    config: triton.Config | None = None,
+    interpret_config: triton.Config | None = None,
+    **tune_kwargs,
+) -> None:
     """Run `kernel` at `config`; else at the autotuned config for `key` (head dim, causal,
     sequence bucket, dtype), tuning on the first call. `configs(BLOCK_D)` lists the candidates;
     it is called only to tune. Later calls skip the autotuner and launch the chosen config
@@ -215,9 +326,9 @@ def launch(kernel, grid, args: tuple, consts: dict, *, tag: str, key: tuple,
     if config is None:
         tuner_id = (tag, consts["BLOCK_D"])  # the candidate list depends on the head-dim tile
         if tuner_id not in _TUNERS:
-            _TUNERS[tuner_id] = triton.autotune(configs(consts["BLOCK_D"]),
-                                                key=["HEAD_DIM", "CAUSAL", "S_BUCKET"],
-                                                **tune_kwargs)(kernel)
+            _TUNERS[tuner_id] = triton.autotune(
+                configs(consts["BLOCK_D"]), key=["HEAD_DIM", "CAUSAL", "S_BUCKET"], **tune_kwargs
+            )(kernel)
         _TUNERS[tuner_id][grid](*args, **consts)
         BEST[(tag, key)] = _TUNERS[tuner_id].best_config
         return
@@ -239,9 +350,32 @@ def attention_forward(q, k, v, causal: bool, scale: float, config: triton.Config
     def grid(META):  # Triton passes the launch's meta-parameters
         return (triton.cdiv(s_q, META["BLOCK_M"]), b * h)
 
-    args = (q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out),
-            h, h // hkv, s_q, s_k, bucket, scale * LOG2E)
-    launch(_attn_fwd_kernel, grid, args, dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
-           tag="fwd", key=(d, causal, bucket, q.dtype), configs=fwd_configs, config=config,
-           interpret_config=INTERPRET_FWD)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *strides(q),
+        *strides(k),
+        *strides(v),
+        *strides(out),
+        h,
+        h // hkv,
+        s_q,
+        s_k,
+        bucket,
+        scale * LOG2E,
+    )
+    launch(
+        _attn_fwd_kernel,
+        grid,
+        args,
+        dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal),
+        tag="fwd",
+        key=(d, causal, bucket, q.dtype),
+        configs=fwd_configs,
+        config=config,
+        interpret_config=INTERPRET_FWD,
+    )
     return out, lse

@@ -14,8 +14,21 @@ from gobrrr.kernels._util import jit, tl
 
 @jit
 def _norm_fwd_kernel(
-    X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -41,15 +54,32 @@ def _norm_fwd_kernel(
 
 
 @jit
-def _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
-              IS_RMS: tl.constexpr, EVICT: tl.constexpr):
+def _bwd_tile(
+    X,
+    DY,
+    MEAN,
+    RSTD,
+    rows,
+    cols,
+    mask,
+    M,
+    stride_x,
+    stride_dy,
+    IS_RMS: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     """dy and xhat = (x - mean) * rstd of one tile, fp32 (BLOCK_M, BLOCK_N); rstd (BLOCK_M,).
     Masked-off elements have dy = 0, so they add nothing to any sum."""
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=EVICT).to(tl.float32)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                 eviction_policy=EVICT).to(tl.float32)
+    x = tl.load(
+        X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT
+    ).to(tl.float32)
+    dy = tl.load(
+        DY + rows64[:, None] * stride_dy + cols[None, :],
+        mask=mask,
+        other=0.0,
+        eviction_policy=EVICT,
+    ).to(tl.float32)
     rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
     if IS_RMS:
         xhat = x * rstd[:, None]
@@ -83,9 +113,23 @@ def _tile_mask(rows, cols, M, N, MASK_M: tl.constexpr, MASK_N: tl.constexpr):
 
 
 @jit
-def _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
-                      IS_RMS: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _row_sums_chunked(
+    X,
+    DY,
+    W,
+    MEAN,
+    RSTD,
+    rows,
+    M,
+    N,
+    stride_x,
+    stride_dy,
+    IS_RMS: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """c1 = mean(g * xhat), c2 = mean(g) per row (g = dy * w), reading CHUNK columns at a time
     and keeping them in L1 for the backward's second read. Returns two (BLOCK_M,) fp32."""
     s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -93,8 +137,9 @@ def _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         mask = _tile_mask(rows, cols, M, N, MASK_M, True)
-        dy, xhat, _ = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
-                                IS_RMS, "evict_last")
+        dy, xhat, _ = _bwd_tile(
+            X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy, IS_RMS, "evict_last"
+        )
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         s1 += tl.sum(g * xhat, axis=1)
         s2 += tl.sum(g, axis=1)
@@ -102,14 +147,35 @@ def _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
 
 
 @jit
-def _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, cols, M, N, stride_x, stride_dy, stride_dx, c1, c2,
-             dw_acc, db_acc, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-             MASK_M: tl.constexpr, MASK_N: tl.constexpr):
+def _dx_tile(
+    X,
+    DY,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    rows,
+    cols,
+    M,
+    N,
+    stride_x,
+    stride_dy,
+    stride_dx,
+    c1,
+    c2,
+    dw_acc,
+    db_acc,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
     """Writes dx of one tile given its rows' sums c1, c2; returns the accumulators (dw, db) plus
     the tile's dy * xhat (and dy)."""
     mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
-    dy, xhat, rstd = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy,
-                               IS_RMS, "evict_first")
+    dy, xhat, rstd = _bwd_tile(
+        X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy, IS_RMS, "evict_first"
+    )
     w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
     g = dy * w.to(tl.float32)[None, :]  # dL/dxhat
     dx = _dx(g, xhat, rstd, c1, c2, IS_RMS)
@@ -140,10 +206,31 @@ def _centre(x, mean, IS_RMS: tl.constexpr):
 
 @jit
 def _rows_keep16(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, pid,
-    n_progs, n_tiles, base, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, BF16: tl.constexpr,
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PART,
+    DB_PART,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    pid,
+    n_progs,
+    n_tiles,
+    base,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """One read of each row tile, held in the input dtype between the row sums and dx: half
     the registers of an fp32 tile, which leaves room for the full-width dw (db) accumulators."""
@@ -154,10 +241,18 @@ def _rows_keep16(
         rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
         rows64 = rows.to(tl.int64)
-        x16 = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                      eviction_policy="evict_first")
-        dy16 = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                       eviction_policy="evict_first")
+        x16 = tl.load(
+            X + rows64[:, None] * stride_x + cols[None, :],
+            mask=mask,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        dy16 = tl.load(
+            DY + rows64[:, None] * stride_dy + cols[None, :],
+            mask=mask,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
         # mean is RSTD's row for RMSNorm, unused: _centre ignores it
         mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
@@ -173,8 +268,12 @@ def _rows_keep16(
         dy = _f32_again(dy16, BF16)
         xhat = _centre(_f32_again(x16, BF16), mean, IS_RMS) * rstd[:, None]
         dx = _dx(dy * w.to(tl.float32)[None, :], xhat, rstd, c1, c2, IS_RMS)
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
-                 mask=mask, eviction_policy="evict_first")
+        tl.store(
+            DX + rows64[:, None] * stride_dx + cols[None, :],
+            dx.to(DX.dtype.element_ty),
+            mask=mask,
+            eviction_policy="evict_first",
+        )
         dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
@@ -191,10 +290,32 @@ def _store_parts(DW_PART, DB_PART, base, cols, N, dw_acc, db_acc, HAS_BIAS: tl.c
 
 @jit
 def _norm_bwd_kernel(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x, stride_dx, tiles,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_M: tl.constexpr, MASK_N: tl.constexpr, W_IN_LOOP: tl.constexpr, RELOAD: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, KEEP16: tl.constexpr, BF16: tl.constexpr,
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PART,
+    DB_PART,
+    M,
+    N,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    tiles,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    W_IN_LOOP: tl.constexpr,
+    RELOAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    KEEP16: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     # Persistent: program p takes row tiles p, p + P, p + 2P, ... and keeps fp32 sums of dw
     # (and db) over them in registers; it writes them once, as its row of DW_PART (DB_PART).
@@ -216,23 +337,102 @@ def _norm_bwd_kernel(
         db_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
             rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
-            c1, c2 = _row_sums_chunked(X, DY, W, MEAN, RSTD, rows, M, N, stride_x, stride_dy,
-                                       IS_RMS, MASK_M, MASK_N, BLOCK_M, CHUNK)
-            dw_lo, db_lo = _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, c_lo, M, N, stride_x,
-                                    stride_dy, stride_dx, c1, c2, dw_lo, db_lo, IS_RMS, HAS_BIAS,
-                                    MASK_M, MASK_N)
-            dw_hi, db_hi = _dx_tile(X, DY, W, MEAN, RSTD, DX, rows, c_hi, M, N, stride_x,
-                                    stride_dy, stride_dx, c1, c2, dw_hi, db_hi, IS_RMS, HAS_BIAS,
-                                    MASK_M, MASK_N)
+            c1, c2 = _row_sums_chunked(
+                X,
+                DY,
+                W,
+                MEAN,
+                RSTD,
+                rows,
+                M,
+                N,
+                stride_x,
+                stride_dy,
+                IS_RMS,
+                MASK_M,
+                MASK_N,
+                BLOCK_M,
+                CHUNK,
+            )
+            dw_lo, db_lo = _dx_tile(
+                X,
+                DY,
+                W,
+                MEAN,
+                RSTD,
+                DX,
+                rows,
+                c_lo,
+                M,
+                N,
+                stride_x,
+                stride_dy,
+                stride_dx,
+                c1,
+                c2,
+                dw_lo,
+                db_lo,
+                IS_RMS,
+                HAS_BIAS,
+                MASK_M,
+                MASK_N,
+            )
+            dw_hi, db_hi = _dx_tile(
+                X,
+                DY,
+                W,
+                MEAN,
+                RSTD,
+                DX,
+                rows,
+                c_hi,
+                M,
+                N,
+                stride_x,
+                stride_dy,
+                stride_dx,
+                c1,
+                c2,
+                dw_hi,
+                db_hi,
+                IS_RMS,
+                HAS_BIAS,
+                MASK_M,
+                MASK_N,
+            )
         tl.store(DW_PART + base + c_lo, tl.sum(dw_lo, axis=0), mask=c_lo < N)
         tl.store(DW_PART + base + c_hi, tl.sum(dw_hi, axis=0), mask=c_hi < N)
         if HAS_BIAS:
             tl.store(DB_PART + base + c_lo, tl.sum(db_lo, axis=0), mask=c_lo < N)
             tl.store(DB_PART + base + c_hi, tl.sum(db_hi, axis=0), mask=c_hi < N)
     elif KEEP16:
-        _rows_keep16(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N, stride_dy, stride_x,
-                     stride_dx, pid, n_progs, n_tiles, base, IS_RMS, HAS_BIAS, BLOCK_M, BLOCK_N,
-                     MASK_M, MASK_N, NUM_STAGES, BF16)
+        _rows_keep16(
+            DY,
+            X,
+            W,
+            MEAN,
+            RSTD,
+            DX,
+            DW_PART,
+            DB_PART,
+            M,
+            N,
+            stride_dy,
+            stride_x,
+            stride_dx,
+            pid,
+            n_progs,
+            n_tiles,
+            base,
+            IS_RMS,
+            HAS_BIAS,
+            BLOCK_M,
+            BLOCK_N,
+            MASK_M,
+            MASK_N,
+            NUM_STAGES,
+            BF16,
+        )
     else:
         cols = tl.arange(0, BLOCK_N)
         if not W_IN_LOOP:
@@ -242,8 +442,9 @@ def _norm_bwd_kernel(
         for i in tl.range(0, n_tiles, num_stages=NUM_STAGES):
             rows = (pid + i * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
             mask = _tile_mask(rows, cols, M, N, MASK_M, MASK_N)
-            dy, xhat, rstd = _bwd_tile(X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x,
-                                       stride_dy, IS_RMS, "evict_first")
+            dy, xhat, rstd = _bwd_tile(
+                X, DY, MEAN, RSTD, rows, cols, mask, M, stride_x, stride_dy, IS_RMS, "evict_first"
+            )
             if W_IN_LOOP:  # wide rows: re-read w (from L1) rather than hold it in registers
                 w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             g = dy * w[None, :]  # dL/dxhat
@@ -251,8 +452,7 @@ def _norm_bwd_kernel(
             c2 = c1 if IS_RMS else tl.sum(g, axis=1) / N  # RMSNorm has no c2 term
             dx = _dx(g, xhat, rstd, c1, c2, IS_RMS)
             dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
-            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask,
-                     eviction_policy="evict_first")
+            tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
             dw_acc += dy * xhat
             if HAS_BIAS:
                 db_acc += dy
@@ -261,7 +461,14 @@ def _norm_bwd_kernel(
 
 @jit
 def _sum_parts_kernel(
-    DW_PART, DB_PART, DW, DB, P, N, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
+    DW_PART,
+    DB_PART,
+    DW,
+    DB,
+    P,
+    N,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """DW[n] = sum over p of DW_PART[p, n] (and DB from DB_PART) in one read of all P rows:

@@ -20,6 +20,7 @@ except ImportError:  # ops still register (fake tensors, capture); launching a k
     def jit(fn):
         return fn
 
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 

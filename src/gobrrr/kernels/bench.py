@@ -38,8 +38,11 @@ def cuda_kernels(fn: Callable[[], object], reps: int = 1) -> list[tuple[str, flo
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [
+        (e.name, e.time_range.elapsed_us() / 1e6)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
 
 
 def env_info() -> dict:
@@ -54,15 +57,23 @@ def env_info() -> dict:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GiB, 2),
-                    sms=props.multi_processor_count, driver=_driver())
+        info.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / GiB, 2),
+            sms=props.multi_processor_count,
+            driver=_driver(),
+        )
     return info
 
 
 def _driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
@@ -79,16 +90,21 @@ def gpu_tag() -> str:
     return name.split()[-1]
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 50, rep: int = 300,
-            grad_to_none: Sequence[torch.Tensor] | None = None) -> dict:
+def time_ms(
+    fn: Callable[[], object],
+    warmup: int = 50,
+    rep: int = 300,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> dict:
     """Median and 20th/80th percentile time of fn() in ms (triton do_bench: CUDA events, the L2
     cache flushed before every call outside the timed region; includes host launch overhead
     that the GPU cannot hide). warmup/rep in ms. On failure returns {'error': ...}."""
     from triton.testing import do_bench
 
     try:
-        med, lo, hi = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
-                               quantiles=[0.5, 0.2, 0.8])
+        med, lo, hi = do_bench(
+            fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
+        )
     except Exception as e:  # noqa: BLE001 - a failing variant must not end the benchmark
         return {"error": repr(e)[:300]}
     return {"median_ms": med, "p20_ms": lo, "p80_ms": hi}
@@ -156,6 +172,7 @@ def write_json(path: str | Path, payload: dict) -> Path:
 
 def table(rows: Iterable[dict], cols: Sequence[str]) -> str:
     """Plain fixed-width text table of `rows` over `cols` (floats to 3 significant figures)."""
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"

@@ -40,8 +40,16 @@ _REDUCTIONS = {"mean": 0, "sum": 1}
 
 @jit
 def _ce_kernel(
-    LOGITS, stride_row, TARGETS, LOSS, N_VALID, V, ignore_index, smoothing,
-    IS_MEAN: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS,
+    stride_row,
+    TARGETS,
+    LOSS,
+    N_VALID,
+    V,
+    ignore_index,
+    smoothing,
+    IS_MEAN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride_row
@@ -96,8 +104,17 @@ def _ce_launch(logits, targets, loss_rows, n_valid, ignore_index, smoothing, is_
         block_v, warps = min(TUNING["block_v"], next_pow2(v)), TUNING["warps"]
     kern = kernel_for(_ce_kernel, logits.device)
     kern[(c,)](
-        logits, logits.stride(0), targets, loss_rows, n_valid, v, ignore_index, smoothing,
-        IS_MEAN=is_mean, BLOCK_V=block_v, num_warps=warps,
+        logits,
+        logits.stride(0),
+        targets,
+        loss_rows,
+        n_valid,
+        v,
+        ignore_index,
+        smoothing,
+        IS_MEAN=is_mean,
+        BLOCK_V=block_v,
+        num_warps=warps,
     )
 
 
@@ -117,8 +134,14 @@ def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None
 
 @torch.library.custom_op("gobrrr::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
-    ignore_index: int, reduction: int, label_smoothing: float, chunk_size: int,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    reduction: int,
+    label_smoothing: float,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, d), weight (V, d), targets (N,), bias (V,) or None; reduction 0=mean, 1=sum;
     chunk_size 0 = default_chunk. Returns (loss fp32 scalar, dhidden (N, d), dweight (V, d),
@@ -144,8 +167,15 @@ def linear_cross_entropy_op(
             torch.mm(h, weight.t(), out=logits)
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
-        _ce_launch(logits, targets[start : start + c], loss_rows, n_valid, ignore_index,
-                   label_smoothing, reduction == 0)
+        _ce_launch(
+            logits,
+            targets[start : start + c],
+            loss_rows,
+            n_valid,
+            ignore_index,
+            label_smoothing,
+            reduction == 0,
+        )
         loss += loss_rows[:c].sum()
         torch.mm(logits, weight, out=dh[start : start + c])  # (C, d)
         if start == 0:
@@ -227,9 +257,14 @@ def _check(hidden, weight, targets, bias, reduction, label_smoothing):
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-    bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
-    label_smoothing: float = 0.0, chunk_size: int = 0,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, targets) without materialising the logits.
 
@@ -246,7 +281,13 @@ def linear_cross_entropy(
             "dtype or run under torch.autocast"
         )
     out = linear_cross_entropy_op(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), bias,
-        int(ignore_index), _REDUCTIONS[reduction], float(label_smoothing), int(chunk_size),
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        bias,
+        int(ignore_index),
+        _REDUCTIONS[reduction],
+        float(label_smoothing),
+        int(chunk_size),
     )
     return out[0]

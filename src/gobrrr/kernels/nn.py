@@ -50,7 +50,11 @@ class LinearCrossEntropy(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, vocab: int, bias: bool = False, ignore_index: int = -100,
+        self,
+        in_features: int,
+        vocab: int,
+        bias: bool = False,
+        ignore_index: int = -100,
         label_smoothing: float = 0.0,
     ):
         super().__init__()
@@ -62,7 +66,11 @@ class LinearCrossEntropy(nn.Module):
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(
-            hidden, self.weight, targets, self.bias, self.ignore_index,
+            hidden,
+            self.weight,
+            targets,
+            self.bias,
+            self.ignore_index,
             label_smoothing=self.label_smoothing,
         )
 

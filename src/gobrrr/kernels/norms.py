@@ -38,10 +38,21 @@ from gobrrr.kernels._util import (
 # two-read path (0: the whole row, which keeps the most bytes in flight). Wide 16-bit rows
 # (bwd_keep16) are read once and held in 16 bits, at bwd_keep16_warps_{rms,ln} warps, 2 stages.
 # sum_block_n: columns per program of the dw (db) partial sums.
-TUNING = {"fwd_elems": 4096, "fwd_warps": 0, "bwd_elems": 8192, "bwd_warps": 8, "bwd_per_sm": 1,
-          "bwd_stages": 0, "bwd_reload": -1, "bwd_chunk": 0, "bwd_reload_warps_rms": 16,
-          "bwd_keep16": 1, "bwd_keep16_warps_rms": 8, "bwd_keep16_warps_ln": 16,
-          "sum_block_n": 32}
+TUNING = {
+    "fwd_elems": 4096,
+    "fwd_warps": 0,
+    "bwd_elems": 8192,
+    "bwd_warps": 8,
+    "bwd_per_sm": 1,
+    "bwd_stages": 0,
+    "bwd_reload": -1,
+    "bwd_chunk": 0,
+    "bwd_reload_warps_rms": 16,
+    "bwd_keep16": 1,
+    "bwd_keep16_warps_rms": 8,
+    "bwd_keep16_warps_ln": 16,
+    "sum_block_n": 32,
+}
 MAX_N = 65536  # widest row held in registers at once
 
 
@@ -68,17 +79,30 @@ def _fwd(x, weight, bias, eps, is_rms):
     block_m, block_n = _block_m(n, TUNING["fwd_elems"]), next_pow2(n)
     kern = kernel_for(_norm_fwd_kernel, x.device)
     kern[(cdiv(m, block_m),)](
-        x2, weight, bias if bias is not None else weight, y, mean, rstd, m, n,
-        x2.stride(0), y.stride(0), eps,
-        IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        mean,
+        rstd,
+        m,
+        n,
+        x2.stride(0),
+        y.stride(0),
+        eps,
+        IS_RMS=is_rms,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         num_warps=_warps(block_m * block_n, TUNING["fwd_warps"]),
     )
     lead = x.shape[:-1]
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
 
-def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> dict:
+def _bwd_launch(
+    m: int, n: int, has_bias: bool, device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict:
     """Tile shape, program count and kernel flags of the backward for (m, n) rows."""
     block_m, block_n = _block_m(n, TUNING["bwd_elems"]), next_pow2(n)
     tiles = cdiv(m, block_m)
@@ -99,8 +123,15 @@ def _bwd_launch(m: int, n: int, has_bias: bool, device: torch.device,
     elif reload and not has_bias and TUNING["bwd_reload_warps_rms"]:
         warps = TUNING["bwd_reload_warps_rms"]
     return dict(
-        block_m=block_m, block_n=block_n, tiles=tiles, n_progs=cdiv(tiles, per_prog), warps=warps,
-        reload=bool(reload), keep16=keep16, mask_m=m % block_m != 0, mask_n=n != block_n,
+        block_m=block_m,
+        block_n=block_n,
+        tiles=tiles,
+        n_progs=cdiv(tiles, per_prog),
+        warps=warps,
+        reload=bool(reload),
+        keep16=keep16,
+        mask_m=m % block_m != 0,
+        mask_n=n != block_n,
         stages=TUNING["bwd_stages"] or (3 if block_n <= 8192 else 2 if keep16 else 1),
         chunk=min(TUNING["bwd_chunk"] or block_n, block_n),
     )
@@ -114,9 +145,18 @@ def _sum_parts(dw_part, db_part, has_bias, dtype):
     block_p = next_pow2(p)
     block_n = TUNING["sum_block_n"] if dw_part.device.type == "cuda" else next_pow2(n)
     kern = kernel_for(_sum_parts_kernel, dw_part.device)
-    kern[(cdiv(n, block_n),)](dw_part, db_part, dw, db if has_bias else dw, p, n,
-                              HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n,
-                              num_warps=8 if block_p * block_n >= 8192 else 4)
+    kern[(cdiv(n, block_n),)](
+        dw_part,
+        db_part,
+        dw,
+        db if has_bias else dw,
+        p,
+        n,
+        HAS_BIAS=has_bias,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=8 if block_p * block_n >= 8192 else 4,
+    )
     return dw, db
 
 
@@ -130,12 +170,32 @@ def _bwd(dy, x, weight, mean, rstd, has_bias, is_rms):
     db_part = torch.empty_like(dw_part) if has_bias else dw_part
     kern = kernel_for(_norm_bwd_kernel, x.device)
     kern[(c["n_progs"],)](
-        dy2, x2, weight, mean.reshape(-1), rstd.reshape(-1), dx, dw_part, db_part, m, n,
-        dy2.stride(0), x2.stride(0), dx.stride(0), c["tiles"],
-        IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        MASK_M=c["mask_m"], MASK_N=c["mask_n"], W_IN_LOOP=c["block_n"] >= 8192,
-        RELOAD=c["reload"], CHUNK=c["chunk"],
-        NUM_STAGES=c["stages"], KEEP16=c["keep16"], BF16=x.dtype == torch.bfloat16,
+        dy2,
+        x2,
+        weight,
+        mean.reshape(-1),
+        rstd.reshape(-1),
+        dx,
+        dw_part,
+        db_part,
+        m,
+        n,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        c["tiles"],
+        IS_RMS=is_rms,
+        HAS_BIAS=has_bias,
+        BLOCK_M=c["block_m"],
+        BLOCK_N=c["block_n"],
+        MASK_M=c["mask_m"],
+        MASK_N=c["mask_n"],
+        W_IN_LOOP=c["block_n"] >= 8192,
+        RELOAD=c["reload"],
+        CHUNK=c["chunk"],
+        NUM_STAGES=c["stages"],
+        KEEP16=c["keep16"],
+        BF16=x.dtype == torch.bfloat16,
         num_warps=c["warps"],
     )
     dw, db = _sum_parts(dw_part, db_part, has_bias, weight.dtype)
@@ -210,8 +270,12 @@ def _(x, weight, bias, eps):
 
 @torch.library.custom_op("gobrrr::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-    rstd: torch.Tensor, has_bias: bool,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx, dweight, dbias) of layer_norm; dbias is empty (0,) when has_bias is False."""
     return _bwd(dy, x, weight, mean, rstd, has_bias, is_rms=False)
@@ -286,7 +350,6 @@ class _LayerNorm(torch.autograd.Function):
         else:
             dx, dw, db = torch.ops.gobrrr.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.has_bias)
         return dx, dw, (db if ctx.has_bias else None), None
-
 
 
 def _check(x, weight, bias):

@@ -67,9 +67,14 @@ class OutOfMemory(GobrrrError):
         super().__init__(
             f"out of memory: a request of {nbytes} bytes needs a new segment, but "
             f"{reserved} bytes are reserved ({allocated} allocated) of a budget of {budget}; "
-            "lower the batch size or use activation checkpointing")
-        self.nbytes, self.allocated, self.reserved, self.budget = nbytes, allocated, reserved, \
-            budget
+            "lower the batch size or use activation checkpointing"
+        )
+        self.nbytes, self.allocated, self.reserved, self.budget = (
+            nbytes,
+            allocated,
+            reserved,
+            budget,
+        )
 
 
 class _Block:
@@ -144,8 +149,7 @@ class CachingAllocator:
     address of each new segment in turn (what cudaMalloc returned in a recorded run); None =
     each new segment right after the previous one."""
 
-    def __init__(self, budget: int | None = None,
-                 addresses: Iterator[int] | None = None) -> None:
+    def __init__(self, budget: int | None = None, addresses: Iterator[int] | None = None) -> None:
         self.budget = budget
         self._addresses = addresses
         self._pools = {True: _Pool(), False: _Pool()}  # small, large
@@ -182,8 +186,7 @@ class CachingAllocator:
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         if self.reserved == self.reserved_peak:
-            self._allocated_at_reserved_peak = max(self._allocated_at_reserved_peak,
-                                                   self.allocated)
+            self._allocated_at_reserved_peak = max(self._allocated_at_reserved_peak, self.allocated)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         self._live[handle] = block
         return handle
@@ -269,12 +272,18 @@ class CachingAllocator:
     # --------------------------------------------------------------------------- results
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
-            allocated_peak=self.allocated_peak, reserved_peak=self.reserved_peak,
-            allocated=self.allocated, reserved=self.reserved, segments=len(self._segments),
+            allocated_peak=self.allocated_peak,
+            reserved_peak=self.reserved_peak,
+            allocated=self.allocated,
+            reserved=self.reserved,
+            segments=len(self._segments),
             segments_peak=self.segments_peak,
             fragmentation=self.reserved_peak - self._allocated_at_reserved_peak,
-            alloc_retries=self.alloc_retries, ooms=self.ooms,
-            device_allocs=self.device_allocs, device_frees=self.device_frees)
+            alloc_retries=self.alloc_retries,
+            ooms=self.ooms,
+            device_allocs=self.device_allocs,
+            device_frees=self.device_frees,
+        )
 
     def segment_sizes(self) -> list[int]:
         """Sizes of the segments held now, in the order they were made."""
@@ -283,13 +292,17 @@ class CachingAllocator:
     def layout(self) -> list[list[tuple[int, bool]]]:
         """Each segment held now (in the order they were made) as its blocks from the lowest
         address: (bytes, allocated)."""
-        blocks = [*self._live.values(), *(b for p in self._pools.values()
-                                          for b in p.blocks.values())]
+        blocks = [
+            *self._live.values(),
+            *(b for p in self._pools.values() for b in p.blocks.values()),
+        ]
         segs: dict[int, list[_Block]] = {}
         for b in blocks:
             segs.setdefault(b.segment, []).append(b)
-        return [[(b.size, b.allocated) for b in sorted(segs[k], key=lambda b: b.addr)]
-                for k in sorted(segs)]
+        return [
+            [(b.size, b.allocated) for b in sorted(segs[k], key=lambda b: b.addr)]
+            for k in sorted(segs)
+        ]
 
 
 @dataclass(frozen=True)
@@ -302,8 +315,9 @@ class Replay:
     trace: tuple[tuple[int, int, int], ...]
 
 
-def replay(events: Iterable[Sequence], budget: int | None = None,
-           addresses: Iterable[int] | None = None) -> Replay:
+def replay(
+    events: Iterable[Sequence], budget: int | None = None, addresses: Iterable[int] | None = None
+) -> Replay:
     """Replay `events`: ("a", id, nbytes) allocates, ("f", id) frees (the format of
     benchmarks/memory/allocator_truth.py). A request that runs out of memory is recorded and
     skipped, and a later free of it ignored, as a program that catches torch.OutOfMemoryError would.
@@ -321,7 +335,8 @@ def replay(events: Iterable[Sequence], budget: int | None = None,
             if ev[1] in handles:
                 alloc.free(handles.pop(ev[1]))
         else:
-            raise GobrrrError(f"unknown allocator event {ev!r}: expected ('a', id, bytes) or "
-                              "('f', id)")
+            raise GobrrrError(
+                f"unknown allocator event {ev!r}: expected ('a', id, bytes) or ('f', id)"
+            )
         trace.append((alloc.allocated, alloc.reserved, len(alloc._segments)))
     return Replay(alloc.stats(), tuple(ooms), tuple(trace))

@@ -116,8 +116,12 @@ Scratch = dict[int, int | Sequence[int]]
 Workspaces = Sequence[int | tuple[int, int]]
 
 
-def simulate(graph: StepGraph, workspace: int | Workspaces = 0,
-             scratch: Scratch | None = None, budget: int | None = None) -> MemoryResult:
+def simulate(
+    graph: StepGraph,
+    workspace: int | Workspaces = 0,
+    scratch: Scratch | None = None,
+    budget: int | None = None,
+) -> MemoryResult:
     """Replay allocations in op order. `workspace`: bytes the BLAS library keeps allocated
     (the GPU spec or calibration says how much), one allocation or one per handle.
     `scratch`: {op index: bytes the op allocates and frees inside itself (or the sizes of
@@ -137,25 +141,35 @@ def simulate(graph: StepGraph, workspace: int | Workspaces = 0,
             persistent[s.kind] += sizes[s.id]
     node = graph.nodes[run.peak_index] if run.peak_index >= 0 else None
     return MemoryResult(
-        peak=run.stats.allocated_peak, peak_index=run.peak_index,
-        peak_op=node.op if node else "", peak_module=node.module if node else "",
-        peak_phase=node.phase if node else "start", at_peak=dict(at_peak),
-        by_module=dict(by_module), persistent=dict(persistent), timeline=run.timeline,
-        workspace=sum(ws_sizes), peak_rounded=rounded_peak(graph, ws_sizes, scratch),
-        reserved=run.stats.reserved_peak, allocator=run.stats, budget=budget,
+        peak=run.stats.allocated_peak,
+        peak_index=run.peak_index,
+        peak_op=node.op if node else "",
+        peak_module=node.module if node else "",
+        peak_phase=node.phase if node else "start",
+        at_peak=dict(at_peak),
+        by_module=dict(by_module),
+        persistent=dict(persistent),
+        timeline=run.timeline,
+        workspace=sum(ws_sizes),
+        peak_rounded=rounded_peak(graph, ws_sizes, scratch),
+        reserved=run.stats.reserved_peak,
+        allocator=run.stats,
+        budget=budget,
         oom_index=run.oom_index,
     )
 
 
-def rounded_peak(graph: StepGraph, workspace: Sequence[int] = (),
-                 scratch: Scratch | None = None) -> int:
+def rounded_peak(
+    graph: StepGraph, workspace: Sequence[int] = (), scratch: Scratch | None = None
+) -> int:
     """The most bytes alive at once in one step, each allocation rounded up to 512 bytes:
     max_memory_allocated where every block is cut to its request (the replay's peak can be
     higher by the remainders the allocator leaves in blocks)."""
     scratch = scratch or {}
     sizes = [round_alloc(s.nbytes) for s in graph.storages]
     live = sum(round_alloc(b) for b in workspace) + sum(
-        sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0))
+        sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0)
+    )
     peak = live
     for node in graph.nodes:
         live += sum(sizes[sid] for sid in node.allocs)
@@ -191,8 +205,13 @@ class Replayed:
     oom_index: int | None = None
 
 
-def replay(graph: StepGraph, workspace: Workspaces = (), scratch: Scratch | None = None,
-           budget: int | None = None, steps: int = STEPS) -> Replayed:
+def replay(
+    graph: StepGraph,
+    workspace: Workspaces = (),
+    scratch: Scratch | None = None,
+    budget: int | None = None,
+    steps: int = STEPS,
+) -> Replayed:
     """Replay the process through the caching allocator (see the module docstring). Where the
     unlimited replay stays within `budget`, that is the answer; otherwise the replay runs
     again within it, as the allocator would (releasing cached segments, then failing): if it
@@ -206,9 +225,13 @@ def replay(graph: StepGraph, workspace: Workspaces = (), scratch: Scratch | None
     return dataclasses.replace(free, oom_index=limited.oom_index)
 
 
-def replay_reserved(graph: StepGraph, workspace: Workspaces = (),
-                    scratch: Scratch | None = None, budget: int | None = None,
-                    steps: int = STEPS) -> tuple[AllocatorStats, int | None]:
+def replay_reserved(
+    graph: StepGraph,
+    workspace: Workspaces = (),
+    scratch: Scratch | None = None,
+    budget: int | None = None,
+    steps: int = STEPS,
+) -> tuple[AllocatorStats, int | None]:
     """The allocator's counters of `replay`, and the op whose request fails (None: none)."""
     run = replay(graph, workspace, scratch, budget, steps)
     return run.stats, run.oom_index
@@ -217,8 +240,9 @@ def replay_reserved(graph: StepGraph, workspace: Workspaces = (),
 class _Process:
     """A training process as the allocator sees it: the state, the workspaces, then steps."""
 
-    def __init__(self, graph: StepGraph, workspace: Workspaces, scratch: Scratch,
-                 budget: int | None) -> None:
+    def __init__(
+        self, graph: StepGraph, workspace: Workspaces, scratch: Scratch, budget: int | None
+    ) -> None:
         self.graph, self.scratch = graph, scratch
         # workspaces made up front, and those made when an op first asks for them (step 1)
         self.workspace = [w for w in workspace if isinstance(w, int)]
@@ -234,8 +258,11 @@ class _Process:
         self.start = [s.id for s in st if s.created < 0 and (s.freed is None or s.freed >= 0)]
         # the optimizer creates its state in step 1, when its first op runs
         self.first_opt = next((n.index for n in graph.nodes if n.phase == "optimizer"), None)
-        self.lazy = [i for i in self.start if st[i].kind == "optimizer_state"] \
-            if self.first_opt is not None else []
+        self.lazy = (
+            [i for i in self.start if st[i].kind == "optimizer_state"]
+            if self.first_opt is not None
+            else []
+        )
         # what a step creates and keeps is replaced by the next step's
         self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
 
@@ -245,8 +272,7 @@ class _Process:
             for sid in self.start:
                 if sid not in self.lazy:
                     self._malloc(sid)
-            self.ws_bytes = sum(self.alloc.block_size(self.alloc.malloc(b))
-                                for b in self.workspace)
+            self.ws_bytes = sum(self.alloc.block_size(self.alloc.malloc(b)) for b in self.workspace)
             for step in range(steps):
                 self.first_step = step == 0
                 last = step == steps - 1
@@ -265,8 +291,9 @@ class _Process:
         peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
         if peak_index >= 0 and timeline[peak_index] < self.alloc.allocated_peak:
             peak_index = -1  # the step never tops what it started with
-        return Replayed(self.alloc.stats(), tuple(timeline), peak_index, self.sizes,
-                        self.ws_bytes, scratch)
+        return Replayed(
+            self.alloc.stats(), tuple(timeline), peak_index, self.sizes, self.ws_bytes, scratch
+        )
 
     def _malloc(self, sid: int) -> None:
         if self.graph.storages[sid].nbytes > 0:
@@ -334,16 +361,25 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
     (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
     and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_mm`),
     replayed through the caching allocator against the memory CUDA leaves the process."""
-    return simulate(graph, workspace=blas_workspace_ops(graph, gpu, cal),
-                    scratch=step_scratch(graph, cal), budget=process_budget(gpu, cal))
+    return simulate(
+        graph,
+        workspace=blas_workspace_ops(graph, gpu, cal),
+        scratch=step_scratch(graph, cal),
+        budget=process_budget(gpu, cal),
+    )
 
 
 def step_scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, tuple[int, ...]]:
     """{op index: blocks} every op of the step allocates and frees inside itself."""
     optim = {n.index: b for n in graph.nodes if (b := adam8bit_scratch(n))}
-    return merge_scratch(conv.scratch(graph, cal), attention_scratch.scratch(graph),
-                         reduce_scratch.scratch(graph), norm_scratch.scratch(graph),
-                         pad_mm.scratch(graph), optim)
+    return merge_scratch(
+        conv.scratch(graph, cal),
+        attention_scratch.scratch(graph),
+        reduce_scratch.scratch(graph),
+        norm_scratch.scratch(graph),
+        pad_mm.scratch(graph),
+        optim,
+    )
 
 
 def merge_scratch(*parts: Scratch) -> dict[int, tuple[int, ...]]:
@@ -366,31 +402,43 @@ def blas_workspaces(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> 
     optimizer) and the autograd engine's (backward, recompute) each get one once they run a
     matmul. cuBLASLt adds its own after an addmm (a Linear with a bias takes the Lt path)."""
     blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
-    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
-        gpu.blaslt_workspace
+    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else gpu.blaslt_workspace
     main = {n.name for n in graph.nodes if n.phase in ("forward", "optimizer")}
     engine = {n.name for n in graph.nodes if n.phase in ("backward", "recompute")}
-    return tuple(b for b, used in ((blas, main & _MATMULS), (blas, engine & _MATMULS),
-                                   (lt, "addmm" in main | engine)) if used and b)
+    return tuple(
+        b
+        for b, used in (
+            (blas, main & _MATMULS),
+            (blas, engine & _MATMULS),
+            (lt, "addmm" in main | engine),
+        )
+        if used and b
+    )
 
 
-def blas_workspace_ops(graph: StepGraph, gpu: GpuSpec,
-                       cal: Calibration | None) -> tuple[tuple[int, int], ...]:
+def blas_workspace_ops(
+    graph: StepGraph, gpu: GpuSpec, cal: Calibration | None
+) -> tuple[tuple[int, int], ...]:
     """`blas_workspaces` as (bytes, op index): each is allocated by the first op that needs it,
     in step 1, right after that op's outputs (cuBLAS creates a handle's workspace lazily; the
     allocator traces of the zoo's steps show the main thread's at the forward's first matmul,
     cuBLASLt's at the first addmm, the autograd engine's at the backward's first matmul)."""
     blas = cal.blas_workspace if cal and cal.blas_workspace is not None else gpu.blas_workspace
-    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else \
-        gpu.blaslt_workspace
+    lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else gpu.blaslt_workspace
     first: dict[str, int] = {}
     for n in graph.nodes:
         main = n.phase in ("forward", "optimizer")
-        for key, hit in (("main", main and n.name in _MATMULS),
-                         ("engine", not main and n.name in _MATMULS),
-                         ("lt", n.name == "addmm")):
+        for key, hit in (
+            ("main", main and n.name in _MATMULS),
+            ("engine", not main and n.name in _MATMULS),
+            ("lt", n.name == "addmm"),
+        ):
             if hit:
                 first.setdefault(key, n.index)
     size = {"main": blas, "engine": blas, "lt": lt}
-    return tuple(sorted(((size[k], first[k]) for k in ("main", "engine", "lt")
-                         if k in first and size[k]), key=lambda w: w[1]))
+    return tuple(
+        sorted(
+            ((size[k], first[k]) for k in ("main", "engine", "lt") if k in first and size[k]),
+            key=lambda w: w[1],
+        )
+    )

@@ -29,8 +29,9 @@ class Save:
     @staticmethod
     def from_row(row: SavedRow) -> Save:
         op, sid, after, rg, shape, stride, dtype, offset = row
-        return Save(op, bool(after), bool(rg),
-                    TensorInfo(tuple(shape), tuple(stride), dtype, sid, offset))
+        return Save(
+            op, bool(after), bool(rg), TensorInfo(tuple(shape), tuple(stride), dtype, sid, offset)
+        )
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Facts:
         nodes = graph.nodes
         self.first_bwd = next((n.index for n in nodes if n.phase != "forward"), len(nodes))
         self.modules: dict[str, list[int]] = {}  # module -> [first, last, count] forward ops
-        for n in nodes[:self.first_bwd]:
+        for n in nodes[: self.first_bwd]:
             parts = n.module.split(".") if n.module else []
             for k in range(1, len(parts) + 1):
                 m = self.modules.setdefault(".".join(parts[:k]), [n.index, n.index, 0])
@@ -112,16 +113,25 @@ def make_block(facts: Facts, name: str, policy: str) -> Block:
     """The block `name`'s forward range, saves, stop point and backward positions."""
     nodes = facts.graph.nodes
     if name not in facts.modules:
-        raise GobrrrError(f"checkpoint: no forward op ran in module {name!r}; name a block "
-                          f"from the graph's meta.blocks ({_listed(facts)})")
+        raise GobrrrError(
+            f"checkpoint: no forward op ran in module {name!r}; name a block "
+            f"from the graph's meta.blocks ({_listed(facts)})"
+        )
     lo, hi, count = facts.modules[name]
     ops = range(lo, hi + 1)
     if hi - lo + 1 != count:
-        raise GobrrrError(f"checkpoint: module {name!r} runs more than once in the forward "
-                          "(or is interleaved with other modules); only blocks called once "
-                          "can be checkpointed by this pass")
-    b = Block(name, policy, lo, hi,
-              [s for i in ops for s in sorted(facts.saves.get(i, ()), key=lambda s: s.after)])
+        raise GobrrrError(
+            f"checkpoint: module {name!r} runs more than once in the forward "
+            "(or is interleaved with other modules); only blocks called once "
+            "can be checkpointed by this pass"
+        )
+    b = Block(
+        name,
+        policy,
+        lo,
+        hi,
+        [s for i in ops for s in sorted(facts.saves.get(i, ()), key=lambda s: s.after)],
+    )
     if not b.saves:
         return b
     b.stop = max((s.op, s.after) for s in b.saves)
@@ -172,7 +182,11 @@ def python_death(facts: Facts, sid: int) -> int | None:
     autocast's cache keeps to the end of the forward. None: Python held it into backward."""
     nodes = facts.graph.nodes
     made = nodes[facts.graph.storages[sid].created]
-    if facts.autocast and made.name == "_to_copy" and made.inputs and \
-            facts.graph.storages[made.inputs[0].storage].kind == "parameter":
+    if (
+        facts.autocast
+        and made.name == "_to_copy"
+        and made.inputs
+        and facts.graph.storages[made.inputs[0].storage].kind == "parameter"
+    ):
         return facts.first_bwd - 1
     return facts.let_go.get(sid)

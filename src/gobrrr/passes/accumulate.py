@@ -36,8 +36,10 @@ def accumulate(graph: StepGraph, n: int) -> StepGraph:
     if n == 1:
         return graph
     if graph.repeat is not None:
-        raise GobrrrError("this step graph is accumulated already; apply `accumulate` to the "
-                          "one-micro-batch graph")
+        raise GobrrrError(
+            "this step graph is accumulated already; apply `accumulate` to the "
+            "one-micro-batch graph"
+        )
     split = next((x.index for x in graph.nodes if x.phase == "optimizer"), len(graph.nodes))
     storages = list(graph.storages)
     remap = _second_storages(graph, split, storages)
@@ -56,14 +58,18 @@ def accumulate(graph: StepGraph, n: int) -> StepGraph:
     shift = len(second)
     rest = [_moved(x, x.index + shift, {}) for x in graph.nodes[split:]]
     copies = {new: graph.storages[old] for old, new in remap.items()}
-    storages = [_placed(s, split, shift, n) if s.id not in copies else
-                _copied(s, copies[s.id], pos, added) for s in storages]
-    return StepGraph(nodes=(*graph.nodes[:split], *second, *rest), storages=tuple(storages),
-                     meta=graph.meta.with_repeated(split, shift, pos, n))
+    storages = [
+        _placed(s, split, shift, n) if s.id not in copies else _copied(s, copies[s.id], pos, added)
+        for s in storages
+    ]
+    return StepGraph(
+        nodes=(*graph.nodes[:split], *second, *rest),
+        storages=tuple(storages),
+        meta=graph.meta.with_repeated(split, shift, pos, n),
+    )
 
 
-def _second_storages(graph: StepGraph, split: int, storages: list[StorageInfo]
-                     ) -> dict[int, int]:
+def _second_storages(graph: StepGraph, split: int, storages: list[StorageInfo]) -> dict[int, int]:
     """New storage ids for what the second micro-batch allocates (everything created in
     forward and backward, gradients included: there they are temporaries)."""
     remap: dict[int, int] = {}
@@ -98,10 +104,13 @@ def _moved(node: OpNode, index: int, remap: dict[int, int]) -> OpNode:
         return x if sid is None else dataclasses.replace(x, storage=sid)
 
     return dataclasses.replace(
-        node, index=index, inputs=tuple(t(x) for x in node.inputs),
+        node,
+        index=index,
+        inputs=tuple(t(x) for x in node.inputs),
         outputs=tuple(t(x) for x in node.outputs),
         allocs=tuple(remap.get(s, s) for s in node.allocs),
-        frees=tuple(remap.get(s, s) for s in node.frees))
+        frees=tuple(remap.get(s, s) for s in node.frees),
+    )
 
 
 def _accumulate_grad(producer: OpNode, grad: int, new: int, index: int) -> OpNode:
@@ -109,9 +118,16 @@ def _accumulate_grad(producer: OpNode, grad: int, new: int, index: int) -> OpNod
     view = next(t for t in (*producer.outputs, *producer.inputs) if t.storage == grad)
     g = dataclasses.replace(view, storage=grad, offset=0)
     x = dataclasses.replace(view, storage=new, offset=0)
-    return OpNode(index=index, op="aten.add_.Tensor", phase="backward",
-                  module=producer.module, inputs=(g, x), outputs=(g,),
-                  args=({"t": 0}, {"t": 1}), frees=(new,))
+    return OpNode(
+        index=index,
+        op="aten.add_.Tensor",
+        phase="backward",
+        module=producer.module,
+        inputs=(g, x),
+        outputs=(g,),
+        args=({"t": 0}, {"t": 1}),
+        frees=(new,),
+    )
 
 
 def _placed(s: StorageInfo, split: int, shift: int, n: int) -> StorageInfo:
@@ -122,8 +138,9 @@ def _placed(s: StorageInfo, split: int, shift: int, n: int) -> StorageInfo:
     return dataclasses.replace(s, created=c, freed=f, nbytes=nbytes)
 
 
-def _copied(s: StorageInfo, orig: StorageInfo, pos: dict[int, int],
-            added: dict[int, int]) -> StorageInfo:
+def _copied(
+    s: StorageInfo, orig: StorageInfo, pos: dict[int, int], added: dict[int, int]
+) -> StorageInfo:
     """Micro-batch 2's copy of `orig`: the same lifetime, one micro-batch later; a gradient's
     temporary dies at its add_."""
     freed = added.get(s.id, pos.get(orig.freed) if orig.freed is not None else None)

@@ -46,38 +46,47 @@ def checkpoint(graph: StepGraph, policies: Mapping[str, str]) -> StepGraph:
         return graph
     with gc_paused():
         facts = Facts(graph)
-        blocks = sorted((make_block(facts, n, p) for n, p in policies.items()),
-                        key=lambda b: b.lo)
+        blocks = sorted((make_block(facts, n, p) for n, p in policies.items()), key=lambda b: b.lo)
         for a, b in zip(blocks, blocks[1:], strict=False):
             if b.lo <= a.hi:
-                raise GobrrrError(f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one "
-                                  "is inside the other); checkpoint one of them")
+                raise GobrrrError(
+                    f"checkpoint: blocks {a.name!r} and {b.name!r} overlap (one "
+                    "is inside the other); checkpoint one of them"
+                )
         out = _Builder(facts, blocks).build()
     meta = out.meta.with_pass(
         {"pass": "checkpoint", "policies": dict(policies)},
         checkpoint=checkpoint_meta(policies, list(graph.meta.blocks or [])),
-        checkpointed_blocks=len(policies))
+        checkpointed_blocks=len(policies),
+    )
     return dataclasses.replace(out, meta=meta)
 
 
 def _check(graph: StepGraph, policies: Mapping[str, str]) -> None:
     for name, policy in policies.items():
         if policy not in POLICIES:
-            raise GobrrrError(f"checkpoint: unknown policy {policy!r} for block {name!r}: "
-                              f"choose {', '.join(POLICIES)}")
-    if graph.meta.checkpoint_mode != "none" or any(
-            n.phase == "recompute" for n in graph.nodes):
-        raise GobrrrError("checkpoint: the graph is already checkpointed (by gobrrr, or by the "
-                          "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
-                          "to a graph traced without checkpointing")
+            raise GobrrrError(
+                f"checkpoint: unknown policy {policy!r} for block {name!r}: "
+                f"choose {', '.join(POLICIES)}"
+            )
+    if graph.meta.checkpoint_mode != "none" or any(n.phase == "recompute" for n in graph.nodes):
+        raise GobrrrError(
+            "checkpoint: the graph is already checkpointed (by gobrrr, or by the "
+            "model itself, e.g. gradient_checkpointing_enable()); apply the pass "
+            "to a graph traced without checkpointing"
+        )
     autograd = graph.meta.autograd
     if autograd is not None and autograd.hooked:
-        raise GobrrrError("checkpoint: the step saves tensors for backward through saved-tensor "
-                          "hooks (the model checkpoints or offloads itself); trace it without")
+        raise GobrrrError(
+            "checkpoint: the step saves tensors for backward through saved-tensor "
+            "hooks (the model checkpoints or offloads itself); trace it without"
+        )
     if autograd is None or autograd.version != AUTOGRAD_VERSION or graph.meta.blocks is None:
-        raise GobrrrError("checkpoint: the graph does not record what its ops saved for "
-                          "backward (meta.autograd of this version); capture it again with "
-                          "this gobrrr")
+        raise GobrrrError(
+            "checkpoint: the graph does not record what its ops saved for "
+            "backward (meta.autograd of this version); capture it again with "
+            "this gobrrr"
+        )
 
 
 class _Builder:
@@ -105,7 +114,7 @@ class _Builder:
     # -- emission ---------------------------------------------------------------------------
     def build(self) -> StepGraph:
         nodes = self.g.nodes
-        for n in nodes[:self.f.first_bwd]:
+        for n in nodes[: self.f.first_bwd]:
             self._keep(n)
             b = self._block_of(n.index)
             if b is not None and b.cached(n.index, n):
@@ -116,7 +125,7 @@ class _Builder:
             triggers.setdefault(b.trigger, []).append(b)
             for op, at in sorted(b.place.items(), reverse=True):
                 unpacks.setdefault(at, []).append((b, op))
-        for n in nodes[self.f.first_bwd:]:
+        for n in nodes[self.f.first_bwd :]:
             for b in triggers.get(n.index, ()):
                 self._recompute(b, n.module)
             for b, op in unpacks.get(n.index, ()):
@@ -125,12 +134,31 @@ class _Builder:
         self._settle()
         return self._graph()
 
-    def _emit(self, op: str, phase: str, module: str, inputs: tuple, outputs: tuple,
-              args=None, kwargs=None, allocs: tuple[int, ...] = ()) -> int:
+    def _emit(
+        self,
+        op: str,
+        phase: str,
+        module: str,
+        inputs: tuple,
+        outputs: tuple,
+        args=None,
+        kwargs=None,
+        allocs: tuple[int, ...] = (),
+    ) -> int:
         index = len(self.nodes)
-        self.nodes.append(OpNode(index, op, phase, module, tuple(inputs), tuple(outputs),
-                                 args=({"t": 0},) if args is None else args,
-                                 kwargs={} if kwargs is None else kwargs, allocs=allocs))
+        self.nodes.append(
+            OpNode(
+                index,
+                op,
+                phase,
+                module,
+                tuple(inputs),
+                tuple(outputs),
+                args=({"t": 0},) if args is None else args,
+                kwargs={} if kwargs is None else kwargs,
+                allocs=allocs,
+            )
+        )
         return index
 
     def _keep(self, n: OpNode, backward: bool = False) -> None:
@@ -140,8 +168,9 @@ class _Builder:
         if backward:  # reads of recomputed tensors, and views of them
             inputs = tuple(self._read(t, n) for t in n.inputs)
             outputs = tuple(t if t.storage in n.allocs else self._read(t, n) for t in outputs)
-        self.new[n.index] = self.last[n.index] = self._emit(n.op, n.phase, n.module, inputs,
-                                                            outputs, n.args, n.kwargs, n.allocs)
+        self.new[n.index] = self.last[n.index] = self._emit(
+            n.op, n.phase, n.module, inputs, outputs, n.args, n.kwargs, n.allocs
+        )
 
     def _read(self, t: TensorInfo, n: OpNode) -> TensorInfo:
         hit = self.remap.get(t.storage)
@@ -189,21 +218,48 @@ class _Builder:
     def _recompute_op(self, n: OpNode, phase: str, module: str, copies: dict) -> None:
         index = len(self.nodes)
         made = [(sid, index) for sid in n.allocs]  # and constants it reads, made anew each time
-        made += [(t.storage, index - 1) for t in n.inputs
-                 if t.storage in self.constants and t.storage not in copies]
+        made += [
+            (t.storage, index - 1)
+            for t in n.inputs
+            if t.storage in self.constants and t.storage not in copies
+        ]
         for sid, created in made:
             copies[sid] = len(self.storages)
-            self.storages.append(StorageInfo(len(self.storages), self.g.storages[sid].nbytes,
-                                             "temporary", created, None, module=module))
+            self.storages.append(
+                StorageInfo(
+                    len(self.storages),
+                    self.g.storages[sid].nbytes,
+                    "temporary",
+                    created,
+                    None,
+                    module=module,
+                )
+            )
             self.created[copies[sid]] = created
         ren = lambda t: _on(t, copies[t.storage]) if t.storage in copies else t  # noqa: E731
         if n.index in self.syncs:  # it reads a value again: the host waits again
             self.new_syncs.append(index)
-        self._emit(n.op, phase, module, tuple(map(ren, n.inputs)), tuple(map(ren, n.outputs)),
-                   n.args, n.kwargs, tuple(copies[sid] for sid in n.allocs))
+        self._emit(
+            n.op,
+            phase,
+            module,
+            tuple(map(ren, n.inputs)),
+            tuple(map(ren, n.outputs)),
+            n.args,
+            n.kwargs,
+            tuple(copies[sid] for sid in n.allocs),
+        )
 
-    def _pack_detaches(self, b: Block, i: int, after: bool, phase: str, module: str,
-                       copies: dict, which=lambda sid: True) -> None:
+    def _pack_detaches(
+        self,
+        b: Block,
+        i: int,
+        after: bool,
+        phase: str,
+        module: str,
+        copies: dict,
+        which=lambda sid: True,
+    ) -> None:
         for s in self.f.saves.get(i, ()):
             if s.after == after and s.requires_grad and which(s.view.storage):
                 t = _on(s.view, copies.get(s.view.storage, s.view.storage))
@@ -225,9 +281,14 @@ class _Builder:
         for b in self.blocks:
             for i in range(b.lo + 1, b.hi + 1):
                 prev = nodes[i - 1]
-                if prev.name == "clone" and nodes[i].name.endswith("_") and any(
+                if (
+                    prev.name == "clone"
+                    and nodes[i].name.endswith("_")
+                    and any(
                         not s.after and s.view.storage in prev.allocs
-                        for s in self.f.saves.get(i, ())):
+                        for s in self.f.saves.get(i, ())
+                    )
+                ):
                     out.add(i)
         return out
 
@@ -243,8 +304,10 @@ class _Builder:
             saved = {s.view.storage for s in b.saves}
             for i in range(b.lo + 1, b.hi + 1):
                 n = nodes[i]
-                if n.op == DETACH and any(s.after and s.view.storage == n.inputs[0].storage
-                                          for s in self.f.saves.get(i - 1, ())):
+                if n.op == DETACH and any(
+                    s.after and s.view.storage == n.inputs[0].storage
+                    for s in self.f.saves.get(i - 1, ())
+                ):
                     out.add(i)
             for j in range(max(b.trigger, 0), b.end + 1):
                 n = nodes[j]
@@ -339,8 +402,9 @@ class _Builder:
             storages.append(StorageInfo(s.id, s.nbytes, kind, created, freed, s.label, s.module))
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ())))
-                      for n in self.nodes)
+        nodes = tuple(
+            dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in self.nodes
+        )
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 
     def _meta(self) -> StepMeta:

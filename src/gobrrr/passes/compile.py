@@ -68,14 +68,17 @@ def inductor(graph: StepGraph) -> StepGraph:
         return graph
     gone = unallocated(graph)
     fused_bytes = sum(graph.storages[sid].nbytes for sid in gone)
-    plan = _Planner(graph, [_Life(s.created, s.freed, 0 if s.id in gone else s.nbytes)
-                            for s in graph.storages])
+    plan = _Planner(
+        graph, [_Life(s.created, s.freed, 0 if s.id in gone else s.nbytes) for s in graph.storages]
+    )
     counts = plan.run()
-    storages = tuple(dataclasses.replace(s, created=life.created, freed=life.freed,
-                                         nbytes=life.nbytes)
-                     for s, life in zip(graph.storages, plan.storages, strict=True))
-    meta = graph.meta.replace(inductor={"unallocated": len(gone), "unallocated_bytes":
-                                        fused_bytes, **counts})
+    storages = tuple(
+        dataclasses.replace(s, created=life.created, freed=life.freed, nbytes=life.nbytes)
+        for s, life in zip(graph.storages, plan.storages, strict=True)
+    )
+    meta = graph.meta.replace(
+        inductor={"unallocated": len(gone), "unallocated_bytes": fused_bytes, **counts}
+    )
     return dataclasses.replace(graph, nodes=tuple(plan.nodes), storages=storages, meta=meta)
 
 
@@ -127,9 +130,12 @@ class _Planner:
         for g in groups:
             lo, hi = g.nodes[0], g.nodes[-1]
             first = self.runs[self.region[lo]][1]
-            free = [sid for sid in held.get(hi, ())
-                    if self.storages[sid].nbytes > 0 and
-                    (self.storages[sid].created >= first or sid in donated)]
+            free = [
+                sid
+                for sid in held.get(hi, ())
+                if self.storages[sid].nbytes > 0
+                and (self.storages[sid].created >= first or sid in donated)
+            ]
             free.sort(key=lambda sid: self.storages[sid].created < first)  # donated last
             for out in self._outputs(lo, hi):
                 for sid in free:
@@ -149,8 +155,12 @@ class _Planner:
         for i, copies in made.items():
             for t, _ in copies:
                 s = self.storages[t.storage]
-                if (s.freed == i and 0 <= s.created < i and s.nbytes > 0
-                        and t.storage not in self.handed):
+                if (
+                    s.freed == i
+                    and 0 <= s.created < i
+                    and s.nbytes > 0
+                    and t.storage not in self.handed
+                ):
                     self._move_free(t.storage, i - 1)
         return len(made)
 
@@ -164,8 +174,10 @@ class _Planner:
                 if not first <= made <= last:
                     continue
                 later = [i for i in self.readers.get(sid, ()) if i > last]
-                if later and all(self.region[i] >= 0 and
-                                 self.runs[self.region[i]][0] == "backward" for i in later):
+                if later and all(
+                    self.region[i] >= 0 and self.runs[self.region[i]][0] == "backward"
+                    for i in later
+                ):
                     out.add(sid)
         return out
 
@@ -175,21 +187,29 @@ class _Planner:
         for i in range(lo, hi + 1):
             for sid in {t.storage for t in self.nodes[i].inputs}:
                 s = self.storages[sid]
-                if (s.nbytes > 0 and s.created < lo and s.freed is not None
-                        and lo <= s.freed <= hi and sid not in out):
+                if (
+                    s.nbytes > 0
+                    and s.created < lo
+                    and s.freed is not None
+                    and lo <= s.freed <= hi
+                    and sid not in out
+                ):
                     out.append(sid)
         return out
 
     def _outputs(self, lo: int, hi: int) -> list[int]:
         """Storages the group allocates that outlive it, largest first."""
-        made = [sid for i in range(lo, hi + 1) for sid in self.nodes[i].allocs
-                if self.storages[sid].nbytes > 0 and self.made_by.get(sid) == i]
+        made = [
+            sid
+            for i in range(lo, hi + 1)
+            for sid in self.nodes[i].allocs
+            if self.storages[sid].nbytes > 0 and self.made_by.get(sid) == i
+        ]
         return sorted(made, key=lambda sid: -self.storages[sid].nbytes)
 
     def _fits_in_place(self, old: int, new: int) -> bool:
         a, b = self.storages[old].nbytes, self.storages[new].nbytes
-        return (self.dtype.get(old) == self.dtype.get(new)
-                and IN_PLACE_MIN * a <= b <= a)
+        return self.dtype.get(old) == self.dtype.get(new) and IN_PLACE_MIN * a <= b <= a
 
     def _pool(self, first: int, last: int) -> int:
         """Allocations inside one graph run served by the buffer of a dead tensor made in the
@@ -198,8 +218,12 @@ class _Planner:
         frees: dict[int, list[int]] = {}
         for sid, made in self.made_by.items():
             s = self.storages[sid]
-            if (first <= made <= last and s.nbytes > 0 and s.freed is not None
-                    and made <= s.freed < last):
+            if (
+                first <= made <= last
+                and s.nbytes > 0
+                and s.freed is not None
+                and made <= s.freed < last
+            ):
                 frees.setdefault(s.freed, []).append(sid)
         done = 0
         for i in range(first, last + 1):
@@ -219,8 +243,7 @@ class _Planner:
         """`sid` freed after op `to` instead."""
         at = self.storages[sid].freed
         node = self.nodes[at]
-        self.nodes[at] = dataclasses.replace(node, frees=tuple(s for s in node.frees
-                                                               if s != sid))
+        self.nodes[at] = dataclasses.replace(node, frees=tuple(s for s in node.frees if s != sid))
         node = self.nodes[to]
         self.nodes[to] = dataclasses.replace(node, frees=(*node.frees, sid))
         self.storages[sid].freed = to

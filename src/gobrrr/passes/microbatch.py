@@ -85,11 +85,13 @@ class Mismatch:
 
 # -- diffing two traces -----------------------------------------------------------------------
 
+
 def _refuse(where: str, what: str, v1: Any, v2: Any, b1: int, b2: int) -> BatchDependentStructure:
     return BatchDependentStructure(
         f"the step's structure depends on the micro-batch: {where}: {what} is {v1!r} at "
         f"micro-batch {b1} and {v2!r} at {b2}",
-        hint="each micro-batch must be traced (it cannot be derived from two traces)")
+        hint="each micro-batch must be traced (it cannot be derived from two traces)",
+    )
 
 
 _NUM = re.compile(r"-?\d+")
@@ -125,13 +127,20 @@ class _Differ:
         if ta is dict and a.keys() == b.keys():
             return {k: self.tree(a[k], b[k], where, f"{what}[{k!r}]") for k in a}
         if ta is str and _NUM.split(a) == _NUM.split(b):  # "4096 bins" and "8192 bins"
-            return _Text(_NUM.split(a), self.tree([int(x) for x in _NUM.findall(a)],
-                                                   [int(x) for x in _NUM.findall(b)],
-                                                   where, what))
+            return _Text(
+                _NUM.split(a),
+                self.tree(
+                    [int(x) for x in _NUM.findall(a)],
+                    [int(x) for x in _NUM.findall(b)],
+                    where,
+                    what,
+                ),
+            )
         raise self.fail(where, what, a, b)
 
-    def ints(self, a: tuple[int, ...], b: tuple[int, ...], where: str,
-             what: str) -> tuple[tuple[int, int], ...]:
+    def ints(
+        self, a: tuple[int, ...], b: tuple[int, ...], where: str, what: str
+    ) -> tuple[tuple[int, int], ...]:
         """(position, v2 - v1) of each entry of two int tuples of one length that differs."""
         out = tuple((i, y - x) for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
         self.deltas.extend((d, f"{where} {what}[{i}]") for i, d in out)
@@ -149,7 +158,8 @@ class _Differ:
                 f"{where}: {what} has shape {t1.shape} at micro-batch {self.b1} and {t2.shape} "
                 f"at {self.b2}: more than one dimension follows the batch, so its size grows "
                 "faster than linearly (e.g. a batch x batch similarity matrix)",
-                hint="each micro-batch must be traced (it cannot be derived from two traces)")
+                hint="each micro-batch must be traced (it cannot be derived from two traces)",
+            )
         stride = self.ints(t1.stride, t2.stride, where, f"{what}.stride")
         offset = self.ints((t1.offset,), (t2.offset,), where, f"{what}.offset")
         return (t1, shape, stride, offset[0][1] if offset else 0)
@@ -165,6 +175,7 @@ class _Text:
 
 
 # -- rebuilding at a micro-batch ---------------------------------------------------------------
+
 
 def _fill(t: Any, k: int, den: int) -> Any:
     """The template `t` at b = b1 + k (every d * k divisible by den: checked before)."""
@@ -184,8 +195,9 @@ def _fill(t: Any, k: int, den: int) -> Any:
     return t
 
 
-def _bump(values: tuple[int, ...], deltas: tuple[tuple[int, int], ...], k: int,
-          den: int) -> tuple[int, ...]:
+def _bump(
+    values: tuple[int, ...], deltas: tuple[tuple[int, int], ...], k: int, den: int
+) -> tuple[int, ...]:
     out = list(values)
     for i, d in deltas:
         out[i] += d * k // den
@@ -196,9 +208,13 @@ def _tensor_at(r: Any, k: int, den: int) -> TensorInfo:
     if type(r) is TensorInfo:
         return r
     t, shape, stride, doff = r
-    return TensorInfo(_bump(t.shape, shape, k, den) if shape else t.shape,
-                      _bump(t.stride, stride, k, den) if stride else t.stride,
-                      t.dtype, t.storage, t.offset + doff * k // den)
+    return TensorInfo(
+        _bump(t.shape, shape, k, den) if shape else t.shape,
+        _bump(t.stride, stride, k, den) if stride else t.stride,
+        t.dtype,
+        t.storage,
+        t.offset + doff * k // den,
+    )
 
 
 def _node_at(r: Any, k: int, den: int) -> OpNode:
@@ -206,15 +222,22 @@ def _node_at(r: Any, k: int, den: int) -> OpNode:
         return r
     n, ins, outs, args, kwargs = r
     return OpNode(
-        index=n.index, op=n.op, phase=n.phase, module=n.module,
+        index=n.index,
+        op=n.op,
+        phase=n.phase,
+        module=n.module,
         inputs=tuple(_tensor_at(t, k, den) for t in ins) if ins is not None else n.inputs,
         outputs=tuple(_tensor_at(t, k, den) for t in outs) if outs is not None else n.outputs,
         args=_fill(args, k, den) if args is not None else n.args,
         kwargs=_fill(kwargs, k, den) if kwargs is not None else n.kwargs,
-        allocs=n.allocs, frees=n.frees, stream=n.stream)
+        allocs=n.allocs,
+        frees=n.frees,
+        stream=n.stream,
+    )
 
 
 # -- the family ---------------------------------------------------------------------------------
+
 
 class BatchFamily:
     """One workload's step graph at every micro-batch, from its traces at b1 < b2.
@@ -229,21 +252,30 @@ class BatchFamily:
     integers of the step follow the batch).
     """
 
-    def __init__(self, g1: StepGraph, b1: int, g2: StepGraph, b2: int,
-                 trace: Callable[[int], StepGraph] | None = None) -> None:
+    def __init__(
+        self,
+        g1: StepGraph,
+        b1: int,
+        g2: StepGraph,
+        b2: int,
+        trace: Callable[[int], StepGraph] | None = None,
+    ) -> None:
         for name, b in (("b1", b1), ("b2", b2)):
             _check_batch(b, name)
         if b1 >= b2:
-            raise GobrrrError(f"a batch family needs two micro-batches b1 < b2, got b1={b1}, "
-                              f"b2={b2}: trace at two sizes, e.g. {TRACE_AT}")
+            raise GobrrrError(
+                f"a batch family needs two micro-batches b1 < b2, got b1={b1}, "
+                f"b2={b2}: trace at two sizes, e.g. {TRACE_AT}"
+            )
         self.b1, self.b2, self.graph1 = b1, b2, g1
         self._trace = trace
         self._traced: dict[int, StepGraph] = {}
         differ = _Differ(b1, b2)
         self._nodes = _diff_nodes(differ, g1, g2)
         self._storages = _diff_storages(differ, g1, g2)
-        self._meta = differ.tree(_own_meta(g1.meta, False), _own_meta(g2.meta, False),
-                                 "meta", "meta")  # in its JSON form: integers at the leaves
+        self._meta = differ.tree(
+            _own_meta(g1.meta, False), _own_meta(g2.meta, False), "meta", "meta"
+        )  # in its JSON form: integers at the leaves
         self.step, self._coarsest = _period(differ.deltas, b2 - b1)
         self.varying = len(differ.deltas)  # integers that follow the batch
 
@@ -261,12 +293,18 @@ class BatchFamily:
             raise BatchDependentStructure(
                 f"micro-batch {b} is below the smallest traced one ({self.b1}): a batch of one "
                 "specialises (size-1 dimensions broadcast, squeeze, or skip a copy), so it is "
-                "not derived", hint=f"trace micro-batch {b} (family() does it for you)")
+                "not derived",
+                hint=f"trace micro-batch {b} (family() does it for you)",
+            )
         if b not in self._traced:
             self._traced[b] = self._trace(b)
         g = self._traced[b]
-        return StepGraph(nodes=g.nodes, storages=g.storages, version=g.version,
-                         meta=_with_pass(g.meta, b, traced=True))
+        return StepGraph(
+            nodes=g.nodes,
+            storages=g.storages,
+            version=g.version,
+            meta=_with_pass(g.meta, b, traced=True),
+        )
 
     def derive(self, b: int) -> StepGraph:
         """The affine derivation at micro-batch `b` (>= 1), below b1 too (what `check`
@@ -278,11 +316,13 @@ class BatchFamily:
             raise BatchDependentStructure(
                 f"micro-batch {b} cannot be derived from traces at {self.b1} and {self.b2}: "
                 f"{where} changes by {d} between them, which is not a whole number per sample",
-                hint=f"trace micro-batch {b} (derivable: {self.b1} + multiples of {self.step})")
+                hint=f"trace micro-batch {b} (derivable: {self.b1} + multiples of {self.step})",
+            )
         with gc_paused():  # ~10^5 small objects: a collection pass would double the time
             nodes = tuple(_node_at(r, k, den) for r in self._nodes)
-            storages = tuple(s if type(s) is StorageInfo else _storage_at(s, k, den)
-                             for s in self._storages)
+            storages = tuple(
+                s if type(s) is StorageInfo else _storage_at(s, k, den) for s in self._storages
+            )
         _check_sizes(b, storages)
         filled = {**self.graph1.meta.to_dict(), **_fill(self._meta, k, den)}
         meta = _with_pass(StepMeta.from_dict(filled), b, traced=False)
@@ -294,8 +334,9 @@ class BatchFamily:
         return first_mismatch(self.derive(b), graph)
 
 
-def family(trace: Callable[[int], StepGraph], b1: int = TRACE_AT[0],
-           b2: int = TRACE_AT[1]) -> BatchFamily:
+def family(
+    trace: Callable[[int], StepGraph], b1: int = TRACE_AT[0], b2: int = TRACE_AT[1]
+) -> BatchFamily:
     """Trace a workload at micro-batches b1 and b2 (`trace(b)` -> StepGraph, e.g.
     `lambda b: capture(workload_factory(model, b, seq), precision=p)`) and return the family
     deriving every other micro-batch (and tracing those below b1 when asked for).
@@ -329,8 +370,10 @@ def _own_meta(meta: StepMeta, keep: bool) -> dict[str, Any]:
 def _diff_nodes(differ: _Differ, g1: StepGraph, g2: StepGraph) -> tuple[Any, ...]:
     if len(g1.nodes) != len(g2.nodes):
         raise differ.fail("the graph", "the number of ops", len(g1.nodes), len(g2.nodes))
-    return tuple(n1 if n1 == n2 else _diff_node(differ, n1, n2)
-                 for n1, n2 in zip(g1.nodes, g2.nodes, strict=True))
+    return tuple(
+        n1 if n1 == n2 else _diff_node(differ, n1, n2)
+        for n1, n2 in zip(g1.nodes, g2.nodes, strict=True)
+    )
 
 
 def _diff_node(differ: _Differ, n1: OpNode, n2: OpNode) -> tuple[Any, ...]:
@@ -344,18 +387,19 @@ def _diff_node(differ: _Differ, n1: OpNode, n2: OpNode) -> tuple[Any, ...]:
         if len(a) != len(b):
             raise differ.fail(where, f"the number of {what}", len(a), len(b))
         pairs = enumerate(zip(a, b, strict=True))
-        ios.append(None if a == b else tuple(
-            differ.tensor(x, y, where, f"{what}[{i}]") for i, (x, y) in pairs))
+        ios.append(
+            None
+            if a == b
+            else tuple(differ.tensor(x, y, where, f"{what}[{i}]") for i, (x, y) in pairs)
+        )
     args = None if n1.args == n2.args else differ.tree(n1.args, n2.args, where, "args")
-    kwargs = None if n1.kwargs == n2.kwargs else differ.tree(n1.kwargs, n2.kwargs, where,
-                                                             "kwargs")
+    kwargs = None if n1.kwargs == n2.kwargs else differ.tree(n1.kwargs, n2.kwargs, where, "kwargs")
     return (n1, ios[0], ios[1], args, kwargs)
 
 
 def _diff_storages(differ: _Differ, g1: StepGraph, g2: StepGraph) -> tuple[Any, ...]:
     if len(g1.storages) != len(g2.storages):
-        raise differ.fail("the graph", "the number of storages", len(g1.storages),
-                          len(g2.storages))
+        raise differ.fail("the graph", "the number of storages", len(g1.storages), len(g2.storages))
     out: list[Any] = []
     for s1, s2 in zip(g1.storages, g2.storages, strict=True):
         if s1 == s2:
@@ -371,8 +415,15 @@ def _diff_storages(differ: _Differ, g1: StepGraph, g2: StepGraph) -> tuple[Any, 
 
 def _storage_at(r: tuple[StorageInfo, int], k: int, den: int) -> StorageInfo:
     s, d = r
-    return StorageInfo(id=s.id, nbytes=s.nbytes + d * k // den, kind=s.kind, created=s.created,
-                       freed=s.freed, label=s.label, module=s.module)
+    return StorageInfo(
+        id=s.id,
+        nbytes=s.nbytes + d * k // den,
+        kind=s.kind,
+        created=s.created,
+        freed=s.freed,
+        label=s.label,
+        module=s.module,
+    )
 
 
 def _period(deltas: list[tuple[int, str]], den: int) -> tuple[int, tuple[int, str]]:
@@ -393,10 +444,12 @@ def _check_sizes(b: int, storages: tuple[StorageInfo, ...]) -> None:
         s = next(s for s in storages if s.nbytes < 0)
         raise BatchDependentStructure(
             f"micro-batch {b} cannot be derived: storage {s.id} would hold {s.nbytes} bytes",
-            hint=f"trace micro-batch {b}")
+            hint=f"trace micro-batch {b}",
+        )
 
 
 # -- comparing two graphs -------------------------------------------------------------------------
+
 
 def first_mismatch(derived: StepGraph, traced: StepGraph) -> Mismatch | None:
     """The first difference between two step graphs, node by node, then storage by storage,
@@ -405,15 +458,32 @@ def first_mismatch(derived: StepGraph, traced: StepGraph) -> Mismatch | None:
         return Mismatch("graph", "ops", len(derived.nodes), len(traced.nodes))
     for a, b in zip(derived.nodes, traced.nodes, strict=True):
         if a != b:
-            f = next(f for f in ("op", "phase", "module", "inputs", "outputs", "args", "kwargs",
-                                 "allocs", "frees", "index") if getattr(a, f) != getattr(b, f))
+            f = next(
+                f
+                for f in (
+                    "op",
+                    "phase",
+                    "module",
+                    "inputs",
+                    "outputs",
+                    "args",
+                    "kwargs",
+                    "allocs",
+                    "frees",
+                    "index",
+                )
+                if getattr(a, f) != getattr(b, f)
+            )
             return Mismatch(f"node {a.index} ({a.op})", f, getattr(a, f), getattr(b, f))
     if len(derived.storages) != len(traced.storages):
         return Mismatch("graph", "storages", len(derived.storages), len(traced.storages))
     for a, b in zip(derived.storages, traced.storages, strict=True):
         if a != b:
-            f = next(f for f in ("nbytes", "kind", "created", "freed", "label", "module", "id")
-                     if getattr(a, f) != getattr(b, f))
+            f = next(
+                f
+                for f in ("nbytes", "kind", "created", "freed", "label", "module", "id")
+                if getattr(a, f) != getattr(b, f)
+            )
             return Mismatch(f"storage {a.id}", f, getattr(a, f), getattr(b, f))
     ma, mb = _own_meta(derived.meta, False), _own_meta(traced.meta, False)
     for key in sorted(ma.keys() | mb.keys()):
@@ -422,5 +492,11 @@ def first_mismatch(derived: StepGraph, traced: StepGraph) -> Mismatch | None:
     return None
 
 
-__all__ = ["TRACE_AT", "BatchDependentStructure", "BatchFamily", "Mismatch", "family",
-           "first_mismatch"]
+__all__ = [
+    "TRACE_AT",
+    "BatchDependentStructure",
+    "BatchFamily",
+    "Mismatch",
+    "family",
+    "first_mismatch",
+]

@@ -56,18 +56,30 @@ class AppliedStep:
         changes: what was changed, in words, one entry per knob that changed something.
     """
 
-    def __init__(self, workload: Workload, model: nn.Module, runner: nn.Module,
-                 optimizer: torch.optim.Optimizer, knobs: Knobs, precision: str,
-                 changes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        model: nn.Module,
+        runner: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        knobs: Knobs,
+        precision: str,
+        changes: tuple[str, ...],
+    ) -> None:
         self.model, self.optimizer, self.knobs, self.precision = model, optimizer, knobs, precision
         self.compiled = runner if runner is not model else None
         self.changes = changes
         self.device = _device_of(model)
         running = copy.copy(workload)  # the user's Workload object is left as it was
         running.model = runner
-        self._step = TrainStep(running, optimizer, precision, device_type=self.device.type,
-                               accumulation=knobs.accumulation,
-                               scaler=make_scaler(precision, self.device.type))
+        self._step = TrainStep(
+            running,
+            optimizer,
+            precision,
+            device_type=self.device.type,
+            accumulation=knobs.accumulation,
+            scaler=make_scaler(precision, self.device.type),
+        )
         self._batch = workload.batch
 
     def __call__(self, batch: Batch | None = None) -> torch.Tensor:
@@ -78,17 +90,20 @@ class AppliedStep:
                 f"a batch of {n} samples, but the plan's global batch is micro_batch "
                 f"{self.knobs.micro_batch} x accumulation {self.knobs.accumulation} = "
                 f"{self.knobs.global_batch}: give batches of {self.knobs.global_batch} "
-                f"samples, or plan for {n}")
-        batch = map_tensors(cast_batch(batch, self.precision),
-                            lambda t: t.to(self.device, non_blocking=True))
+                f"samples, or plan for {n}"
+            )
+        batch = map_tensors(
+            cast_batch(batch, self.precision), lambda t: t.to(self.device, non_blocking=True)
+        )
         return self._step(batch)
 
     def __repr__(self) -> str:
         return f"AppliedStep({self.knobs}, precision={self.precision!r})"
 
 
-def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
-          precision: str = "bf16-mixed") -> AppliedStep:
+def apply(
+    workload: Workload, knobs: Knobs | Mapping[str, Any] | Any, precision: str = "bf16-mixed"
+) -> AppliedStep:
     """Change the workload's real model and optimizer as `knobs` say and return the step
     that trains them (see the module docstring for what each knob does, and its order).
 
@@ -107,8 +122,7 @@ def apply(workload: Workload, knobs: Knobs | Mapping[str, Any] | Any,
         changes.append(_fused_loss(workload))
     if knobs.checkpoint:
         changes.append(checkpoint_blocks(model, dict(knobs.checkpoint)))
-    optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states,
-                                 knobs.offload)
+    optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states, knobs.offload)
     if knobs.optimizer_states != "as-is" or knobs.offload:
         changes.append(f"optimizer {type(optimizer).__name__}")
     runner = model
@@ -126,13 +140,17 @@ def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:
     if isinstance(getattr(knobs, "knobs", None), Knobs):
         return knobs.knobs
     if not isinstance(knobs, Mapping):
-        raise GobrrrError(f"knobs={knobs!r} is a {type(knobs).__name__}: give a "
-                          "gobrrr.plan.knobs.Knobs (or its to_dict() form)")
+        raise GobrrrError(
+            f"knobs={knobs!r} is a {type(knobs).__name__}: give a "
+            "gobrrr.plan.knobs.Knobs (or its to_dict() form)"
+        )
     fields = [f.name for f in dataclasses.fields(Knobs)]
     for key in knobs:
         if key not in fields:
-            raise GobrrrError(f"unknown knob {key!r}{did_you_mean(str(key), fields)}: the knobs "
-                              f"are {', '.join(fields)}")
+            raise GobrrrError(
+                f"unknown knob {key!r}{did_you_mean(str(key), fields)}: the knobs "
+                f"are {', '.join(fields)}"
+            )
     if "micro_batch" not in knobs:
         raise GobrrrError("knobs without micro_batch: give at least {'micro_batch': N}")
     return Knobs.from_dict(dict(knobs))
@@ -141,10 +159,12 @@ def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:
 def _fused_loss(workload: Workload) -> str:
     if workload.step is not None or workload.loss is not None:
         kind = "step" if workload.step is not None else "loss"
-        raise GobrrrError(f"fused_loss replaces the model's own head and loss, but this "
-                          f"workload computes its loss in Workload({kind}=...), which gobrrr "
-                          "does not rewrite: let the model return its loss, or set "
-                          "fused_loss=False")
+        raise GobrrrError(
+            f"fused_loss replaces the model's own head and loss, but this "
+            f"workload computes its loss in Workload({kind}=...), which gobrrr "
+            "does not rewrite: let the model return its loss, or set "
+            "fused_loss=False"
+        )
     return use_fused_loss(workload.model)
 
 
@@ -157,9 +177,11 @@ def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
     names = dict(model.named_modules())
     for block in policies:
         if block not in names:
-            raise GobrrrError(f"checkpoint block {block!r} is not a module of "
-                              f"{type(model).__name__}{did_you_mean(block, names)}: name blocks "
-                              "as model.named_modules() does (e.g. 'transformer.h.3')")
+            raise GobrrrError(
+                f"checkpoint block {block!r} is not a module of "
+                f"{type(model).__name__}{did_you_mean(block, names)}: name blocks "
+                "as model.named_modules() does (e.g. 'transformer.h.3')"
+            )
     apply_checkpointing(model, policies)
     counts = {p: sum(1 for v in policies.values() if v == p) for p in set(policies.values())}
     return "checkpoint " + ", ".join(f"{n} block(s) {p}" for p, n in sorted(counts.items()))

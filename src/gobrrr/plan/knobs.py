@@ -59,15 +59,21 @@ class Knobs:
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.accumulation < 1:
-            raise GobrrrError(f"micro_batch and accumulation must be >= 1, got "
-                              f"{self.micro_batch} and {self.accumulation}")
+            raise GobrrrError(
+                f"micro_batch and accumulation must be >= 1, got "
+                f"{self.micro_batch} and {self.accumulation}"
+            )
         for name, policy in self.checkpoint:
             if policy not in CHECKPOINT_POLICIES:
-                raise GobrrrError(f"unknown checkpoint policy {policy!r} for block {name!r}: "
-                                  f"choose {', '.join(CHECKPOINT_POLICIES)}")
+                raise GobrrrError(
+                    f"unknown checkpoint policy {policy!r} for block {name!r}: "
+                    f"choose {', '.join(CHECKPOINT_POLICIES)}"
+                )
         if self.optimizer_states not in OPTIMIZER_STATES:
-            raise GobrrrError(f"unknown optimizer_states {self.optimizer_states!r}: choose "
-                              f"{', '.join(OPTIMIZER_STATES)}")
+            raise GobrrrError(
+                f"unknown optimizer_states {self.optimizer_states!r}: choose "
+                f"{', '.join(OPTIMIZER_STATES)}"
+            )
         if self.weights not in WEIGHTS:
             raise GobrrrError(f"unknown weights {self.weights!r}: choose {', '.join(WEIGHTS)}")
 

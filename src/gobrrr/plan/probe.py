@@ -77,9 +77,11 @@ class Probe:
         for AdamW (torchao runs torch's fused AdamW on the CPU, the step calibrated)."""
         opt = self.optimizer
         if type(opt) is not torch.optim.AdamW:
-            return (f"the workload's optimizer is {type(opt).__name__}; offload is costed "
-                    "for torch.optim.AdamW (its fused CPU step is what the calibration "
-                    "measures)")
+            return (
+                f"the workload's optimizer is {type(opt).__name__}; offload is costed "
+                "for torch.optim.AdamW (its fused CPU step is what the calibration "
+                "measures)"
+            )
         return _refusal(adam_hyper, opt)  # an option the offloaded one lacks (amsgrad, maximize)
 
 

@@ -39,15 +39,21 @@ class Plan:
     host_pinned_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"knobs": self.knobs.to_dict(), "unit": self.unit,
-                               f"{self.unit}_per_s": self.units_per_s,
-                               "step_s": self.step_s, "peak_bytes": self.peak_bytes,
-                               "reserved_bytes": self.reserved_bytes, "fits": self.fits,
-                               "headroom_bytes": self.headroom_bytes,
-                               "recompute_s": self.recompute_s,
-                               "host_bytes": self.host_bytes,
-                               "host_pinned_bytes": self.host_pinned_bytes,
-                               "changes": list(self.changes), "why": self.why}
+        out: dict[str, Any] = {
+            "knobs": self.knobs.to_dict(),
+            "unit": self.unit,
+            f"{self.unit}_per_s": self.units_per_s,
+            "step_s": self.step_s,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "recompute_s": self.recompute_s,
+            "host_bytes": self.host_bytes,
+            "host_pinned_bytes": self.host_pinned_bytes,
+            "changes": list(self.changes),
+            "why": self.why,
+        }
         return out
 
 
@@ -85,23 +91,38 @@ class PlanResult:
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         plans = self.plans if top is None else self.plans[:top]
-        return {"version": PLAN_VERSION, "workload": self.workload, "gpu": self.gpu,
-                "precision": self.precision, "global_batch": self.global_batch,
-                "budget_bytes": self.budget_bytes, "blocks": self.blocks,
-                "fits": self.best is not None,
-                "user": self.user.to_dict(), "best": self.best.to_dict() if self.best else None,
-                "plans": [p.to_dict() for p in plans], "considered": self.considered,
-                "traces": self.traces, "took_s": self.took_s, "notes": list(self.notes)}
+        return {
+            "version": PLAN_VERSION,
+            "workload": self.workload,
+            "gpu": self.gpu,
+            "precision": self.precision,
+            "global_batch": self.global_batch,
+            "budget_bytes": self.budget_bytes,
+            "blocks": self.blocks,
+            "fits": self.best is not None,
+            "user": self.user.to_dict(),
+            "best": self.best.to_dict() if self.best else None,
+            "plans": [p.to_dict() for p in plans],
+            "considered": self.considered,
+            "traces": self.traces,
+            "took_s": self.took_s,
+            "notes": list(self.notes),
+        }
 
 
 def no_fit_message(r: PlanResult) -> str:
     """One line: nothing fits, the smallest reserved peak found, and what would make it fit."""
     gib = 2**30
     low = min(r.plans, key=lambda p: p.reserved_bytes) if r.plans else r.user
-    host = ("offloaded plans did not fit either" if any(p.knobs.offload for p in r.plans)
-            else "optimizer states on the host (--allow offload)")
-    return (f"no configuration of {r.workload} at global batch {r.global_batch} fits "
-            f"{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
-            f"{low.reserved_bytes / gib:.1f} GiB ({', '.join(low.changes) or 'as given'}); "
-            "to fit: more GPUs (shard parameters, gradients and optimizer states), optimizer "
-            f"states in 8 bits, {host}, or a smaller model or sequence")
+    host = (
+        "offloaded plans did not fit either"
+        if any(p.knobs.offload for p in r.plans)
+        else "optimizer states on the host (--allow offload)"
+    )
+    return (
+        f"no configuration of {r.workload} at global batch {r.global_batch} fits "
+        f"{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
+        f"{low.reserved_bytes / gib:.1f} GiB ({', '.join(low.changes) or 'as given'}); "
+        "to fit: more GPUs (shard parameters, gradients and optimizer states), optimizer "
+        f"states in 8 bits, {host}, or a smaller model or sequence"
+    )

@@ -83,10 +83,18 @@ class Request:
         return int(self.budget * (1 - self.margin))
 
 
-def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
-         seq: int | None = None, precision: str = "bf16-mixed",
-         memory_budget: int | None = None, allow: Iterable[str] = (),
-         margin: float = MARGIN, calibration=True) -> PlanResult:
+def plan(
+    source,
+    gpu: str | Target = "h100",
+    *,
+    global_batch: int | None = None,
+    seq: int | None = None,
+    precision: str = "bf16-mixed",
+    memory_budget: int | None = None,
+    allow: Iterable[str] = (),
+    margin: float = MARGIN,
+    calibration=True,
+) -> PlanResult:
     """The fastest configurations of `source`'s step that fit `gpu`, best first.
 
     source: what `gobrrr.estimate` takes (a built-in name, "file.py:function", a function
@@ -96,9 +104,17 @@ def plan(source, gpu: str | Target = "h100", *, global_batch: int | None = None,
     beyond the user's numerics (see ALLOW). margin: the share of the budget to leave free
     (see MARGIN).
     """
-    return Planner(source, gpu, global_batch=global_batch, seq=seq, precision=precision,
-                   memory_budget=memory_budget, allow=allow, margin=margin,
-                   calibration=calibration).run()
+    return Planner(
+        source,
+        gpu,
+        global_batch=global_batch,
+        seq=seq,
+        precision=precision,
+        memory_budget=memory_budget,
+        allow=allow,
+        margin=margin,
+        calibration=calibration,
+    ).run()
 
 
 class Planner:
@@ -106,26 +122,44 @@ class Planner:
     and traced (twice) when made, then any Knobs costed by passes over the traces (`cost`),
     or the whole search (`run`)."""
 
-    def __init__(self, source, gpu: str | Target = "h100", *, global_batch: int | None = None,
-                 seq: int | None = None, precision: str = "bf16-mixed",
-                 memory_budget: int | None = None, allow: Iterable[str] = (),
-                 margin: float = MARGIN, calibration=True) -> None:
+    def __init__(
+        self,
+        source,
+        gpu: str | Target = "h100",
+        *,
+        global_batch: int | None = None,
+        seq: int | None = None,
+        precision: str = "bf16-mixed",
+        memory_budget: int | None = None,
+        allow: Iterable[str] = (),
+        margin: float = MARGIN,
+        calibration=True,
+    ) -> None:
         self.t0 = time.perf_counter()
         self.precision = precision
         self.target = Target.resolve(gpu, calibration)
         self.probe = Probe(source, seq)
-        self.req = _request(global_batch if global_batch is not None else self.probe.batch,
-                            self.target, memory_budget, allow, margin)
+        self.req = _request(
+            global_batch if global_batch is not None else self.probe.batch,
+            self.target,
+            memory_budget,
+            allow,
+            margin,
+        )
         if memory_budget is not None:
             _check_state_budget(self.probe.parameter_bytes, self.req)
-        self.steps = _Steps(lambda variant: Tracer(
-            source, seq=seq, precision=precision, target=self.target, variant=variant),
-            self.req.global_batch)
+        self.steps = _Steps(
+            lambda variant: Tracer(
+                source, seq=seq, precision=precision, target=self.target, variant=variant
+            ),
+            self.req.global_batch,
+        )
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
-        self.search = _Search(self.req, self.target, self.steps,
-                              list(self.base.meta.blocks or ()), variants)
+        self.search = _Search(
+            self.req, self.target, self.steps, list(self.base.meta.blocks or ()), variants
+        )
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
@@ -136,11 +170,17 @@ class Planner:
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
         states = ["as-is", *self._states(notes)]
-        weights = ["as-is", *(["bf16"] if "bf16-weights" in self.req.allow
-                              and self.precision != "bf16" else [])]
-        out = [replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
-               for w in weights for st in states for fused in (False, True)
-               if w == "as-is" or st == "as-is"]
+        weights = [
+            "as-is",
+            *(["bf16"] if "bf16-weights" in self.req.allow and self.precision != "bf16" else []),
+        ]
+        out = [
+            replace(BASE, fused_loss=fused, optimizer_states=st, weights=w)
+            for w in weights
+            for st in states
+            for fused in (False, True)
+            if w == "as-is" or st == "as-is"
+        ]
         if "offload" in self.req.allow and _offload_allowed(self.target, self.probe, notes):
             out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
         out = [v for v in out if not v.fused_loss or not refusal]
@@ -150,9 +190,11 @@ class Planner:
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
-            notes.append(f"parameters, gradients and optimizer states alone need "
-                         f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
-                         f"{self.req.usable / gib:.1f} GiB budget")
+            notes.append(
+                f"parameters, gradients and optimizer states alone need "
+                f"{_persistent(self.base, BASE) / gib:.1f} GiB of the "
+                f"{self.req.usable / gib:.1f} GiB budget"
+            )
         return kept
 
     def _states(self, notes: list[str]) -> list[str]:
@@ -177,33 +219,54 @@ class Planner:
     def cost(self, knobs: Knobs) -> Plan:
         """The predicted step with these knobs (their global batch must be the planner's)."""
         if knobs.global_batch != self.req.global_batch:
-            raise GobrrrError(f"knobs for a global batch of {knobs.global_batch}, the plan's is "
-                              f"{self.req.global_batch}")
+            raise GobrrrError(
+                f"knobs for a global batch of {knobs.global_batch}, the plan's is "
+                f"{self.req.global_batch}"
+            )
         return self.search.cost(knobs)
 
     def run(self) -> PlanResult:
         plans = self.search.run()
         user = self.search.user()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
-        return PlanResult(workload=str(self.base.meta.name), gpu=self.target.gpu.name,
-                          precision=self.precision, global_batch=self.req.global_batch,
-                          budget_bytes=self.req.budget, blocks=len(self.blocks), user=user,
-                          plans=tuple(ranked), considered=self.search.evaluated,
-                          traces=self.steps.traces, took_s=time.perf_counter() - self.t0,
-                          notes=tuple(self.search.notes))
+        return PlanResult(
+            workload=str(self.base.meta.name),
+            gpu=self.target.gpu.name,
+            precision=self.precision,
+            global_batch=self.req.global_batch,
+            budget_bytes=self.req.budget,
+            blocks=len(self.blocks),
+            user=user,
+            plans=tuple(ranked),
+            considered=self.search.evaluated,
+            traces=self.steps.traces,
+            took_s=time.perf_counter() - self.t0,
+            notes=tuple(self.search.notes),
+        )
 
 
-def _request(global_batch: int, target: Target, memory_budget: int | None,
-             allow: Iterable[str], margin: float) -> Request:
+def _request(
+    global_batch: int,
+    target: Target,
+    memory_budget: int | None,
+    allow: Iterable[str],
+    margin: float,
+) -> Request:
     allowed = frozenset(a.strip() for a in allow if a.strip())
     unknown = sorted(allowed - set(ALLOW))
     if unknown:
-        raise GobrrrError(f"--allow {','.join(unknown)}: unknown; "
-                          + (f"choose from {', '.join(ALLOW)}" if ALLOW else
-                             "this version plans at the user's numerics only"))
+        raise GobrrrError(
+            f"--allow {','.join(unknown)}: unknown; "
+            + (
+                f"choose from {', '.join(ALLOW)}"
+                if ALLOW
+                else "this version plans at the user's numerics only"
+            )
+        )
     if global_batch < 1:
-        raise GobrrrError(f"--global-batch must be a positive number of samples, got "
-                          f"{global_batch}")
+        raise GobrrrError(
+            f"--global-batch must be a positive number of samples, got {global_batch}"
+        )
     cap = process_budget(target.gpu, target.cal)
     if memory_budget is not None:
         if memory_budget <= 0:
@@ -240,8 +303,9 @@ def _offload_allowed(target: Target, probe: Probe, notes: list[str]) -> bool:
     saying why not."""
     section = target.cal.offload if target.cal else {}
     if not section.get("d2h") or not section.get("adamw:fp32"):
-        notes.append("offload not planned: " + NOT_CALIBRATED.format(
-            what=f"{target.gpu.name}'s calibration"))
+        notes.append(
+            "offload not planned: " + NOT_CALIBRATED.format(what=f"{target.gpu.name}'s calibration")
+        )
         return False
     refusal = probe.offload_refusal
     if refusal:
@@ -273,24 +337,30 @@ def _states_8bit(g: StepGraph) -> int:
     """Bytes of torchao's 8-bit moments for the parameters whose Adam moments `g` holds
     (the host step counts hold none on the GPU)."""
     size = {t.storage: t.itemsize for n in g.nodes for t in (*n.inputs, *n.outputs)}
-    return sum(state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))
-               for s in g.storages
-               if s.kind == "optimizer_state" and s.label.endswith(".exp_avg"))
+    return sum(
+        state_bytes(s.nbytes // size.get(s.id, 4), size.get(s.id, 4))
+        for s in g.storages
+        if s.kind == "optimizer_state" and s.label.endswith(".exp_avg")
+    )
 
 
 def _notes_8bit(target: Target) -> list[str]:
     """What the 8-bit states' cost rests on, where it is not measured."""
     out = []
     if not (target.cal and target.cal.optim8):
-        out.append("8-bit optimizer states costed without a measured optim8 calibration "
-                   "section: each update's bytes at the pointwise bandwidth and the eager "
-                   "per-op host cost (measure it: benchmarks/calibration/calibrate_sections.py "
-                   "--sections optim8)")
+        out.append(
+            "8-bit optimizer states costed without a measured optim8 calibration "
+            "section: each update's bytes at the pointwise bandwidth and the eager "
+            "per-op host cost (measure it: benchmarks/calibration/calibrate_sections.py "
+            "--sections optim8)"
+        )
     try:
         import torchao.optim  # noqa: F401
     except ImportError:
-        out.append("8-bit optimizer states are applied with torchao, not installed here: "
-                   "pip install 'gobrrr[optim]' where the plan runs")
+        out.append(
+            "8-bit optimizer states are applied with torchao, not installed here: "
+            "pip install 'gobrrr[optim]' where the plan runs"
+        )
     return out
 
 
@@ -315,7 +385,8 @@ def _check_state_budget(params: int, req: Request) -> None:
         raise GobrrrError(
             f"--memory-budget {req.budget / gib:.1f} GiB is smaller than the parameters alone "
             f"({params / gib:.1f} GiB): give a larger budget, or shard the model over more "
-            "GPUs")
+            "GPUs"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -325,8 +396,14 @@ def divisors(n: int) -> list[int]:
 class _Search:
     """Costs the candidates at each micro-batch (smallest first)."""
 
-    def __init__(self, req: Request, target: Target, steps: _Steps, blocks: list[str],
-                 variants: list[Variant]) -> None:
+    def __init__(
+        self,
+        req: Request,
+        target: Target,
+        steps: _Steps,
+        blocks: list[str],
+        variants: list[Variant],
+    ) -> None:
         self.req, self.target, self.steps, self.blocks = req, target, steps, blocks
         self.variants = variants
         self.evaluated = 0
@@ -336,9 +413,11 @@ class _Search:
     def run(self) -> list[Plan]:
         out: list[Plan] = []
         if not self.blocks:
-            self.notes.append("no repeated blocks (an nn.ModuleList or nn.Sequential of "
-                              "modules of one class) to checkpoint: planned micro-batch and "
-                              "accumulation only")
+            self.notes.append(
+                "no repeated blocks (an nn.ModuleList or nn.Sequential of "
+                "modules of one class) to checkpoint: planned micro-batch and "
+                "accumulation only"
+            )
         for v in self.variants:
             for m in divisors(self.req.global_batch):
                 plans = self.at_micro_batch(m, v)
@@ -360,8 +439,11 @@ class _Search:
             self._user = plain
         if plain.fits or not self.blocks or v.compile:  # checkpointing: eager variants only
             return [plain]
-        policies = [every_kth(self.blocks, 1, "selective"), every_kth(self.blocks, 1),
-                    every_kth(self.blocks, 2)]
+        policies = [
+            every_kth(self.blocks, 1, "selective"),
+            every_kth(self.blocks, 1),
+            every_kth(self.blocks, 2),
+        ]
         plans = [plain] + [self.cost(knobs(checkpoint=c)) for c in policies]
         sel, full = plans[1], plans[2]
         if full.fits:
@@ -375,11 +457,13 @@ class _Search:
         with it measured (`sel`, `full`); the saving asked for grows by what was still
         missing, a few times at most."""
         g = self.graph(knobs())
-        costs = scaled(block_costs(g, evaluate(g, self.target).time, self.blocks),
-                       {"selective": (plain.reserved_bytes - sel.reserved_bytes,
-                                      sel.step_s - plain.step_s),
-                        "full": (plain.reserved_bytes - full.reserved_bytes,
-                                 full.step_s - plain.step_s)})
+        costs = scaled(
+            block_costs(g, evaluate(g, self.target).time, self.blocks),
+            {
+                "selective": (plain.reserved_bytes - sel.reserved_bytes, sel.step_s - plain.step_s),
+                "full": (plain.reserved_bytes - full.reserved_bytes, full.step_s - plain.step_s),
+            },
+        )
         need = plain.reserved_bytes - self.req.usable
         out: list[Plan] = []
         for _ in range(4):
@@ -414,22 +498,36 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
     recompute = est.time.phase_s.get("recompute", 0.0)
     changes = describe(knobs, req.global_batch, blocks)
     gib = 2**30
-    why = (f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare" if fits else
-           f"needs {reserved / gib:.1f} GiB reserved, over the {req.usable / gib:.1f} GiB "
-           "a plan may take" + (f" ({req.budget / gib:.1f} GiB less a {req.margin:.0%} "
-                                "margin)" if req.margin else ""))
+    why = (
+        f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare"
+        if fits
+        else f"needs {reserved / gib:.1f} GiB reserved, over the {req.usable / gib:.1f} GiB "
+        "a plan may take"
+        + (f" ({req.budget / gib:.1f} GiB less a {req.margin:.0%} margin)" if req.margin else "")
+    )
     if recompute:
         why += f"; recompute costs {recompute / est.time.step_s:.0%} of the step"
     host = host_bytes(est.graph)
     if host["total"]:
-        why += (f"; needs {host['total'] / gib:.1f} GiB of host memory "
-                f"({host['pinned'] / gib:.1f} GiB pinned)")
-    return Plan(knobs=knobs, unit=throughput_unit(est.graph),
-                units_per_s=est.time.tokens_per_s, step_s=est.time.step_s,
-                peak_bytes=m.peak, reserved_bytes=reserved, fits=fits,
-                headroom_bytes=req.budget - reserved, changes=tuple(changes), why=why,
-                recompute_s=recompute, host_bytes=host["total"],
-                host_pinned_bytes=host["pinned"])
+        why += (
+            f"; needs {host['total'] / gib:.1f} GiB of host memory "
+            f"({host['pinned'] / gib:.1f} GiB pinned)"
+        )
+    return Plan(
+        knobs=knobs,
+        unit=throughput_unit(est.graph),
+        units_per_s=est.time.tokens_per_s,
+        step_s=est.time.step_s,
+        peak_bytes=m.peak,
+        reserved_bytes=reserved,
+        fits=fits,
+        headroom_bytes=req.budget - reserved,
+        changes=tuple(changes),
+        why=why,
+        recompute_s=recompute,
+        host_bytes=host["total"],
+        host_pinned_bytes=host["pinned"],
+    )
 
 
 def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
@@ -442,8 +540,11 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
     if knobs.weights != "as-is":
         out.append(f"weights, gradients and states in {knobs.weights} (pure {knobs.weights})")
     if knobs.optimizer_states != "as-is":
-        out.append({"8bit": "8-bit optimizer states"}.get(
-            knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"))
+        out.append(
+            {"8bit": "8-bit optimizer states"}.get(
+                knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"
+            )
+        )
     if knobs.compile:
         out.append("torch.compile(model)")
     if knobs.offload:

@@ -30,8 +30,15 @@ class Tracer:
     every micro-batch must then be at most its batch.
     """
 
-    def __init__(self, source: Any, *, seq: int | None, precision: str,
-                 target: Target, variant: Knobs | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        seq: int | None,
+        precision: str,
+        target: Target,
+        variant: Knobs | None = None,
+    ) -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
         self.variant = variant or Knobs(micro_batch=1)
         self.traces = 0
@@ -39,8 +46,12 @@ class Tracer:
     def __call__(self, micro_batch: int) -> StepGraph:
         make = self._variant(self._maker(micro_batch))
         self.traces += 1
-        return capture(make, precision=self.variant.precision(self.precision),
-                       sdpa=target_for(self.target.gpu.full_name), compile=self.variant.compile)
+        return capture(
+            make,
+            precision=self.variant.precision(self.precision),
+            sdpa=target_for(self.target.gpu.full_name),
+            compile=self.variant.compile,
+        )
 
     def _maker(self, m: int):
         """The workload at micro-batch m: built at m, and its first m samples cut where its
@@ -62,8 +73,10 @@ class Tracer:
         if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload:
             return make
         if v.offload and v.optimizer_states != "as-is":
-            raise GobrrrError(f"offload with optimizer_states={v.optimizer_states!r} is not "
-                              "planned: offload keeps the optimizer's own states (as-is)")
+            raise GobrrrError(
+                f"offload with optimizer_states={v.optimizer_states!r} is not "
+                "planned: offload keeps the optimizer's own states (as-is)"
+            )
 
         def build() -> Workload:
             w = make()
@@ -87,7 +100,8 @@ def _cut(w: Workload, m: int) -> Workload:
         raise GobrrrError(
             f"the workload's batch is fixed at {full} samples, so no micro-batch of "
             f"{m} can be cut from it: make the global batch at most {full}, or give "
-            "a function that takes batch_size (see README, `plan`)")
+            "a function that takes batch_size (see README, `plan`)"
+        )
     w = copy.copy(w)
     w.batch = map_tensors(w.batch, lambda t: t[:m].clone() if t.dim() and t.shape[0] == full else t)
     if w.tokens is not None:

@@ -25,29 +25,34 @@ class Verified:
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"knobs": self.plan.knobs.to_dict(),
-                               "predicted_step_s": self.plan.step_s,
-                               "measured_step_s": self.step_s,
-                               "predicted_peak_bytes": self.plan.peak_bytes,
-                               "measured_peak_bytes": self.peak_allocated,
-                               "predicted_reserved_bytes": self.plan.reserved_bytes,
-                               "measured_reserved_bytes": self.peak_reserved,
-                               "error": self.error}
+        out: dict[str, Any] = {
+            "knobs": self.plan.knobs.to_dict(),
+            "predicted_step_s": self.plan.step_s,
+            "measured_step_s": self.step_s,
+            "predicted_peak_bytes": self.plan.peak_bytes,
+            "measured_peak_bytes": self.peak_allocated,
+            "predicted_reserved_bytes": self.plan.reserved_bytes,
+            "measured_reserved_bytes": self.peak_reserved,
+            "error": self.error,
+        }
         if self.step_s:
             out["step_error"] = self.plan.step_s / self.step_s - 1
             out["peak_error"] = self.plan.peak_bytes / self.peak_allocated - 1
         return out
 
 
-def verify(make_workload, plans: list[Plan], precision: str, *, warmup: int = 2,
-           steps: int = 5) -> list[Verified]:
+def verify(
+    make_workload, plans: list[Plan], precision: str, *, warmup: int = 2, steps: int = 5
+) -> list[Verified]:
     """Run each plan on the GPU: `make_workload(global_batch)` builds a fresh workload (on
     the current device) for each, so every plan starts from an empty allocator."""
     import torch
 
     if not torch.cuda.is_available():
-        raise GobrrrError("--verify runs the plans on a GPU, and torch sees none here",
-                          hint="run it on a machine with a CUDA GPU, or drop --verify")
+        raise GobrrrError(
+            "--verify runs the plans on a GPU, and torch sees none here",
+            hint="run it on a machine with a CUDA GPU, or drop --verify",
+        )
     out = []
     for p in plans:
         out.append(_one(make_workload, p, precision, warmup, steps))
@@ -71,7 +76,11 @@ def _one(make_workload, p: Plan, precision: str, warmup: int, steps: int) -> Ver
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         times = time_steps(step, steps, "cuda")
-        return Verified(p, statistics.median(times), torch.cuda.max_memory_allocated(),
-                        torch.cuda.max_memory_reserved())
+        return Verified(
+            p,
+            statistics.median(times),
+            torch.cuda.max_memory_allocated(),
+            torch.cuda.max_memory_reserved(),
+        )
     except torch.cuda.OutOfMemoryError as e:
         return Verified(p, None, None, None, f"out of memory: {str(e).splitlines()[0]}")

@@ -46,19 +46,25 @@ class Analysis:
     graph_matched: float | None
 
 
-def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mixed",
-            graph: StepGraph | None = None, calibration: Calibration | None = None,
-            step: int | None = None) -> Analysis:
+def analyze(
+    joined: JoinedTrace,
+    gpu: GpuSpec | None,
+    precision: str = "bf16-mixed",
+    graph: StepGraph | None = None,
+    calibration: Calibration | None = None,
+    step: int | None = None,
+) -> Analysis:
     """Measured ops (device time, achieved rates, regime) of the trace's profiled step.
 
     `step` picks one `gobrrr::step` range when the trace holds several (default: the last).
     On a CPU trace an op's "device" time is its host time and the regime is "none".
     """
     keep = _step_filter(joined, step)
-    nodes, matched = (align_graph(joined.ops, graph) if graph is not None else (None, None))
+    nodes, matched = align_graph(joined.ops, graph) if graph is not None else (None, None)
     rates = Rates(gpu, calibration) if gpu is not None and joined.has_device else None
-    tf32 = (graph.meta if graph is not None else StepMeta(precision=Precision.parse(precision))
-            ).tf32_mode
+    tf32 = (
+        graph.meta if graph is not None else StepMeta(precision=Precision.parse(precision))
+    ).tf32_mode
     ops = []
     for o in joined.ops:
         if not keep(o):
@@ -74,11 +80,17 @@ def analyze(joined: JoinedTrace, gpu: GpuSpec | None, precision: str = "bf16-mix
     elif ops:
         span = sum(o.device_s for o in ops)
         busy = span
-    return Analysis(ops=tuple(ops), phases=group(ops, lambda o: o.phase),
-                    modules=group(ops, lambda o: _top_module(o.module)),
-                    kinds=group(ops, lambda o: o.kind), span_s=span, busy_s=busy,
-                    kernels=len(kernels), kernels_attributed=sum(k.op >= 0 for k in kernels),
-                    graph_matched=matched)
+    return Analysis(
+        ops=tuple(ops),
+        phases=group(ops, lambda o: o.phase),
+        modules=group(ops, lambda o: _top_module(o.module)),
+        kinds=group(ops, lambda o: o.kind),
+        span_s=span,
+        busy_s=busy,
+        kernels=len(kernels),
+        kernels_attributed=sum(k.op >= 0 for k in kernels),
+        graph_matched=matched,
+    )
 
 
 def _step_filter(joined: JoinedTrace, step: int | None):
@@ -97,8 +109,9 @@ def _busy(kernels) -> float:
     return busy
 
 
-def measured_regime(device_s: float, gap_s: float, compute_s: float, memory_s: float,
-                    launch_s: float) -> str:
+def measured_regime(
+    device_s: float, gap_s: float, compute_s: float, memory_s: float, launch_s: float
+) -> str:
     """The regime of a measured op (see the module docstring). Seconds: its summed kernel
     time, the device's idle time right before it, the cost model's compute and memory time
     for it, and one eager launch."""
@@ -111,8 +124,16 @@ def measured_regime(device_s: float, gap_s: float, compute_s: float, memory_s: f
     return "compute" if compute_s >= memory_s else "memory"
 
 
-def cost_split(rates: Rates, cost: OpCost | None, node, flops: float, nbytes: float,
-               math: str, kind: str, name: str) -> tuple[float, float]:
+def cost_split(
+    rates: Rates,
+    cost: OpCost | None,
+    node,
+    flops: float,
+    nbytes: float,
+    math: str,
+    kind: str,
+    name: str,
+) -> tuple[float, float]:
     """(compute_s, memory_s) the cost model gives an op: `time_op` of its step-graph node
     (`cost`: that node's op_cost), else its shapes' FLOPs and bytes at the calibrated rates."""
     if node is not None and cost is not None:
@@ -127,8 +148,9 @@ def cost_split(rates: Rates, cost: OpCost | None, node, flops: float, nbytes: fl
     return (flops / rate if rate > 0 else 0.0), nbytes / rates.bandwidth(kind, name)
 
 
-def roofline_fraction(device_s: float, flops: float, nbytes: float, math: str,
-                      gpu: GpuSpec) -> float | None:
+def roofline_fraction(
+    device_s: float, flops: float, nbytes: float, math: str, gpu: GpuSpec
+) -> float | None:
     """The op's datasheet roofline floor, max(FLOPs / peak[math], bytes / bandwidth), over its
     measured time (1 = at the roof); None without FLOPs or bytes."""
     if not (flops or nbytes) or device_s <= 0:
@@ -154,20 +176,37 @@ def _measure(o: TraceOp, joined: JoinedTrace, rates: Rates | None, tf32, graph, 
     node_ = graph.nodes[node] if graph is not None and node >= 0 else None
     cost = op_cost(node_, tf32) if node_ is not None else None
     source = "graph" if cost is not None else "shapes"
-    flops, nbytes, math = ((float(cost.flops), float(cost.bytes), str(cost.math)) if cost
-                           else shape_cost(o, tf32))
+    flops, nbytes, math = (
+        (float(cost.flops), float(cost.bytes), str(cost.math)) if cost else shape_cost(o, tf32)
+    )
     regime, frac = "none", None
     if rates is not None:
         split = cost_split(rates, cost, node_, flops, nbytes, math, kind, o.family)
         regime = measured_regime(device_s, gap, *split, rates.launch)
         frac = roofline_fraction(device_s, flops, nbytes, math, rates.gpu)
     return MeasuredOp(
-        index=o.index, op=o.op, family=o.family, kind=kind, phase=o.phase, module=o.module,
-        kernels=len(ks), kernel=longest[:120], device_s=device_s, host_s=o.host_s, gap_s=gap,
-        node=node, flops=flops, bytes=nbytes, math=math, cost_source=source,
+        index=o.index,
+        op=o.op,
+        family=o.family,
+        kind=kind,
+        phase=o.phase,
+        module=o.module,
+        kernels=len(ks),
+        kernel=longest[:120],
+        device_s=device_s,
+        host_s=o.host_s,
+        gap_s=gap,
+        node=node,
+        flops=flops,
+        bytes=nbytes,
+        math=math,
+        cost_source=source,
         flops_per_s=flops / device_s if device_s else 0.0,
-        bytes_per_s=nbytes / device_s if device_s else 0.0, roofline=frac, regime=regime,
-        compiled=o.compiled)
+        bytes_per_s=nbytes / device_s if device_s else 0.0,
+        roofline=frac,
+        regime=regime,
+        compiled=o.compiled,
+    )
 
 
 def _top_module(fqn: str, depth: int = 3) -> str:
@@ -191,8 +230,17 @@ def group(ops, key) -> tuple[GroupTime, ...]:
         regimes: dict[str, float] = defaultdict(float)
         for o in members:
             regimes[o.regime] += o.device_s
-        out.append(GroupTime(name=name, device_s=t, share=t / total, ops=len(members),
-                             flops=fl, bytes=by, flops_per_s=fl / t if t else 0.0,
-                             bytes_per_s=by / t if t else 0.0,
-                             regime=max(regimes, key=regimes.get)))
+        out.append(
+            GroupTime(
+                name=name,
+                device_s=t,
+                share=t / total,
+                ops=len(members),
+                flops=fl,
+                bytes=by,
+                flops_per_s=fl / t if t else 0.0,
+                bytes_per_s=by / t if t else 0.0,
+                regime=max(regimes, key=regimes.get),
+            )
+        )
     return tuple(sorted(out, key=lambda g: -g.device_s))

@@ -32,11 +32,19 @@ from gobrrr.profile.runner import (
 from gobrrr.workload import Workload
 
 
-def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mixed",
-            steps: int = 10, warmup: int = 3, checkpoint: str = "none", compile: bool = False,
-            trace_path: str | Path | None = None, graph: StepGraph | str | Path | None = None,
-            gpu: str | GpuSpec | Target | None = None,
-            calibration: Calibration | None = None) -> ProfileResult:
+def profile(
+    workload: Workload,
+    device: str = "cuda",
+    precision: str = "bf16-mixed",
+    steps: int = 10,
+    warmup: int = 3,
+    checkpoint: str = "none",
+    compile: bool = False,
+    trace_path: str | Path | None = None,
+    graph: StepGraph | str | Path | None = None,
+    gpu: str | GpuSpec | Target | None = None,
+    calibration: Calibration | None = None,
+) -> ProfileResult:
     """Measure `workload`'s training step on `device` ("cuda", "cuda:N" or "cpu").
 
     Runs `warmup` steps, times `steps` steps (median/min/max seconds), then profiles one
@@ -64,8 +72,11 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
     graph = load_graph_arg(graph)
     gpu_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
     target = target_for(gpu_name, gpu, calibration) if gpu_name else None
-    flops = (step_flops(graph) if graph is not None
-             else traced_flops(workload, precision, checkpoint, gpu_name))
+    flops = (
+        step_flops(graph)
+        if graph is not None
+        else traced_flops(workload, precision, checkpoint, gpu_name)
+    )
     try:
         m = measure(workload, device, precision, steps, warmup, checkpoint, compile, trace_path)
     except torch.cuda.OutOfMemoryError:
@@ -74,12 +85,19 @@ def profile(workload: Workload, device: str = "cuda", precision: str = "bf16-mix
         raise
     except Exception as e:  # the user's model, loss or optimizer failed
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise GobrrrError(f"workload {workload.name!r} raised {type(e).__name__}: {msg} "
-                          "(run it once without gobrrr to debug; GOBRRR_DEBUG=1 shows the "
-                          "traceback)") from e
-    return summarize(m, RunInfo(workload.name, device, precision, checkpoint, compile, steps,
-                                warmup), flops, graph=graph, gpu=target,
-                     calibration=calibration)
+        raise GobrrrError(
+            f"workload {workload.name!r} raised {type(e).__name__}: {msg} "
+            "(run it once without gobrrr to debug; GOBRRR_DEBUG=1 shows the "
+            "traceback)"
+        ) from e
+    return summarize(
+        m,
+        RunInfo(workload.name, device, precision, checkpoint, compile, steps, warmup),
+        flops,
+        graph=graph,
+        gpu=target,
+        calibration=calibration,
+    )
 
 
 @dataclass(frozen=True)
@@ -95,9 +113,14 @@ class RunInfo:
     warmup: int
 
 
-def summarize(m: Measured, info: RunInfo, flops: StepFlops | None = None,
-              graph: StepGraph | None = None, gpu: str | GpuSpec | Target | None = None,
-              calibration: Calibration | None = None) -> ProfileResult:
+def summarize(
+    m: Measured,
+    info: RunInfo,
+    flops: StepFlops | None = None,
+    graph: StepGraph | None = None,
+    gpu: str | GpuSpec | Target | None = None,
+    calibration: Calibration | None = None,
+) -> ProfileResult:
     """Analyze raw measurements (also those of a stored trace) into a ProfileResult.
     `flops`: the step's FLOPs and throughput unit (default: counted on `graph`). `gpu` and
     `calibration` as in `profile` (a Target is taken as it is)."""
@@ -117,41 +140,70 @@ def summarize(m: Measured, info: RunInfo, flops: StepFlops | None = None,
     idle = max(0.0, step_s - an.busy_s) if on_gpu else 0.0
     idle_share = idle / step_s if on_gpu and step_s > 0 else 0.0
     return ProfileResult(
-        workload=info.workload, device=info.device, device_name=m.device_name,
-        gpu=spec.name if spec else "", label=label,
-        precision=info.precision, checkpoint=info.checkpoint, compiled=info.compiled,
-        steps=info.steps, warmup=info.warmup, unit=flops.unit, units_per_step=flops.units,
-        step_s=step_s, step_min_s=min(m.step_times), step_max_s=max(m.step_times),
-        step_times=tuple(m.step_times), per_s=flops.units / step_s if step_s else 0.0,
-        model_flops=flops.model, executed_flops=flops.executed, flops_source=flops.source,
+        workload=info.workload,
+        device=info.device,
+        device_name=m.device_name,
+        gpu=spec.name if spec else "",
+        label=label,
+        precision=info.precision,
+        checkpoint=info.checkpoint,
+        compiled=info.compiled,
+        steps=info.steps,
+        warmup=info.warmup,
+        unit=flops.unit,
+        units_per_step=flops.units,
+        step_s=step_s,
+        step_min_s=min(m.step_times),
+        step_max_s=max(m.step_times),
+        step_times=tuple(m.step_times),
+        per_s=flops.units / step_s if step_s else 0.0,
+        model_flops=flops.model,
+        executed_flops=flops.executed,
+        flops_source=flops.source,
         peak_flops=peak,
         peak=f"dense {peak_mode(info.precision)} matmul peak of {spec.name}" if spec else "",
         **utilization(flops, step_s, peak),
-        peak_allocated=m.peak_allocated, peak_reserved=m.peak_reserved,
-        profiled_step_s=an.span_s, busy_s=an.busy_s, idle_s=idle, idle_share=idle_share,
-        kernels=an.kernels, kernels_attributed=an.kernels_attributed,
-        graph_matched=an.graph_matched, ops=an.ops, phases=an.phases, modules=an.modules,
+        peak_allocated=m.peak_allocated,
+        peak_reserved=m.peak_reserved,
+        profiled_step_s=an.span_s,
+        busy_s=an.busy_s,
+        idle_s=idle,
+        idle_share=idle_share,
+        kernels=an.kernels,
+        kernels_attributed=an.kernels_attributed,
+        graph_matched=an.graph_matched,
+        ops=an.ops,
+        phases=an.phases,
+        modules=an.modules,
         kinds=an.kinds,
-        diagnosis=diagnose(an.ops, spec, step_s, idle_share, m.peak_allocated, cal,
-                           info.precision),
-        meta=environment(on_gpu, cal is not None))
+        diagnosis=diagnose(an.ops, spec, step_s, idle_share, m.peak_allocated, cal, info.precision),
+        meta=environment(on_gpu, cal is not None),
+    )
 
 
 def utilization(flops: StepFlops, step_s: float, peak: float) -> dict[str, float | None]:
     """MFU, HFU and PaLM's MFU (fractions of `peak` FLOP/s over `step_s` seconds); None where
     there is no peak, no time or no FLOPs counted."""
+
     def rate(n: float | None) -> float | None:
         return n / step_s / peak if n and peak and step_s > 0 else None
 
-    return {"mfu": rate(flops.model), "hfu": rate(flops.executed),
-            "model_flops_6n_attention": flops.palm, "mfu_6n_attention": rate(flops.palm)}
+    return {
+        "mfu": rate(flops.model),
+        "hfu": rate(flops.executed),
+        "model_flops_6n_attention": flops.palm,
+        "mfu_6n_attention": rate(flops.palm),
+    }
 
 
 def environment(on_gpu: bool, calibrated: bool) -> dict:
     """Versions and date recorded with every result."""
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "calibrated": calibrated}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "calibrated": calibrated,
+    }
     try:
         import triton
 

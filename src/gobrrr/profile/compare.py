@@ -48,8 +48,9 @@ def compare(prediction: Any, result: ProfileResult) -> Comparison:
     against a ProfileResult profiled with the same StepGraph. Only joined ops enter the
     per-group rows, so both sides of a row cover the same ops."""
     by_index = {p.index: p for p in prediction.ops}
-    sums: dict[str, dict[str, list[float]]] = {k: defaultdict(lambda: [0.0, 0.0, 0])
-                                               for k in ("kind", "module", "phase")}
+    sums: dict[str, dict[str, list[float]]] = {
+        k: defaultdict(lambda: [0.0, 0.0, 0]) for k in ("kind", "module", "phase")
+    }
     matched = 0
     for m in result.ops:
         p = by_index.get(m.node) if m.node >= 0 else None
@@ -68,5 +69,11 @@ def compare(prediction: Any, result: ProfileResult) -> Comparison:
         return tuple(sorted(out, key=lambda r: -r.measured_s))
 
     step = _row("step", float(prediction.step_s), result.step_s, len(result.ops))
-    return Comparison(step=step, kinds=rows("kind"), modules=rows("module"),
-                      phases=rows("phase"), matched_ops=matched, measured_ops=len(result.ops))
+    return Comparison(
+        step=step,
+        kinds=rows("kind"),
+        modules=rows("module"),
+        phases=rows("phase"),
+        matched_ops=matched,
+        measured_ops=len(result.ops),
+    )

@@ -27,9 +27,15 @@ IDLE_SHARE = 0.25  # a step whose GPU idles this much of the time is overhead-bo
 SPIKE_FRACTION = 0.05  # report the logits spike when it is >= 5 % of the peak memory
 
 
-def diagnose(ops: Sequence[MeasuredOp], gpu: GpuSpec | None, step_s: float, idle_share: float,
-             peak_allocated: int = 0, calibration: Calibration | None = None,
-             precision: str = "bf16-mixed") -> tuple[Finding, ...]:
+def diagnose(
+    ops: Sequence[MeasuredOp],
+    gpu: GpuSpec | None,
+    step_s: float,
+    idle_share: float,
+    peak_allocated: int = 0,
+    calibration: Calibration | None = None,
+    precision: str = "bf16-mixed",
+) -> tuple[Finding, ...]:
     """All findings for one measured step, largest saving first. Needs a GPU spec (a CPU run
     gets no findings: its times say nothing about a GPU)."""
     if gpu is None:
@@ -88,16 +94,19 @@ def fusion(ops, gpu: GpuSpec, calibration: Calibration | None) -> Finding | None
     top = "; ".join(
         f"{r[0].module or '(top)'} [{r[0].phase}]: {' -> '.join(o.family for o in r[:6])}"
         f"{' ...' if len(r) > 6 else ''} {_ms(sum(o.device_s for o in r))}"
-        for _, r in saved[:3])
+        for _, r in saved[:3]
+    )
     speedup = measured / max(measured - total, 1e-12)
     return Finding(
-        kind="fusion", saving_s=total,
+        kind="fusion",
+        saving_s=total,
         title=f"{len(runs)} chain(s) of memory-bound ops could be fused "
-              f"(≈{speedup:.2g}x faster on those ops)",
+        f"(≈{speedup:.2g}x faster on those ops)",
         evidence=f"{sum(len(r) for r in runs)} ops take {_ms(measured)} moving "
-                 f"{sum(o.bytes for r in runs for o in r) / 1e9:.3g} GB; largest: {top}",
+        f"{sum(o.bytes for r in runs for o in r) / 1e9:.3g} GB; largest: {top}",
         remedy="torch.compile the model (fuses pointwise chains into one kernel), or use "
-               "fused kernels (fused LayerNorm/RMSNorm, fused bias+activation)")
+        "fused kernels (fused LayerNorm/RMSNorm, fused bias+activation)",
+    )
 
 
 def off_tensor_cores(ops, gpu: GpuSpec, calibration: Calibration | None) -> Finding | None:
@@ -105,18 +114,21 @@ def off_tensor_cores(ops, gpu: GpuSpec, calibration: Calibration | None) -> Find
     if not slow:
         return None
     rate = (calibration.matmul_flops.get("bf16") if calibration else None) or (
-        gpu.peak("bf16") * gpu.matmul_efficiency)
+        gpu.peak("bf16") * gpu.matmul_efficiency
+    )
     t = sum(o.device_s for o in slow)
     fl = sum(o.flops for o in slow)
     saving = max(0.0, t - fl / rate)
     return Finding(
-        kind="tensor_cores", saving_s=saving,
+        kind="tensor_cores",
+        saving_s=saving,
         title=f"{len(slow)} matmul(s) run in fp32, off the tensor cores",
         evidence=f"they take {_ms(t)} at {fl / t / 1e12 if t else 0:.3g} TFLOP/s; the same "
-                 f"{fl / 1e12:.3g} TFLOP at the bf16 tensor-core rate ({rate / 1e12:.0f} "
-                 f"TFLOP/s) take {_ms(fl / rate)}",
+        f"{fl / 1e12:.3g} TFLOP at the bf16 tensor-core rate ({rate / 1e12:.0f} "
+        f"TFLOP/s) take {_ms(fl / rate)}",
         remedy="train with --precision bf16-mixed (torch.autocast), or at least enable TF32 "
-               "(torch.backends.cuda.matmul.allow_tf32 = True)")
+        "(torch.backends.cuda.matmul.allow_tf32 = True)",
+    )
 
 
 def overhead_bound(ops, step_s: float, idle_share: float) -> Finding | None:
@@ -126,12 +138,14 @@ def overhead_bound(ops, step_s: float, idle_share: float) -> Finding | None:
     tiny = sorted(o.device_s for o in ops)
     med = tiny[len(tiny) // 2] if tiny else 0.0
     return Finding(
-        kind="overhead", saving_s=idle_share * step_s,
+        kind="overhead",
+        saving_s=idle_share * step_s,
         title="the step is overhead-bound: the GPU waits for the host",
         evidence=f"GPU idle {idle_share:.0%} of the step; {len(over)} of {len(ops)} "
-                 f"ops overhead-bound; median op {med * 1e6:.3g} us of device time",
+        f"ops overhead-bound; median op {med * 1e6:.3g} us of device time",
         remedy="a larger batch (more work per launch), torch.compile (fewer, larger "
-               "kernels), CUDA graphs (torch.compile mode='reduce-overhead')")
+        "kernels), CUDA graphs (torch.compile mode='reduce-overhead')",
+    )
 
 
 def unfused_attention(ops) -> Finding | None:
@@ -141,23 +155,25 @@ def unfused_attention(ops) -> Finding | None:
     for i, o in enumerate(seq):
         if o.kind != "softmax" or o.family.startswith("log"):
             continue
-        before = [p for p in seq[max(0, i - 4):i] if p.module == o.module]
-        after = [p for p in seq[i + 1:i + 4] if p.module == o.module]
+        before = [p for p in seq[max(0, i - 4) : i] if p.module == o.module]
+        after = [p for p in seq[i + 1 : i + 4] if p.module == o.module]
         if any(p.kind == "matmul" for p in before) and any(p.kind == "matmul" for p in after):
             j = max(k for k, p in enumerate(before) if p.kind == "matmul")
-            found.append(before[j + 1:] + [o])
+            found.append(before[j + 1 :] + [o])
     if not found and not math_sdpa:
         return None
     saving = sum(p.device_s for grp in found for p in grp)
     where = sorted({grp[-1].module for grp in found})[:3]
     return Finding(
-        kind="attention", saving_s=saving,
+        kind="attention",
+        saving_s=saving,
         title="attention runs unfused (the score matrix goes through memory)",
         evidence=f"{len(found)} bmm -> softmax -> bmm pattern(s) in {', '.join(where) or '-'}"
-                 f"{f'; {len(math_sdpa)} math-backend SDPA call(s)' if math_sdpa else ''}; "
-                 f"score-matrix ops take {_ms(saving)} in forward alone",
+        f"{f'; {len(math_sdpa)} math-backend SDPA call(s)' if math_sdpa else ''}; "
+        f"score-matrix ops take {_ms(saving)} in forward alone",
         remedy="use torch.nn.functional.scaled_dot_product_attention with a fused backend "
-               "(flash / cuDNN / memory-efficient): no S x S matrix in memory")
+        "(flash / cuDNN / memory-efficient): no S x S matrix in memory",
+    )
 
 
 def logits_spike(ops, peak_allocated: int, precision: str) -> Finding | None:
@@ -177,10 +193,13 @@ def logits_spike(ops, peak_allocated: int, precision: str) -> Finding | None:
     loss_ops = [p for p in ops if p.kind in ("softmax", "loss")]
     share = f" ({held / peak_allocated:.0%} of the peak)" if peak_allocated else ""
     return Finding(
-        kind="logits", saving_s=0.0, memory_bytes=held,
+        kind="logits",
+        saving_s=0.0,
+        memory_bytes=held,
         title="the logits and cross-entropy make a memory spike",
         evidence=f"{numel / 1e6:.3g} M logits in {o.module or '(top)'}: log-softmax and its "
-                 f"gradient hold ≈{held / GiB:.3g} GiB at once{share}; the loss ops take "
-                 f"{_ms(sum(p.device_s for p in loss_ops))}",
+        f"gradient hold ≈{held / GiB:.3g} GiB at once{share}; the loss ops take "
+        f"{_ms(sum(p.device_s for p in loss_ops))}",
         remedy="a fused linear + cross-entropy (chunked over tokens, e.g. Liger's) never "
-               "materialises the full logits")
+        "materialises the full logits",
+    )

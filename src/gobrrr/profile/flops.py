@@ -15,10 +15,13 @@ from gobrrr.evaluate import throughput_unit
 from gobrrr.graph.ir import StepGraph
 from gobrrr.workload import Workload
 
-MFU_DEFINITION = ("MFU: model FLOPs (the traced forward and backward, without recomputation) "
-                  "per second over the peak")
-HFU_DEFINITION = ("HFU: every FLOP the traced step runs (recompute, optimizer) per second over "
-                  "the same peak")
+MFU_DEFINITION = (
+    "MFU: model FLOPs (the traced forward and backward, without recomputation) "
+    "per second over the peak"
+)
+HFU_DEFINITION = (
+    "HFU: every FLOP the traced step runs (recompute, optimizer) per second over the same peak"
+)
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,19 @@ def step_flops(graph: StepGraph) -> StepFlops:
     tf32 = graph.meta.tf32_mode
     costs = [op_cost(n, tf32) for n in graph.nodes]
     palm = float(model_flops_6n(graph)) if graph.meta.seq_len else None
-    return StepFlops(model=float(model_flops(graph, costs)),
-                     executed=float(sum(c.flops for c in costs)), palm=palm,
-                     unit=throughput_unit(graph), units=int(graph.meta.tokens or 0),
-                     source="traced step graph")
+    return StepFlops(
+        model=float(model_flops(graph, costs)),
+        executed=float(sum(c.flops for c in costs)),
+        palm=palm,
+        unit=throughput_unit(graph),
+        units=int(graph.meta.tokens or 0),
+        source="traced step graph",
+    )
 
 
-def traced_flops(workload: Workload, precision: str, checkpoint: str,
-                 gpu_name: str | None = None) -> StepFlops:
+def traced_flops(
+    workload: Workload, precision: str, checkpoint: str, gpu_name: str | None = None
+) -> StepFlops:
     """Trace `workload`'s step with gobrrr.capture (on the CPU, under fake tensors: seconds,
     no memory; the user's model is left untouched) and count its FLOPs. `gpu_name` (CUDA's
     device name) picks the attention backends the trace takes, as on that GPU. A step the

@@ -40,8 +40,13 @@ PHASE_NAMES = ("forward", "backward", "optimizer")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 _CPU_CATS = ("cpu_op", "user_annotation")
-_COMPILED_MARKS = ("CompiledFunction", "Torch-Compiled Region", "CompiledFxGraph",
-                   "## Call CompiledFxGraph", "torch_compile")
+_COMPILED_MARKS = (
+    "CompiledFunction",
+    "Torch-Compiled Region",
+    "CompiledFxGraph",
+    "## Call CompiledFxGraph",
+    "torch_compile",
+)
 US = 1e-6  # trace timestamps are microseconds
 
 
@@ -118,11 +123,30 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 
 # -- op names ---------------------------------------------------------------------------------
 
-_IMPLICIT_FALLBACK = frozenset({
-    "linear", "matmul", "to", "contiguous", "reshape", "layer_norm", "group_norm", "dropout",
-    "scaled_dot_product_attention", "cross_entropy_loss", "log_softmax", "softmax",
-    "flatten", "type_as", "einsum", "conv2d", "batch_norm", "nll_loss_nd", "chunk", "split",
-})
+_IMPLICIT_FALLBACK = frozenset(
+    {
+        "linear",
+        "matmul",
+        "to",
+        "contiguous",
+        "reshape",
+        "layer_norm",
+        "group_norm",
+        "dropout",
+        "scaled_dot_product_attention",
+        "cross_entropy_loss",
+        "log_softmax",
+        "softmax",
+        "flatten",
+        "type_as",
+        "einsum",
+        "conv2d",
+        "batch_norm",
+        "nll_loss_nd",
+        "chunk",
+        "split",
+    }
+)
 
 
 @lru_cache(maxsize=4096)
@@ -146,9 +170,27 @@ def is_composite_implicit(name: str) -> bool:
 _FAMILIES = {
     "matmul": ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm"),
     "copy": ("copy", "_to_copy", "clone", "contiguous", "to"),
-    "view": ("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand",
-             "as_strided", "unsqueeze", "squeeze", "slice", "select", "split", "alias",
-             "split_with_sizes", "detach", "_reshape_alias", "unbind", "chunk"),
+    "view": (
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "as_strided",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "alias",
+        "split_with_sizes",
+        "detach",
+        "_reshape_alias",
+        "unbind",
+        "chunk",
+    ),
 }
 
 
@@ -161,8 +203,10 @@ def op_family(op: str) -> str:
         name = name.split(".")[1]
     if op.startswith("compiled::"):
         return "compiled"
-    if any(s in name for s in ("scaled_dot_product", "flash_attention", "efficient_attention",
-                               "cudnn_attention")):
+    if any(
+        s in name
+        for s in ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+    ):
         return "attention_backward" if "backward" in name else "attention"
     for fam, names in _FAMILIES.items():
         if name in names or name.rstrip("_") in names:
@@ -192,10 +236,17 @@ def join_trace(trace: dict[str, Any], has_device: bool | None = None) -> JoinedT
     for i in sorted(dispatch, key=lambda i: cpu[i]["ts"]):
         op_of_event[i] = len(ops)
         ops.append(_make_op(len(ops), cpu, i, parents, phases, steps, seq_module))
-    kernels, unattributed = _attach_kernels(cpu, dev, parents, dispatch, op_of_event, ops,
-                                            phases, steps, seq_module)
-    return JoinedTrace(ops=ops, kernels=kernels, phases=phases, steps=steps,
-                       unattributed=unattributed, has_device=has_device)
+    kernels, unattributed = _attach_kernels(
+        cpu, dev, parents, dispatch, op_of_event, ops, phases, steps, seq_module
+    )
+    return JoinedTrace(
+        ops=ops,
+        kernels=kernels,
+        phases=phases,
+        steps=steps,
+        unattributed=unattributed,
+        has_device=has_device,
+    )
 
 
 def _parent_links(cpu: list[dict]) -> list[int]:
@@ -235,8 +286,8 @@ def _ranges(cpu: list[dict]) -> tuple[dict[str, list], list[tuple[float, float]]
         span = (e["ts"] * US, (e["ts"] + e.get("dur", 0)) * US)
         if e["name"] == STEP_LABEL:
             steps.append(span)
-        elif e["name"].startswith(PHASE_PREFIX) and e["name"][len(PHASE_PREFIX):] in PHASE_NAMES:
-            phases.setdefault(e["name"][len(PHASE_PREFIX):], []).append(span)
+        elif e["name"].startswith(PHASE_PREFIX) and e["name"][len(PHASE_PREFIX) :] in PHASE_NAMES:
+            phases.setdefault(e["name"][len(PHASE_PREFIX) :], []).append(span)
     steps.sort()
     return phases, steps
 
@@ -263,8 +314,10 @@ def _dispatch_level(cpu: list[dict], parents: list[int]) -> set[int]:
             continue
         if is_composite_implicit(e["name"]):
             continue
-        inner = any(cpu[a]["name"].startswith("aten::") and not is_composite_implicit(
-            cpu[a]["name"]) for a in _chain(i, parents))
+        inner = any(
+            cpu[a]["name"].startswith("aten::") and not is_composite_implicit(cpu[a]["name"])
+            for a in _chain(i, parents)
+        )
         if not inner:
             out.add(i)
     return out
@@ -274,7 +327,7 @@ def _module_on_stack(i: int, cpu: list[dict], parents: list[int]) -> str | None:
     for a in _chain(i, parents):
         name = cpu[a]["name"]
         if cpu[a].get("cat") == "user_annotation" and name.startswith(MODULE_PREFIX):
-            return name[len(MODULE_PREFIX):]
+            return name[len(MODULE_PREFIX) :]
     return None
 
 
@@ -321,22 +374,38 @@ def _make_op(index, cpu, i, parents, phases, steps, seq_module) -> TraceOp:
         else:
             module = _backward_module(i, cpu, parents, seq_module)
     args = e.get("args", {})
-    return TraceOp(index=index, op=e["name"], phase=phase, module=module or "", ts=t,
-                   host_s=e.get("dur", 0) * US, tid=e.get("tid", 0),
-                   input_dims=args.get("Input Dims", []), input_types=args.get("Input type", []),
-                   compiled=_compiled_region(i, cpu, parents), step=_step_at(t, steps))
+    return TraceOp(
+        index=index,
+        op=e["name"],
+        phase=phase,
+        module=module or "",
+        ts=t,
+        host_s=e.get("dur", 0) * US,
+        tid=e.get("tid", 0),
+        input_dims=args.get("Input Dims", []),
+        input_types=args.get("Input type", []),
+        compiled=_compiled_region(i, cpu, parents),
+        step=_step_at(t, steps),
+    )
 
 
 def _attach_kernels(cpu, dev, parents, dispatch, op_of_event, ops, phases, steps, seq_module):
-    runtime = {e.get("args", {}).get("correlation"): i for i, e in enumerate(cpu)
-               if e.get("cat") in _RUNTIME_CATS}
+    runtime = {
+        e.get("args", {}).get("correlation"): i
+        for i, e in enumerate(cpu)
+        if e.get("cat") in _RUNTIME_CATS
+    }
     dev = sorted(dev, key=lambda e: e["ts"])
     kernels: list[Kernel] = []
     unattributed = 0
     end = None
     for e in dev:
-        k = Kernel(name=e["name"], ts=e["ts"] * US, dur=e.get("dur", 0) * US,
-                   stream=int(e.get("args", {}).get("stream", e.get("tid", 0)) or 0))
+        k = Kernel(
+            name=e["name"],
+            ts=e["ts"] * US,
+            dur=e.get("dur", 0) * US,
+            stream=int(e.get("args", {}).get("stream", e.get("tid", 0)) or 0),
+        )
         k.gap_before = 0.0 if end is None else max(0.0, k.ts - end)
         end = k.ts + k.dur if end is None else max(end, k.ts + k.dur)
         r = runtime.get(e.get("args", {}).get("correlation"))
@@ -376,8 +445,10 @@ def align_graph(ops: list[TraceOp], graph: StepGraph) -> tuple[list[int], float]
     longest-matching-blocks (order preserving, like an LCS). "recompute" ops align with the
     graph's recompute nodes when it has them.
     """
-    nodes_of = {p: [n for n in graph.nodes if n.phase == p] for p in
-                ("forward", "backward", "recompute", "optimizer")}
+    nodes_of = {
+        p: [n for n in graph.nodes if n.phase == p]
+        for p in ("forward", "backward", "recompute", "optimizer")
+    }
     match = [-1] * len(ops)
     for phase, nodes in nodes_of.items():
         idx = [i for i, o in enumerate(ops) if o.phase == phase and not o.compiled]

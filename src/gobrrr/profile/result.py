@@ -150,8 +150,10 @@ class ProfileResult:
     def from_json(text: str) -> ProfileResult:
         data = json.loads(text)
         if data.get("version") != RESULT_VERSION:
-            raise GobrrrError(f"profile result has version {data.get('version')!r}, this gobrrr "
-                              f"reads {RESULT_VERSION}: profile again with this version")
+            raise GobrrrError(
+                f"profile result has version {data.get('version')!r}, this gobrrr "
+                f"reads {RESULT_VERSION}: profile again with this version"
+            )
         data["step_times"] = tuple(data["step_times"])
         data["ops"] = tuple(MeasuredOp(**o) for o in data["ops"])
         for k in ("phases", "modules", "kinds"):

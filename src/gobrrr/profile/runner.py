@@ -45,7 +45,7 @@ CPU_LABEL = "cpu: measured on the CPU, not a GPU"
 
 @contextlib.contextmanager
 def matmul_precision(precision: str) -> Iterator[None]:
-    """"tf32": TF32 on for matmuls and convolutions; otherwise matmuls in true fp32 and
+    """ "tf32": TF32 on for matmuls and convolutions; otherwise matmuls in true fp32 and
     cuDNN's setting left as it is (PyTorch's default: TF32 convolutions, which the trace
     records and the cost model follows); restored after."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -59,22 +59,29 @@ def matmul_precision(precision: str) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def run_step(workload: Workload, optimizer: torch.optim.Optimizer, precision: str,
-             scaler: Any = None, device_type: str = "cuda") -> torch.Tensor:
+def run_step(
+    workload: Workload,
+    optimizer: torch.optim.Optimizer,
+    precision: str,
+    scaler: Any = None,
+    device_type: str = "cuda",
+) -> torch.Tensor:
     """One training step (gobrrr.training.step.TrainStep, the step capture traces): forward + loss
     (autocast for the mixed precisions), backward (through the GradScaler for fp16),
     optimizer.step, zero_grad(set_to_none=True). Each part sits in a `gobrrr::<phase>`
     profiler range. Returns the loss (detached)."""
-    return TrainStep(workload, optimizer, precision, device_type=device_type, scaler=scaler,
-                     phase=_phase_range)()
+    return TrainStep(
+        workload, optimizer, precision, device_type=device_type, scaler=scaler, phase=_phase_range
+    )()
 
 
 def _phase_range(name: str) -> record_function:
     return record_function(PHASE_PREFIX + name)
 
 
-def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "none",
-            compile: bool = False) -> tuple[Workload, torch.optim.Optimizer, Any]:
+def prepare(
+    workload: Workload, device: str, precision: str, checkpoint: str = "none", compile: bool = False
+) -> tuple[Workload, torch.optim.Optimizer, Any]:
     """Move the workload to the device in the precision; returns (workload, optimizer, scaler).
 
     The workload's own tensors are moved (its model in place); "bf16" casts the model and the
@@ -84,14 +91,20 @@ def prepare(workload: Workload, device: str, precision: str, checkpoint: str = "
     if p.casts_weights:
         model = model.to(p.param_dtype)
     dtype = p.param_dtype if p.casts_weights else None
-    batch = map_tensors(workload.batch, lambda t: t.to(
-        device, dtype=dtype if dtype is not None and t.is_floating_point() else None))
+    batch = map_tensors(
+        workload.batch,
+        lambda t: t.to(
+            device, dtype=dtype if dtype is not None and t.is_floating_point() else None
+        ),
+    )
     if checkpoint not in CHECKPOINTS:
         raise GobrrrError(f"checkpoint={checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
     if checkpoint != "none":
         if not apply_checkpointing(model):
-            raise GobrrrError(f"checkpoint={checkpoint!r}: the model has no repeated blocks to "
-                              "checkpoint; use checkpoint='none'")
+            raise GobrrrError(
+                f"checkpoint={checkpoint!r}: the model has no repeated blocks to "
+                "checkpoint; use checkpoint='none'"
+            )
     workload.model, workload.batch = model, batch
     opt = workload.make_optimizer()
     if compile:
@@ -143,8 +156,16 @@ class Measured:
     device_name: str
 
 
-def measure(workload: Workload, device: str, precision: str, steps: int, warmup: int,
-            checkpoint: str, compile: bool, trace_path: str | Path | None) -> Measured:
+def measure(
+    workload: Workload,
+    device: str,
+    precision: str,
+    steps: int,
+    warmup: int,
+    checkpoint: str,
+    compile: bool,
+    trace_path: str | Path | None,
+) -> Measured:
     """Warm up, time `steps` steps, profile one more; see `profile` for the faults raised."""
     wl, step, dev_type = _stepper(workload, device, precision, checkpoint, compile)
     with matmul_precision(precision):
@@ -179,9 +200,15 @@ def _profile_one(wl: Workload, step, dev_type: str, trace_path, hooks: bool) -> 
     hook_ctx = module_ranges(wl.model) if hooks else contextlib.nullcontext()
     out: dict = {}
     warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-    with hook_ctx, profile(activities=acts, record_shapes=True,
-                           schedule=schedule(wait=0, warmup=1, active=1),
-                           on_trace_ready=lambda p: out.update(_export(p, trace_path))) as prof:
+    with (
+        hook_ctx,
+        profile(
+            activities=acts,
+            record_shapes=True,
+            schedule=schedule(wait=0, warmup=1, active=1),
+            on_trace_ready=lambda p: out.update(_export(p, trace_path)),
+        ) as prof,
+    ):
         for _ in range(2):
             with record_function(STEP_LABEL):
                 step()
@@ -219,8 +246,10 @@ def _tmp_dir(trace_path) -> str | None:
 
 def check_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GobrrrError(f"device {device!r} was asked for but no CUDA GPU is visible: run on a "
-                          "machine with a GPU, or pass --device cpu")
+        raise GobrrrError(
+            f"device {device!r} was asked for but no CUDA GPU is visible: run on a "
+            "machine with a GPU, or pass --device cpu"
+        )
     if not device.startswith(("cuda", "cpu")):
         raise GobrrrError(f"device {device!r}: use 'cuda' (or 'cuda:N') or 'cpu'")
 
@@ -236,11 +265,13 @@ def oom_error(device: str, workload: Workload, precision: str) -> GobrrrError:
     return GobrrrError(
         f"{workload.name} does not fit: needed >= {needed / GiB:.1f} GiB of "
         f"{total / GiB:.1f} GiB on {torch.cuda.get_device_name()} at {precision}: use a smaller "
-        "--batch, --checkpoint blocks, or a lower precision")
+        "--batch, --checkpoint blocks, or a lower precision"
+    )
 
 
-def target_for(device_name: str, gpu: str | GpuSpec | Target | None,
-               calibration: Calibration | None = None) -> Target | None:
+def target_for(
+    device_name: str, gpu: str | GpuSpec | Target | None, calibration: Calibration | None = None
+) -> Target | None:
     """The GPU measured on, with its calibration (`Target.resolve`): the one given, else the
     one CUDA names; None when CUDA names a GPU gobrrr has no spec for and none was given (the
     profile then reports no roofline regimes and no MFU, and says why)."""
@@ -257,8 +288,10 @@ def target_for(device_name: str, gpu: str | GpuSpec | Target | None,
 
 def unnamed_gpu(device_name: str) -> str:
     """The label of a profile on a GPU gobrrr cannot name."""
-    return (f"CUDA reports {device_name!r}, which no built-in spec names: pass --gpu (a "
-            "built-in name or a .toml/.json spec file) for regimes and MFU")
+    return (
+        f"CUDA reports {device_name!r}, which no built-in spec names: pass --gpu (a "
+        "built-in name or a .toml/.json spec file) for regimes and MFU"
+    )
 
 
 def batch_on(workload: Workload) -> str:
@@ -276,8 +309,15 @@ def load_graph_arg(graph: StepGraph | str | Path | None) -> StepGraph | None:
     return StepGraph.load(graph)
 
 
-def time_workload(workload: Workload, device: str, precision: str, steps: int, warmup: int,
-                  checkpoint: str = "none", compile: bool = False) -> tuple[float, ...]:
+def time_workload(
+    workload: Workload,
+    device: str,
+    precision: str,
+    steps: int,
+    warmup: int,
+    checkpoint: str = "none",
+    compile: bool = False,
+) -> tuple[float, ...]:
     """Seconds per step of `steps` timed steps after `warmup` (no profiler): the step times
     that `profile` reports, for scaling tests."""
     _, step, _ = _stepper(workload, device, precision, checkpoint, compile)

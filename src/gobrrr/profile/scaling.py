@@ -45,9 +45,16 @@ class ScalingResult:
         return asdict(self)
 
 
-def scaling(factory: Callable[[int], Workload], batch: int, device: str = "cuda",
-            precision: str = "bf16-mixed", steps: int = 10, warmup: int = 3,
-            factors: Sequence[int] = (1, 2, 4), compile: bool = False) -> ScalingResult:
+def scaling(
+    factory: Callable[[int], Workload],
+    batch: int,
+    device: str = "cuda",
+    precision: str = "bf16-mixed",
+    steps: int = 10,
+    warmup: int = 3,
+    factors: Sequence[int] = (1, 2, 4),
+    compile: bool = False,
+) -> ScalingResult:
     """Time the step at batch `batch` x each factor; `factory(b)` builds the workload at
     batch b (on the CPU, as `get_workload` does). A batch that runs out of memory ends the
     series (its point has step_s None)."""
@@ -78,8 +85,10 @@ def factory_units(factory: Callable[[int], Workload], b: int) -> tuple[int, str]
     with torch.device("meta"):
         wl = factory(b)
         n = wl.token_count()
-    seq = wl.seq_len or any(not t.is_floating_point() and t.dim() >= 2 and t.numel() == n
-                            for t in iter_tensors(wl.batch))
+    seq = wl.seq_len or any(
+        not t.is_floating_point() and t.dim() >= 2 and t.numel() == n
+        for t in iter_tensors(wl.batch)
+    )
     return n, "tokens" if seq else "samples"
 
 
@@ -87,8 +96,9 @@ def verdict(points: Sequence[ScalingPoint]) -> ScalingResult:
     """Judge a series of points (the first two decide; see the module docstring)."""
     ok = [p for p in points if p.step_s]
     if len(ok) < 2 or ok[1].batch != 2 * ok[0].batch:
-        return ScalingResult(tuple(points), None, "unknown",
-                             "needs timings at B and 2B to judge (2B did not fit?)")
+        return ScalingResult(
+            tuple(points), None, "unknown", "needs timings at B and 2B to judge (2B did not fit?)"
+        )
     r = ok[1].step_s / ok[0].step_s
     if r < OVERHEAD_RATIO:
         v = "overhead-bound"
@@ -97,8 +107,10 @@ def verdict(points: Sequence[ScalingPoint]) -> ScalingResult:
     else:
         v = "partly overhead-bound"
     times = ", ".join(f"batch {p.batch} -> {p.step_s * 1e3:.3g} ms" for p in ok)
-    summary = (f"{times}: doubling the batch multiplied the step time by {r:.2f}, so at batch "
-               f"{ok[0].batch} the step is {v}")
+    summary = (
+        f"{times}: doubling the batch multiplied the step time by {r:.2f}, so at batch "
+        f"{ok[0].batch} the step is {v}"
+    )
     if v != "gpu-bound":
         summary += " (a larger batch is almost free; torch.compile / CUDA graphs cut launches)"
     return ScalingResult(tuple(points), r, v, summary)

@@ -10,24 +10,55 @@ from math import prod
 from gobrrr.profile.join import TraceOp
 
 _DTYPE_BYTES = {
-    "float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
-    "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2, "c10::Float8_e4m3fn": 1,
-    "c10::Float8_e5m2": 1, "c10::complex<float>": 8,
+    "float": 4,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "double": 8,
+    "long int": 8,
+    "int": 4,
+    "bool": 1,
+    "unsigned char": 1,
+    "signed char": 1,
+    "short int": 2,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+    "c10::complex<float>": 8,
 }
 _MATH = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp32"}
 
 _KINDS = {
-    "matmul": "matmul", "attention": "attention", "attention_backward": "attention",
-    "native_layer_norm": "norm", "native_layer_norm_backward": "norm", "rms_norm": "norm",
-    "fused_rms_norm": "norm", "native_group_norm": "norm", "native_batch_norm": "norm",
-    "cudnn_batch_norm": "norm", "log_softmax": "softmax", "softmax": "softmax",
-    "log_softmax_backward_data": "softmax", "softmax_backward_data": "softmax",
-    "nll_loss_forward": "loss", "nll_loss_backward": "loss", "nll_loss2d_forward": "loss",
-    "embedding": "embedding", "embedding_dense_backward": "embedding",
-    "copy": "copy", "view": "view", "compiled": "compiled", "convolution": "conv",
-    "convolution_backward": "conv", "cudnn_convolution": "conv",
-    "sum": "reduction", "mean": "reduction", "amax": "reduction", "max": "reduction",
-    "norm": "reduction", "linalg_vector_norm": "reduction", "var_mean": "reduction",
+    "matmul": "matmul",
+    "attention": "attention",
+    "attention_backward": "attention",
+    "native_layer_norm": "norm",
+    "native_layer_norm_backward": "norm",
+    "rms_norm": "norm",
+    "fused_rms_norm": "norm",
+    "native_group_norm": "norm",
+    "native_batch_norm": "norm",
+    "cudnn_batch_norm": "norm",
+    "log_softmax": "softmax",
+    "softmax": "softmax",
+    "log_softmax_backward_data": "softmax",
+    "softmax_backward_data": "softmax",
+    "nll_loss_forward": "loss",
+    "nll_loss_backward": "loss",
+    "nll_loss2d_forward": "loss",
+    "embedding": "embedding",
+    "embedding_dense_backward": "embedding",
+    "copy": "copy",
+    "view": "view",
+    "compiled": "compiled",
+    "convolution": "conv",
+    "convolution_backward": "conv",
+    "cudnn_convolution": "conv",
+    "sum": "reduction",
+    "mean": "reduction",
+    "amax": "reduction",
+    "max": "reduction",
+    "norm": "reduction",
+    "linalg_vector_norm": "reduction",
+    "var_mean": "reduction",
 }
 
 
@@ -81,8 +112,12 @@ def shape_cost(op: TraceOp, tf32: bool = False, causal: bool = True) -> tuple[fl
     if kind == "matmul":
         return _matmul_cost(ts, math_mode(op.input_types, tf32))
     if kind == "attention":
-        return _attention_cost(ts, backward=fam.endswith("backward"), causal=causal,
-                               math=math_mode(op.input_types, False))
+        return _attention_cost(
+            ts,
+            backward=fam.endswith("backward"),
+            causal=causal,
+            math=math_mode(op.input_types, False),
+        )
     if fam == "embedding" and len(ts) >= 2:
         (w, wb), (idx, _) = ts[0], ts[1]
         rows = prod(idx)

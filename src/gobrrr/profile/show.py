@@ -23,8 +23,9 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def print_profile(r: ProfileResult, comparison=None, scaling=None, top: int = 12,
-                  console: Console | None = None) -> None:
+def print_profile(
+    r: ProfileResult, comparison=None, scaling=None, top: int = 12, console: Console | None = None
+) -> None:
     """Step summary, top ops, top modules, diagnosis (and comparison / scaling if given)."""
     c = console or Console()
     c.print(_summary(r))
@@ -36,8 +37,9 @@ def print_profile(r: ProfileResult, comparison=None, scaling=None, top: int = 12
         for col in ("finding", "saves", "evidence", "remedy"):
             t.add_column(col, overflow="fold")
         for f in r.diagnosis:
-            saves = _t(f.saving_s) + (f" / {f.memory_bytes / GiB:.2g} GiB" if f.memory_bytes
-                                      else "")
+            saves = _t(f.saving_s) + (
+                f" / {f.memory_bytes / GiB:.2g} GiB" if f.memory_bytes else ""
+            )
             t.add_row(f.title, saves, f.evidence, f.remedy)
         c.print(t)
     if comparison is not None:
@@ -52,15 +54,22 @@ def print_profile(r: ProfileResult, comparison=None, scaling=None, top: int = 12
 
 
 def _summary(r: ProfileResult) -> Table:
-    t = Table(title=f"{r.workload} on {r.device_name} ({r.precision}"
-                    f"{', compiled' if r.compiled else ''}) {r.label}".strip(), show_header=False)
+    t = Table(
+        title=f"{r.workload} on {r.device_name} ({r.precision}"
+        f"{', compiled' if r.compiled else ''}) {r.label}".strip(),
+        show_header=False,
+    )
     rows = [
-        (f"step (median of {r.steps})", f"{_t(r.step_s)}  (min {_t(r.step_min_s)}, "
-                                          f"max {_t(r.step_max_s)})"),
+        (
+            f"step (median of {r.steps})",
+            f"{_t(r.step_s)}  (min {_t(r.step_min_s)}, max {_t(r.step_max_s)})",
+        ),
         (f"{r.unit}/s", f"{r.per_s:,.0f}  ({r.units_per_step:,} {r.unit}/step)"),
         *_utilization(r),
-        ("peak allocated / reserved", f"{r.peak_allocated / GiB:.2f} / "
-                                      f"{r.peak_reserved / GiB:.2f} GiB"),
+        (
+            "peak allocated / reserved",
+            f"{r.peak_allocated / GiB:.2f} / {r.peak_reserved / GiB:.2f} GiB",
+        ),
         ("GPU idle in a step", f"{_t(r.idle_s)} ({_pct(r.idle_share)})"),
         ("kernels attributed", f"{r.kernels_attributed} / {r.kernels}"),
     ]
@@ -83,20 +92,28 @@ def _utilization(r: ProfileResult) -> list[tuple[str, str]]:
     if not r.model_flops:
         return [("MFU / HFU", f"- ({r.flops_source})")]
     if r.peak_flops:
-        mfu = (f"{_pct(r.mfu)} / {_pct(r.hfu)} of the {r.peak} "
-               f"({r.peak_flops / 1e12:,.0f} TFLOP/s)")
+        mfu = f"{_pct(r.mfu)} / {_pct(r.hfu)} of the {r.peak} ({r.peak_flops / 1e12:,.0f} TFLOP/s)"
     else:
         mfu = "- (no matmul peak on the CPU)"
-    rows = [("MFU / HFU", mfu),
-            ("model / executed FLOPs per step", f"{_flops(r.model_flops)} / "
-                                                f"{_flops(r.executed_flops)}")]
+    rows = [
+        ("MFU / HFU", mfu),
+        (
+            "model / executed FLOPs per step",
+            f"{_flops(r.model_flops)} / {_flops(r.executed_flops)}",
+        ),
+    ]
     if r.model_flops_6n_attention is not None:
         palm = _flops(r.model_flops_6n_attention)
         if r.mfu_6n_attention is not None:
             palm += f", MFU {_pct(r.mfu_6n_attention)}"
         rows.append(("model FLOPs, 6·N·T + attention (PaLM)", palm))
-    rows.append(("", "MFU counts the traced forward and backward (no recompute), HFU every "
-                     "FLOP the step runs"))
+    rows.append(
+        (
+            "",
+            "MFU counts the traced forward and backward (no recompute), HFU every "
+            "FLOP the step runs",
+        )
+    )
     return rows
 
 
@@ -105,9 +122,16 @@ def _ops(r: ProfileResult, top: int) -> Table:
     for col in ("op", "phase", "module", "time", "TFLOP/s", "GB/s", "roofline", "regime"):
         t.add_column(col, overflow="fold")
     for o in sorted(r.ops, key=lambda o: -o.device_s)[:top]:
-        t.add_row(o.op.replace("aten::", ""), o.phase, o.module or "-", _t(o.device_s),
-                  f"{o.flops_per_s / 1e12:.3g}", f"{o.bytes_per_s / 1e9:.4g}",
-                  _pct(o.roofline), o.regime)
+        t.add_row(
+            o.op.replace("aten::", ""),
+            o.phase,
+            o.module or "-",
+            _t(o.device_s),
+            f"{o.flops_per_s / 1e12:.3g}",
+            f"{o.bytes_per_s / 1e9:.4g}",
+            _pct(o.roofline),
+            o.regime,
+        )
     return t
 
 
@@ -116,13 +140,19 @@ def _groups(title: str, groups, top: int) -> Table:
     for col in ("name", "time", "share", "ops", "TFLOP/s", "GB/s", "regime"):
         t.add_column(col)
     for g in groups[:top]:
-        t.add_row(g.name, _t(g.device_s), _pct(g.share), str(g.ops),
-                  f"{g.flops_per_s / 1e12:.3g}", f"{g.bytes_per_s / 1e9:.4g}", g.regime)
+        t.add_row(
+            g.name,
+            _t(g.device_s),
+            _pct(g.share),
+            str(g.ops),
+            f"{g.flops_per_s / 1e12:.3g}",
+            f"{g.bytes_per_s / 1e9:.4g}",
+            g.regime,
+        )
     return t
 
 
-def print_calibration(cal: Calibration, where: str | None,
-                      console: Console | None = None) -> None:
+def print_calibration(cal: Calibration, where: str | None, console: Console | None = None) -> None:
     c = console or Console()
     t = Table(title=f"Calibration of {cal.device_name} ({cal.gpu})", show_header=False)
     for dt, rate in cal.matmul_flops.items():

@@ -21,9 +21,13 @@ def sync(device: str | torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def time_parts(parts: Sequence[Callable[[], object]], reps: int, device: str | torch.device,
-               before: Callable[[], object] | None = None,
-               sync_each: bool = True) -> list[list[float]]:
+def time_parts(
+    parts: Sequence[Callable[[], object]],
+    reps: int,
+    device: str | torch.device,
+    before: Callable[[], object] | None = None,
+    sync_each: bool = True,
+) -> list[list[float]]:
     """Seconds of each of `parts`, run back to back, over `reps` repeats: [[s of part 0, s of
     part 1, ...] per repeat]. On a GPU the parts sit between CUDA events (device time); on the
     CPU between perf_counter readings. `before()` runs ahead of each repeat, outside the timed
@@ -49,8 +53,9 @@ def time_parts(parts: Sequence[Callable[[], object]], reps: int, device: str | t
     return [[a.elapsed_time(b) * 1e-3 for a, b in zip(ev, ev[1:], strict=False)] for ev in runs]
 
 
-def _host_parts(parts: Sequence[Callable[[], object]],
-                before: Callable[[], object] | None) -> list[float]:
+def _host_parts(
+    parts: Sequence[Callable[[], object]], before: Callable[[], object] | None
+) -> list[float]:
     if before is not None:
         before()
     out, t0 = [], time.perf_counter()
@@ -62,8 +67,12 @@ def _host_parts(parts: Sequence[Callable[[], object]],
     return out
 
 
-def time_steps(step: Callable[[], object], n: int, device: str | torch.device,
-               before: Callable[[], object] | None = None) -> list[float]:
+def time_steps(
+    step: Callable[[], object],
+    n: int,
+    device: str | torch.device,
+    before: Callable[[], object] | None = None,
+) -> list[float]:
     """Seconds per call of `step()`, n calls, each waited for: CUDA events on a GPU,
     perf_counter on the CPU. `before()` runs ahead of each call, outside the timed region."""
     return [t for (t,) in time_parts([step], n, device, before)]

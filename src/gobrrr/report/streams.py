@@ -32,9 +32,7 @@ QUIET_LOGS = (
     ("transformers.modeling_utils", "`loss_type=None` was set in the config"),
 )
 # warnings (message regexes) that are not the user's business
-QUIET_WARNINGS = (
-    r"Accessing the data pointer of FakeTensor is deprecated",
-)
+QUIET_WARNINGS = (r"Accessing the data pointer of FakeTensor is deprecated",)
 
 
 class _Router(io.TextIOBase):
@@ -47,7 +45,8 @@ class _Router(io.TextIOBase):
     def write(self, s: str) -> int:
         frame = sys._getframe(1)
         ours = frame.f_code.co_filename.startswith(_PACKAGE) or str(
-            frame.f_globals.get("__name__", "")).startswith(_OURS)
+            frame.f_globals.get("__name__", "")
+        ).startswith(_OURS)
         return (self.out if ours else self.err).write(s)
 
     def flush(self) -> None:

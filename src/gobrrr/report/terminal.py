@@ -17,8 +17,16 @@ from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
 from gobrrr.report.advice import hints
 
-KIND_ORDER = ("parameter", "buffer", "gradient", "optimizer_state", "input", "activation",
-              "temporary", "workspace")
+KIND_ORDER = (
+    "parameter",
+    "buffer",
+    "gradient",
+    "optimizer_state",
+    "input",
+    "activation",
+    "temporary",
+    "workspace",
+)
 TOP_MODULES_AT_PEAK = 5
 
 
@@ -48,12 +56,13 @@ def op_label(op: str) -> str:
 
 
 def _table(title: str) -> Table:
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                 padding=(0, 1))
+    return Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1)
+    )
 
 
 def _cut(shown: int, total: int, what: str, more: str) -> str:
-    """"top 12 of 1,517 ops ..." when a list is cut, with how to see the rest; "7 ops ..."
+    """ "top 12 of 1,517 ops ..." when a list is cut, with how to see the rest; "7 ops ..."
     when it is not."""
     if shown >= total:
         return f"{total:,} {what if total != 1 else what.replace('s ', ' ', 1)}"
@@ -69,10 +78,17 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
     rollup = module_rollup(est.memory.by_module)
     if rollup:
         shown = list(rollup.items())[:TOP_MODULES_AT_PEAK]
-        cut = "" if len(shown) == len(rollup) else f" (top {len(shown)} of {len(rollup)}; " \
-            "--json lists all)"
-        c.print(Text(f"activations + temporaries at the peak, by module{cut}: "
-                     + ", ".join(f"{k} {gib(v)}" for k, v in shown)))
+        cut = (
+            ""
+            if len(shown) == len(rollup)
+            else f" (top {len(shown)} of {len(rollup)}; --json lists all)"
+        )
+        c.print(
+            Text(
+                f"activations + temporaries at the peak, by module{cut}: "
+                + ", ".join(f"{k} {gib(v)}" for k, v in shown)
+            )
+        )
     c.print(_ops_table(est, top))
     c.print(_modules_table(est, top))
     if est.formulas:
@@ -86,36 +102,53 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
 def summary_lines(est: Estimate) -> list[Text]:
     """The header, the memory verdict and the time line."""
     meta, m, t = est.graph.meta, est.memory, est.time
-    cal = (f"calibrated ({est.calibration})" if est.calibration
-           else "datasheet peaks, no calibration")
+    cal = (
+        f"calibrated ({est.calibration})" if est.calibration else "datasheet peaks, no calibration"
+    )
     mode = " · torch.compile" if est.compiled else ""
     unit = throughput_unit(est.graph)
-    head = Text.assemble((str(meta.name), "bold"), f" · {meta.precision}{mode} · "
-                         f"{_checkpoint(est)} · {t.tokens:,} {unit}/step · "
-                         f"{human_count(meta.params)} params · on ",
-                         (est.gpu.name, "bold"), f" ({cal})")
+    head = Text.assemble(
+        (str(meta.name), "bold"),
+        f" · {meta.precision}{mode} · "
+        f"{_checkpoint(est)} · {t.tokens:,} {unit}/step · "
+        f"{human_count(meta.params)} params · on ",
+        (est.gpu.name, "bold"),
+        f" ({cal})",
+    )
     verdict = Text("fits", "green") if est.fits else Text("does NOT fit", "red")
     if est.compiled and not meta.compiled:  # an eager trace costed as compiled
-        verdict.append(" (eager step's memory: compiled graphs save less, so this is an upper "
-                       "bound)")
-    room = (f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
-            if m.headroom is not None and m.headroom >= 0 else "")
-    peak = Text.assemble(f"peak memory {gib(m.peak)} allocated, {gib(m.reserved)} reserved of "
-                         f"{gib(m.budget or est.gpu.memory_bytes)} usable → ", verdict,
-                         f"{room} (peak at op #{m.peak_index} {op_label(m.peak_op)} in "
-                         f"'{m.peak_module or '<top>'}', {m.peak_phase})")
+        verdict.append(
+            " (eager step's memory: compiled graphs save less, so this is an upper bound)"
+        )
+    room = (
+        f", headroom {gib(m.headroom)} ({m.headroom_share:.1%})"
+        if m.headroom is not None and m.headroom >= 0
+        else ""
+    )
+    peak = Text.assemble(
+        f"peak memory {gib(m.peak)} allocated, {gib(m.reserved)} reserved of "
+        f"{gib(m.budget or est.gpu.memory_bytes)} usable → ",
+        verdict,
+        f"{room} (peak at op #{m.peak_index} {op_label(m.peak_op)} in "
+        f"'{m.peak_module or '<top>'}', {m.peak_phase})",
+    )
     share = t.regime_share()
     pmode = meta.precision.peak_mode
-    step = Text(f"step {human_time(t.step_s)} · {t.tokens_per_s:,.0f} {unit}/s · MFU "
-                f"{t.mfu:.1%} · HFU {t.hfu:.1%} of the {pmode} peak "
-                f"({t.peak_flops / 1e12:,.0f} TFLOP/s) · compute {share.get('compute', 0):.0%}"
-                f" / memory {share.get('memory', 0):.0%} / overhead "
-                f"{share.get('overhead', 0):.0%} · bwd/fwd FLOPs "
-                f"{t.backward_forward_ratio():.2f}")
+    step = Text(
+        f"step {human_time(t.step_s)} · {t.tokens_per_s:,.0f} {unit}/s · MFU "
+        f"{t.mfu:.1%} · HFU {t.hfu:.1%} of the {pmode} peak "
+        f"({t.peak_flops / 1e12:,.0f} TFLOP/s) · compute {share.get('compute', 0):.0%}"
+        f" / memory {share.get('memory', 0):.0%} / overhead "
+        f"{share.get('overhead', 0):.0%} · bwd/fwd FLOPs "
+        f"{t.backward_forward_ratio():.2f}"
+    )
     if t.clock_fraction < 1.0:
         step.append(f" · power-limited: compute at {t.clock_fraction:.0%} of its burst rate")
-    note = Text("MFU counts the FLOPs of the traced forward and backward (no recompute), HFU "
-                "every FLOP the step runs, both over the precision's dense matmul peak", "dim")
+    note = Text(
+        "MFU counts the FLOPs of the traced forward and backward (no recompute), HFU "
+        "every FLOP the step runs, both over the precision's dense matmul peak",
+        "dim",
+    )
     return [head, peak, step, note]
 
 
@@ -138,8 +171,7 @@ def assumption_lines(assumptions: list[dict]) -> list[str]:
         n = sum(r["count"] for r in rows)
         ops = ", ".join(sorted({r["op"].removeprefix("aten.") for r in rows}))
         places = sorted({f"{r['module'] or '<top>'} ({r['phase']})" for r in rows})
-        where = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3
-                                         else "")
+        where = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
         values = sorted({r["value"] for r in rows})
         took = ", ".join(values[:3]) + (" …" if len(values) > 3 else "")
         tag = "[cyan]read exactly:[/]" if kind == "derived" else "[yellow]assumed:[/]"
@@ -164,25 +196,35 @@ def _memory_table(est: Estimate) -> Table:
 
 def _ops_table(est: Estimate, top: int) -> Table:
     timed = [o for o in est.time.ops if o.device_s > 0]
-    title = _cut(min(top, len(timed)), len(timed), "ops by predicted time",
-                 "--top N for more, --json for data")
+    title = _cut(
+        min(top, len(timed)),
+        len(timed),
+        "ops by predicted time",
+        "--top N for more, --json for data",
+    )
     tab = _table(title[0].upper() + title[1:])
     tab.add_column("op, #index in module", overflow="fold", ratio=1)
     for col in ("phase", "time", "TFLOP", "GB", "regime"):
-        tab.add_column(col, justify="left" if col in ("phase", "regime") else "right",
-                       no_wrap=True)
+        tab.add_column(col, justify="left" if col in ("phase", "regime") else "right", no_wrap=True)
     for o in sorted(timed, key=lambda o: -o.device_s)[:top]:
         name = Text(op_label(o.op))
         name.append(f"\n#{o.index} in {o.module or '<top>'}", "dim")
-        tab.add_row(name, o.phase, human_time(o.device_s), f"{o.flops / 1e12:.3f}",
-                    f"{o.bytes / 1e9:.3f}", o.regime)
+        tab.add_row(
+            name,
+            o.phase,
+            human_time(o.device_s),
+            f"{o.flops / 1e12:.3f}",
+            f"{o.bytes / 1e9:.3f}",
+            o.regime,
+        )
     return tab
 
 
 def _modules_table(est: Estimate, top: int) -> Table:
     modules = list(est.time.by_module().items())
-    title = _cut(min(top, len(modules)), len(modules), "modules by predicted time",
-                 "--top N for more")
+    title = _cut(
+        min(top, len(modules)), len(modules), "modules by predicted time", "--top N for more"
+    )
     tab = _table(title[0].upper() + title[1:])
     tab.add_column("module", overflow="fold")
     tab.add_column("time", justify="right", no_wrap=True)
@@ -199,22 +241,32 @@ def _formulas_table(est: Estimate) -> Table:
     tab.add_column("quantity", overflow="fold", ratio=1)
     tab.add_column("formula", justify="right", no_wrap=True)
     tab.add_column("traced", justify="right", no_wrap=True)
-    tab.add_row("parameters, 12·d²·L + 2·d·V", human_count(f["params_textbook_12d2L_2dV"]),
-                human_count(f["params_traced"]))
+    tab.add_row(
+        "parameters, 12·d²·L + 2·d·V",
+        human_count(f["params_textbook_12d2L_2dV"]),
+        human_count(f["params_traced"]),
+    )
     for what, delta in f.get("params_gap", []):
-        tab.add_row(Text(f"  {what}", "dim"), f"{'+' if delta > 0 else '−'}"
-                    f"{human_count(abs(delta))}", "")
+        tab.add_row(
+            Text(f"  {what}", "dim"), f"{'+' if delta > 0 else '−'}{human_count(abs(delta))}", ""
+        )
     if "activations_traced_bytes" in f:
         traced = gib(f["activations_traced_bytes"])
-        tab.add_row("activations, 12·L·d·T + L·a·T² + V·T", gib(f["activations_lecture_bytes"]),
-                    traced)
-        tab.add_row(f"activations, Megatron ({f['megatron_variant']})",
-                    gib(f["activations_megatron_bytes"]), traced)
+        tab.add_row(
+            "activations, 12·L·d·T + L·a·T² + V·T", gib(f["activations_lecture_bytes"]), traced
+        )
+        tab.add_row(
+            f"activations, Megatron ({f['megatron_variant']})",
+            gib(f["activations_megatron_bytes"]),
+            traced,
+        )
     u = est.utilization()
     if "model_flops_6n_attention" in u:
-        tab.add_row(f"model FLOPs/step, 6·N·T + attention (PaLM; MFU "
-                    f"{u['mfu_6n_attention']:.1%})", human_count(u["model_flops_6n_attention"]),
-                    human_count(u["model_flops"]))
+        tab.add_row(
+            f"model FLOPs/step, 6·N·T + attention (PaLM; MFU {u['mfu_6n_attention']:.1%})",
+            human_count(u["model_flops_6n_attention"]),
+            human_count(u["model_flops"]),
+        )
     return tab
 
 
@@ -229,8 +281,15 @@ def print_gpus(console: Console | None = None) -> None:
         tab.add_column(col, justify="right", no_wrap=True)
     for g in BUILTIN_GPUS:
         p = g.peak_flops
-        tab.add_row(g.name, ", ".join(g.aliases) or "-", gib(g.memory_bytes),
-                    f"{g.bandwidth / 1e12:.2f}", f"{p['bf16'] / 1e12:.0f}",
-                    f"{p['tf32'] / 1e12:.0f}", f"{p['fp32'] / 1e12:.1f}",
-                    f"{p['fp8'] / 1e12:.0f}" if "fp8" in p else "-", f"{g.ridge_point:.0f}")
+        tab.add_row(
+            g.name,
+            ", ".join(g.aliases) or "-",
+            gib(g.memory_bytes),
+            f"{g.bandwidth / 1e12:.2f}",
+            f"{p['bf16'] / 1e12:.0f}",
+            f"{p['tf32'] / 1e12:.0f}",
+            f"{p['fp32'] / 1e12:.1f}",
+            f"{p['fp8'] / 1e12:.0f}" if "fp8" in p else "-",
+            f"{g.ridge_point:.0f}",
+        )
     c.print(tab)

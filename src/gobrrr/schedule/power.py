@@ -16,9 +16,12 @@ from gobrrr.schedule.scheduler import Timeline
 TENSOR_CORE_MATH = ("bf16", "fp16", "fp8", "tf32")
 
 
-def power_limited(ops: tuple[OpTime, ...], weights: Sequence[int], rates: Rates,
-                  schedule: Callable[[tuple[OpTime, ...]], Timeline]
-                  ) -> tuple[tuple[OpTime, ...], float, Timeline]:
+def power_limited(
+    ops: tuple[OpTime, ...],
+    weights: Sequence[int],
+    rates: Rates,
+    schedule: Callable[[tuple[OpTime, ...]], Timeline],
+) -> tuple[tuple[OpTime, ...], float, Timeline]:
     """The ops with their compute-bound tensor-core kernels slowed to the rate the power limit
     leaves them, the fraction of the burst rate they run at, and `schedule`'s timeline of
     those ops.
@@ -34,8 +37,14 @@ def power_limited(ops: tuple[OpTime, ...], weights: Sequence[int], rates: Rates,
     if not curve:
         return ops, 1.0, schedule(ops)
     xs, ys = [0.0, *(p[0] for p in curve)], [1.0, *(min(p[1], 1.0) for p in curve)]
-    hot = [i for i, o in enumerate(ops) if o.math in TENSOR_CORE_MATH and o.compute_s > 0
-           and o.compute_s >= o.memory_s and o.device_s > 0]
+    hot = [
+        i
+        for i, o in enumerate(ops)
+        if o.math in TENSOR_CORE_MATH
+        and o.compute_s > 0
+        and o.compute_s >= o.memory_s
+        and o.device_s > 0
+    ]
     fraction, out = 1.0, ops
     for _ in range(8):
         out = slowed(ops, hot, fraction)
@@ -63,6 +72,10 @@ def slowed(ops: tuple[OpTime, ...], hot: list[int], fraction: float) -> tuple[Op
         compute = o.compute_s / fraction
         rest = o.device_s - max(o.compute_s, o.memory_s)  # launch latency, layout copies
         device = max(compute, o.memory_s) + rest
-        out[i] = replace(o, compute_s=compute, device_s=device,
-                         regime="overhead" if o.host_s >= device else "compute")
+        out[i] = replace(
+            o,
+            compute_s=compute,
+            device_s=device,
+            regime="overhead" if o.host_s >= device else "compute",
+        )
     return tuple(out)

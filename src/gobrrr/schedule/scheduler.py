@@ -91,9 +91,13 @@ def sync_waits(syncs: set[int]) -> list[Wait]:
     return [Wait(i, HOST, Event(COMPUTE), after=True) for i in sorted(syncs)]
 
 
-def schedule(ops: tuple[OpTime, ...], streams: Sequence[str], syncs: set[int],
-             repeat: tuple[int, int, int] | None,
-             param_of: dict[int, int] | None = None) -> Timeline:
+def schedule(
+    ops: tuple[OpTime, ...],
+    streams: Sequence[str],
+    syncs: set[int],
+    repeat: tuple[int, int, int] | None,
+    param_of: dict[int, int] | None = None,
+) -> Timeline:
     """Every op of the step on its stream (`streams[i]`, see `streams.stream_of`), with the
     waits of `syncs` (op indices) and of CPU offload (`param_of`, see `offload_waits`), the
     segment `repeat` (start, end, times) repeated."""
@@ -101,8 +105,12 @@ def schedule(ops: tuple[OpTime, ...], streams: Sequence[str], syncs: set[int],
     return place(ops, streams, waits, repeat)
 
 
-def place(ops: tuple[OpTime, ...], streams: Sequence[str], waits: Sequence[Wait],
-          repeat: tuple[int, int, int] | None = None) -> Timeline:
+def place(
+    ops: tuple[OpTime, ...],
+    streams: Sequence[str],
+    waits: Sequence[Wait],
+    repeat: tuple[int, int, int] | None = None,
+) -> Timeline:
     """Every op on its stream (`streams[i]`) with the waits given (e.g. a collective on the
     comm stream waiting for the op producing its input, the op consuming its output waiting
     for the collective), the segment `repeat` (start, end, times) repeated."""
@@ -113,8 +121,9 @@ class _Run:
     """The clocks as the ops run: the host's, each device resource's, each stream's tail (its
     last op's end) and each op's latest end."""
 
-    def __init__(self, ops: tuple[OpTime, ...], streams: Sequence[str],
-                 waits: tuple[Wait, ...]) -> None:
+    def __init__(
+        self, ops: tuple[OpTime, ...], streams: Sequence[str], waits: tuple[Wait, ...]
+    ) -> None:
         self.ops, self.streams, self.waits = ops, streams, waits
         self.before: dict[int, list[Wait]] = defaultdict(list)  # the host's, before issuing
         self.on_device: dict[int, list[Wait]] = defaultdict(list)
@@ -194,6 +203,12 @@ class _Run:
         link = RESOURCE[COPY_D2H]
         # the optimizer's step returns when the last copy has landed: the host waits for the
         # link at the end
-        return Timeline(tuple(spans), host_end=max(self.host, self.free[link]),
-                        device_end=self.tail[COMPUTE], copy_end=self.free[link],
-                        waits=self.waits, repeat_run=tuple(again), repeat_shift=shift)
+        return Timeline(
+            tuple(spans),
+            host_end=max(self.host, self.free[link]),
+            device_end=self.tail[COMPUTE],
+            copy_end=self.free[link],
+            waits=self.waits,
+            repeat_run=tuple(again),
+            repeat_shift=shift,
+        )

@@ -32,8 +32,11 @@ RESOURCE = {COMPUTE: COMPUTE, COPY_D2H: "link", COPY_H2D: "link", COMM: COMM}
 #: CPU offload's ops (gobrrr.training.offload, costed by cost/_ops_offload.py), by op name
 #: without its overload: the gradient's copy to the host, the parameter's copy back, the
 #: optimizer's step on the CPU
-OFFLOAD_STREAMS = {"gobrrr.offload_grad_d2h": COPY_D2H, "gobrrr.offload_param_h2d": COPY_H2D,
-                   "gobrrr.offload_cpu_step": HOST}
+OFFLOAD_STREAMS = {
+    "gobrrr.offload_grad_d2h": COPY_D2H,
+    "gobrrr.offload_param_h2d": COPY_H2D,
+    "gobrrr.offload_cpu_step": HOST,
+}
 
 
 def stream_of(node: OpNode) -> str:

@@ -28,15 +28,20 @@ POLICIES = ("full", "selective")
 #: The ops whose outputs a "selective" checkpoint keeps (CheckpointPolicy.MUST_SAVE), as the
 #: graph names them; every other op in the block is recomputed (PREFER_RECOMPUTE). Ops this
 #: torch does not have are simply never met.
-SELECTIVE_SAVE = frozenset({
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
-    "aten.convolution.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "gobrrr.attention_fwd.default",
-})
+SELECTIVE_SAVE = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.convolution.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "gobrrr.attention_fwd.default",
+    }
+)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -132,20 +137,24 @@ def _resolve(model: nn.Module, policies: Mapping[str, str] | None) -> list[tuple
     out = []
     for name, policy in policies.items():
         if policy not in POLICIES:
-            raise GobrrrError(f"unknown checkpoint policy {policy!r} for block {name!r}: "
-                              f"choose {', '.join(POLICIES)}")
+            raise GobrrrError(
+                f"unknown checkpoint policy {policy!r} for block {name!r}: "
+                f"choose {', '.join(POLICIES)}"
+            )
         try:
             out.append((model.get_submodule(name), policy))
         except AttributeError:
             known = ", ".join(block_names(model)[:4]) or "none found"
-            raise GobrrrError(f"checkpoint: the model has no module {name!r}; name blocks as "
-                              f"model.named_modules() does (repeated blocks: {known}, ...)") \
-                from None
+            raise GobrrrError(
+                f"checkpoint: the model has no module {name!r}; name blocks as "
+                f"model.named_modules() does (repeated blocks: {known}, ...)"
+            ) from None
     return out
 
 
-def apply_checkpointing(model: nn.Module,
-                        policies: Mapping[str, str] | None = None) -> list[nn.Module]:
+def apply_checkpointing(
+    model: nn.Module, policies: Mapping[str, str] | None = None
+) -> list[nn.Module]:
     """Checkpoint blocks of `model` in place. `policies`: block name (as
     `model.named_modules()` names it) -> "full" | "selective"; None = every repeated block
     "full". Applying the same policies again changes nothing; a block given another policy is
@@ -176,8 +185,9 @@ def remove_checkpointing(model: nn.Module) -> int:
 
 def checkpointed(model: nn.Module) -> dict[str, str]:
     """{block name: policy} of the blocks `apply_checkpointing` wrapped in `model`."""
-    return {n: m._gobrrr_checkpointed for n, m in model.named_modules()
-            if "_gobrrr_inner" in m.__dict__}
+    return {
+        n: m._gobrrr_checkpointed for n, m in model.named_modules() if "_gobrrr_inner" in m.__dict__
+    }
 
 
 def checkpoint_meta(policies: Mapping[str, str], blocks: list[str]) -> str | dict[str, str]:

@@ -30,9 +30,14 @@ from gobrrr.models.gpt2 import GPT2
 from gobrrr.models.llama import Llama
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                               targets: torch.Tensor, bias: torch.Tensor | None = None,
-                               ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, targets): gobrrr's fused kernel (no logits
     tensor) where it runs, else the torch reference (logits in the autocast dtype, the loss
     in fp32, as F.cross_entropy over `.float()` logits). hidden (..., d), weight (V, d),
@@ -42,8 +47,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
 
         return linear_cross_entropy(hidden, weight, targets, bias, ignore_index, reduction)
     logits = F.linear(hidden, weight, bias)  # (..., V)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
 
 
 _AS_ON_CUDA = contextvars.ContextVar("gobrrr_fused_loss_as_on_cuda", default=False)
@@ -65,8 +74,9 @@ def _kernel_runs(device: torch.device) -> bool:
         return True
     from gobrrr.kernels._util import is_interpreter, triton  # lazy: it imports triton
 
-    return triton is not None and (device.type == "cuda" or (device.type == "cpu"
-                                                             and is_interpreter()))
+    return triton is not None and (
+        device.type == "cuda" or (device.type == "cpu" and is_interpreter())
+    )
 
 
 def use_fused_loss(model: nn.Module) -> str:
@@ -87,8 +97,9 @@ def use_fused_loss(model: nn.Module) -> str:
     return what
 
 
-def _head_loss(norm: nn.Module, head: nn.Linear, x: torch.Tensor,
-               targets: torch.Tensor) -> torch.Tensor:
+def _head_loss(
+    norm: nn.Module, head: nn.Linear, x: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     """The built-in models' head_loss, fused: final norm, then the fused loss."""
     return fused_linear_cross_entropy(norm(x), head.weight, targets, head.bias)
 
@@ -100,8 +111,10 @@ def _use_in_hf(model: nn.Module) -> str:
     name = type(model).__name__
     why = _hf_refusal(model)
     if why:
-        raise GobrrrError(f"fused_loss needs a model whose output head feeds a cross-entropy "
-                          f"gobrrr can take over, and {name} {why}: set fused_loss=False")
+        raise GobrrrError(
+            f"fused_loss needs a model whose output head feeds a cross-entropy "
+            f"gobrrr can take over, and {name} {why}: set fused_loss=False"
+        )
     head, forward, state = model.lm_head, model.forward, {"on": False}
     labels_at = _labels_position(type(model).forward)
 
@@ -124,9 +137,16 @@ def _use_in_hf(model: nn.Module) -> str:
     return f"transformers {name}: lm_head + causal-LM loss fused"
 
 
-def _causal_lm_loss(head: nn.Linear, logits: torch.Tensor, labels: torch.Tensor,
-                    vocab_size: int, num_items_in_batch: Any = None, ignore_index: int = -100,
-                    shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+def _causal_lm_loss(
+    head: nn.Linear,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
     """transformers' ForCausalLMLoss with `logits` the hidden states lm_head would have
     projected: labels shifted left (position t predicts t + 1), the mean over the labels !=
     ignore_index, or the sum over num_items_in_batch when the trainer gives it."""
@@ -134,8 +154,9 @@ def _causal_lm_loss(head: nn.Linear, logits: torch.Tensor, labels: torch.Tensor,
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # (B, T)
     shift_labels = shift_labels.to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = fused_linear_cross_entropy(logits, head.weight, shift_labels, head.bias,
-                                      ignore_index, reduction)
+    loss = fused_linear_cross_entropy(
+        logits, head.weight, shift_labels, head.bias, ignore_index, reduction
+    )
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -150,17 +171,21 @@ def _hf_refusal(model: nn.Module) -> str | None:
     except ImportError:
         PreTrainedModel = None  # noqa: N806
     if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
-        return ("is neither gobrrr's GPT2/Llama nor a Hugging Face causal LM (the fused loss "
-                "replaces a known head and loss; a Workload(loss=) or (step=) of your own is "
-                "not rewritten)")
+        return (
+            "is neither gobrrr's GPT2/Llama nor a Hugging Face causal LM (the fused loss "
+            "replaces a known head and loss; a Workload(loss=) or (step=) of your own is "
+            "not rewritten)"
+        )
     if not isinstance(getattr(model, "lm_head", None), nn.Linear):
         return "has no nn.Linear lm_head"
     loss_name = getattr(model.loss_function, "__name__", type(model.loss_function).__name__)
     if loss_name != "ForCausalLMLoss":
         return f"computes its loss with {loss_name}, not the causal-LM cross-entropy"
     if not _head_feeds_loss(type(model).forward):
-        return ("transforms the logits between lm_head and the loss (e.g. soft-capping or "
-                "scaling them), or its forward could not be read")
+        return (
+            "transforms the logits between lm_head and the loss (e.g. soft-capping or "
+            "scaling them), or its forward could not be read"
+        )
     return None
 
 
@@ -171,8 +196,12 @@ def _head_feeds_loss(forward: Any) -> bool:
         fn = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return False
-    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)
-               and any(isinstance(t, ast.Name) and t.id == "logits" for t in n.targets)]
+    assigns = [
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "logits" for t in n.targets)
+    ]
     if len(assigns) != 1 or not _calls_self(assigns[0].value, "lm_head"):
         return False
     allowed: set[int] = set()
@@ -181,23 +210,33 @@ def _head_feeds_loss(forward: Any) -> bool:
             allowed |= {id(a) for a in [*node.args, *(k.value for k in node.keywords)]}
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
             allowed |= {id(k.value) for k in node.value.keywords if k.arg == "logits"}
-    loads = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == "logits"
-             and isinstance(n.ctx, ast.Load)]
+    loads = [
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Name) and n.id == "logits" and isinstance(n.ctx, ast.Load)
+    ]
     return bool(loads) and all(id(n) in allowed for n in loads)
 
 
 def _calls_self(node: ast.AST, attr: str) -> bool:
     """node is a call `self.<attr>(...)`."""
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == attr and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self")
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attr
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    )
 
 
 def _labels_position(forward: Any) -> int | None:
     """Index of `labels` among forward's positional arguments (self excluded), or None."""
     try:
-        names = [p.name for p in inspect.signature(forward).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [
+            p.name
+            for p in inspect.signature(forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return None
     names = names[1:] if names and names[0] == "self" else names

@@ -36,8 +36,11 @@ from gobrrr.training.optimizers import adam_hyper
 MINIMAL_SIZE = 4096
 
 #: The graph's offload ops, by role.
-D2H, CPU_STEP, H2D = ("gobrrr.offload_grad_d2h.default", "gobrrr.offload_cpu_step.default",
-                      "gobrrr.offload_param_h2d.default")
+D2H, CPU_STEP, H2D = (
+    "gobrrr.offload_grad_d2h.default",
+    "gobrrr.offload_cpu_step.default",
+    "gobrrr.offload_param_h2d.default",
+)
 
 
 @torch.library.custom_op("gobrrr::offload_grad_d2h", mutates_args=())
@@ -68,8 +71,14 @@ class OffloadStandIn(torch.optim.Optimizer):
     gobrrr:: ops. `state` holds the GPU optimizer's states only (the host's are no GPU
     memory)."""
 
-    def __init__(self, params: Iterable, optimizer_class: type = torch.optim.AdamW, *,
-                 minimal_size: int = MINIMAL_SIZE, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_class: type = torch.optim.AdamW,
+        *,
+        minimal_size: int = MINIMAL_SIZE,
+        **kwargs: Any,
+    ) -> None:
         if optimizer_class is torch.optim.AdamW and "fused" not in kwargs:
             kwargs["fused"] = True  # torchao's default, on the host and the GPU alike
         self.cpu_optimizer = _cpu_name(optimizer_class, kwargs)
@@ -82,14 +91,16 @@ class OffloadStandIn(torch.optim.Optimizer):
         small = []
         for g in groups:
             keep = [p for p in g["params"] if p.requires_grad and p.numel() < minimal_size]
-            self.offloaded += [p for p in g["params"] if p.requires_grad
-                               and p.numel() >= minimal_size]
+            self.offloaded += [
+                p for p in g["params"] if p.requires_grad and p.numel() >= minimal_size
+            ]
             if keep:
                 small.append(dict(g, params=keep))
         for p in self.offloaded:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.d_opt = optimizer_class(small, **_gpu_defaults(optimizer_class, kwargs)) \
-            if small else None
+        self.d_opt = (
+            optimizer_class(small, **_gpu_defaults(optimizer_class, kwargs)) if small else None
+        )
         self.state = self.d_opt.state if self.d_opt else {}
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -169,5 +180,11 @@ def _itemsize(dtype: str) -> int:
         raise GobrrrError(f"unknown dtype {dtype!r} of an offloaded parameter") from None
 
 
-__all__ = ["MINIMAL_SIZE", "OffloadStandIn", "host_bytes", "offloaded_params",
-           "pinned_bytes", "stand_in"]
+__all__ = [
+    "MINIMAL_SIZE",
+    "OffloadStandIn",
+    "host_bytes",
+    "offloaded_params",
+    "pinned_bytes",
+    "stand_in",
+]

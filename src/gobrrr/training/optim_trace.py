@@ -44,8 +44,11 @@ def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -
     non_sign_bits = total_bits - 1
     extra = 2 ** (non_sign_bits - max_exponent_bits) - 1
     for i in range(max_exponent_bits):
-        items = int(2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed
-                    else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1)
+        items = int(
+            2 ** (i + non_sign_bits - max_exponent_bits) + 1
+            if signed
+            else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        )
         data += _means(items, i, max_exponent_bits, signed)
     if extra > 0:
         data += _means(extra + 1, max_exponent_bits - 1, max_exponent_bits, signed)
@@ -95,16 +98,29 @@ def _dequantize(codes: Tensor, qmap: Tensor, scale: Tensor) -> Tensor:
 
 @torch.library.custom_op(
     "gobrrr::adam8bit_update",
-    mutates_args=("param", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq",
-                  "exp_avg_sq_scale"),
+    mutates_args=("param", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"),
     schema="(Tensor(a!) param, Tensor grad, Tensor(f!) step, Tensor(b!) exp_avg, "
     "Tensor(c!)? exp_avg_scale, Tensor? exp_avg_qmap, Tensor(d!) exp_avg_sq, "
     "Tensor(e!)? exp_avg_sq_scale, Tensor? exp_avg_sq_qmap, float lr, float beta1, "
     "float beta2, float weight_decay, float eps, bool adamw) -> ()",
 )
-def adam8bit_update(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq,
-                    exp_avg_sq_scale, exp_avg_sq_qmap, lr, beta1, beta2, weight_decay, eps,
-                    adamw):
+def adam8bit_update(
+    param,
+    grad,
+    step,
+    exp_avg,
+    exp_avg_scale,
+    exp_avg_qmap,
+    exp_avg_sq,
+    exp_avg_sq_scale,
+    exp_avg_sq_qmap,
+    lr,
+    beta1,
+    beta2,
+    weight_decay,
+    eps,
+    adamw,
+):
     """One parameter's Adam(W) update with torchao's arithmetic (`single_param_adam`): the
     step count (a 0-d fp32 host tensor) incremented, fp32 math, decoupled weight decay
     (adamw) or L2, the moments lerped and, where quantised, re-quantised in blocks. (torchao
@@ -119,8 +135,10 @@ def adam8bit_update(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp
     else:
         g32 = g32 + weight_decay * p32
     bc1, bc2 = 1 - beta1**step_t, 1 - beta2**step_t
-    states = ((exp_avg, exp_avg_scale, exp_avg_qmap, g32, beta1),
-              (exp_avg_sq, exp_avg_sq_scale, exp_avg_sq_qmap, g32.square(), beta2))
+    states = (
+        (exp_avg, exp_avg_scale, exp_avg_qmap, g32, beta1),
+        (exp_avg_sq, exp_avg_sq_scale, exp_avg_sq_qmap, g32.square(), beta2),
+    )
     new = []
     for codes, scale, qmap, target, beta in states:
         old = codes.float() if qmap is None else _dequantize(codes, qmap, scale)
@@ -137,8 +155,23 @@ def adam8bit_update(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp
 
 
 @adam8bit_update.register_fake
-def _(param, grad, step, exp_avg, exp_avg_scale, exp_avg_qmap, exp_avg_sq, exp_avg_sq_scale,
-      exp_avg_sq_qmap, lr, beta1, beta2, weight_decay, eps, adamw):
+def _(
+    param,
+    grad,
+    step,
+    exp_avg,
+    exp_avg_scale,
+    exp_avg_qmap,
+    exp_avg_sq,
+    exp_avg_sq_scale,
+    exp_avg_sq_qmap,
+    lr,
+    beta1,
+    beta2,
+    weight_decay,
+    eps,
+    adamw,
+):
     return None  # in place, nothing allocated (see the module's docstring)
 
 
@@ -156,11 +189,21 @@ class Adam8bitTrace(torch.optim.Optimizer):
     `gobrrr::adam8bit_update` per parameter; block size 256, no amsgrad, no stochastic
     rounding (what `gobrrr.training.optimizers.states_optimizer(opt, "8bit")` builds)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, decoupled: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled: bool = True,
+    ):
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
-            raise GobrrrError(f"Adam8bit(lr={lr}, betas={betas}, eps={eps}): give lr, eps >= 0 "
-                              "and betas in [0, 1)")
+            raise GobrrrError(
+                f"Adam8bit(lr={lr}, betas={betas}, eps={eps}): give lr, eps >= 0 "
+                "and betas in [0, 1)"
+            )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
 
@@ -170,8 +213,9 @@ class Adam8bitTrace(torch.optim.Optimizer):
             if quantized(p.numel()):
                 state[name] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
                 state[f"{name}_scale"] = torch.zeros(p.numel() // BLOCK, device=p.device)
-                state[f"{name}_qmap"] = torch.tensor(qmap_values(name == "exp_avg"),
-                                                     dtype=torch.float32, device=p.device)
+                state[f"{name}_qmap"] = torch.tensor(
+                    qmap_values(name == "exp_avg"), dtype=torch.float32, device=p.device
+                )
             else:
                 state[name] = torch.zeros_like(p)
 
@@ -193,14 +237,23 @@ class Adam8bitTrace(torch.optim.Optimizer):
 
     def _update(self, p: Tensor, state: dict, group: dict) -> None:
         b1, b2 = group["betas"]
-        adam8bit_update(p, p.grad, state["step"], state["exp_avg"], state.get("exp_avg_scale"),
-                        state.get("exp_avg_qmap"), state["exp_avg_sq"],
-                        state.get("exp_avg_sq_scale"), state.get("exp_avg_sq_qmap"),
-                        float(group["lr"]), float(b1), float(b2),
-                        float(group["weight_decay"]), float(group["eps"]), self.decoupled)
-
-
-
+        adam8bit_update(
+            p,
+            p.grad,
+            state["step"],
+            state["exp_avg"],
+            state.get("exp_avg_scale"),
+            state.get("exp_avg_qmap"),
+            state["exp_avg_sq"],
+            state.get("exp_avg_sq_scale"),
+            state.get("exp_avg_sq_qmap"),
+            float(group["lr"]),
+            float(b1),
+            float(b2),
+            float(group["weight_decay"]),
+            float(group["eps"]),
+            self.decoupled,
+        )
 
 
 def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.optim.Optimizer:
@@ -210,5 +263,12 @@ def traced_states_optimizer(opt: torch.optim.Optimizer, states: str) -> torch.op
         return states_optimizer(opt, states)
     decoupled, groups = adam_hyper(opt)
     return Adam8bitTrace(groups, decoupled=decoupled)
-__all__ = ["Adam8bitTrace", "adam8bit_update", "dynamic_map", "state_bytes",
-           "traced_states_optimizer"]
+
+
+__all__ = [
+    "Adam8bitTrace",
+    "adam8bit_update",
+    "dynamic_map",
+    "state_bytes",
+    "traced_states_optimizer",
+]

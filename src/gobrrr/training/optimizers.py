@@ -23,8 +23,13 @@ def optimizer_key(opt: torch.optim.Optimizer) -> str:
     (added to the gradients out of place, ":wd"), SGD without momentum (":plain"); e.g.
     "AdamW:foreach", "SGD:foreach:wd"."""
     groups = opt.param_groups
-    impl = ("fused" if all(bool(g.get("fused")) for g in groups) else
-            "foreach" if all(bool(g.get("foreach")) for g in groups) else "for-loop")
+    impl = (
+        "fused"
+        if all(bool(g.get("fused")) for g in groups)
+        else "foreach"
+        if all(bool(g.get("foreach")) for g in groups)
+        else "for-loop"
+    )
     name = type(opt).__name__
     key = f"{name}:{impl}"
     if name in ("Adam", "SGD") and any(g.get("weight_decay") for g in groups):
@@ -61,13 +66,25 @@ class AdamWBF16(torch.optim.Optimizer):
     state_dtype = torch.bfloat16
     bucket = 2**24
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, decoupled: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled: bool = True,
+    ):
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
-            raise GobrrrError(f"AdamWBF16(lr={lr}, betas={betas}, eps={eps}, weight_decay="
-                              f"{weight_decay}): give lr, eps, weight_decay >= 0, betas in [0, 1)")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      decoupled=decoupled))
+            raise GobrrrError(
+                f"AdamWBF16(lr={lr}, betas={betas}, eps={eps}, weight_decay="
+                f"{weight_decay}): give lr, eps, weight_decay >= 0, betas in [0, 1)"
+            )
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled),
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,8 +93,9 @@ class AdamWBF16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            pieces = [piece for p in group["params"] if p.grad is not None
-                      for piece in self._pieces(p)]
+            pieces = [
+                piece for p in group["params"] if p.grad is not None for piece in self._pieces(p)
+            ]
             for bucket in _buckets(pieces, self.bucket):
                 _adam_update(group, *zip(*bucket, strict=True))
         return loss
@@ -94,8 +112,10 @@ class AdamWBF16(torch.optim.Optimizer):
         if p.numel() <= self.bucket or not all(x.is_contiguous() for x in t):
             return [(*t, step)]
         flat = [x.view(-1) for x in t]
-        return [(*(x[i:i + self.bucket] for x in flat), step)
-                for i in range(0, p.numel(), self.bucket)]
+        return [
+            (*(x[i : i + self.bucket] for x in flat), step)
+            for i in range(0, p.numel(), self.bucket)
+        ]
 
 
 def _buckets(pieces: list[tuple], size: int):
@@ -142,20 +162,30 @@ def adam_hyper(opt: torch.optim.Optimizer) -> tuple[bool, list[dict[str, Any]]]:
     user's Adam or AdamW. A GobrrrError for any other optimizer, or an Adam option the
     replacement does not have (amsgrad, maximize)."""
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        raise GobrrrError(f"optimizer states can only be changed for Adam or AdamW, the "
-                              f"workload's optimizer is {type(opt).__name__}: keep "
-                              "optimizer_states='as-is' and offload=False")
+        raise GobrrrError(
+            f"optimizer states can only be changed for Adam or AdamW, the "
+            f"workload's optimizer is {type(opt).__name__}: keep "
+            "optimizer_states='as-is' and offload=False"
+        )
     groups = []
     for g in opt.param_groups:
         for flag in ("amsgrad", "maximize"):
             if g.get(flag):
-                raise GobrrrError(f"{type(opt).__name__}({flag}=True) has no bf16/8-bit/offload "
-                                  f"counterpart here: keep optimizer_states='as-is', offload=False")
+                raise GobrrrError(
+                    f"{type(opt).__name__}({flag}=True) has no bf16/8-bit/offload "
+                    f"counterpart here: keep optimizer_states='as-is', offload=False"
+                )
         lr = g["lr"]
-        groups.append({"params": list(g["params"]), **{k: g[k] for k in HYPER},
-                       "lr": float(lr) if isinstance(lr, torch.Tensor) else lr})
+        groups.append(
+            {
+                "params": list(g["params"]),
+                **{k: g[k] for k in HYPER},
+                "lr": float(lr) if isinstance(lr, torch.Tensor) else lr,
+            }
+        )
     decoupled = isinstance(opt, torch.optim.AdamW) or bool(
-        opt.param_groups[0].get("decoupled_weight_decay", False))
+        opt.param_groups[0].get("decoupled_weight_decay", False)
+    )
     return decoupled, groups
 
 
@@ -164,13 +194,16 @@ def torchao_optim():
     try:
         import torchao.optim
     except ImportError as e:
-        raise GobrrrError("8-bit optimizer states and CPU offload use torchao, which is not "
-                          "installed: pip install 'gobrrr[optim]'") from e
+        raise GobrrrError(
+            "8-bit optimizer states and CPU offload use torchao, which is not "
+            "installed: pip install 'gobrrr[optim]'"
+        ) from e
     return torchao.optim
 
 
-def states_optimizer(opt: torch.optim.Optimizer, states: str = "as-is",
-                     offload: bool = False) -> torch.optim.Optimizer:
+def states_optimizer(
+    opt: torch.optim.Optimizer, states: str = "as-is", offload: bool = False
+) -> torch.optim.Optimizer:
     """The optimizer that replaces the user's `opt` (same parameters and hyper-parameters):
     "as-is" keeps `opt` (unless offloaded); "bf16": AdamWBF16; "8bit": torchao's Adam8bit /
     AdamW8bit (moments quantised in blocks of 256; tensors under 4096 elements stay fp32).
@@ -202,8 +235,10 @@ def _offloaded(cls: type, extra: dict[str, Any], groups: list[dict[str, Any]]):
     params = [p for g in groups for p in g["params"]]
     if not params or params[0].device.type != "cuda":
         where = params[0].device if params else "nowhere"
-        raise GobrrrError(f"offload moves optimizer states from a CUDA GPU to the host, but the "
-                          f"parameters are on {where}: run on a GPU, or set offload=False")
+        raise GobrrrError(
+            f"offload moves optimizer states from a CUDA GPU to the host, but the "
+            f"parameters are on {where}: run on a GPU, or set offload=False"
+        )
     ao = torchao_optim()
     return ao.CPUOffloadOptimizer(groups, cls, offload_gradients=False, **extra)
 

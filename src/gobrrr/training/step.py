@@ -58,8 +58,10 @@ def batch_size(batch: Batch) -> int:
         raise GobrrrError("the batch holds no tensor: give the model's inputs as tensors")
     if None in sizes.values() or len(set(sizes.values())) > 1:
         listing = ", ".join(f"{w} {'a scalar' if n is None else n}" for w, n in sizes.items())
-        raise GobrrrError(f"the batch's tensors do not share a leading (sample) dimension "
-                          f"({listing}): give every tensor the batch's samples along dim 0")
+        raise GobrrrError(
+            f"the batch's tensors do not share a leading (sample) dimension "
+            f"({listing}): give every tensor the batch's samples along dim 0"
+        )
     return next(iter(sizes.values()))
 
 
@@ -70,10 +72,12 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
         return [batch]
     n = batch_size(batch)
     if n % parts:
-        raise GobrrrError(f"a batch of {n} samples does not split into {parts} equal "
-                          f"micro-batches: give a batch that is a multiple of {parts} samples")
+        raise GobrrrError(
+            f"a batch of {n} samples does not split into {parts} equal "
+            f"micro-batches: give a batch that is a multiple of {parts} samples"
+        )
     size = n // parts
-    return [map_tensors(batch, lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(parts)]
+    return [map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(parts)]
 
 
 def _tensor_leaves(x: Any, where: str = "batch"):
@@ -101,11 +105,18 @@ class TrainStep:
             backward (the trace of the step then holds it no longer than it must).
     """
 
-    def __init__(self, workload: Workload, optimizer: torch.optim.Optimizer,
-                 precision: str | Precision,
-                 *, device_type: str = "cuda", accumulation: int = 1,
-                 scaler: torch.amp.GradScaler | None = None, phase: PhaseContext | None = None,
-                 keep_loss: bool = True) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        optimizer: torch.optim.Optimizer,
+        precision: str | Precision,
+        *,
+        device_type: str = "cuda",
+        accumulation: int = 1,
+        scaler: torch.amp.GradScaler | None = None,
+        phase: PhaseContext | None = None,
+        keep_loss: bool = True,
+    ) -> None:
         check_precision(precision)
         if accumulation < 1:
             raise GobrrrError(f"accumulation={accumulation}: give 1 or more micro-batches")
@@ -151,5 +162,4 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-__all__ = ["TrainStep", "autocast_for", "batch_size", "cast_batch", "make_scaler",
-           "split_batch"]
+__all__ = ["TrainStep", "autocast_for", "batch_size", "cast_batch", "make_scaler", "split_batch"]

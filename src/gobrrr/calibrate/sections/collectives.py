@@ -55,10 +55,14 @@ def _buffers(op: str, nbytes: int, dtype: torch.dtype, n: int, dev) -> tuple:
         t = torch.randn(numel, dtype=dtype, device=dev)
         return t, t
     if op == "all_gather":
-        return (torch.randn(numel // n, dtype=dtype, device=dev),
-                torch.empty(numel, dtype=dtype, device=dev))
-    return (torch.randn(numel, dtype=dtype, device=dev),
-            torch.empty(numel // n, dtype=dtype, device=dev))
+        return (
+            torch.randn(numel // n, dtype=dtype, device=dev),
+            torch.empty(numel, dtype=dtype, device=dev),
+        )
+    return (
+        torch.randn(numel, dtype=dtype, device=dev),
+        torch.empty(numel // n, dtype=dtype, device=dev),
+    )
 
 
 def _call(op: str, inp, out, group=None):
@@ -106,9 +110,17 @@ def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream) -> dict:
     stream.synchronize()
     times = _timed(lambda: _call(op, inp, out), iters, rounds, stream)
     t = _slowest(statistics.median(times))
-    return {"op": op, "dtype": dtype, "bytes": whole, "ranks": n, "iters": iters,
-            "seconds": t, "min_s": _slowest(min(times)), "max_s": _slowest(max(times)),
-            "bus_bytes_per_s": whole * bus_factor(op, n) / t if t > 0 else None}
+    return {
+        "op": op,
+        "dtype": dtype,
+        "bytes": whole,
+        "ranks": n,
+        "iters": iters,
+        "seconds": t,
+        "min_s": _slowest(min(times)),
+        "max_s": _slowest(max(times)),
+        "bus_bytes_per_s": whole * bus_factor(op, n) / t if t > 0 else None,
+    }
 
 
 def measure_overlap(op: str, nbytes: int, rounds: int, stream) -> dict:
@@ -163,22 +175,33 @@ def measure_overlap(op: str, nbytes: int, rounds: int, stream) -> dict:
     mm_both = statistics.median(p[0] for p in pairs)
     coll_both = statistics.median(p[1] for p in pairs)
     whole = (out if op == "all_gather" else inp).numel() * inp.element_size()
-    return {"op": op, "bytes": whole, "ranks": n, "matmul": "bf16 8192^3",
-            "matmul_iters": mm_iters, "collective_iters": coll_iters,
-            "matmul_alone_s": _slowest(mm_alone), "collective_alone_s": _slowest(coll_alone),
-            "matmul_overlapped_s": _slowest(mm_both),
-            "collective_overlapped_s": _slowest(coll_both)}
+    return {
+        "op": op,
+        "bytes": whole,
+        "ranks": n,
+        "matmul": "bf16 8192^3",
+        "matmul_iters": mm_iters,
+        "collective_iters": coll_iters,
+        "matmul_alone_s": _slowest(mm_alone),
+        "collective_alone_s": _slowest(coll_alone),
+        "matmul_overlapped_s": _slowest(mm_both),
+        "collective_overlapped_s": _slowest(coll_both),
+    }
 
 
 def environment() -> dict:
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "world_size": dist.get_world_size(), "host": platform.node(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
-            "env": {k: os.environ.get(k) for k in ENV}}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "world_size": dist.get_world_size(),
+        "host": platform.node(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+        "env": {k: os.environ.get(k) for k in ENV},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp32")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:
-        print("error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
-              "gobrrr.calibrate.sections.collectives --out coll.json", file=sys.stderr)
+        print(
+            "error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
+            "gobrrr.calibrate.sections.collectives --out coll.json",
+            file=sys.stderr,
+        )
         return 2
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=120)
+    )
     stream = torch.cuda.Stream()
     points = []
     for dtype in args.dtypes.split(","):
@@ -204,22 +231,32 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # FSDP2 gathers parameters in param_dtype: bf16 is the case
             for size in sorted(s for s in SIZES if s <= args.max_bytes):
                 points.append(measure_op(op, dtype, size, args.rounds, stream))
-    overlap = [measure_overlap(op, size, args.rounds, stream)
-               for op in OPS for size in (2**24, 2**27)]
+    overlap = [
+        measure_overlap(op, size, args.rounds, stream) for op in OPS for size in (2**24, 2**27)
+    ]
     if dist.get_rank() == 0:
-        result = {"version": 1, "kind": "collectives", "meta": environment(),
-                  "points": points, "overlap": overlap}
+        result = {
+            "version": 1,
+            "kind": "collectives",
+            "meta": environment(),
+            "points": points,
+            "overlap": overlap,
+        }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         for p in points:
             if p["dtype"] == "bf16" and p["bytes"] in (2**20, 2**26, 2**28, 2**30):
-                print(f"{p['op']:>14} {p['bytes'] / 2**20:8.0f} MiB {p['seconds'] * 1e6:9.1f} us "
-                      f"{(p['bus_bytes_per_s'] or 0) / 1e9:6.1f} GB/s")
+                print(
+                    f"{p['op']:>14} {p['bytes'] / 2**20:8.0f} MiB {p['seconds'] * 1e6:9.1f} us "
+                    f"{(p['bus_bytes_per_s'] or 0) / 1e9:6.1f} GB/s"
+                )
         for o in overlap:
-            print(f"overlap {o['op']:>14} {o['bytes'] / 2**20:5.0f} MiB: matmul "
-                  f"{o['matmul_alone_s'] * 1e3:.2f} -> {o['matmul_overlapped_s'] * 1e3:.2f} ms, "
-                  f"collective {o['collective_alone_s'] * 1e3:.2f} -> "
-                  f"{o['collective_overlapped_s'] * 1e3:.2f} ms")
+            print(
+                f"overlap {o['op']:>14} {o['bytes'] / 2**20:5.0f} MiB: matmul "
+                f"{o['matmul_alone_s'] * 1e3:.2f} -> {o['matmul_overlapped_s'] * 1e3:.2f} ms, "
+                f"collective {o['collective_alone_s'] * 1e3:.2f} -> "
+                f"{o['collective_overlapped_s'] * 1e3:.2f} ms"
+            )
     dist.barrier()
     dist.destroy_process_group()
     return 0

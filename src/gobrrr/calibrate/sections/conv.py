@@ -33,8 +33,7 @@ LAYOUTS = ("channels_first", "channels_last")
 MODES = (("bf16", torch.bfloat16), ("tf32", torch.float32), ("fp32", torch.float32))
 OUTPUTS = (2**19, 2**21, 2**23, 2**25, 2**27)  # output elements N·Ho·Wo·C_out of each grid row
 # (grad_input, grad_weight, grad_bias) requested of convolution_backward, per direction
-BACKWARD_MASKS = {"backward_input": [True, False, False],
-                  "backward_weight": [False, True, False]}
+BACKWARD_MASKS = {"backward_input": [True, False, False], "backward_weight": [False, True, False]}
 REPS = 10  # timed runs per point (the median is kept)
 # conv_workspace keys "inside:<layout>:<class>:<direction>": all the bytes a convolution of that
 # class allocates inside the call (cuDNN's workspace, with any NHWC copies it makes in it), as a
@@ -45,10 +44,25 @@ INSIDE = "inside:"
 ROW_CAP = {"grouped-1d": 2**23}
 DEPTHWISE_BATCHES = (1, 4, 16, 64)
 # (channels, output plane) as CNNs pair them: wide planes early, many channels late
-DEPTHWISE_SHAPES = ((32, 112), (64, 56), (96, 56), (128, 56), (192, 28), (256, 28), (384, 14),
-                    (512, 14), (768, 7), (1152, 7))
-DEPTHWISE_CLASSES = {"3x3": (3, 1), "5x5": (5, 1), "7x7": (7, 1), "3x3-s2": (3, 2),
-                     "5x5-s2": (5, 2)}
+DEPTHWISE_SHAPES = (
+    (32, 112),
+    (64, 56),
+    (96, 56),
+    (128, 56),
+    (192, 28),
+    (256, 28),
+    (384, 14),
+    (512, 14),
+    (768, 7),
+    (1152, 7),
+)
+DEPTHWISE_CLASSES = {
+    "3x3": (3, 1),
+    "5x5": (5, 1),
+    "7x7": (7, 1),
+    "3x3-s2": (3, 2),
+    "5x5-s2": (5, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,7 @@ class ConvShape:
         """The largest power-of-two batch N with N · plane^dims · C_out <= outputs (0 when
         one sample is more): shapes whose per-sample outputs differ by powers of two land on
         the same grid rows."""
-        n = outputs // (self.c_out * self.plane ** self.dims)
+        n = outputs // (self.c_out * self.plane**self.dims)
         return 1 << (n.bit_length() - 1) if n else 0
 
 
@@ -109,10 +123,17 @@ def conv_shapes() -> Iterator[ConvShape]:
         yield ConvShape("grouped-1d", c, c, 128, 1, 16, 512, dims=1)
     # non-overlapping patches: an image cut into 4x4 and 16x16 ones (ConvNeXt's and Swin's
     # stems, ViT's patch embedding), a stage's 2x2 downsampling (ConvNeXt)
-    for c_in, c_out, k, plane in ((3, 96, 4, 56), (3, 384, 16, 14), (3, 768, 16, 14),
-                                  (96, 192, 2, 28), (192, 384, 2, 14), (384, 768, 2, 7)):
-        yield ConvShape("stem-patchify" if c_in < 8 else "patchify", c_in, c_out, k, k, 1,
-                        plane, pad=0)
+    for c_in, c_out, k, plane in (
+        (3, 96, 4, 56),
+        (3, 384, 16, 14),
+        (3, 768, 16, 14),
+        (96, 192, 2, 28),
+        (192, 384, 2, 14),
+        (384, 768, 2, 7),
+    ):
+        yield ConvShape(
+            "stem-patchify" if c_in < 8 else "patchify", c_in, c_out, k, k, 1, plane, pad=0
+        )
 
 
 def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.device):
@@ -127,8 +148,12 @@ def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.d
         pad = s.pad
         size = (s.plane - 1) * s.stride + s.kernel - 2 * pad
     x = torch.randn(n, s.c_in, *[size] * s.dims, device=dev, dtype=dtype, generator=g)
-    w = torch.randn(s.c_out, s.c_in // s.groups, *[s.kernel] * s.dims, device=dev,
-                    dtype=dtype, generator=g) * 0.05
+    w = (
+        torch.randn(
+            s.c_out, s.c_in // s.groups, *[s.kernel] * s.dims, device=dev, dtype=dtype, generator=g
+        )
+        * 0.05
+    )
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)
@@ -147,13 +172,16 @@ def _calls(x, w, gy, args) -> dict[str, tuple[str, object]]:
     calls = {"forward": ("convolution", lambda: aten.convolution(x, w, None, *args))}
     masks = {**BACKWARD_MASKS, "backward": [True, True, False]}
     for direction, mask in masks.items():
-        calls[direction] = ("convolution_backward", lambda mask=mask: aten.convolution_backward(
-            gy, x, w, None, *args, mask))
+        calls[direction] = (
+            "convolution_backward",
+            lambda mask=mask: aten.convolution_backward(gy, x, w, None, *args, mask),
+        )
     return calls
 
 
-def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
-           dev: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
+def _point(
+    s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str, dev: torch.device
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """({direction: [outputs, depth, FLOP/s]}, {"forward" | "backward": workspace fraction})
     of shape s at batch n."""
     rates, spaces = {}, {}
@@ -170,8 +198,11 @@ def _point(s: ConvShape, n: int, mode: str, dtype: torch.dtype, layout: str,
     return rates, spaces
 
 
-def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
-              shapes: tuple[ConvShape, ...] | None = None) -> tuple[dict, dict]:
+def conv_grid(
+    dev: torch.device,
+    outputs: tuple[int, ...] = OUTPUTS,
+    shapes: tuple[ConvShape, ...] | None = None,
+) -> tuple[dict, dict]:
     """(rates, workspaces) of cuDNN convolutions over `conv_shapes()` at `outputs`:
     rates {mode: {"layout:class:direction": [[output elements, depth, FLOP/s], ...]}},
     layout "channels_first" | "channels_last", direction "forward" | "backward_input" |
@@ -203,12 +234,12 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
                         r, w = _point(s, s.batch(out), mode, dtype, layout, dev)
                         for direction, row in r.items():
                             rates[mode].setdefault(f"{layout}:{s.cls}:{direction}", []).append(
-                                [snap(row[0], rows), *row[1:]])
+                                [snap(row[0], rows), *row[1:]]
+                            )
                         prefix = "" if layout == "channels_first" else f"{layout}:"
                         for direction, frac in w.items():
                             if direction.startswith(INSIDE):  # by layout and class
-                                key = f"{direction}".replace(
-                                    INSIDE, f"{INSIDE}{layout}:{s.cls}:")
+                                key = f"{direction}".replace(INSIDE, f"{INSIDE}{layout}:{s.cls}:")
                                 ws.setdefault(key, []).append(frac)
                             else:
                                 ws.setdefault(prefix + direction, []).append(frac)
@@ -219,13 +250,15 @@ def conv_grid(dev: torch.device, outputs: tuple[int, ...] = OUTPUTS,
     return rates, spaces
 
 
-def class_rows(cls: str, shapes: tuple[ConvShape, ...] | None = None,
-               outputs: tuple[int, ...] = OUTPUTS) -> list[float]:
+def class_rows(
+    cls: str, shapes: tuple[ConvShape, ...] | None = None, outputs: tuple[int, ...] = OUTPUTS
+) -> list[float]:
     """The output elements of a class's grid rows: its first shape's at each row."""
     shapes = shapes or tuple(conv_shapes())
     ref = next(s for s in shapes if s.cls == cls)
-    return [float(ref.batch(o) * ref.plane ** ref.dims * ref.c_out)
-            for o in _rows(ref, shapes, outputs)]
+    return [
+        float(ref.batch(o) * ref.plane**ref.dims * ref.c_out) for o in _rows(ref, shapes, outputs)
+    ]
 
 
 def snap(mn: float, rows: list[float]) -> float:
@@ -240,8 +273,11 @@ def snap(mn: float, rows: list[float]) -> float:
 def _rows(s: ConvShape, shapes: tuple[ConvShape, ...], outputs: tuple[int, ...]) -> list[int]:
     """The outputs at which every shape of s's class fits a batch: complete grid rows (up to
     the class's ROW_CAP)."""
-    return [o for o in outputs if all(t.batch(o) for t in shapes if t.cls == s.cls)
-            and o <= ROW_CAP.get(s.cls, o)]
+    return [
+        o
+        for o in outputs
+        if all(t.batch(o) for t in shapes if t.cls == s.cls) and o <= ROW_CAP.get(s.cls, o)
+    ]
 
 
 def _free(dev: torch.device) -> None:
@@ -249,10 +285,11 @@ def _free(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def depthwise_bandwidths(dev: torch.device,
-                         shapes: tuple[tuple[int, int], ...] = DEPTHWISE_SHAPES,
-                         batches: tuple[int, ...] = DEPTHWISE_BATCHES
-                         ) -> dict[str, list[list[float]]]:
+def depthwise_bandwidths(
+    dev: torch.device,
+    shapes: tuple[tuple[int, int], ...] = DEPTHWISE_SHAPES,
+    batches: tuple[int, ...] = DEPTHWISE_BATCHES,
+) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of depthwise (groups = channels) convolutions, forward and backward
     (both gradients), per dtype, layout and kernel class, over their channels and size:
     {"forward:bf16:channels_last:3x3" | "backward:fp32:channels_first:5x5-s2" | ...:
@@ -274,6 +311,7 @@ def depthwise_bandwidths(dev: torch.device,
                             name, fn = calls[direction]
                             nbytes = op_cost(_record(fn, name)).bytes
                             out.setdefault(f"{direction}:{key}:{layout}:{cls}", []).append(
-                                [float(channels), nbytes, nbytes / time_op(fn, dev, REPS)])
+                                [float(channels), nbytes, nbytes / time_op(fn, dev, REPS)]
+                            )
                         _free(dev)
     return out

@@ -25,14 +25,25 @@ from gobrrr.training.optimizers import optimizer_key
 
 
 def _tiny_workloads():
-    yield lambda: get_workload("gpt2", batch_size=1, seq_len=16, n_layer=4, n_embd=64,
-                               n_head=4, vocab_size=128)
-    yield lambda: get_workload("llama3-1b", batch_size=1, seq_len=16, n_layer=4, dim=64,
-                               n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128)
+    yield lambda: get_workload(
+        "gpt2", batch_size=1, seq_len=16, n_layer=4, n_embd=64, n_head=4, vocab_size=128
+    )
+    yield lambda: get_workload(
+        "llama3-1b",
+        batch_size=1,
+        seq_len=16,
+        n_layer=4,
+        dim=64,
+        n_head=4,
+        n_kv_head=2,
+        ffn_dim=128,
+        vocab_size=128,
+    )
 
 
-def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
-                  warmup: int = 10) -> dict[str, float]:
+def step_overhead(
+    dev: torch.device, reps: int = 20, rounds: int = 5, warmup: int = 10
+) -> dict[str, float]:
     """Host seconds per traced ATen op, per phase, in eager training steps of tiny models:
     `rounds` alternating rounds of `reps` steps per model after `warmup` steps each, the
     median of all of them.
@@ -50,23 +61,32 @@ def step_overhead(dev: torch.device, reps: int = 20, rounds: int = 5,
     forward's time less what the other forward ops cost at the forward rate, over those ops.
     That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
     re-entering the block's Python) as a cost per op."""
-    models = [_timed_model(make, ckpt, dev, warmup)
-              for make in _tiny_workloads() for ckpt in ("none", "full", "selective")]
+    models = [
+        _timed_model(make, ckpt, dev, warmup)
+        for make in _tiny_workloads()
+        for ckpt in ("none", "full", "selective")
+    ]
     for _ in range(rounds):
         for m in models:
             for _ in range(reps):
                 for p, t in _phase_times(m.workload, m.optimizer, dev).items():
                     m.times[p].append(t)
     plain = [m for m in models if m.checkpoint == "none"]
-    out = {p: sum(statistics.median(m.times[p]) for m in plain) / n
-           for p in PHASES if (n := sum(m.counts[p] for m in plain))}
+    out = {
+        p: sum(statistics.median(m.times[p]) for m in plain) / n
+        for p in PHASES
+        if (n := sum(m.counts[p] for m in plain))
+    }
     for policy, suffix in (("full", ""), ("selective", "_selective")):
         ckpt = [m for m in models if m.checkpoint == policy]
-        for key, phase, others in (("recompute", "backward", "backward"),
-                                   ("checkpointed", "forward", "outside")):
+        for key, phase, others in (
+            ("recompute", "backward", "backward"),
+            ("checkpointed", "forward", "outside"),
+        ):
             if phase in out and (n := sum(m.counts[key] for m in ckpt)):
-                extra = sum(statistics.median(m.times[phase]) - m.counts[others] * out[phase]
-                            for m in ckpt)
+                extra = sum(
+                    statistics.median(m.times[phase]) - m.counts[others] * out[phase] for m in ckpt
+                )
                 out[key + suffix] = max(extra / n, out.get("forward", 0.0))
     return out
 
@@ -84,16 +104,21 @@ class _Timed(NamedTuple):
 
 def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Timed:
     """A tiny model with `checkpoint`, on the device, warmed up."""
-    policies = checkpoint if checkpoint != "selective" else \
-        dict.fromkeys(block_names(make().model), "selective")
+    policies = (
+        checkpoint
+        if checkpoint != "selective"
+        else dict.fromkeys(block_names(make().model), "selective")
+    )
     graph = capture(make, precision="fp32", checkpoint=policies)
     counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
     under = checkpointed_modules(graph)
-    counts["checkpointed"] = sum(1 for n in graph.nodes
-                                 if n.phase == "forward" and n.module in under)
+    counts["checkpointed"] = sum(
+        1 for n in graph.nodes if n.phase == "forward" and n.module in under
+    )
     counts["outside"] = counts["forward"] - counts["checkpointed"]
-    wl, opt, _ = prepare(make(), dev.type, "fp32",
-                         checkpoint="none" if checkpoint == "selective" else checkpoint)
+    wl, opt, _ = prepare(
+        make(), dev.type, "fp32", checkpoint="none" if checkpoint == "selective" else checkpoint
+    )
     if checkpoint == "selective":
         apply_checkpointing(wl.model, policies)
     for _ in range(warmup):
@@ -130,16 +155,27 @@ def _host_cases(dev: torch.device):
     for dtype in (torch.float32, torch.bfloat16):
         xd, wd, gd = x.to(dtype), w.to(dtype), gy.to(dtype)
         key = "bf16" if dtype == torch.bfloat16 else "fp32"
-        yield f"convolution:{key}", lambda xd=xd, wd=wd: aten.convolution(
-            xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-        yield f"convolution_backward:{key}", lambda xd=xd, wd=wd, gd=gd: \
-            aten.convolution_backward(gd, xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0],
-                                      1, [True, True, False])
+        yield (
+            f"convolution:{key}",
+            lambda xd=xd, wd=wd: aten.convolution(
+                xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1
+            ),
+        )
+        yield (
+            f"convolution_backward:{key}",
+            lambda xd=xd, wd=wd, gd=gd: aten.convolution_backward(
+                gd, xd, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]
+            ),
+        )
         xb = torch.randn(2, 8, 8, 8, device=dev, dtype=dtype)
         bw, bb = torch.ones(8, device=dev), torch.zeros(8, device=dev)
         rm, rv = torch.zeros(8, device=dev), torch.ones(8, device=dev)
-        yield f"native_batch_norm:{key}", lambda xb=xb, bw=bw, bb=bb, rm=rm, rv=rv: \
-            F.batch_norm(xb, rm, rv, bw, bb, True, 0.1, 1e-5)
+        yield (
+            f"native_batch_norm:{key}",
+            lambda xb=xb, bw=bw, bb=bb, rm=rm, rv=rv: F.batch_norm(
+                xb, rm, rv, bw, bb, True, 0.1, 1e-5
+            ),
+        )
     a = torch.randn(8, device=dev)
     yield "add", lambda: aten.add(a, a)
 
@@ -205,15 +241,17 @@ def op_host_costs(dev: torch.device, calls: int = 400) -> dict[str, float]:
     costs = {name: per_call(fn, dev, calls, rounds=5, warmup=20) for name, fn in _host_cases(dev)}
     base = costs.pop("add")
     return {k: max(v - base, 0.0) for k, v in costs.items()} | attention_host_costs(
-        dev, calls, base)
+        dev, calls, base
+    )
 
 
 #: SDPA's fused backends, as the ATen ops a training step runs for them
 ATTENTION_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
-def attention_host_costs(dev: torch.device, calls: int = 400,
-                         base: float | None = None) -> dict[str, float]:
+def attention_host_costs(
+    dev: torch.device, calls: int = 400, base: float | None = None
+) -> dict[str, float]:
     """Host seconds per call of SDPA's fused attention ops beyond an elementwise add, forward
     and backward, per backend (keys "op:bf16", the ATen op each backend's forward and
     backward dispatch to): cuDNN's builds its graph's variant pack on every call, flash and
@@ -234,8 +272,10 @@ def attention_host_costs(dev: torch.device, calls: int = 400,
                 self.calls.append((func, args, kwargs or {}))
             return func(*args, **(kwargs or {}))
 
-    q, k, v = (torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     if base is None:
         a = torch.randn(8, device=dev)
         base = per_call(lambda: torch.ops.aten.add(a, a), dev, calls, rounds=5, warmup=20)
@@ -249,8 +289,9 @@ def attention_host_costs(dev: torch.device, calls: int = 400,
             continue
         for func, args, kwargs in rec.calls:
             op = func.__name__.split(".")[0]
-            t = per_call(lambda f=func, a=args, kw=kwargs: f(*a, **kw), dev, calls, rounds=5,
-                         warmup=20)
+            t = per_call(
+                lambda f=func, a=args, kw=kwargs: f(*a, **kw), dev, calls, rounds=5, warmup=20
+            )
             out[f"{op}:bf16"] = max(t - base, 0.0)
     return out
 

@@ -38,8 +38,14 @@ ADAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def offload_section(dev: torch.device) -> dict:
     """{"offload": {...}}: every measurement above, for `Calibration.offload`."""
-    return {"offload": {**link_bandwidths(dev), **cpu_adamw_times(),
-                        **issue_costs(dev), "threads": torch.get_num_threads()}}
+    return {
+        "offload": {
+            **link_bandwidths(dev),
+            **cpu_adamw_times(),
+            **issue_costs(dev),
+            "threads": torch.get_num_threads(),
+        }
+    }
 
 
 def link_bandwidths(dev: torch.device, reps: int = 7) -> dict[str, list[list[float]]]:

@@ -52,22 +52,22 @@ def optim8_section(dev: torch.device) -> dict:
         import torchao.optim as ao
     except ImportError:
         return {"optim8": {}}
-    points = [_point(ao, dev, n, k) for n in SIZES for k in COUNTS
-              if n * k <= MAX_STEP_ELEMENTS]
-    points += [_point(ao, dev, n, 1, ROW_WIDTH) for n in SIZES
-               if quantized(n) and n >= ROW_WIDTH]
+    points = [_point(ao, dev, n, k) for n in SIZES for k in COUNTS if n * k <= MAX_STEP_ELEMENTS]
+    points += [_point(ao, dev, n, 1, ROW_WIDTH) for n in SIZES if quantized(n) and n >= ROW_WIDTH]
     return {"optim8": summarize(points, _distinct_host(ao, dev), row_widths(ao, dev))}
 
 
 def row_widths(ao, dev: torch.device) -> list[list[int]]:
     """[[row width, bytes the update allocates inside]] for a parameter of WIDTH_NUMEL
     elements in rows of each of WIDTHS (and of one block)."""
-    return [[w, _point(ao, dev, WIDTH_NUMEL, 1, w, timed=False)["transient"]]
-            for w in (256, *WIDTHS)]
+    return [
+        [w, _point(ao, dev, WIDTH_NUMEL, 1, w, timed=False)["transient"]] for w in (256, *WIDTHS)
+    ]
 
 
-def summarize(points: list[dict], host_distinct: float,
-              widths: list[list[int]] | None = None) -> dict:
+def summarize(
+    points: list[dict], host_distinct: float, widths: list[list[int]] | None = None
+) -> dict:
     """What the cost model reads from the grid: "device" [[bytes per update, seconds], ...]
     for quantised moments ("device_small": the fp32-moment path), from the one-parameter
     points — with more, the host is what the timed loop waits on (measured on an H100 it
@@ -89,13 +89,13 @@ def summarize(points: list[dict], host_distinct: float,
         "device_small": [[p["bytes"], p["device_s"]] for p in one if not p["quantized"]],
         "host": statistics.median(p["host_s"] for p in points if p["count"] == max(COUNTS)),
         "host_distinct": host_distinct,
-        "kernels": statistics.median(kernels(p) for p in points
-                                     if p.get("width", BLOCK) == BLOCK),
+        "kernels": statistics.median(kernels(p) for p in points if p.get("width", BLOCK) == BLOCK),
         "transient": [[p["numel"], p["transient"]] for p in one],
         "device_rows": [[p["bytes"], p["device_s"]] for p in rows],
         "transient_rows": [[p["numel"], p["transient"]] for p in rows],
         "row_widths": widths or [],
-        "points": points}
+        "points": points,
+    }
 
 
 def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
@@ -107,8 +107,9 @@ def _params(dev: torch.device, shapes) -> list[torch.nn.Parameter]:
     return out
 
 
-def _point(ao, dev: torch.device, numel: int, count: int, width: int = BLOCK,
-           timed: bool = True) -> dict:
+def _point(
+    ao, dev: torch.device, numel: int, count: int, width: int = BLOCK, timed: bool = True
+) -> dict:
     """One grid point: `count` parameters of (numel/width, width) elements."""
     params = _params(dev, [(numel // width, width)] * count)
     opt = ao.AdamW8bit(params, lr=1e-3)
@@ -125,9 +126,18 @@ def _point(ao, dev: torch.device, numel: int, count: int, width: int = BLOCK,
     kernels, names = _kernels(opt.step)
     del opt, params
     torch.cuda.empty_cache()
-    return {"numel": numel, "count": count, "width": width, "quantized": quantized(numel),
-            "bytes": adam8bit_bytes(numel, 4, 4), "device_s": device_s, "host_s": host_s,
-            "transient": transient, "kernels": kernels / count, "kernel_names": names}
+    return {
+        "numel": numel,
+        "count": count,
+        "width": width,
+        "quantized": quantized(numel),
+        "bytes": adam8bit_bytes(numel, 4, 4),
+        "device_s": device_s,
+        "host_s": host_s,
+        "transient": transient,
+        "kernels": kernels / count,
+        "kernel_names": names,
+    }
 
 
 def _host_per_update(step, dev: torch.device, count: int, rounds: int = 5) -> float:

@@ -30,8 +30,9 @@ SOFTMAX_WIDTHS = (256, 1024, 4096, 32768, 50257, 128256)
 SOFTMAX_ELEMENTS = (2**22, 2**25, 2**28)  # rows = elements / width
 
 
-def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
-                    ) -> dict[str, list[list[float]]]:
+def path_bandwidths(
+    dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
+) -> dict[str, list[list[float]]]:
     """{"<kind>:<path>:<bf16|fp32>" | "foreach": [[bytes, bytes/s], ...]} (bytes as the
     cost model counts them, the kernel latency taken off as for `size_bandwidth`; keyed by
     the output's dtype, 16-bit or not: the generic kernel's time follows its elements more
@@ -51,7 +52,8 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
             t = time_op(fn, dev, 10, flush)
             dtype = "bf16" if node.outputs[0].itemsize == 2 else "fp32"
             out.setdefault(f"{key}:{dtype}", []).append(
-                [cost.bytes, cost.bytes / max(t - lat, 0.5 * t)])
+                [cost.bytes, cost.bytes / max(t - lat, 0.5 * t)]
+            )
     for _key, op, fn in _foreach_cases(dev):
         nbytes = op_cost(_record(fn, op)).bytes
         t = time_op(fn, dev, 5, flush)
@@ -61,8 +63,7 @@ def path_bandwidths(dev: torch.device, sizes: tuple[int, ...] = PATH_ELEMENTS
     return out
 
 
-def _path_cases(dev: torch.device, n: int
-                ) -> Iterator[tuple[str, str, Callable[[], object]]]:
+def _path_cases(dev: torch.device, n: int) -> Iterator[tuple[str, str, Callable[[], object]]]:
     """("<kind>:<path>", ATen op name, fn) with `n` output elements, in bf16 and fp32."""
     aten = torch.ops.aten
     w = 1024 if n >= 1024 else n
@@ -84,26 +85,44 @@ def _path_cases(dev: torch.device, n: int
             yield "pointwise:generic_cast", "add_", lambda a=rows16, b=bias32: aten.add_(a, b)
         else:  # bf16 rows times an fp32 scale (an RMSNorm's weight): fp32 out
             yield "pointwise:generic_cast", "mul", lambda c=c, b=bias: aten.mul(c, b)
-        yield "pointwise:strided", "add", lambda h=heads, b=b: aten.add(
-            h.transpose(1, 2), b.view(h.transpose(1, 2).shape))
+        yield (
+            "pointwise:strided",
+            "add",
+            lambda h=heads, b=b: aten.add(h.transpose(1, 2), b.view(h.transpose(1, 2).shape)),
+        )
         yield "pointwise:transposed", "add", lambda a=a, b=b: aten.add(a.t(), b.view(w, rows))
         if dt == torch.bfloat16:
             yield "copy:dyncast", "_to_copy", lambda a=a: aten._to_copy(a, dtype=torch.float32)
         else:
-            yield "copy:cast_down", "_to_copy", lambda a=a: aten._to_copy(
-                a, dtype=torch.bfloat16)
-        yield "copy:strided", "clone", lambda h=heads: aten.clone(
-            h.transpose(1, 2), memory_format=torch.contiguous_format)
-        yield "copy:transposed", "clone", lambda a=a: aten.clone(
-            a.t(), memory_format=torch.contiguous_format)
+            yield "copy:cast_down", "_to_copy", lambda a=a: aten._to_copy(a, dtype=torch.bfloat16)
+        yield (
+            "copy:strided",
+            "clone",
+            lambda h=heads: aten.clone(h.transpose(1, 2), memory_format=torch.contiguous_format),
+        )
+        yield (
+            "copy:transposed",
+            "clone",
+            lambda a=a: aten.clone(a.t(), memory_format=torch.contiguous_format),
+        )
         # attention's q, k and v gradients stacked from their (batch, token, head) layout
         heads_b = b.view(heads.shape)
-        yield "copy:cat_strided", "stack", lambda h=heads, g=heads_b: aten.stack(
-            [h.transpose(1, 2), g.transpose(1, 2), h.transpose(1, 2)])
+        yield (
+            "copy:cat_strided",
+            "stack",
+            lambda h=heads, g=heads_b: aten.stack(
+                [h.transpose(1, 2), g.transpose(1, 2), h.transpose(1, 2)]
+            ),
+        )
         kv = a.view(-1, 4, 1, 256, 64) if n >= 2**16 else a.view(-1, 4, 1, 16, 64)
-        yield "copy:bcast", "clone", lambda kv=kv: aten.clone(
-            kv.expand(kv.shape[0], kv.shape[1], 4, kv.shape[3], 64),
-            memory_format=torch.contiguous_format)
+        yield (
+            "copy:bcast",
+            "clone",
+            lambda kv=kv: aten.clone(
+                kv.expand(kv.shape[0], kv.shape[1], 4, kv.shape[3], 64),
+                memory_format=torch.contiguous_format,
+            ),
+        )
         del a, b, c
 
 
@@ -117,8 +136,11 @@ def _foreach_cases(dev: torch.device) -> Iterator[tuple[str, str, Callable[[], o
         p, m, v = lists
         yield "foreach", "_foreach_mul_", lambda p=p: torch._foreach_mul_(p, 0.999)
         yield "foreach", "_foreach_lerp_", lambda m=m, p=p: torch._foreach_lerp_(m, p, 0.1)
-        yield "foreach", "_foreach_addcdiv_", lambda p=p, m=m, v=v: torch._foreach_addcdiv_(
-            p, m, v, [0.01] * len(p))
+        yield (
+            "foreach",
+            "_foreach_addcdiv_",
+            lambda p=p, m=m, v=v: torch._foreach_addcdiv_(p, m, v, [0.01] * len(p)),
+        )
         del lists, p, m, v
 
 
@@ -132,16 +154,21 @@ def softmax_grid(dev: torch.device) -> dict[str, list[list[float]]]:
             for total in SOFTMAX_ELEMENTS:
                 rows = max(total // width, 1)
                 x = torch.randn(rows, width, device=dev, dtype=dt)
-                for fwd, bwd in (("_log_softmax", "_log_softmax_backward_data"),
-                                 ("_softmax", "_softmax_backward_data")):
+                for fwd, bwd in (
+                    ("_log_softmax", "_log_softmax_backward_data"),
+                    ("_softmax", "_softmax_backward_data"),
+                ):
                     y = getattr(aten, fwd)(x, 1, False)
-                    cases = ((fwd, lambda f=fwd, x=x: getattr(aten, f)(x, 1, False)),
-                             (bwd, lambda f=bwd, y=y, dt=dt: getattr(aten, f)(y, y, 1, dt)))
+                    cases = (
+                        (fwd, lambda f=fwd, x=x: getattr(aten, f)(x, 1, False)),
+                        (bwd, lambda f=bwd, y=y, dt=dt: getattr(aten, f)(y, y, 1, dt)),
+                    )
                     for op, fn in cases:
                         nbytes = op_cost(_record(fn, op)).bytes
                         t = time_op(fn, dev, 10, flush)
                         out.setdefault(f"{op}:{key}", []).append(
-                            [float(width), float(rows), nbytes / t])
+                            [float(width), float(rows), nbytes / t]
+                        )
                     del y
                 del x
     return out

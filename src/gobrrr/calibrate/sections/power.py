@@ -30,9 +30,14 @@ MM = 4096  # an (MM x MM) @ (MM x MM) bf16 matmul: ~0.17 ms at full rate on an H
 COPY_ELEMENTS = 2**26  # a 256 MiB fp32 copy: ~0.17 ms at an H100's bandwidth
 
 
-def power_duty(dev: torch.device, heat_s: float = 1.5, reps: int = 20,
-               settle_s: float = 1.0, mm: int = MM, copy_elements: int = COPY_ELEMENTS
-               ) -> dict[str, list[list[float]]]:
+def power_duty(
+    dev: torch.device,
+    heat_s: float = 1.5,
+    reps: int = 20,
+    settle_s: float = 1.0,
+    mm: int = MM,
+    copy_elements: int = COPY_ELEMENTS,
+) -> dict[str, list[list[float]]]:
     """{"bf16": [[duty, fraction], ...], "copy": [[duty, fraction], ...]}, by duty: the
     matmuls' (and the copies') achieved share of their rate in a burst, in a steady pattern of
     `i` matmuls then `j` copies, once the pattern has run for `heat_s` seconds; duty is the
@@ -73,8 +78,9 @@ def kernels(dev: torch.device, mm: int = MM, copy_elements: int = COPY_ELEMENTS)
     return matmul, copy
 
 
-def steady(matmul, copy, i: int, j: int, dev: torch.device, heat_s: float, reps: int,
-           settle_s: float) -> tuple[float, float]:
+def steady(
+    matmul, copy, i: int, j: int, dev: torch.device, heat_s: float, reps: int, settle_s: float
+) -> tuple[float, float]:
     """(seconds per matmul, per copy) in the steady pattern of `i` matmuls then `j` copies:
     after `settle_s` idle and `heat_s` seconds of the pattern, `_groups` over `reps`."""
     settle(dev, settle_s)
@@ -93,6 +99,7 @@ def _groups(mm, copy, i: int, j: int, reps: int, dev: torch.device) -> tuple[flo
     """(seconds per matmul, per copy): medians over `reps` repeats of the pattern, each
     group between CUDA events, every repeat queued before one wait so the GPU never idles
     (on a CPU: the host's clock around each group)."""
+
     def mms() -> None:
         for _ in range(i):
             mm()

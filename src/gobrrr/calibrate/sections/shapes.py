@@ -27,8 +27,9 @@ def kernel_latency(dev: torch.device) -> float:
     return time_op(lambda: x.add_(1), dev, 50)
 
 
-def size_bandwidths(dev: torch.device, sizes: tuple[int, ...] = SIZE_ELEMENTS
-                    ) -> dict[str, list[list[float]]]:
+def size_bandwidths(
+    dev: torch.device, sizes: tuple[int, ...] = SIZE_ELEMENTS
+) -> dict[str, list[list[float]]]:
     """{"copy" | "pointwise": [[bytes moved, bytes/s], ...]}: an fp32 -> bf16 cast and a bf16
     add over sizes, L2 flushed before each run (a step's tensors come from HBM), bytes/s
     over the time less the kernel latency."""
@@ -37,10 +38,14 @@ def size_bandwidths(dev: torch.device, sizes: tuple[int, ...] = SIZE_ELEMENTS
     out: dict[str, list[list[float]]] = {"copy": [], "pointwise": []}
     for n in sizes:
         x = torch.randn(n, device=dev)
-        a, b = torch.randn(n, device=dev, dtype=torch.bfloat16), torch.randn(
-            n, device=dev, dtype=torch.bfloat16)
-        for key, fn, nbytes in (("copy", lambda x=x: x.to(torch.bfloat16), 6 * n),
-                                ("pointwise", lambda a=a, b=b: a + b, 6 * n)):
+        a, b = (
+            torch.randn(n, device=dev, dtype=torch.bfloat16),
+            torch.randn(n, device=dev, dtype=torch.bfloat16),
+        )
+        for key, fn, nbytes in (
+            ("copy", lambda x=x: x.to(torch.bfloat16), 6 * n),
+            ("pointwise", lambda a=a, b=b: a + b, 6 * n),
+        ):
             t = time_op(fn, dev, 10, flush)
             out[key].append([float(nbytes), nbytes / max(t - lat, 0.5 * t)])
         del x, a, b
@@ -54,11 +59,15 @@ def misaligned_by_alignment(dev: torch.device, n: int = 4096) -> dict[str, float
     out = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:
-        for name, dtype, size in (("bf16", torch.bfloat16, 2), ("fp16", torch.float16, 2),
-                                  ("tf32", torch.float32, 4)):
+        for name, dtype, size in (
+            ("bf16", torch.bfloat16, 2),
+            ("fp16", torch.float16, 2),
+            ("tf32", torch.float32, 4),
+        ):
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             a = torch.randn(n, n, device=dev, dtype=dtype)
             for nt in (False, True):
+
                 def make(m, t=dtype, nt=nt):
                     if nt:
                         return torch.randn(m, n, device=dev, dtype=t).t()
@@ -78,4 +87,3 @@ def misaligned_by_alignment(dev: torch.device, n: int = 4096) -> dict[str, float
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     return out
-

@@ -31,13 +31,17 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
     out = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:
-        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
-                            ("tf32", torch.float32)):
+        for name, dtype in (
+            ("bf16", torch.bfloat16),
+            ("fp16", torch.float16),
+            ("tf32", torch.float32),
+        ):
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             a = torch.randn(n, n, device=dev, dtype=dtype)
-            for key, make in ((name, lambda m, t=dtype: torch.randn(n, m, device=dev, dtype=t)),
-                              (f"nt:{name}",
-                               lambda m, t=dtype: torch.randn(m, n, device=dev, dtype=t).t())):
+            for key, make in (
+                (name, lambda m, t=dtype: torch.randn(n, m, device=dev, dtype=t)),
+                (f"nt:{name}", lambda m, t=dtype: torch.randn(m, n, device=dev, dtype=t).t()),
+            ):
                 rates = []
                 for m in (n, n - 1):
                     b = make(m)
@@ -51,8 +55,9 @@ def misaligned_fractions(dev: torch.device, n: int = 4096) -> dict[str, float]:
 ATTENTION_REPS = 4  # fwd(+bwd) calls per timed run: the host queues ahead of the GPU
 
 
-def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
-                   seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict[str, list[list[float]]]:
+def attention_rate(
+    dev: torch.device, d: int = 64, tokens: int = 16384, seqs: tuple[int, ...] = (256, 1024, 4096)
+) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of F.scaled_dot_product_attention (causal, default backend, inputs that
     require grad) at B·S = `tokens`, 16 heads of `d`, over sequence lengths: fwd+bwd under
     the dtype's key, and apart under "forward:<dtype>" and "backward:<dtype>" (backward =
@@ -65,13 +70,17 @@ def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
             out[key] = []
         for s in seqs:
             b, h = max(tokens // s, 1), 16
-            q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
             g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
 
             def fwd(q=q, k=k, v=v):
-                return [F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                        for _ in range(ATTENTION_REPS)]
+                return [
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    for _ in range(ATTENTION_REPS)
+                ]
 
             def fwd_bwd(q=q, k=k, v=v, g=g):
                 for o in fwd(q, k, v):
@@ -85,8 +94,9 @@ def attention_rate(dev: torch.device, d: int = 64, tokens: int = 16384,
     return out
 
 
-def attention_variants(dev: torch.device, tokens: int = 16384,
-                       seqs: tuple[int, ...] = (256, 1024, 4096)) -> dict[str, list[list[float]]]:
+def attention_variants(
+    dev: torch.device, tokens: int = 16384, seqs: tuple[int, ...] = (256, 1024, 4096)
+) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of F.scaled_dot_product_attention (default backend, as a step calls it)
     for each kernel variant `cost._ops_attention.variant` names: mask "causal" (is_causal),
     "full" (no mask) or "mask" (a boolean (B, 1, S, S) mask hiding the last eighth of the
@@ -108,17 +118,19 @@ def attention_variants(dev: torch.device, tokens: int = 16384,
     return out
 
 
-def _attention_point(dev, time_op, dtype, tokens: int, s: int, d: int, mask: str,
-                     p: float) -> tuple[float, float]:
+def _attention_point(
+    dev, time_op, dtype, tokens: int, s: int, d: int, mask: str, p: float
+) -> tuple[float, float]:
     """(forward, backward) FLOP/s of one attention variant at sequence length s."""
     b, h = max(tokens // s, 1), 1024 // d
-    q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     g = torch.randn(b, h, s, d, device=dev, dtype=dtype)
     kw: dict = {"is_causal": mask == "causal", "dropout_p": p}
     if mask == "mask":
         keep = torch.ones(b, 1, s, s, device=dev, dtype=torch.bool)
-        keep[..., s - s // 8:] = False
+        keep[..., s - s // 8 :] = False
         kw["attn_mask"] = keep
 
     def fwd():
@@ -136,10 +148,11 @@ def _attention_point(dev, time_op, dtype, tokens: int, s: int, d: int, mask: str
 GRID_MAX_FLOP = 2.0**41  # the largest matmul the grid times (~3 ms in bf16, ~45 ms in fp32)
 
 
-def matmul_grid(dev: torch.device,
-                mns: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384),
-                ks: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536, 262144)
-                ) -> dict[str, list[list[float]]]:
+def matmul_grid(
+    dev: torch.device,
+    mns: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+    ks: tuple[int, ...] = (64, 256, 1024, 4096, 16384, 65536, 262144),
+) -> dict[str, list[list[float]]]:
     """Achieved FLOP/s of (m x k) @ (k x m) over output sizes m² and depths k, per math mode:
     {mode: [[m*m, k, FLOP/s], ...]}. Small outputs leave SMs idle; a short k leaves each
     tile's fixed cost (prologue, epilogue) unamortised. Deep k with a small output is a weight
@@ -150,8 +163,11 @@ def matmul_grid(dev: torch.device,
     out: dict[str, list[list[float]]] = {}
     old = torch.backends.cuda.matmul.allow_tf32
     try:
-        for name, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32),
-                            ("fp32", torch.float32)):
+        for name, dtype in (
+            ("bf16", torch.bfloat16),
+            ("tf32", torch.float32),
+            ("fp32", torch.float32),
+        ):
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
             out[name] = []
             for m in mns:
@@ -194,21 +210,33 @@ def _op_cases(dev: torch.device):
     _, lmean, lrstd = aten.native_layer_norm(h, [1024], lw, lb, 1e-5)
     gh = torch.randn_like(h)
     yield "native_layer_norm", lambda: aten.native_layer_norm(h, [1024], lw, lb, 1e-5)
-    yield "native_layer_norm_backward", lambda: aten.native_layer_norm_backward(
-        gh, h, [1024], lmean, lrstd, lw, lb, [True, True, True])
+    yield (
+        "native_layer_norm_backward",
+        lambda: aten.native_layer_norm_backward(
+            gh, h, [1024], lmean, lrstd, lw, lb, [True, True, True]
+        ),
+    )
     logits = torch.randn(8192, 32000, device=dev, dtype=torch.bfloat16)
     lsm = aten._log_softmax(logits, 1, False)
     yield "_log_softmax", lambda: aten._log_softmax(logits, 1, False)
-    yield "_log_softmax_backward_data", lambda: aten._log_softmax_backward_data(
-        lsm, lsm, 1, torch.bfloat16)
+    yield (
+        "_log_softmax_backward_data",
+        lambda: aten._log_softmax_backward_data(lsm, lsm, 1, torch.bfloat16),
+    )
     idx = torch.randint(0, 32000, (8192,), device=dev)
     ge = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16)
-    yield "embedding_dense_backward", lambda: aten.embedding_dense_backward(
-        ge, idx, 32000, -1, False)
+    yield (
+        "embedding_dense_backward",
+        lambda: aten.embedding_dense_backward(ge, idx, 32000, -1, False),
+    )
     p = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.bfloat16)
     out, ind = aten.max_pool2d_with_indices(p, [3, 3], [2, 2], [1, 1])
-    yield "max_pool2d_with_indices_backward", lambda: aten.max_pool2d_with_indices_backward(
-        torch.randn_like(out), p, [3, 3], [2, 2], [1, 1], [1, 1], False, ind)
+    yield (
+        "max_pool2d_with_indices_backward",
+        lambda: aten.max_pool2d_with_indices_backward(
+            torch.randn_like(out), p, [3, 3], [2, 2], [1, 1], [1, 1], False, ind
+        ),
+    )
 
 
 def _bn_bytes(shape, dtype) -> tuple[float, float]:
@@ -232,8 +260,12 @@ def _bn_bytes(shape, dtype) -> tuple[float, float]:
 BN_CHANNELS = (32, 64, 128, 256, 512, 1024)
 
 
-def batch_norm_bandwidths(dev: torch.device, elements: int = 2**24, plane: int = 28,
-                          channels: tuple[int, ...] = BN_CHANNELS) -> dict[str, list[list[float]]]:
+def batch_norm_bandwidths(
+    dev: torch.device,
+    elements: int = 2**24,
+    plane: int = 28,
+    channels: tuple[int, ...] = BN_CHANNELS,
+) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of training-mode batch norm over the channel count, forward and
     backward, per dtype and layout: {"forward:bf16" | "backward:fp32" | ... (channels-first),
     "forward:bf16:channels_last" | ...: [[channels, B/s], ...]}.
@@ -261,8 +293,7 @@ BN_GRID_CHANNELS = (32, 64, 128, 256, 512, 1024, 2048)
 BN_GRID_ROWS = (3136, 12544, 50176, 200704, 802816)  # N·H·W: 4..1024 images of 28 x 28
 
 
-def batch_norm_grid(dev: torch.device, max_elements: int = 2**27
-                    ) -> dict[str, list[list[float]]]:
+def batch_norm_grid(dev: torch.device, max_elements: int = 2**27) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of training-mode batch norm over channels and rows (N·H·W, the
     reduction each channel makes), forward and backward, per dtype and layout:
     {"forward:bf16" | "backward:bf16:channels_last" | ...: [[channels, rows, B/s], ...]}.
@@ -304,29 +335,46 @@ def layer_norm_grid(dev: torch.device) -> dict[str, list[list[float]]]:
     aten = torch.ops.aten
     out: dict[str, list[list[float]]] = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        fwd, bwd = out.setdefault(f"native_layer_norm:{key}", []), out.setdefault(
-            f"native_layer_norm_backward:{key}", [])
+        fwd, bwd = (
+            out.setdefault(f"native_layer_norm:{key}", []),
+            out.setdefault(f"native_layer_norm_backward:{key}", []),
+        )
         for w in LN_GRID_WIDTHS:
             for rows in (r for r in LN_GRID_ROWS if r * w <= LN_GRID_MAX_ELEMENTS):
                 h = torch.randn(rows, w, device=dev, dtype=dtype)
-                lw, lb = (torch.ones(w, device=dev, dtype=dtype),
-                          torch.zeros(w, device=dev, dtype=dtype))
+                lw, lb = (
+                    torch.ones(w, device=dev, dtype=dtype),
+                    torch.zeros(w, device=dev, dtype=dtype),
+                )
                 _, mean, rstd = aten.native_layer_norm(h, [w], lw, lb, 1e-5)
                 gh = torch.randn_like(h)
                 f = lambda h=h, w=w, lw=lw, lb=lb: aten.native_layer_norm(  # noqa: E731
-                    h, [w], lw, lb, 1e-5)
+                    h, [w], lw, lb, 1e-5
+                )
                 b = lambda h=h, w=w, lw=lw, lb=lb, m=mean, r=rstd, g=gh: (  # noqa: E731
-                    aten.native_layer_norm_backward(g, h, [w], m, r, lw, lb,
-                                                    [True, True, True]))
-                fwd.append([float(w), float(rows), op_cost(_record(f, "native_layer_norm"))
-                            .bytes / time_op(f, dev, 10)])
-                bwd.append([float(w), float(rows), op_cost(_record(
-                    b, "native_layer_norm_backward")).bytes / time_op(b, dev, 10)])
+                    aten.native_layer_norm_backward(g, h, [w], m, r, lw, lb, [True, True, True])
+                )
+                fwd.append(
+                    [
+                        float(w),
+                        float(rows),
+                        op_cost(_record(f, "native_layer_norm")).bytes / time_op(f, dev, 10),
+                    ]
+                )
+                bwd.append(
+                    [
+                        float(w),
+                        float(rows),
+                        op_cost(_record(b, "native_layer_norm_backward")).bytes
+                        / time_op(b, dev, 10),
+                    ]
+                )
     return out
 
 
-def batch_norm_times(dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype,
-                     channels_last: bool = False) -> tuple[float, float]:
+def batch_norm_times(
+    dev: torch.device, shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool = False
+) -> tuple[float, float]:
     """(forward, backward) seconds of training-mode F.batch_norm on an NCHW tensor (stored
     channels-last if asked); backward is fwd+bwd less forward (grads of input, weight and
     bias)."""
@@ -355,8 +403,9 @@ def op_bandwidths(dev: torch.device) -> dict[str, float]:
     (layer norm, log-softmax, embedding backward, pooling; batch norm and sums over tokens have
     their own curves, `batch_norm_bandwidths`, `outer_sum_bandwidths`), counting the bytes
     exactly as the cost model does (gobrrr.cost.flops on the recorded op)."""
-    return {name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10)
-            for name, fn in _op_cases(dev)}
+    return {
+        name: op_cost(_record(fn, name)).bytes / time_op(fn, dev, 10) for name, fn in _op_cases(dev)
+    }
 
 
 def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
@@ -376,8 +425,14 @@ def embedding_backward_fit(dev: torch.device) -> dict[str, float | list]:
                 for d in (1024, 4096):
                     idx = torch.randint(0, v, (t,), device=dev)
                     g = torch.randn(t, d, device=dev, dtype=dtype)
-                    sec = time_op(lambda g=g, idx=idx, v=v: aten.embedding_dense_backward(
-                        g, idx, v, -1, False), dev, 5, flush)
+                    sec = time_op(
+                        lambda g=g, idx=idx, v=v: aten.embedding_dense_backward(
+                            g, idx, v, -1, False
+                        ),
+                        dev,
+                        5,
+                        flush,
+                    )
                     points.append([v, t, d, g.element_size(), sec])
                     del g, idx
     return {**fit_embedding_backward(points), "points": points}
@@ -391,18 +446,23 @@ def fit_embedding_backward(points: list[list[float]]) -> dict[str, float]:
     a = np.array([[v * d * s, t * d, 1.0] for v, t, d, s, _ in points])
     y = np.array([p[4] for p in points])
     (inv_fill, inv_tok, fixed), *_ = np.linalg.lstsq(a, y, rcond=None)
-    return {"fill_Bps": float(1.0 / max(inv_fill, 1e-15)),
-            "token_values_per_s": float(1.0 / max(inv_tok, 1e-15)),
-            "fixed_s": max(float(fixed), 0.0)}
+    return {
+        "fill_Bps": float(1.0 / max(inv_fill, 1e-15)),
+        "token_values_per_s": float(1.0 / max(inv_tok, 1e-15)),
+        "fixed_s": max(float(fixed), 0.0),
+    }
 
 
 OUTER_SUM_COLS = (64, 96, 128, 192, 256, 384, 768, 2048, 4096, 16384)
 OUTER_SUM_ROWS = (4096, 16384, 32768, 65536, 131072, 262144)
 
 
-def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_ROWS,
-                         cols: tuple[int, ...] = OUTER_SUM_COLS, max_elements: int = 2**30
-                         ) -> dict[str, list[list[float]]]:
+def outer_sum_bandwidths(
+    dev: torch.device,
+    rows: tuple[int, ...] = OUTER_SUM_ROWS,
+    cols: tuple[int, ...] = OUTER_SUM_COLS,
+    max_elements: int = 2**30,
+) -> dict[str, list[list[float]]]:
     """Achieved bytes/s of a sum over the leading dim of a (rows, cols) tensor (a bias
     gradient over a step's tokens, or a CNN's pixels) over the column count and the rows, per
     dtype: {"sum:bf16" | "sum:fp32": [[cols, rows, B/s], ...]}. The columns set the kernel's
@@ -416,8 +476,9 @@ def outer_sum_bandwidths(dev: torch.device, rows: tuple[int, ...] = OUTER_SUM_RO
             for r in (r for r in rows if r * c <= max_elements):
                 g = torch.randn(r, c, device=dev, dtype=dtype)
                 fn = lambda g=g: aten.sum.dim_IntList(g, [0])  # noqa: E731
-                out[f"sum:{key}"].append([float(c), float(r), op_cost(_record(
-                    fn, "sum")).bytes / time_op(fn, dev, 20)])
+                out[f"sum:{key}"].append(
+                    [float(c), float(r), op_cost(_record(fn, "sum")).bytes / time_op(fn, dev, 20)]
+                )
                 del g
     return out
 
@@ -442,4 +503,3 @@ def _allocated_inside(fn, dev: torch.device) -> int:
     inside = torch.cuda.max_memory_allocated(dev) - max(before, torch.cuda.memory_allocated(dev))
     del out
     return max(int(inside), 0)
-

@@ -70,8 +70,11 @@ def op_scratch(node: OpNode) -> tuple[int, ...]:
     where = COPIED.get(node.name)
     if where is None:
         return ()
-    copies = tuple(t.nbytes for i in where if i < len(node.inputs)
-                   and not (t := node.inputs[i]).is_contiguous())
+    copies = tuple(
+        t.nbytes
+        for i in where
+        if i < len(node.inputs) and not (t := node.inputs[i]).is_contiguous()
+    )
     return copies + partial_sums(node)
 
 

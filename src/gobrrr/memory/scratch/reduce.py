@@ -40,8 +40,9 @@ def _last_pow2(n: int) -> int:
     return max(1, 1 << (max(n, 1).bit_length() - 1))
 
 
-def _iter_dims(shape: Sequence[int], strides: Sequence[int], reduced: set[int],
-               itemsize: int) -> tuple[list[int], list[int], list[int]]:
+def _iter_dims(
+    shape: Sequence[int], strides: Sequence[int], reduced: set[int], itemsize: int
+) -> tuple[list[int], list[int], list[int]]:
     """TensorIterator's view of a reduction: dims ordered fastest first (reduced ones in
     front), size-1 and adjacent compatible dims coalesced. Returns (shape, input strides in
     bytes, output strides in bytes), output stride 0 on reduced dims."""
@@ -95,8 +96,13 @@ def _output_vec(shape: list[int], istr: list[int], out_dim: int, itemsize: int) 
     return vec
 
 
-def reduce_buffers(shape: Sequence[int], strides: Sequence[int], dims: Sequence[int],
-                   itemsize: int, acc_size: int = 4) -> tuple[int, int]:
+def reduce_buffers(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    dims: Sequence[int],
+    itemsize: int,
+    acc_size: int = 4,
+) -> tuple[int, int]:
     """(staging buffer bytes, semaphore bytes) a CUDA sum/mean of a tensor (`shape`, element
     `strides`, `itemsize` bytes) over `dims` allocates; (0, 0) when it reduces within a
     block. `acc_size`: bytes of the accumulator (4: float, also for 16-bit inputs)."""
@@ -139,8 +145,10 @@ def reduce_buffers(shape: Sequence[int], strides: Sequence[int], dims: Sequence[
     target = SMS * (THREADS_PER_SM // threads)
     if not (split_warps and vpt >= MAX_VALUES_PER_THREAD and grid <= target):
         return 0, 0
-    ctas = min(max(_div_up(target, grid), _div_up(vpt, MAX_VALUES_PER_THREAD)),
-               _div_up(vpt, MIN_VALUES_PER_THREAD))
+    ctas = min(
+        max(_div_up(target, grid), _div_up(vpt, MAX_VALUES_PER_THREAD)),
+        _div_up(vpt, MIN_VALUES_PER_THREAD),
+    )
     if ctas <= 1:
         return 0, 0
     size = acc_size * outputs * ctas
@@ -167,8 +175,14 @@ def _conv_bias_grad(node: OpNode) -> tuple[int, ...]:
     blocks); its staging blocks."""
     mask = node.arg(10, "output_mask")
     go = node.inputs[0] if node.inputs else None
-    if not mask or len(mask) < 3 or not mask[2] or go is None or len(go.shape) < 3 \
-            or go.dtype not in ("float32", "bfloat16", "float16"):
+    if (
+        not mask
+        or len(mask) < 3
+        or not mask[2]
+        or go is None
+        or len(go.shape) < 3
+        or go.dtype not in ("float32", "bfloat16", "float16")
+    ):
         return ()
     buf, sem = reduce_buffers(go.shape, go.stride, [0, *range(2, len(go.shape))], go.itemsize)
     return (buf, sem) if buf else ()

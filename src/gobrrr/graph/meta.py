@@ -146,6 +146,26 @@ class Repeat(NamedTuple):
 
 
 #: Fields whose JSON form is not the value itself: (to JSON, from JSON).
+@dataclass(frozen=True)
+class Parallel:
+    """How the step runs over several GPUs: the data-parallel recipe a shard pass applied.
+
+    kind: "ddp" (every rank holds the whole model; gradients all-reduced in buckets during
+        backward) or "fsdp" (FSDP2's fully_shard: parameters, gradients and optimizer states
+        sharded over the ranks; each unit's parameters all-gathered around its use).
+    world: data-parallel ranks (GPUs) in all.
+    hosts: hosts they span (world / hosts GPUs on each, linked by NVLink within a host).
+    """
+
+    kind: str
+    world: int
+    hosts: int = 1
+
+    @property
+    def per_host(self) -> int:
+        return self.world // self.hosts
+
+
 _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "precision": (str, Precision.parse),
     "tf32": (
@@ -153,6 +173,7 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
         lambda d: Tf32(bool(d.get("matmul", False)), bool(d.get("conv", True))),
     ),
     "syncs": (list, tuple),
+    "parallel": (dataclasses.asdict, lambda d: Parallel(**d)),
     "autograd": (Autograd.to_dict, Autograd.from_dict),
     "optimizer": (dataclasses.asdict, lambda d: OptimizerInfo(**d)),
     "blocks": (list, tuple),
@@ -238,6 +259,9 @@ class StepMeta:
     """The micro-batch a `passes.microbatch` family gave this graph at."""
     passes: tuple[dict[str, Any], ...] | None = None
     """The passes applied, in order: {"pass": name, its arguments...}."""
+    parallel: Parallel | None = None
+    """The data-parallel recipe a shard pass applied (`passes.ddp`, `passes.fsdp`); None: one
+    GPU. The graph is then one rank's step."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Keys of a file this version does not know, kept to be written back."""
 

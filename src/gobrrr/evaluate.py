@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gobrrr import formulas
+from gobrrr.cost._ops_comm import COLLECTIVE_OF
+from gobrrr.cost._ops_comm import KIND as COMM_KIND
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
+from gobrrr.cost.collectives import data_parallel_time
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import (
@@ -40,8 +43,8 @@ from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
 from gobrrr.schedule.power import power_limited
-from gobrrr.schedule.scheduler import Timeline, schedule
-from gobrrr.schedule.streams import stream_of
+from gobrrr.schedule.scheduler import Timeline, exposed_comm, schedule
+from gobrrr.schedule.streams import COMM, stream_of
 
 
 def evaluate(
@@ -104,7 +107,29 @@ def op_times(
     )
     if compiled:
         ops = compiled_times(graph, costs, ops, rates)
-    return optimizer_host(graph, ops, rates)
+    return comm_times(graph, optimizer_host(graph, ops, rates), rates)
+
+
+def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:
+    """The collectives' time on the comm stream (s): NCCL's, over the ranks and hosts of
+    `meta.parallel` (one rank without it: no time), from the calibration's measured
+    `collectives` (`cost.collectives.data_parallel_time`); their regime "comm" (no compute
+    stream time). Unchanged where the step has none."""
+    idx = [o.index for o in ops if o.kind == COMM_KIND]
+    if not idx:
+        return ops
+    par = graph.meta.parallel
+    world, hosts = (par.world, par.hosts) if par else (1, 1)
+    points = rates.cal.collectives if rates.cal else []
+    out = list(ops)
+    for i in idx:
+        node = graph.nodes[i]
+        buf = node.inputs[0] if node.inputs else node.outputs[0]
+        dtype = "fp32" if buf.dtype == "float32" else "bf16"
+        op = COLLECTIVE_OF[node.op][0]
+        t = data_parallel_time(op, ops[i].bytes, dtype, world, hosts, points)
+        out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
+    return tuple(out)
 
 
 def step_schedule(
@@ -116,7 +141,10 @@ def step_schedule(
     syncs, param_of = set(graph.meta.syncs or ()), _offloaded(graph, ops)
     streams = [stream_of(n) for n in graph.nodes]
     repeat = graph.repeat
-    return lambda times: schedule(times, streams, syncs, repeat, param_of)
+    touches = None
+    if COMM in streams:
+        touches = [frozenset(t.storage for t in (*n.inputs, *n.outputs)) for n in graph.nodes]
+    return lambda times: schedule(times, streams, syncs, repeat, param_of, touches)
 
 
 def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:
@@ -141,6 +169,9 @@ def prediction(
     and by regime, each op counted as often as it runs (`StepGraph.weights`)."""
     weights = graph.weights()
     step = timeline.step_s
+    # the collectives run on the comm stream: not the compute stream's busy time
+    weights = [0 if o.kind == COMM_KIND else w for o, w in zip(ops, weights, strict=True)]
+    comm_s, exposed_s = exposed_comm(timeline)
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)
@@ -164,6 +195,9 @@ def prediction(
         regime_s=dict(regime_s),
         clock_fraction=fraction,
         timeline=timeline,
+        comm_s=comm_s,
+        exposed_comm_s=exposed_s,
+        world=graph.meta.parallel.world if graph.meta.parallel else 1,
     )
 
 
@@ -188,6 +222,21 @@ class Prediction:
     clock_fraction: float = 1.0
     #: every op on the host and its stream (`gobrrr.schedule`); None where not scheduled
     timeline: Timeline | None = field(default=None, repr=False)
+    #: the collectives' time on the comm stream, and the part of it the compute stream sits
+    #: idle (exposed; the rest overlaps compute)
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    #: data-parallel ranks (`meta.parallel`; 1: one GPU); `tokens` are one rank's
+    world: int = 1
+
+    @property
+    def overlapped_comm_s(self) -> float:
+        return self.comm_s - self.exposed_comm_s
+
+    @property
+    def job_tokens_per_s(self) -> float:
+        """Tokens per second over every rank (each runs `tokens` a step)."""
+        return self.tokens_per_s * self.world
 
     @property
     def tokens_per_s(self) -> float:

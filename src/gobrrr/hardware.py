@@ -443,7 +443,12 @@ class Calibration:
     ...]}: bf16 matmuls' achieved share of their burst rate (the rate every compute curve
     above is measured at) when they take `duty` of the GPU's time, in a steady pattern with
     memory-bound copies; "copy": the copies' share of theirs (`profile.calibrate_power`).
-    Empty: not measured (compute runs at the burst rates)."""
+    Empty: not measured (compute runs at the burst rates).
+    `collectives`: NCCL's collectives measured on this GPU's host, a list of points {"op":
+    "all_reduce" | "all_gather" | "reduce_scatter", "dtype": "bf16" | "fp32", "bytes" (the
+    whole buffer), "ranks", "seconds", ...} (`gobrrr.calibrate.sections.collectives`; read
+    by `cost.collectives.curves_from_measurement`). Empty: not measured (the link's datasheet
+    bandwidth)."""
 
     gpu: str
     device_name: str
@@ -479,6 +484,7 @@ class Calibration:
     softmax_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     optimizer_host: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
+    collectives: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
     #: sections this gobrrr does not know (a newer one wrote them): kept as read and written

@@ -145,3 +145,31 @@ def collective_time(
         return t
     latency = curve.points[0][1]  # the smallest size's time: paid whatever the ranks
     return latency + max(t - latency, 0.0) * factor / bus_factor(op, nearest)
+
+
+#: the link between one host's GPUs and between hosts, as `data_parallel_time` assumes them
+HOST_LINK, CROSS_LINK = "nvlink4", "ib-ndr400"
+
+
+def data_parallel_time(
+    op: str,
+    nbytes: float,
+    dtype: str,
+    world: int,
+    hosts: int,
+    points: Iterable[Mapping] = (),
+) -> float:
+    """Seconds of one collective over all `world` ranks of a data-parallel job on `hosts`
+    hosts. Within one host: NVLink, read off the measured `points` (a calibration's
+    `collectives`) in the buffer's dtype ("bf16" or "fp32"; an op measured in bf16 only, as
+    the all-gather, takes bf16's curve: its bytes are what move). Across hosts, kept simple:
+    one ring over every rank, bounded by its slowest hop, the hosts' InfiniBand at its
+    datasheet rate (the NVLink measurements say nothing of it); NCCL's trees and the
+    hierarchy of a ring within each host are not modelled."""
+    if hosts > 1:
+        return collective_time(op, nbytes, world, LINKS[CROSS_LINK])
+    pts = list(points)
+    curves = curves_from_measurement(pts, "bf16")
+    if dtype != "bf16":
+        curves.update(curves_from_measurement(pts, dtype))
+    return collective_time(op, nbytes, world, LINKS[HOST_LINK], curves)

@@ -9,7 +9,7 @@ launches. Conventions are documented next to each family:
   pointwise, reductions, copies and views: _ops_pointwise,
   norms, softmax, embedding, losses, scatter: _ops_norm,
   optimizer (foreach and fused): _ops_optim,  gobrrr's kernels: _ops_gobrrr,
-  CPU offload's copies and CPU steps: _ops_offload.
+  CPU offload's copies and CPU steps: _ops_offload,  c10d's collectives: _ops_comm.
 An op nobody knows gets a conservative pointwise-like default and its name lands in
 UNKNOWN_OPS, so reports can list what was guessed.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from gobrrr.cost import (
     _ops_attention,
+    _ops_comm,
     _ops_gobrrr,
     _ops_matmul,
     _ops_norm,
@@ -41,6 +42,7 @@ for _module in (
     _ops_optim,
     _ops_gobrrr,
     _ops_offload,
+    _ops_comm,
 ):
     _REGISTRY.update(_module.COSTS)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from gobrrr.cost.roofline import OpTime
 from gobrrr.schedule.streams import (
+    COMM,
     COMPUTE,
     COPY_D2H,
     COPY_STREAMS,
@@ -91,18 +92,87 @@ def sync_waits(syncs: set[int]) -> list[Wait]:
     return [Wait(i, HOST, Event(COMPUTE), after=True) for i in sorted(syncs)]
 
 
+def comm_waits(streams: Sequence[str], touches: Sequence[frozenset[int]]) -> list[Wait]:
+    """A collective's waits (`touches[i]`: the storages op i reads or writes). The comm
+    stream waits for the last compute op before the collective that touched its buffers (it
+    produced the input), and the first compute op after it that touches them (it consumes the
+    output) waits for the collective's end."""
+    out = []
+    for i, s in enumerate(streams):
+        if s != COMM:
+            continue
+        mine = touches[i]
+        before = next(
+            (j for j in range(i - 1, -1, -1) if _computes(streams, touches, j, mine)), None
+        )
+        if before is not None:
+            out.append(Wait(i, COMM, Event(COMPUTE, before)))
+        after = next(
+            (j for j in range(i + 1, len(streams)) if _computes(streams, touches, j, mine)), None
+        )
+        if after is not None:
+            out.append(Wait(after, COMPUTE, Event(COMM, i)))
+    return out
+
+
+def _computes(
+    streams: Sequence[str], touches: Sequence[frozenset[int]], j: int, mine: frozenset[int]
+) -> bool:
+    return streams[j] == COMPUTE and not mine.isdisjoint(touches[j])
+
+
 def schedule(
     ops: tuple[OpTime, ...],
     streams: Sequence[str],
     syncs: set[int],
     repeat: tuple[int, int, int] | None,
     param_of: dict[int, int] | None = None,
+    touches: Sequence[frozenset[int]] | None = None,
 ) -> Timeline:
     """Every op of the step on its stream (`streams[i]`, see `streams.stream_of`), with the
-    waits of `syncs` (op indices) and of CPU offload (`param_of`, see `offload_waits`), the
+    waits of `syncs` (op indices), of CPU offload (`param_of`, see `offload_waits`) and of
+    the collectives (`touches`, see `comm_waits`; only where the step has some), the
     segment `repeat` (start, end, times) repeated."""
     waits = (*sync_waits(syncs), *offload_waits(streams, param_of or {}))
+    if touches is not None:
+        waits = (*waits, *comm_waits(streams, touches))
     return place(ops, streams, waits, repeat)
+
+
+def exposed_comm(timeline: Timeline) -> tuple[float, float]:
+    """(busy, exposed) seconds of the comm stream: the time it runs collectives, and the part
+    of it during which the compute stream runs nothing (the repeated segment's first and
+    second runs counted as scheduled)."""
+    spans = (*timeline.ops, *timeline.repeat_run)
+    comm = _union([(o.start, o.end) for o in spans if o.stream == COMM and o.start is not None])
+    compute = _union(
+        [(o.start, o.end) for o in spans if o.stream == COMPUTE and o.start is not None]
+    )
+    busy = sum(e - s for s, e in comm)
+    return busy, busy - _overlap(comm, compute)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        elif e > s:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted disjoint unions."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(hi - lo, 0.0)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def place(

@@ -3,6 +3,7 @@ step on fake tensors, then `evaluate` the graph."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import time
 from collections.abc import Callable
@@ -12,11 +13,16 @@ from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, evaluate
+from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.models.registry import get_workload, load_workload, model_names
+from gobrrr.passes.ddp import ddp
 from gobrrr.workload import Workload
 
-__all__ = ["Estimate", "estimate", "workload_factory"]
+__all__ = ["PARALLEL", "Estimate", "estimate", "shard", "workload_factory"]
+
+#: the data-parallel recipes `estimate(parallel=...)` knows
+PARALLEL = ("ddp", "fsdp")
 
 
 def workload_factory(
@@ -61,6 +67,9 @@ def estimate(
     checkpoint: str = "none",
     calibration: Calibration | None | bool = True,
     compile: bool = False,
+    gpus: int = 1,
+    nodes: int = 1,
+    parallel: str = "ddp",
 ) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
 
@@ -71,10 +80,14 @@ def estimate(
 
     calibration: True = use a saved calibration for this GPU if one exists; False/None = the
     datasheet with default efficiencies; or a Calibration to use.
+
+    gpus, nodes, parallel: the step data-parallel over `gpus` GPUs in all on `nodes` hosts,
+    by `parallel` ("ddp" or "fsdp", see `shard`); `batch` is each GPU's. One GPU: as traced.
     """
     for what, v in (("batch", batch), ("seq", seq)):
         if v is not None and v <= 0:
             raise GobrrrError(f"--{what} must be a positive number, got {v}")
+    check_parallel(gpus, nodes, parallel)
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
     graph = capture(
@@ -84,4 +97,37 @@ def estimate(
         sdpa=target_for(target.gpu.full_name),
         compile=compile,
     )
+    if gpus > 1:
+        graph = shard(graph, parallel, gpus, nodes)
     return evaluate(graph, target, capture_s=time.perf_counter() - t0)
+
+
+def check_parallel(gpus: int, nodes: int, parallel: str) -> None:
+    """One GobrrrError naming the value and the fix where the data-parallel arguments
+    cannot describe a job."""
+    if parallel not in PARALLEL:
+        raise GobrrrError(f"unknown --parallel {parallel!r}: choose one of {', '.join(PARALLEL)}")
+    if gpus < 1:
+        raise GobrrrError(f"--gpus must be at least 1, got {gpus}")
+    if nodes < 1 or gpus % nodes:
+        raise GobrrrError(
+            f"--nodes {nodes} must divide --gpus {gpus} (the same GPUs on every node)"
+        )
+
+
+def shard(graph: StepGraph, parallel: str, gpus: int, nodes: int = 1) -> StepGraph:
+    """One rank's step of `graph` data-parallel over `gpus` GPUs on `nodes` hosts: DDP
+    (`passes.ddp`) or FSDP2 (`passes.fsdp`, where this gobrrr has it)."""
+    check_parallel(gpus, nodes, parallel)
+    if parallel == "ddp":
+        return ddp(graph, gpus, nodes)
+    try:
+        # where it exists: FSDP2's pass is built beside this one
+        fsdp = importlib.import_module("gobrrr.passes.fsdp").fsdp
+    except ModuleNotFoundError as e:
+        if e.name != "gobrrr.passes.fsdp":
+            raise
+        raise GobrrrError(
+            "--parallel fsdp: FSDP2 is not available in this gobrrr yet; use --parallel ddp"
+        ) from None
+    return fsdp(graph, gpus, nodes)

@@ -19,7 +19,7 @@ from gobrrr.capture import CHECKPOINTS
 from gobrrr.cli.checks import check_args, explain
 from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 from gobrrr.errors import GobrrrError, did_you_mean
-from gobrrr.estimate import estimate, workload_factory
+from gobrrr.estimate import PARALLEL, estimate, workload_factory
 from gobrrr.hardware import BUILTIN_GPUS
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
@@ -36,7 +36,8 @@ EXAMPLES = {
   gobrrr estimate --model gpt2 --gpu h100 --batch 16 --seq 1024
   gobrrr estimate --model llama3-8b --gpu h100 --batch 1 --seq 4096 --precision bf16-mixed
   gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
-  gobrrr estimate --model convnet --gpu mygpu.toml --top 30""",
+  gobrrr estimate --model convnet --gpu mygpu.toml --top 30
+  gobrrr estimate --model gpt2 --batch 2 --seq 8192 --gpus 8 --parallel ddp""",
     "plan": """examples:
   gobrrr plan --model gpt2 --global-batch 64 --seq 1024
   gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096
@@ -181,6 +182,9 @@ def _estimate(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         calibration=not args.no_calibration,
         compile=args.compile,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        parallel=args.parallel,
     )
     if args.save_graph:
         est.graph.save(args.save_graph)
@@ -297,6 +301,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=12,
         metavar="N",
         help="rows of the op and module tables (default 12)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="data-parallel GPUs in all; --batch is each GPU's (default 1)",
+    )
+    p.add_argument(
+        "--nodes", type=positive_int, default=1, metavar="M", help="hosts they span (default 1)"
+    )
+    p.add_argument(
+        "--parallel",
+        default="ddp",
+        type=one_of("data-parallel recipe", PARALLEL),
+        help="ddp | fsdp (FSDP2's fully_shard), with --gpus > 1 (default ddp)",
     )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -83,9 +83,31 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
             }
             for o in ops[:top]
         ],
+        **parallel_dict(est),
         "formulas": est.formulas,
         "hints": hints(est),
         "ops": len(est.graph.nodes),
         "modules": len(modules),
         "capture_s": est.capture_s,
+    }
+
+
+def parallel_dict(est: Estimate) -> dict[str, Any]:
+    """{"parallel": ...} for a data-parallel step (`meta.parallel`): the recipe, throughput
+    per GPU and for the job, communication exposed and overlapped (s, per rank); {} for one
+    GPU (its JSON unchanged)."""
+    par, t = est.graph.meta.parallel, est.time
+    if par is None:
+        return {}
+    return {
+        "parallel": {
+            "kind": par.kind,
+            "gpus": par.world,
+            "nodes": par.hosts,
+            "tokens_per_s_per_gpu": t.tokens_per_s,
+            "tokens_per_s_job": t.job_tokens_per_s,
+            "comm_s": t.comm_s,
+            "exposed_comm_s": t.exposed_comm_s,
+            "overlapped_comm_s": t.overlapped_comm_s,
+        }
     }

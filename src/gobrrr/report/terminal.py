@@ -149,7 +149,23 @@ def summary_lines(est: Estimate) -> list[Text]:
         "every FLOP the step runs, both over the precision's dense matmul peak",
         "dim",
     )
-    return [head, peak, step, note]
+    return [head, peak, step, *_parallel_lines(est), note]
+
+
+def _parallel_lines(est: Estimate) -> list[Text]:
+    """Data-parallel runs: the job's throughput and the communication (per rank)."""
+    par, t = est.graph.meta.parallel, est.time
+    if par is None:
+        return []
+    unit = throughput_unit(est.graph)
+    return [
+        Text(
+            f"{par.kind} over {par.world} GPUs on {par.hosts} host(s), figures per GPU: "
+            f"{t.tokens_per_s:,.0f} {unit}/s a GPU, {t.job_tokens_per_s:,.0f} {unit}/s the job"
+            f" · communication {human_time(t.comm_s)}: {human_time(t.exposed_comm_s)} exposed, "
+            f"{human_time(t.overlapped_comm_s)} overlapped with compute"
+        )
+    ]
 
 
 def _checkpoint(est: Estimate) -> str:

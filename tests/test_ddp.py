@@ -12,6 +12,8 @@ from torch import nn
 from gobrrr import Workload
 from gobrrr.capture import capture
 from gobrrr.cost.roofline import OpTime
+from gobrrr.errors import GobrrrError
+from gobrrr.estimate import estimate, shard
 from gobrrr.evaluate import evaluate
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.ddp import ALL_REDUCE, MIB, bucket_assignment, ddp, gradients
@@ -191,3 +193,27 @@ def test_exposed_comm_by_hand():
     busy, exposed = exposed_comm(t)
     assert busy == pytest.approx(3e-3) and exposed == pytest.approx(2e-3)
     assert t.step_s == pytest.approx(6e-3)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nodes", "parallel", "says"),
+    [
+        (4, 1, "zero", "choose one of ddp, fsdp"),
+        (0, 1, "ddp", "--gpus must be at least 1"),
+        (4, 3, "ddp", "--nodes 3 must divide --gpus 4"),
+    ],
+)
+def test_estimate_checks_parallel(gpus, nodes, parallel, says):
+    """Arguments that describe no job: one GobrrrError line naming the value, before any
+    tracing."""
+    with pytest.raises(GobrrrError, match=says):
+        estimate("gpt2", gpus=gpus, nodes=nodes, parallel=parallel)
+
+
+def test_shard_ddp_and_hosts():
+    """`shard` applies DDP with the hosts; across hosts the all-reduce runs at the hosts'
+    link (slower than NVLink's measured curve)."""
+    g = _graph()
+    one = evaluate(shard(g, "ddp", 4), "h100").time
+    two = evaluate(shard(g, "ddp", 4, 2), "h100").time
+    assert two.comm_s > one.comm_s > 0

@@ -34,9 +34,7 @@ def merge(calibration: Path, sources: list[Path]) -> dict:
                 "env": m.get("env", {}),
             }
         )
-    cal["collectives"] = sorted(
-        points, key=lambda p: (p["op"], p["dtype"], p["ranks"], p["bytes"])
-    )
+    cal["collectives"] = sorted(points, key=lambda p: (p["op"], p["dtype"], p["ranks"], p["bytes"]))
     cal.setdefault("meta", {})["collectives"] = {
         "from": origin,
         "how": "benchmarks/calibration/merge_collectives.py: every point of the files kept",

@@ -14,14 +14,15 @@ allocates on one rank, with `reduce_dtype=fp32`:
   buffer then freed; the all-gather; the copy-out into one padded unsharded bf16 buffer per
   parameter (what the ops read), the all-gather output then freed.
 - forward: each unit is gathered right before its first op (no forward prefetch by default)
-  and, with reshard_after_forward, freed after its last; the root (fully_shard(model))
-  is never resharded after forward (FSDP2's lazy init turns that off for the root), so its
-  parameters stay gathered until its post-backward.
+  and, with reshard_after_forward, freed after its last (the root: after the model's last
+  op, before the loss). Passed explicitly, the flag holds for the root too; left to
+  fully_shard's default (None), the root keeps its parameters to backward (FSDP2's lazy
+  init turns resharding off for a root whose flag was not given).
 - backward: the default backward prefetch: at a unit's pre-backward (its first backward or
   recompute op) its copy-out runs, then the next unit in backward order issues its all-gather
   (copy-in and all-gather output), so that unit's all-gather output coexists with this unit's
-  backward. The root's pre-backward (the first backward op inside the model) prefetches the
-  last block.
+  backward. The root's pre-backward (the first backward op inside the model) gathers the
+  root again if it resharded, then prefetches the last block.
 - post-backward (after the unit's last backward op that makes or adds a gradient): its
   unsharded parameters freed (reshard_after_backward); the previous unit's reduce-scatter
   input freed (one kept in flight, `reduce_scatter_max_input_buffers` = 1); the reduce-scatter
@@ -125,13 +126,15 @@ def fsdp(
     graph: StepGraph,
     world: int,
     hosts: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = True,
     units: Sequence[str] | None = None,
 ) -> StepGraph:
     """One rank's step of `graph` (traced with precision "bf16") under FSDP2 over `world`
     ranks on `hosts` hosts: every unit in `units` (default: the repeated blocks,
     `graph.meta.blocks`, as torchtitan wraps each decoder layer) and the root sharded, with
-    param_dtype bf16 and reduce_dtype fp32 (see the module docstring)."""
+    param_dtype bf16 and reduce_dtype fp32 (see the module docstring). reshard_after_forward
+    as passed to every fully_shard call, the root's included (as torchtitan passes it);
+    None: fully_shard's default, True for the units and False for the root."""
     _check(graph, world, hosts)
     names = list(graph.meta.blocks or ()) if units is None else [u for u in units if u]
     with gc_paused():
@@ -270,9 +273,10 @@ def _positions(g: StepGraph, lo: int, hi: int, by_unit, grads) -> list[Unit]:
     for n in g.nodes[lo:hi]:
         u = _owner(n.module, blocks)
         if n.phase == "forward":
-            if root.fwd_first < 0:
+            if n.module and root.fwd_first < 0:
                 root.fwd_first = n.index
-            root.fwd_last = n.index
+            if n.module:  # the model's own ops: the loss outside it runs after its post-forward
+                root.fwd_last = n.index
             if u is not None:
                 u.fwd_first = n.index if u.fwd_first < 0 else u.fwd_first
                 u.fwd_last = n.index
@@ -346,26 +350,34 @@ def _unshard(plan: _Plan, unit: Unit, issue_at: int, out_at: int, when: str) -> 
     return _Gather(unit, bufs)
 
 
-def _forward(plan: _Plan, units: list[Unit], reshard: bool) -> None:
+def _forward(plan: _Plan, units: list[Unit], reshard: bool | None) -> None:
     """Each unit gathered before its first forward op; blocks freed after their last one
     (reshard_after_forward), the root kept. (Units run in forward order: the root first.)"""
     for u in units:
         ga = _unshard(plan, u, u.fwd_first, u.fwd_first, "forward")
         u.forward = ga
         _read(plan, u.params, ga, u.fwd_first, u.fwd_last, ("forward",))
-        if reshard and u.name != ROOT:
+        if _reshards(u, reshard):
             plan.extra_frees.setdefault(u.fwd_last, []).extend(ga.bufs.values())
 
 
-def _backward_gathers(plan: _Plan, units: list[Unit], reshard: bool) -> dict[str, _Gather]:
+def _reshards(u: Unit, reshard: bool | None) -> bool:
+    """Whether the unit frees its parameters after forward: None is fully_shard's default,
+    True for every unit but the root (whose parameters backward needs first)."""
+    return (u.name != ROOT) if reshard is None else reshard
+
+
+def _backward_gathers(plan: _Plan, units: list[Unit], reshard: bool | None) -> dict[str, _Gather]:
     """The gathers backward reads: with reshard, each block gathered again, its all-gather
     issued at the pre-backward of the unit before it in backward order (the root first),
     its copy-out at its own; without, the forward's."""
     order = [units[0], *sorted(units[1:], key=lambda u: u.bwd_first)]
     gathered: dict[str, _Gather] = {}
     for k, u in enumerate(order):
-        if not reshard or u.name == ROOT:
+        if not _reshards(u, reshard):
             ga = u.forward
+        elif u.name == ROOT:  # gathered at its pre-backward, before it prefetches the next
+            ga = _unshard(plan, u, u.bwd_first, u.bwd_first, "backward")
         else:
             ga = _unshard(plan, u, order[k - 1].bwd_first, u.bwd_first, "backward")
         gathered[u.name] = ga

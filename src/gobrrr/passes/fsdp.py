@@ -338,15 +338,41 @@ def _unshard(plan: _Plan, unit: Unit, issue_at: int, out_at: int, when: str) -> 
         TensorInfo((w, p.shard_numel(w)), (p.shard_numel(w), 1), PARAM_DTYPE, bufs[p.sid])
         for p in ps
     )
-    plan.op(plan.before, issue_at, _node("aten._to_copy.default", mod, shards, (flat_in,),
-                                          allocs=(ag_in,)))
-    plan.op(plan.before, issue_at, _node("fsdp.all_gather_copy_in.default", mod, (flat_in,),
-                                          (flat_out,), allocs=(ag_out,), frees=(ag_in,)))
-    plan.op(plan.before, issue_at, _node(ALL_GATHER, mod, (flat_out, mine), (flat_out,),
-                                          stream="comm", args=(w,)))
+    plan.op(
+        plan.before,
+        issue_at,
+        _node("aten._to_copy.default", mod, shards, (flat_in,), allocs=(ag_in,)),
+    )
+    plan.op(
+        plan.before,
+        issue_at,
+        _node(
+            "fsdp.all_gather_copy_in.default",
+            mod,
+            (flat_in,),
+            (flat_out,),
+            allocs=(ag_out,),
+            frees=(ag_in,),
+        ),
+    )
+    plan.op(
+        plan.before,
+        issue_at,
+        _node(ALL_GATHER, mod, (flat_out, mine), (flat_out,), stream="comm", args=(w,)),
+    )
     view = TensorInfo((w, shard), (shard, 1), PARAM_DTYPE, ag_out)
-    plan.op(plan.before, out_at, _node("aten.split_with_sizes_copy.out", mod, (view,), unsharded,
-                                        allocs=tuple(bufs.values()), frees=(ag_out,)))
+    plan.op(
+        plan.before,
+        out_at,
+        _node(
+            "aten.split_with_sizes_copy.out",
+            mod,
+            (view,),
+            unsharded,
+            allocs=tuple(bufs.values()),
+            frees=(ag_out,),
+        ),
+    )
     return _Gather(unit, bufs)
 
 
@@ -415,14 +441,21 @@ def _to_accumulated(plan: _Plan, units: list[Unit], gathered, accumulated) -> No
             if p.grad is None:
                 continue
             acc = plan.new_storage(
-                p.numel * itemsize(REDUCE_DTYPE), "gradient", f"{p.name}.grad (accumulated)",
+                p.numel * itemsize(REDUCE_DTYPE),
+                "gradient",
+                f"{p.name}.grad (accumulated)",
                 u.name,
             )
             accumulated[p.sid] = acc
             src = TensorInfo(p.shape, _contiguous(p.shape), PARAM_DTYPE, p.grad)
             dst = TensorInfo(p.shape, _contiguous(p.shape), REDUCE_DTYPE, acc)
-            plan.op(plan.after, u.post, _node("aten._to_copy.default", u.name, (src,), (dst,),
-                                               allocs=(acc,), frees=(p.grad,)))
+            plan.op(
+                plan.after,
+                u.post,
+                _node(
+                    "aten._to_copy.default", u.name, (src,), (dst,), allocs=(acc,), frees=(p.grad,)
+                ),
+            )
 
 
 def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, int]:
@@ -445,10 +478,12 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
         if not ps:
             continue
         shard = sum(p.shard_numel(w) for p in ps)
-        rs_in = plan.new_storage(shard * w * 4, "temporary", f"{u.name or '<root>'} reduce-scatter"
-                                 " input", u.name)
-        rs_out = plan.new_storage(shard * 4, "gradient", f"{u.name or '<root>'} sharded grads",
-                                  u.name)
+        rs_in = plan.new_storage(
+            shard * w * 4, "temporary", f"{u.name or '<root>'} reduce-scatter input", u.name
+        )
+        rs_out = plan.new_storage(
+            shard * 4, "gradient", f"{u.name or '<root>'} sharded grads", u.name
+        )
         srcs, dead = [], []
         for p in ps:
             acc = accumulated.get(p.sid)
@@ -458,11 +493,32 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
         flat_in = _flat(rs_in, shard * w, REDUCE_DTYPE)
         flat_out = _flat(rs_out, shard, REDUCE_DTYPE)
         last = u is order[-1]
-        plan.op(plan.after, u.post, _node("aten._chunk_cat.default", u.name, tuple(srcs),
-                                           (flat_in,), allocs=(rs_in,), frees=tuple(dead)))
-        plan.op(plan.after, u.post, _node(REDUCE_SCATTER, u.name, (flat_out, flat_in),
-                                           (flat_out,), allocs=(rs_out,), stream="comm",
-                                           args=(w,), frees=(rs_in,) if last else ()))
+        plan.op(
+            plan.after,
+            u.post,
+            _node(
+                "aten._chunk_cat.default",
+                u.name,
+                tuple(srcs),
+                (flat_in,),
+                allocs=(rs_in,),
+                frees=tuple(dead),
+            ),
+        )
+        plan.op(
+            plan.after,
+            u.post,
+            _node(
+                REDUCE_SCATTER,
+                u.name,
+                (flat_out, flat_in),
+                (flat_out,),
+                allocs=(rs_out,),
+                stream="comm",
+                args=(w,),
+                frees=(rs_in,) if last else (),
+            ),
+        )
         prev, outs[u.name] = rs_in, rs_out
     return outs
 
@@ -493,9 +549,7 @@ def _optimizer(plan: _Plan, params: dict[int, Param], rs_outs: dict[str, int]) -
                 s = plan.storages[t.storage]
                 if t.storage not in params and t.storage not in resized and s.nbytes:
                     resized.add(t.storage)
-                    plan.storages[t.storage] = dataclasses.replace(
-                        s, nbytes=_sharded(t, w).nbytes
-                    )
+                    plan.storages[t.storage] = dataclasses.replace(s, nbytes=_sharded(t, w).nbytes)
         dead = [sid for sid in n.frees if sid in grad_view]
         if dead:
             plan.extra_frees.setdefault(n.index, []).extend(rs_outs.values())

@@ -61,6 +61,10 @@ SHARD_DTYPE = "float32"
 ALL_GATHER = "c10d._allgather_base_.default"
 REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
 _BWD = ("backward", "recompute")
+# FSDP2's side streams (the all-gather's copy-in stream allocates its input and output, the
+# reduce-scatter stream the sharded gradients) are "comm" here; the allocator replay keeps
+# the blocks of each stream in its own pool
+COMM = "comm"
 
 
 @dataclass
@@ -118,8 +122,8 @@ class _Plan:
         self.storages.append(StorageInfo(sid, nbytes, kind, 0, None, label, module))
         return sid
 
-    def op(self, at: dict[int, list[OpNode]], i: int, node: OpNode) -> None:
-        at.setdefault(i, []).append(node)
+    def op(self, at: dict[int, list[OpNode]], i: int, *nodes: OpNode) -> None:
+        at.setdefault(i, []).extend(nodes)
 
 
 def fsdp(
@@ -338,28 +342,20 @@ def _unshard(plan: _Plan, unit: Unit, issue_at: int, out_at: int, when: str) -> 
         TensorInfo((w, p.shard_numel(w)), (p.shard_numel(w), 1), PARAM_DTYPE, bufs[p.sid])
         for p in ps
     )
-    plan.op(
-        plan.before,
-        issue_at,
-        _node("aten._to_copy.default", mod, shards, (flat_in,), allocs=(ag_in,)),
+    # the copy-in (the shards cast to bf16) and the all-gather output are allocated on
+    # FSDP2's copy-in stream: they run on COMM here, their blocks in its pool
+    cast = _node("aten._to_copy.default", mod, shards, (flat_in,), allocs=(ag_in,), stream=COMM)
+    copy_in = _node(
+        "fsdp.all_gather_copy_in.default",
+        mod,
+        (flat_in,),
+        (flat_out,),
+        allocs=(ag_out,),
+        frees=(ag_in,),
+        stream=COMM,
     )
-    plan.op(
-        plan.before,
-        issue_at,
-        _node(
-            "fsdp.all_gather_copy_in.default",
-            mod,
-            (flat_in,),
-            (flat_out,),
-            allocs=(ag_out,),
-            frees=(ag_in,),
-        ),
-    )
-    plan.op(
-        plan.before,
-        issue_at,
-        _node(ALL_GATHER, mod, (flat_out, mine), (flat_out,), stream="comm", args=(w,)),
-    )
+    gather = _node(ALL_GATHER, mod, (flat_out, mine), (flat_out,), stream=COMM, args=(w,))
+    plan.op(plan.before, issue_at, cast, copy_in, gather)
     view = TensorInfo((w, shard), (shard, 1), PARAM_DTYPE, ag_out)
     plan.op(
         plan.before,
@@ -514,7 +510,7 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
                 (flat_out, flat_in),
                 (flat_out,),
                 allocs=(rs_out,),
-                stream="comm",
+                stream=COMM,
                 args=(w,),
                 frees=(rs_in,) if last else (),
             ),

@@ -533,6 +533,7 @@ def _optimizer(plan: _Plan, params: dict[int, Param], rs_outs: dict[str, int]) -
             grad_view[p.grad] = TensorInfo(shape, _contiguous(shape), SHARD_DTYPE, out, off)
             off += p.shard_numel(w)
     resized: set[int] = set()
+    zeroed = False
     for n in g.nodes:
         if n.phase != "optimizer":
             continue
@@ -546,9 +547,9 @@ def _optimizer(plan: _Plan, params: dict[int, Param], rs_outs: dict[str, int]) -
                 if t.storage not in params and t.storage not in resized and s.nbytes:
                     resized.add(t.storage)
                     plan.storages[t.storage] = dataclasses.replace(s, nbytes=_sharded(t, w).nbytes)
-        dead = [sid for sid in n.frees if sid in grad_view]
-        if dead:
+        if not zeroed and any(sid in grad_view for sid in n.frees):  # zero_grad
             plan.extra_frees.setdefault(n.index, []).extend(rs_outs.values())
+            zeroed = True
     for s in g.storages:  # states no optimizer op touched (none in AdamW) keep their size
         if s.kind == "optimizer_state" and s.id not in resized and s.nbytes:
             plan.storages[s.id] = dataclasses.replace(s, nbytes=_shard_bytes(s.nbytes, w))

@@ -10,11 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gobrrr import Workload
 from gobrrr.capture import capture
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.meta import Parallel
+from gobrrr.memory.allocator import CachingAllocator
 from gobrrr.memory.replay import round_alloc
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.fsdp import ALL_GATHER, REDUCE_SCATTER, fsdp
@@ -79,10 +83,6 @@ def _shard_numel(shape: tuple[int, ...], world: int) -> int:
 
 def _fully_shard_numels(world: int) -> dict[str, int]:
     """The padded shard FSDP2 allocates per parameter, fully_shard on a fake process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -195,3 +195,28 @@ def test_rejects_mixed_precision_trace():
     g = capture(_workload(), precision="bf16-mixed")
     with pytest.raises(GobrrrError, match="precision 'bf16'"):
         fsdp(g, 4)
+
+
+def test_one_unit_is_the_whole_model(graph):
+    """units=[]: fully_shard(model) alone, one all-gather per gather and one reduce-scatter."""
+    world = 2
+    g = fsdp(graph, world, units=[])
+    ops = [n.op for n in g.nodes]
+    assert ops.count(ALL_GATHER) == 2 and ops.count(REDUCE_SCATTER) == 1
+    total = sum(_per_unit(world).values())  # the padded shards are per parameter still
+    rs = next(n for n in g.nodes if n.op == REDUCE_SCATTER)
+    assert rs.inputs[1].nbytes == world * total * 4
+
+
+def test_allocator_pools_are_per_stream():
+    """A block freed by a stream goes back to that stream's pool: the compute stream does not
+    reuse what FSDP2's side streams freed (the copy-in stream's all-gather buffers), so both
+    segments stay reserved."""
+    a = CachingAllocator()
+    a.free(a.malloc(64 * 2**20, "comm"))
+    a.malloc(64 * 2**20, "compute")
+    assert a.reserved == 2 * 64 * 2**20
+    b = CachingAllocator()
+    b.free(b.malloc(64 * 2**20))
+    b.malloc(64 * 2**20)
+    assert b.reserved == 64 * 2**20

@@ -115,7 +115,8 @@ class _Plan:
     after: dict[int, list[OpNode]] = field(default_factory=dict)
     extra_frees: dict[int, list[int]] = field(default_factory=dict)
     drop_frees: set[int] = field(default_factory=set)
-    remap: dict[int, dict[int, TensorInfo | int]] = field(default_factory=dict)  # op -> sid map
+    # op -> {storage it reads: the storage (or the whole view) it reads instead}
+    remap: dict[int, dict[int, TensorInfo | int]] = field(default_factory=dict)
 
     def new_storage(self, nbytes: int, kind: str, label: str, module: str) -> int:
         sid = len(self.storages)

@@ -4,7 +4,7 @@
 obtained from cudaMalloc, which is what the device really runs out of. This module reproduces
 how the allocator turns a sequence of requests and frees into blocks and segments, with its
 default settings (no max_split_size, expandable_segments off, no garbage-collection threshold,
-one stream, no CUDA graphs):
+no CUDA graphs), each stream's free blocks in a pool of their own:
 
 1. A request of n bytes is rounded up to a multiple of 512 bytes (at least 512).
 2. Requests of at most 1 MiB come from the small pool, larger ones from the large pool.
@@ -146,8 +146,9 @@ class AllocatorStats:
 
 
 class CachingAllocator:
-    """The caching allocator of one device and one stream. `budget`: bytes that segments may
-    take in all (the device memory left to the process); None = unlimited. `addresses`: the
+    """The caching allocator of one device, one pool of cached blocks per stream (a block
+    freed returns to the stream that allocated it). `budget`: bytes that segments may take
+    in all (the device memory left to the process); None = unlimited. `addresses`: the
     address of each new segment in turn (what cudaMalloc returned in a recorded run); None =
     each new segment right after the previous one."""
 

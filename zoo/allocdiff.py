@@ -144,8 +144,8 @@ class RecordingAllocator(CachingAllocator):
         self.label = label
         self._sizes: dict[int, int] = {}
 
-    def malloc(self, nbytes: int) -> int:
-        h = super().malloc(nbytes)
+    def malloc(self, nbytes: int, stream: str = "compute") -> int:
+        h = super().malloc(nbytes, stream)
         self._sizes[h] = nbytes
         self.events.append((0, nbytes, self.label(), h))
         return h
@@ -154,8 +154,8 @@ class RecordingAllocator(CachingAllocator):
         super().free(handle)
         self.events.append((1, self._sizes.pop(handle), self.label(), handle))
 
-    def _new_segment(self, size: int, small: bool):
-        b = super()._new_segment(size, small)
+    def _new_segment(self, size: int, small: bool, stream: str):
+        b = super()._new_segment(size, small, stream)
         if b is not None:
             self.events.append((2, size, self.label(), None))
         return b

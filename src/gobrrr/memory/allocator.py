@@ -4,7 +4,7 @@
 obtained from cudaMalloc, which is what the device really runs out of. This module reproduces
 how the allocator turns a sequence of requests and frees into blocks and segments, with its
 default settings (no max_split_size, expandable_segments off, no garbage-collection threshold,
-one stream, no CUDA graphs):
+no CUDA graphs), each stream's free blocks in a pool of their own:
 
 1. A request of n bytes is rounded up to a multiple of 512 bytes (at least 512).
 2. Requests of at most 1 MiB come from the small pool, larger ones from the large pool.
@@ -28,6 +28,7 @@ address wins); a replay of a recorded trace can pass the addresses cudaMalloc re
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -78,10 +79,11 @@ class OutOfMemory(GobrrrError):
 
 
 class _Block:
-    __slots__ = ("addr", "size", "small", "allocated", "prev", "next", "segment")
+    __slots__ = ("addr", "size", "small", "allocated", "prev", "next", "segment", "stream")
 
-    def __init__(self, addr: int, size: int, small: bool, segment: int) -> None:
+    def __init__(self, addr: int, size: int, small: bool, segment: int, stream: str) -> None:
         self.addr, self.size, self.small, self.segment = addr, size, small, segment
+        self.stream = stream  # the stream whose pool holds it (the one that allocated it)
         self.allocated = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
@@ -144,15 +146,18 @@ class AllocatorStats:
 
 
 class CachingAllocator:
-    """The caching allocator of one device and one stream. `budget`: bytes that segments may
-    take in all (the device memory left to the process); None = unlimited. `addresses`: the
+    """The caching allocator of one device, one pool of cached blocks per stream (a block
+    freed returns to the stream that allocated it). `budget`: bytes that segments may take
+    in all (the device memory left to the process); None = unlimited. `addresses`: the
     address of each new segment in turn (what cudaMalloc returned in a recorded run); None =
     each new segment right after the previous one."""
 
     def __init__(self, budget: int | None = None, addresses: Iterator[int] | None = None) -> None:
         self.budget = budget
         self._addresses = addresses
-        self._pools = {True: _Pool(), False: _Pool()}  # small, large
+        # (stream, small) -> free blocks: a block freed goes back to the pool of the stream
+        # that allocated it, which alone reuses it (the allocator's per-stream free lists)
+        self._pools: dict[tuple[str, bool], _Pool] = defaultdict(_Pool)
         self._live: dict[int, _Block] = {}  # handle -> allocated block
         self._segments: dict[int, int] = {}  # segment id -> size
         self._next_handle = self._next_segment = self._next_addr = 0
@@ -162,22 +167,22 @@ class CachingAllocator:
         self.alloc_retries = self.ooms = self.device_allocs = self.device_frees = 0
 
     # --------------------------------------------------------------------------- requests
-    def malloc(self, nbytes: int) -> int:
-        """Serve a request of `nbytes` (> 0); returns a handle for `free`. Raises OutOfMemory
-        when no segment can be made within the budget."""
+    def malloc(self, nbytes: int, stream: str = "compute") -> int:
+        """Serve a request of `nbytes` (> 0) made on `stream`; returns a handle for `free`.
+        Raises OutOfMemory when no segment can be made within the budget."""
         if nbytes <= 0:
             raise GobrrrError(f"a request of {nbytes} bytes: the allocator serves sizes > 0")
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._pools[small].best_fit(size)
+        block = self._pools[stream, small].best_fit(size)
         if block is not None:
-            self._pools[small].remove(block)
+            self._pools[stream, small].remove(block)
         else:
-            block = self._new_segment(segment_size(size), small)
+            block = self._new_segment(segment_size(size), small, stream)
         if block is None:  # cudaMalloc failed: release what is wholly free, then retry once
             self.empty_cache()
             self.alloc_retries += 1
-            block = self._new_segment(segment_size(size), small)
+            block = self._new_segment(segment_size(size), small, stream)
         if block is None:
             self.ooms += 1
             raise OutOfMemory(nbytes, self.allocated, self.reserved, self.budget or 0)
@@ -196,7 +201,7 @@ class CachingAllocator:
         block = self._live.pop(handle)
         block.allocated = False
         self.allocated -= block.size
-        pool = self._pools[block.small]
+        pool = self._pools[block.stream, block.small]
         for other in (block.prev, block.next):
             if other is not None and not other.allocated:
                 pool.remove(other)
@@ -224,11 +229,11 @@ class CachingAllocator:
         self._allocated_at_reserved_peak = self.allocated
 
     # --------------------------------------------------------------------------- internals
-    def _new_segment(self, size: int, small: bool) -> _Block | None:
+    def _new_segment(self, size: int, small: bool, stream: str) -> _Block | None:
         if self.budget is not None and self.reserved + size > self.budget:
             return None
         addr = next(self._addresses) if self._addresses is not None else self._next_addr
-        block = _Block(addr, size, small, self._next_segment)
+        block = _Block(addr, size, small, self._next_segment, stream)
         self._segments[self._next_segment] = size
         self._next_addr = max(self._next_addr, addr + size)
         self._next_segment += 1
@@ -246,14 +251,14 @@ class CachingAllocator:
         remaining = block.size - size
         if not (remaining >= MIN_BLOCK if block.small else remaining > SMALL_SIZE):
             return block
-        front = _Block(block.addr, size, block.small, block.segment)
+        front = _Block(block.addr, size, block.small, block.segment, block.stream)
         front.prev, front.next = block.prev, block
         if block.prev is not None:
             block.prev.next = front
         block.prev = front
         block.addr += size
         block.size = remaining
-        self._pools[block.small].add(block)
+        self._pools[block.stream, block.small].add(block)
         return front
 
     @staticmethod

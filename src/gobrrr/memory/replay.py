@@ -13,8 +13,9 @@ The cache keeps what earlier steps left in it, so the replay runs the process as
 loop does: parameters, buffers and the batch first; the BLAS workspaces; then step 1, whose
 optimizer creates its state when its first op runs (in the cached blocks the freed
 activations left); then the same step again up to the measured one (`STEPS`), whose peaks
-are reset at its start. Within a step, per op: its allocations, its scratch (allocated and
-freed while it runs), then its frees.
+are reset at its start (a multi-GPU step releases the cache first, as its measured protocol
+does). Within a step, per op: its allocations, its scratch (allocated and freed while it
+runs), then its frees; each allocation from the pool of the stream of the op that makes it.
 
 Whether a step fits is judged on the reserved peak against the memory CUDA leaves to the
 process (`process_budget`).
@@ -276,6 +277,10 @@ class _Process:
             for step in range(steps):
                 self.first_step = step == 0
                 last = step == steps - 1
+                if last and self.graph.meta.parallel is not None:
+                    # the multi-GPU protocol (benchmarks/multigpu/steps.py) releases the cache
+                    # after the warm-ups: what building the unsharded model left cached
+                    self.alloc.empty_cache()
                 if last:
                     self.alloc.reset_peaks()
                 for node in self.graph.nodes:
@@ -295,9 +300,9 @@ class _Process:
             self.alloc.stats(), tuple(timeline), peak_index, self.sizes, self.ws_bytes, scratch
         )
 
-    def _malloc(self, sid: int) -> None:
+    def _malloc(self, sid: int, stream: str = "compute") -> None:
         if self.graph.storages[sid].nbytes > 0:
-            h = self.handles[sid] = self.alloc.malloc(self.graph.storages[sid].nbytes)
+            h = self.handles[sid] = self.alloc.malloc(self.graph.storages[sid].nbytes, stream)
             self.sizes[sid] = self.alloc.block_size(h)
 
     def _op(self, node) -> tuple[int, int]:
@@ -307,7 +312,7 @@ class _Process:
         for sid in node.allocs:
             if sid in self.survivors and sid in self.handles:
                 self.alloc.free(self.handles.pop(sid))
-            self._malloc(sid)
+            self._malloc(sid, node.stream)  # in the pool of the stream that allocates it
         if self.first_step:  # a BLAS handle's workspace, made by its first matmul, kept
             for b in self.ws_at.get(node.index, ()):
                 self.ws_bytes += self.alloc.block_size(self.alloc.malloc(b))

@@ -3,7 +3,6 @@ step on fake tensors, then `evaluate` the graph."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.models.registry import get_workload, load_workload, model_names
 from gobrrr.passes.ddp import ddp
+from gobrrr.passes.fsdp import fsdp
 from gobrrr.workload import Workload
 
 __all__ = ["PARALLEL", "Estimate", "estimate", "shard", "workload_factory"]
@@ -92,7 +92,7 @@ def estimate(
     t0 = time.perf_counter()
     graph = capture(
         workload_factory(source, batch, seq),
-        precision=precision,
+        precision=traced_precision(precision, gpus, parallel),
         checkpoint=checkpoint,
         sdpa=target_for(target.gpu.full_name),
         compile=compile,
@@ -117,17 +117,19 @@ def check_parallel(gpus: int, nodes: int, parallel: str) -> None:
 
 def shard(graph: StepGraph, parallel: str, gpus: int, nodes: int = 1) -> StepGraph:
     """One rank's step of `graph` data-parallel over `gpus` GPUs on `nodes` hosts: DDP
-    (`passes.ddp`) or FSDP2 (`passes.fsdp`, where this gobrrr has it)."""
+    (`passes.ddp`) or FSDP2 (`passes.fsdp`)."""
     check_parallel(gpus, nodes, parallel)
     if parallel == "ddp":
         return ddp(graph, gpus, nodes)
-    try:
-        # where it exists: FSDP2's pass is built beside this one
-        fsdp = importlib.import_module("gobrrr.passes.fsdp").fsdp
-    except ModuleNotFoundError as e:
-        if e.name != "gobrrr.passes.fsdp":
-            raise
-        raise GobrrrError(
-            "--parallel fsdp: FSDP2 is not available in this gobrrr yet; use --parallel ddp"
-        ) from None
     return fsdp(graph, gpus, nodes)
+
+
+def traced_precision(precision: str, gpus: int, parallel: str) -> str:
+    """The precision the one-rank step is traced in. Under FSDP2, "bf16-mixed" means what
+    torchtitan runs: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 sharded
+    parameters and no autocast, so each unit computes in bf16 on its gathered bf16 parameters:
+    the "bf16" trace, whose parameters, gradients and states `passes.fsdp` re-types as FSDP2
+    holds them."""
+    if gpus > 1 and parallel == "fsdp" and precision == "bf16-mixed":
+        return "bf16"
+    return precision

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 
 
 def run(capsys, *argv):

@@ -22,7 +22,7 @@ from first_contact_files import (
     toml,
 )
 
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 
 
 @dataclass(frozen=True)

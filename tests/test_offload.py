@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gobrrr.capture import capture
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 from gobrrr.cost.roofline import OpTime
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import evaluate

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 from gobrrr.cost._ops_optim import adam8bit_bytes, adam8bit_scratch
 from gobrrr.cost.flops import op_cost
 from gobrrr.cost.rates import Rates

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gobrrr.capture import capture
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import evaluate
 from gobrrr.models.registry import get_workload

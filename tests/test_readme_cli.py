@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gobrrr.cli.main import build_parser
+from gobrrr.cli.app import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

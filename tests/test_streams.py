@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gobrrr
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 from gobrrr.errors import GobrrrWarning
 from gobrrr.report.streams import command_streams
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from gobrrr.cli.main import main
+from gobrrr.cli import main
 
 if __name__ == "__main__":  # importing the module (pkgutil.walk_packages, say) runs nothing
     sys.exit(main())

@@ -37,7 +37,8 @@ EXAMPLES = {
   gobrrr estimate --model llama3-8b --gpu h100 --batch 1 --seq 4096 --precision bf16-mixed
   gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
   gobrrr estimate --model convnet --gpu mygpu.toml --top 30
-  gobrrr estimate --model gpt2 --batch 2 --seq 8192 --gpus 8 --parallel ddp""",
+  gobrrr estimate --model gpt2 --batch 16 --seq 1024 --gpus 8 --parallel ddp
+  gobrrr estimate --model llama3-1b --batch 1 --seq 8192 --gpus 4 --parallel fsdp""",
     "plan": """examples:
   gobrrr plan --model gpt2 --global-batch 64 --seq 1024
   gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096

@@ -20,7 +20,7 @@ from gobrrr.cli.checks import check_args, explain
 from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.estimate import PARALLEL, estimate, workload_factory
-from gobrrr.hardware import BUILTIN_GPUS
+from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
 from gobrrr.plan.search import plan
@@ -97,6 +97,27 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number (e.g. 8), got {value}")
     return value
+
+
+def gpu_count(text: str) -> int:
+    """argparse type of --gpus: a whole number > 0. A GPU's name there is the --gpu option
+    mistyped, and the error says so."""
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        if text.strip() and not text.strip().lstrip("-").isdigit() and _names_a_gpu(text):
+            raise argparse.ArgumentTypeError(
+                f"--gpus takes how many GPUs; {text!r} is a GPU: did you mean '--gpu'?"
+            ) from None
+        raise
+
+
+def _names_a_gpu(text: str) -> bool:
+    try:
+        get_gpu(text)
+    except GobrrrError:
+        return False
+    return True
 
 
 _UNITS = {
@@ -305,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpus",
-        type=positive_int,
+        type=gpu_count,
         default=1,
         metavar="N",
         help="data-parallel GPUs in all; --batch is each GPU's (default 1)",

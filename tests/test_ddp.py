@@ -210,6 +210,13 @@ def test_estimate_checks_parallel(gpus, nodes, parallel, says):
         estimate("gpt2", gpus=gpus, nodes=nodes, parallel=parallel)
 
 
+def test_fsdp_takes_its_mixed_precision_only():
+    """FSDP2 is modelled with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): any
+    other precision is refused before tracing, where it would be costed as that one."""
+    with pytest.raises(GobrrrError, match="use --precision bf16-mixed"):
+        estimate("gpt2", gpus=2, parallel="fsdp", precision="fp32")
+
+
 def test_shard_ddp_and_hosts():
     """`shard` applies DDP with the hosts; across hosts the all-reduce runs at the hosts'
     link (slower than NVLink's measured curve)."""

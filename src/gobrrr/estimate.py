@@ -88,6 +88,11 @@ def estimate(
         if v is not None and v <= 0:
             raise GobrrrError(f"--{what} must be a positive number, got {v}")
     check_parallel(gpus, nodes, parallel)
+    if gpus > 1 and parallel == "fsdp" and precision != "bf16-mixed":
+        raise GobrrrError(
+            f"--parallel fsdp models FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, "
+            f"reduce_dtype=fp32), not --precision {precision}: use --precision bf16-mixed"
+        )
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
     graph = capture(

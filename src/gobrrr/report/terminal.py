@@ -106,10 +106,13 @@ def summary_lines(est: Estimate) -> list[Text]:
         f"calibrated ({est.calibration})" if est.calibration else "datasheet peaks, no calibration"
     )
     mode = " · torch.compile" if est.compiled else ""
+    precision = str(meta.precision)
+    if meta.parallel is not None and meta.parallel.kind == "fsdp":  # traced as FSDP2 computes
+        precision = "bf16-mixed (FSDP2: parameters gathered in bf16, gradients reduced in fp32)"
     unit = throughput_unit(est.graph)
     head = Text.assemble(
         (str(meta.name), "bold"),
-        f" · {meta.precision}{mode} · "
+        f" · {precision}{mode} · "
         f"{_checkpoint(est)} · {t.tokens:,} {unit}/step · "
         f"{human_count(meta.params)} params · on ",
         (est.gpu.name, "bold"),

@@ -44,6 +44,7 @@ import transformers
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
+from gobrrr.errors import GobrrrError
 from gobrrr.estimate import shard, traced_precision
 from gobrrr.evaluate import evaluate
 from gobrrr.graph.ir import StepGraph
@@ -56,7 +57,8 @@ ROOT = HERE.parents[1]
 RESULTS = HERE.parent / "results"
 OUT = RESULTS / "multigpu_predictions.json"
 CACHE = Path("/tmp/multigpu_graphs")
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from readme_block import replace_block  # noqa: E402
 from steps import SHAPES  # noqa: E402
 
 START = "<!-- multigpu-table: start (benchmarks/multigpu/compare.py --readme) -->"
@@ -293,12 +295,10 @@ def table(doc: dict) -> str:
 
 
 def write_readme(readme: Path, text: str) -> None:
-    doc = readme.read_text()
-    if START not in doc or END not in doc:
-        raise SystemExit(f"{readme} has no multigpu-table markers ({START} ... {END})")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + START + "\n" + text + "\n" + END + tail)
+    try:
+        replace_block(readme, START, END, "\n" + text + "\n")
+    except GobrrrError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main() -> None:

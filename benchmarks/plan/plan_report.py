@@ -15,9 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
+
+from readme_block import replace_block  # noqa: E402
+
+from gobrrr.errors import GobrrrError  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 START = "<!-- plan-table: start (benchmarks/plan/plan_report.py --readme) -->"
 END = "<!-- plan-table: end -->"
@@ -149,12 +156,10 @@ def table(rs: list[dict]) -> str:
 
 
 def write_readme(readme: Path, text: str) -> None:
-    doc = readme.read_text()
-    if START not in doc or END not in doc:
-        raise SystemExit(f"{readme} has no plan-table markers ({START} ... {END})")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + START + "\n" + text + "\n" + END + tail)
+    try:
+        replace_block(readme, START, END, "\n" + text + "\n")
+    except GobrrrError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main() -> None:

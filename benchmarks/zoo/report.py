@@ -21,9 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
+from readme_block import replace_block  # noqa: E402
 
 from gobrrr.errors import GobrrrError  # noqa: E402
 from zoo import compare  # noqa: E402
@@ -74,14 +75,8 @@ def write_readme(
     readme: Path, text: str, summary: list[str], marks: tuple[str, str] = (START, END)
 ) -> None:
     """Replace the README's block between the markers by the table and its summary."""
-    doc = readme.read_text()
-    start, end = marks
-    if start not in doc or end not in doc:
-        raise GobrrrError(f"{readme} has no table markers ({start} ... {end})")
-    head, rest = doc.split(start, 1)
-    tail = rest.split(end, 1)[1]
     body = "\n".join(["", text, "", *(f"- {line}" for line in summary), ""])
-    readme.write_text(head + start + body + end + tail)
+    replace_block(readme, *marks, body)
 
 
 def run(

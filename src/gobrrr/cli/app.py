@@ -105,7 +105,7 @@ def gpu_count(text: str) -> int:
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
-        if text.strip() and not text.strip().lstrip("-").isdigit() and _names_a_gpu(text):
+        if _names_a_gpu(text):
             raise argparse.ArgumentTypeError(
                 f"--gpus takes how many GPUs; {text!r} is a GPU: did you mean '--gpu'?"
             ) from None

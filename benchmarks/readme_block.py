@@ -1,0 +1,21 @@
+"""The one way a benchmark writes its table into the root README: between two marker lines.
+
+replace_block(README, START, END, "\\n" + table + "\\n")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gobrrr.errors import GobrrrError
+
+
+def replace_block(readme: Path, start: str, end: str, body: str) -> None:
+    """`readme` with what stands between its `start` and `end` markers replaced by `body`,
+    everything else as it was; a GobrrrError naming the markers where it has none."""
+    doc = readme.read_text()
+    if start not in doc or end not in doc:
+        raise GobrrrError(f"{readme} has no table markers ({start} ... {end})")
+    head, rest = doc.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    readme.write_text(head + start + body + end + tail)

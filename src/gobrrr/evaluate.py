@@ -23,11 +23,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gobrrr import formulas
-from gobrrr.cost._ops_comm import COLLECTIVE_OF
+from gobrrr.cost._ops_comm import COLLECTIVE_OF, HOOK_KIND
 from gobrrr.cost._ops_comm import KIND as COMM_KIND
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.collectives import data_parallel_time
+from gobrrr.cost.dp_host import hook_host_s
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import (
@@ -111,12 +112,15 @@ def op_times(
 
 
 def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:
-    """The collectives' time on the comm stream (s): NCCL's, over the ranks and hosts of
-    `meta.parallel` (one rank without it: no time), from the calibration's measured
-    `collectives` (`cost.collectives.data_parallel_time`); their regime "comm" (no compute
-    stream time). Unchanged where the step has none."""
+    """The data-parallel ops' times. Collectives: on the comm stream, NCCL's, over the ranks
+    and hosts of `meta.parallel` (one rank without it: no time), from the calibration's
+    measured `collectives` (`cost.collectives.data_parallel_time`); their regime "comm" (no
+    compute stream time). FSDP2's hooks: host time, the calibration's `dp_host` per unit and
+    phase (`cost.dp_host`) less what the ops the pass put in that unit's phase already cost
+    the host (the measurement holds them). Unchanged where the step has neither."""
     idx = [o.index for o in ops if o.kind == COMM_KIND]
-    if not idx:
+    hooks = [o.index for o in ops if o.kind == HOOK_KIND]
+    if not idx and not hooks:
         return ops
     par = graph.meta.parallel
     world, hosts = (par.world, par.hosts) if par else (1, 1)
@@ -129,7 +133,34 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
         op = COLLECTIVE_OF[node.op][0]
         t = data_parallel_time(op, ops[i].bytes, dtype, world, hosts, points)
         out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
+    if hooks:
+        charged = _fsdp_charged(graph, ops)
+        section = rates.cal.dp_host if rates.cal else None
+        for i in hooks:
+            node = graph.nodes[i]
+            phase, params, reshard = node.args
+            t = hook_host_s(section, phase, params, reshard, world)
+            out[i] = replace(ops[i], host_s=max(t - charged.get((node.module, phase), 0.0), 0.0))
     return tuple(out)
+
+
+#: the ops `passes.fsdp` puts beside a unit's own on the compute stream (the rest of its ops
+#: run on the comm stream)
+_FSDP_COMPUTE_OPS = ("aten.split_with_sizes_copy.out", "aten._chunk_cat.default")
+
+
+def _fsdp_charged(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[tuple[str, str], float]:
+    """{(unit, "forward" | "backward"): host seconds of the ops FSDP2 runs for the unit in
+    that phase}, once per micro-batch's worth (the hooks are per micro-batch too)."""
+    hooks: dict[tuple[str, str], int] = defaultdict(int)
+    charged: dict[tuple[str, str], float] = defaultdict(float)
+    for n, o in zip(graph.nodes, ops, strict=True):
+        phase = "forward" if n.phase == "forward" else "backward"
+        if o.kind == HOOK_KIND:
+            hooks[(n.module, n.args[0])] += 1
+        elif n.stream == COMM or n.op in _FSDP_COMPUTE_OPS:
+            charged[(n.module, phase)] += o.host_s
+    return {k: v / max(hooks.get(k, 1), 1) for k, v in charged.items()}
 
 
 def step_schedule(

@@ -448,7 +448,11 @@ class Calibration:
     "all_reduce" | "all_gather" | "reduce_scatter", "dtype": "bf16" | "fp32", "bytes" (the
     whole buffer), "ranks", "seconds", ...} (`gobrrr.calibrate.sections.collectives`; read
     by `cost.collectives.curves_from_measurement`). Empty: not measured (the link's datasheet
-    bandwidth)."""
+    bandwidth).
+    `dp_host`: the host time FSDP2's hooks add per unit, {"points": [{"ranks", "reshard",
+    "phase": "forward" | "backward", "params" (the unit's parameter tensors), "seconds"},
+    ...], "meta"} (`gobrrr.calibrate.sections.dp_host`; read by `cost.dp_host`). Empty: not
+    measured (the hooks cost the host nothing beyond the ops they run)."""
 
     gpu: str
     device_name: str
@@ -485,6 +489,7 @@ class Calibration:
     optimizer_host: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
     collectives: list[dict[str, Any]] = field(default_factory=list)
+    dp_host: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
     #: sections this gobrrr does not know (a newer one wrote them): kept as read and written

@@ -6,7 +6,11 @@ comm stream.
 
 c10d.allreduce_.default(tensors): an all-reduce of its (one) input, in place;
 c10d._allgather_base_.default(output, input): an all-gather into `output`;
-c10d._reduce_scatter_base_.default(output, input): a reduce-scatter of `input`."""
+c10d._reduce_scatter_base_.default(output, input): a reduce-scatter of `input`.
+
+fsdp.hooks.default(): FSDP2's Python around one unit's forward or backward (args: phase,
+parameter tensors, reshard_after_forward): no kernel, host time only, read off the
+calibration's `dp_host` (`cost.dp_host`) by `evaluate`."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from gobrrr.cost._ops_common import CostFn, OpCost
 from gobrrr.graph.ir import OpNode
 
 KIND = "comm"
+HOOK_KIND = "hook"
+HOOKS = "fsdp.hooks.default"
 
 #: op name -> the collective (`cost.collectives.COLLECTIVES`) and the argument holding the
 #: whole buffer: "in" (first input) or "out" (first output)
@@ -36,4 +42,8 @@ def collective(node: OpNode, tf32: bool) -> OpCost:
     return OpCost(0.0, whole_bytes(node), "vector", KIND, 1)
 
 
-COSTS: dict[str, CostFn] = dict.fromkeys(COLLECTIVE_OF, collective)
+def hooks(node: OpNode, tf32: bool) -> OpCost:
+    return OpCost(0.0, 0.0, "vector", HOOK_KIND, 0)
+
+
+COSTS: dict[str, CostFn] = {**dict.fromkeys(COLLECTIVE_OF, collective), HOOKS: hooks}

@@ -59,6 +59,7 @@ PARAM_DTYPE = "bfloat16"
 REDUCE_DTYPE = "float32"
 SHARD_DTYPE = "float32"
 ALL_GATHER = "c10d._allgather_base_.default"
+HOOKS = "fsdp.hooks.default"
 REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
 _BWD = ("backward", "recompute")
 # FSDP2's side streams (the all-gather's copy-in stream allocates its input and output, the
@@ -253,6 +254,7 @@ def _micro_batches(
     for m, (lo, hi) in enumerate(ranges):
         units = _positions(g, lo, hi, by_unit, grads)
         sync = m == len(ranges) - 1
+        _hooks(plan, units, reshard)
         _forward(plan, units, reshard)
         gathered = _backward_gathers(plan, units, reshard)
         _retarget_adds(plan, lo, hi, grads, accumulated)
@@ -382,6 +384,19 @@ def _forward(plan: _Plan, units: list[Unit], reshard: bool | None) -> None:
         _read(plan, u.params, ga, u.fwd_first, u.fwd_last, ("forward",))
         if _reshards(u, reshard):
             plan.extra_frees.setdefault(u.fwd_last, []).extend(ga.bufs.values())
+
+
+def _hooks(plan: _Plan, units: list[Unit], reshard: bool | None) -> None:
+    """FSDP2's Python around each unit, host time only (`cost.dp_host`): the forward's
+    before its gather, the backward's after its last backward op (before its
+    reduce-scatter's copy-in); measured per unit and phase, as one op each."""
+    for u in units:
+        n, rs = len(u.params), _reshards(u, reshard)
+        if u.fwd_first >= 0:
+            hook = _node(HOOKS, u.name, (), (), args=("forward", n, rs))
+            plan.op(plan.before, u.fwd_first, hook)
+        if u.post >= 0:
+            plan.op(plan.after, u.post, _node(HOOKS, u.name, (), (), args=("backward", n, rs)))
 
 
 def _reshards(u: Unit, reshard: bool | None) -> bool:

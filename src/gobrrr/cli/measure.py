@@ -286,7 +286,7 @@ def _on_ranks(args, command: str, body: Callable[..., int]) -> int:
         code = body(args, group, dog)
     except BaseException as e:  # every failure ends this rank here, reported once
         if not isinstance(e, ranks.OtherRankFailed):
-            report(_rank_error(e, group.rank, args.timeout))
+            report(_rank_error(e, group.rank, args.timeout, dog.last))
         ranks.leave(2)
     if code:
         ranks.leave(code)
@@ -295,16 +295,16 @@ def _on_ranks(args, command: str, body: Callable[..., int]) -> int:
     return code
 
 
-def _rank_error(e: BaseException, rank: int, timeout_s: float) -> BaseException:
-    """The error a rank reports: torch.distributed's timeouts and lost peers worded."""
+def _rank_error(e: BaseException, rank: int, timeout_s: float, where: str) -> BaseException:
+    """The error a rank reports, torch.distributed's timeouts and lost peers worded with
+    `where` (the phase the rank was in)."""
     from gobrrr.profile import ranks
 
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if ranks.is_timeout(e):
-        return ranks.timed_out(rank, timeout_s, "a collective", first[:200])
+        return ranks.timed_out(rank, timeout_s, where)
     if ranks.lost_peer(e):
         return GobrrrError(
-            f"rank {rank} stopped: another rank left the job ({first[:200]})",
+            f"rank {rank} stopped in {where}: another rank left the job",
             hint="the rank that failed says why above",
         )
     if isinstance(e, KeyboardInterrupt):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shlex
 import sys
 import threading
 import time
@@ -59,7 +60,7 @@ def join(timeout_s: float, command: str, device: str = "cuda") -> Group:
         raise GobrrrError(
             f"{command} runs on every rank of a torchrun job, and this process was not "
             "started by torchrun",
-            hint=f"start it as `torchrun --nproc-per-node N -m gobrrr {command} ...` "
+            hint=f"start it as `torchrun --nproc-per-node N -m gobrrr {shlex.join(sys.argv[1:])}` "
             "(N: the GPUs to use)",
         )
     backend = "gloo" if device == "cpu" else None
@@ -93,6 +94,8 @@ class Watchdog:
     ) -> None:
         self.rank, self.timeout_s, self.on_timeout = rank, timeout_s, on_timeout
         self._what: str | None = None
+        #: the phase entered last (kept after it ends): where a failure happened
+        self.last = "joining the job"
         self._deadline = float("inf")
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="gobrrr-watchdog", daemon=True).start()
@@ -102,6 +105,7 @@ class Watchdog:
         """Within the block this rank may wait for the others up to `timeout_s` seconds."""
         with self._lock:
             self._what, self._deadline = what, time.monotonic() + self.timeout_s
+            self.last = what
         try:
             yield
         finally:

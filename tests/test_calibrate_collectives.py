@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_profile_distributed import rank_exit_codes, rank_log, torchrun
 
 from gobrrr.calibrate import merge
 from gobrrr.calibrate.sections import collectives as cs
 from gobrrr.cli import main
 from gobrrr.errors import GobrrrError
 from gobrrr.hardware import Calibration, calibration_dirs
-from test_profile_distributed import rank_exit_codes, rank_log, torchrun
 
 SHIPPED = calibration_dirs()[1] / "h100-sxm.json"
 

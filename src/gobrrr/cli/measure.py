@@ -361,7 +361,12 @@ def _profile_parallel(args, group, dog) -> int:
     from gobrrr.profile.ranks import agreed
     from gobrrr.profile.runner import check_device
 
-    for flag, given in (("--compile", args.compile), ("--scaling", args.scaling)):
+    given_flags = (
+        ("--compile", args.compile),
+        ("--scaling", args.scaling),
+        ("--trace", args.trace),
+    )
+    for flag, given in given_flags:
         if given:
             raise GobrrrError(f"{flag} is not measured with --parallel", hint=f"drop {flag}")
     run = pd.ParallelRun(

@@ -102,10 +102,12 @@ def measure_rank(step: Callable[[], object], group: Group, run: ParallelRun, dog
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        # the ranks start each timed step together; NCCL's barrier on this rank's GPU
+        ids = [group.device.index] if cuda else None
         times = []
         for i in range(run.steps):
             with dog.waiting(f"timed step {i + 1}"):
-                times += time_steps(step, 1, device, before=dist.barrier)
+                times += time_steps(step, 1, device, before=lambda: dist.barrier(device_ids=ids))
         peaks = (
             (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
             if cuda

@@ -25,7 +25,7 @@ PYTHON = Path(sys.executable)
 TORCHRUN = PYTHON.parent / "torchrun"
 HARD_TIMEOUT_S = 120
 
-WORKLOAD = '''
+WORKLOAD = """
 import os, time
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ def workload(batch_size=8):
             time.sleep(6)
     wl.model.head.register_forward_pre_hook(third_forward)
     return wl
-'''
+"""
 
 
 def _port() -> int:

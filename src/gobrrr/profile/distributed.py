@@ -32,7 +32,7 @@ from gobrrr.profile.comm import communication
 from gobrrr.profile.ranks import Watchdog
 from gobrrr.profile.runner import _cpu_name, matmul_precision, prepare
 from gobrrr.profile.timing import sync, time_steps
-from gobrrr.training.distributed import Group, data_parallel
+from gobrrr.training.distributed import Group, data_parallel, unit_names
 from gobrrr.training.step import TrainStep
 from gobrrr.workload import Workload
 
@@ -77,6 +77,8 @@ def prepare_rank(workload: Workload, group: Group, run: ParallelRun) -> tuple[Wo
     """(the workload on this rank's device, its fp16 loss scaler or None): no collective,
     so a failure here can be agreed on before any rank waits in one."""
     wl, _, scaler = prepare(workload, str(group.device), run.precision, run.checkpoint)
+    if run.parallel == "fsdp":
+        unit_names(wl.model)  # a model with no unit fails here, on every rank alike
     return wl, scaler
 
 

@@ -1,6 +1,9 @@
 """`gobrrr profile` and `gobrrr calibrate`: argparse glue over the Python API, rich output.
 
 Handlers return an exit code; bad input raises GobrrrError (the CLI prints one line, exit 2).
+Under torchrun (`profile --parallel`, `calibrate --collectives`) every rank runs the handler
+and rank 0 alone prints; a failure is one line from the rank that failed first, exit code 2 on
+every rank, and no rank waits for one that is gone (`gobrrr.profile.ranks`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -200,62 +201,35 @@ def step_fn(model, opt, case: dict, vocab: int):
     return step
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+def _load_comm():
+    """`gobrrr.profile.comm` (the interval arithmetic `gobrrr profile --parallel` shares),
+    loaded from its file: the rest of gobrrr need not import on the GPU machine."""
+    path = Path(__file__).resolve().parents[2] / "src" / "gobrrr" / "profile" / "comm.py"
+    spec = importlib.util.spec_from_file_location("gobrrr_profile_comm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def _minus(a, b) -> float:
-    """Length of union `a` not covered by union `b` (both sorted, disjoint)."""
-    total, j = 0.0, 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                total += b[k][0] - cur
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            total += e - cur
-    return total
+comm = _load_comm()
 
 
 def communication(step) -> dict:
     """One profiled step: NCCL kernels' busy time, the part of it no other kernel overlaps,
-    the compute kernels' busy time and the kernels' span (seconds)."""
+    the compute kernels' busy time and the kernels' span (seconds), and the same per
+    collective (`gobrrr.profile.comm.communication`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    comm, compute = [], []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        span = (ev.time_range.start / 1e6, ev.time_range.end / 1e6)
-        (comm if "nccl" in ev.name.lower() else compute).append(span)
-    comm_u, compute_u = _union(comm), _union(compute)
-    every = _union(comm + compute)
-    return {
-        "comm_busy_s": _length(comm_u),
-        "comm_exposed_s": _minus(comm_u, compute_u),
-        "compute_busy_s": _length(compute_u),
-        "nccl_kernels": len(comm),
-        "span_s": (every[-1][1] - every[0][0]) if every else 0.0,
-    }
+    kernels = [
+        (ev.name, ev.time_range.start / 1e6, ev.time_range.end / 1e6)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return comm.communication(kernels)
 
 
 def run_one(name: str) -> dict | None:

@@ -167,3 +167,58 @@ def print_calibration(cal: Calibration, where: str | None, console: Console | No
     c.print(t)
     if where:
         c.print(f"saved to {where}")
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _comm(comm: dict | None, key: str) -> str:
+    return "-" if comm is None else _t(comm[key])
+
+
+def print_parallel(out: dict, console: Console | None = None) -> None:
+    """`gobrrr profile --parallel`'s result: per rank, the job, and the prediction beside it
+    when there is one."""
+    c = console or Console()
+    reshard = out["reshard_after_forward"]
+    t = Table(
+        title=f"{out['workload']}: {out['parallel']}"
+        f"{'' if reshard is None else ', reshard after forward ' + ('on' if reshard else 'off')}"
+        f" on {out['world']} x {out['device']} ({out['precision']})"
+    )
+    for col in ("rank", "step (median)", "peak allocated", "peak reserved", "comm busy",
+                "comm exposed"):  # fmt: skip
+        t.add_column(col)
+    for r in out["ranks"]:
+        t.add_row(
+            str(r["rank"]),
+            _t(r["median_s"]),
+            _bytes(r["peak_allocated"]),
+            _bytes(r["peak_reserved"]),
+            _comm(r["comm"], "comm_busy_s"),
+            _comm(r["comm"], "comm_exposed_s"),
+        )
+    c.print(t)
+    m, p, err = out["measured"], out.get("predicted"), out.get("error", {})
+    rows = [
+        ("step (slowest rank's median)", "step_s", _t),
+        ("peak allocated (largest rank)", "peak_allocated", _bytes),
+        ("peak reserved (largest rank)", "peak_reserved", _bytes),
+    ]
+    t = Table(title="The job" + (" against the prediction" if p else ""))
+    for col in ("", "measured") + (("predicted", "error") if p else ()):
+        t.add_column(col)
+    for label, key, fmt in rows:
+        t.add_row(label, fmt(m[key]), *((fmt(p[key]), _pct(err.get(key))) if p else ()))
+    for label, key in (("comm busy", "comm_busy_s"), ("comm exposed", "comm_exposed_s")):
+        s = m.get(key)
+        spread = f"{_t(s['min'])} / {_t(s['median'])} / {_t(s['max'])}" if s else "-"
+        extra = ()
+        if p:
+            diff = err.get(key)
+            extra = (_t(p[key]), "-" if diff is None else f"{diff * 1e3:+.2f} ms vs min")
+        t.add_row(f"{label} (min / median / max over ranks)", spread, *extra)
+    c.print(t)
+    if "comm" in m:
+        c.print(m["comm"])

@@ -3,6 +3,8 @@
 overlap.
 
     torchrun --nproc-per-node 4 -m gobrrr.calibrate.sections.collectives --out coll.json
+    torchrun --nproc-per-node 4 -m gobrrr calibrate --collectives     # the same, merged into
+                                                                      # this GPU's calibration
 
 Every rank runs the same loop; rank 0 writes the JSON. For each collective (all-reduce,
 all-gather into one tensor, reduce-scatter from one tensor), dtype and size (bytes of the
@@ -25,6 +27,7 @@ version of gobrrr is installed there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,6 +41,8 @@ import torch.distributed as dist
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 #: message sizes (bytes of the whole buffer): 4 KiB to 1 GiB, four per octave pair
 SIZES = [2**k for k in range(12, 31)] + [3 * 2**k for k in range(12, 29)]
+#: the coarse grid of a quick check: 1 MiB to 1 GiB by 4x
+QUICK_SIZES = [2**k for k in range(20, 31, 2)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: the environment that changes what NCCL does, recorded with the figures
 ENV = ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "TORCH_NCCL_AVOID_RECORD_STREAMS")
@@ -98,12 +103,13 @@ def _slowest(x: float) -> float:
     return float(t.item())
 
 
-def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream) -> dict:
-    """One (op, dtype, size) point: seconds per call and bus bandwidth, slowest rank."""
+def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream, max_iters: int = 100) -> dict:
+    """One (op, dtype, size) point: seconds per call and bus bandwidth, slowest rank. Each
+    round queues up to `max_iters` calls (fewer for large messages: 512 MiB in all)."""
     n = dist.get_world_size()
     inp, out = _buffers(op, nbytes, DTYPES[dtype], n, torch.device("cuda"))
     whole = (out if op == "all_gather" else inp).numel() * inp.element_size()
-    iters = max(4, min(100, int(2**29 // max(whole, 1))))
+    iters = max(min(4, max_iters), min(max_iters, int(2**29 // max(whole, 1))))
     with torch.cuda.stream(stream):
         for _ in range(iters):
             _call(op, inp, out)  # warm-up: NCCL's communicator, channels and buffers set up
@@ -204,6 +210,59 @@ def environment() -> dict:
     }
 
 
+def measure_all(
+    sizes=SIZES,
+    dtypes=("bf16", "fp32"),
+    rounds: int = 15,
+    overlap: bool = True,
+    max_iters: int = 100,
+    waiting=None,
+) -> dict:
+    """Every point of the grid on every rank of the initialised NCCL process group (the
+    current CUDA device this rank's): the result rank 0 writes, {"version", "kind", "meta",
+    "points", "overlap"}. `waiting(what)`: a context manager around each point (the caller's
+    watchdog), none by default."""
+    waiting = waiting or (lambda what: contextlib.nullcontext())
+    stream = torch.cuda.Stream()
+    points = []
+    for dtype in dtypes:
+        for op in OPS:
+            if dtype == "fp32" and op == "all_gather":
+                continue  # FSDP2 gathers parameters in param_dtype: bf16 is the case
+            for size in sorted(sizes):
+                with waiting(f"{op} of {size} bytes ({dtype})"):
+                    points.append(measure_op(op, dtype, size, rounds, stream, max_iters))
+    over = []
+    for op in OPS if overlap else ():
+        for size in (2**24, 2**27):
+            with waiting(f"the overlap test ({op} of {size} bytes)"):
+                over.append(measure_overlap(op, size, rounds, stream))
+    return {
+        "version": 1,
+        "kind": "collectives",
+        "meta": environment(),
+        "points": points,
+        "overlap": over,
+    }
+
+
+def summary_lines(result: dict) -> list[str]:
+    """A few points (bf16 at 1, 64, 256 MiB and 1 GiB) and the overlap test, one per line."""
+    lines = [
+        f"{p['op']:>14} {p['bytes'] / 2**20:8.0f} MiB {p['seconds'] * 1e6:9.1f} us "
+        f"{(p['bus_bytes_per_s'] or 0) / 1e9:6.1f} GB/s"
+        for p in result["points"]
+        if p["dtype"] == "bf16" and p["bytes"] in (2**20, 2**26, 2**28, 2**30)
+    ]
+    return lines + [
+        f"overlap {o['op']:>14} {o['bytes'] / 2**20:5.0f} MiB: matmul "
+        f"{o['matmul_alone_s'] * 1e3:.2f} -> {o['matmul_overlapped_s'] * 1e3:.2f} ms, "
+        f"collective {o['collective_alone_s'] * 1e3:.2f} -> "
+        f"{o['collective_overlapped_s'] * 1e3:.2f} ms"
+        for o in result["overlap"]
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
@@ -223,40 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(
         "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=120)
     )
-    stream = torch.cuda.Stream()
-    points = []
-    for dtype in args.dtypes.split(","):
-        for op in OPS:
-            if dtype == "fp32" and op == "all_gather":
-                continue  # FSDP2 gathers parameters in param_dtype: bf16 is the case
-            for size in sorted(s for s in SIZES if s <= args.max_bytes):
-                points.append(measure_op(op, dtype, size, args.rounds, stream))
-    overlap = [
-        measure_overlap(op, size, args.rounds, stream) for op in OPS for size in (2**24, 2**27)
-    ]
+    sizes = [s for s in SIZES if s <= args.max_bytes]
+    result = measure_all(sizes, args.dtypes.split(","), args.rounds)
     if dist.get_rank() == 0:
-        result = {
-            "version": 1,
-            "kind": "collectives",
-            "meta": environment(),
-            "points": points,
-            "overlap": overlap,
-        }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-        for p in points:
-            if p["dtype"] == "bf16" and p["bytes"] in (2**20, 2**26, 2**28, 2**30):
-                print(
-                    f"{p['op']:>14} {p['bytes'] / 2**20:8.0f} MiB {p['seconds'] * 1e6:9.1f} us "
-                    f"{(p['bus_bytes_per_s'] or 0) / 1e9:6.1f} GB/s"
-                )
-        for o in overlap:
-            print(
-                f"overlap {o['op']:>14} {o['bytes'] / 2**20:5.0f} MiB: matmul "
-                f"{o['matmul_alone_s'] * 1e3:.2f} -> {o['matmul_overlapped_s'] * 1e3:.2f} ms, "
-                f"collective {o['collective_alone_s'] * 1e3:.2f} -> "
-                f"{o['collective_overlapped_s'] * 1e3:.2f} ms"
-            )
+        print("\n".join(summary_lines(result)))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,102 @@
+"""`gobrrr calibrate --collectives`: the merge into a GPU's calibration (points of the run's
+rank count replaced, the others kept, written atomically, loadable), and on the CPU under
+torchrun the one line that says it needs CUDA GPUs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_profile_distributed import rank_exit_codes, rank_log, torchrun
+
+from gobrrr.calibrate import merge
+from gobrrr.calibrate.sections import collectives as cs
+from gobrrr.cli import main
+from gobrrr.errors import GobrrrError
+from gobrrr.hardware import Calibration, calibration_dirs
+
+SHIPPED = calibration_dirs()[1] / "h100-sxm.json"
+
+
+def measured(ranks: int, seconds: float) -> dict:
+    """A `sections.collectives` result of `ranks` ranks, every point taking `seconds`."""
+    points = [
+        {"op": op, "dtype": "bf16", "bytes": b, "ranks": ranks, "iters": 20, "seconds": seconds,
+         "min_s": seconds, "max_s": seconds, "bus_bytes_per_s": 1.0}
+        for op in cs.OPS
+        for b in cs.QUICK_SIZES
+    ]  # fmt: skip
+    meta = {"date": "2026-01-01", "device": "NVIDIA H100 80GB HBM3", "world_size": ranks}
+    return {"version": 1, "kind": "collectives", "meta": meta, "points": points, "overlap": []}
+
+
+def test_merge_replaces_only_the_points_of_the_same_rank_count(tmp_path):
+    path = tmp_path / "h100-sxm.json"
+    shutil.copy(SHIPPED, path)
+    before = json.loads(path.read_text())
+    kept = [p for p in before["collectives"] if p["ranks"] != 2]
+    assert kept and len(kept) < len(before["collectives"])  # ships both 2 and 4 ranks
+
+    cal = merge.base_calibration("NVIDIA H100 80GB HBM3", path)
+    merge.write_calibration(merge.merge_collectives(cal, measured(2, 1e-3), "test"), path)
+
+    after = Calibration.load(path)
+    twos = [p for p in after.collectives if p["ranks"] == 2]
+    assert len(twos) == len(cs.OPS) * len(cs.QUICK_SIZES)
+    assert all(p["seconds"] == 1e-3 and "bus_bytes_per_s" not in p for p in twos)
+    assert [p for p in after.collectives if p["ranks"] != 2] == kept
+    origins = after.meta["collectives"]["from"]
+    assert [o["world_size"] for o in origins if o["world_size"] == 2] == [2]
+    assert origins[-1]["file"] == "test"
+    # everything else as it was
+    assert after.matmul_flops == before["matmul_flops"]
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left
+
+
+def test_base_is_the_shipped_calibration_when_the_user_has_none(tmp_path):
+    cal = merge.base_calibration("NVIDIA H100 80GB HBM3", tmp_path / "none.json")
+    assert cal["matmul_flops"] == json.loads(SHIPPED.read_text())["matmul_flops"]
+
+
+def test_no_calibration_to_merge_into_is_one_clear_error(tmp_path):
+    with pytest.raises(GobrrrError, match="run `gobrrr calibrate` on this GPU first"):
+        merge.base_calibration("Some Unknown GPU", tmp_path / "x.json")
+
+
+def test_a_broken_merge_leaves_the_file_as_it_was(tmp_path):
+    path = tmp_path / "cal.json"
+    shutil.copy(SHIPPED, path)
+    text = path.read_text()
+    with pytest.raises(GobrrrError):
+        merge.write_calibration({"version": 1}, path)  # not a calibration: refused
+    assert path.read_text() == text and list(tmp_path.iterdir()) == [path]
+
+
+def test_target_path_is_the_output_or_the_users_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOBRRR_HOME", str(tmp_path))
+    assert merge.target_path("NVIDIA H100 80GB HBM3", None) == Path(
+        tmp_path, "calibration", "h100-sxm.json"
+    )
+    assert merge.target_path("NVIDIA H100 80GB HBM3", "x.json") == Path("x.json")
+
+
+def test_outside_torchrun_it_says_how_to_run_it(capsys):
+    assert main(["calibrate", "--collectives", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "not started by torchrun" in err and "torchrun --nproc-per-node N" in err
+
+
+def test_quick_without_collectives_is_an_error(capsys):
+    assert main(["calibrate", "--quick", "--no-save"]) == 2
+    assert "--quick sets the grid of --collectives" in capsys.readouterr().err
+
+
+def test_on_cpu_ranks_it_needs_cuda_one_line_exit_2(tmp_path):
+    proc = torchrun(["calibrate", "--collectives", "--quick", "--no-save"], tmp_path)
+    assert rank_exit_codes(proc.stderr) == {0: 2, 1: 2}
+    (line,) = rank_log(tmp_path, 0, "stderr").splitlines()
+    assert "calibrate --collectives measures NCCL between CUDA GPUs" in line
+    assert rank_log(tmp_path, 1, "stderr") == ""  # one rank speaks for all

@@ -72,6 +72,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--trace", metavar="FILE", help="write the profiled step as a Chrome trace")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--html", metavar="FILE", help="also write one HTML page with the charts")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.set_defaults(func=run_profile)
     return p
@@ -109,7 +110,10 @@ def _factory(args) -> Callable[[int | None], Workload]:
 def run_profile(args) -> int:
     """Handler of `gobrrr profile`."""
     from gobrrr.profile.api import profile  # lazy: loaded for this command only
+    from gobrrr.report.html import require_plotly, write_html  # lazy: this command only
 
+    if args.html:
+        require_plotly()  # before the work, not after it
     make = _factory(args)
     out: dict = {}
     graph = prediction = None
@@ -143,6 +147,8 @@ def run_profile(args) -> int:
             make, batch, args.device, args.precision, args.steps, args.warmup, compile=args.compile
         )
         out["scaling"] = scaling.to_dict()
+    if args.html:
+        write_html(out, args.html)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

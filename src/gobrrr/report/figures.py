@@ -181,7 +181,7 @@ def memory_figure(series: dict[str, Any], title: str) -> go.Figure:
     )
     _phase_shading(fig, series["phases"], lambda i: i)
     _peak_marker(fig, series)
-    _lines(fig, series["reserved_bytes"], series["budget_bytes"])
+    _lines(fig, series["reserved_bytes"], _near(series["budget_bytes"], series["reserved_bytes"]))
     fig.update_layout(
         title=title,
         xaxis=dict(title="op index (the step's ops in the order they run)"),
@@ -190,6 +190,12 @@ def memory_figure(series: dict[str, Any], title: str) -> go.Figure:
         **LAYOUT,
     )
     return fig
+
+
+def _near(budget: int | None, reserved: int) -> int | None:
+    """The budget where drawing it leaves the curve readable (within 2x the reserved peak);
+    the page states it in words either way."""
+    return budget if budget and reserved and budget <= 2 * reserved else None
 
 
 def _peak_marker(fig: go.Figure, series: dict) -> None:
@@ -243,13 +249,12 @@ def _phase_shading(fig: go.Figure, phases: list, at) -> None:
         seen.add(phase)
 
 
-def memory_pair_figure(pair: dict[str, dict], title: str) -> go.Figure:
+def memory_pair_figure(pair: dict[str, dict], budget: int, title: str) -> go.Figure:
     """Two configurations' allocated bytes over the share of their step's ops (their ops
     differ: checkpointing recomputes, accumulation repeats), each with its reserved peak,
-    and the budget."""
+    and the plan's budget (bytes)."""
     fig = go.Figure()
     colours = ("#737373", "#2c7fb8", "#e6550d")
-    budget = None
     for (name, s), colour in zip(pair.items(), colours, strict=False):
         n = max(s["ops"] - 1, 1)
         fig.add_trace(
@@ -269,7 +274,6 @@ def memory_pair_figure(pair: dict[str, dict], title: str) -> go.Figure:
             annotation_text=f"{esc(name)}: reserved {s['reserved_bytes'] / GiB:.2f} GiB",
             annotation_position="top left",
         )
-        budget = s["budget_bytes"] or budget
     _lines(fig, None, budget)
     fig.update_layout(
         title=title,
@@ -312,9 +316,10 @@ def bars_figure(
     """One horizontal bar per name, largest on top (seconds or a share)."""
     items = sorted(rows.items(), key=lambda kv: kv[1])
     fmt = human_time if unit == "s" else (lambda v: f"{v:.1%}")
+    scale = 1e3 if unit == "s" else 1.0  # seconds drawn in ms
     fig = go.Figure(
         go.Bar(
-            x=[v for _, v in items],
+            x=[v * scale for _, v in items],
             y=[esc(k) for k, _ in items],
             orientation="h",
             text=[fmt(v) for _, v in items],
@@ -377,6 +382,8 @@ def _span(row: str, start: float, end: float, name: str, colour: str | None) -> 
         y=[row],
         x=[(end - start) * 1e3],
         base=[start * 1e3],
+        text=[esc(name)],
+        textposition="inside",
         orientation="h",
         marker=dict(color=solid, line=dict(width=0.5, color="#333")),
         name=esc(name),

@@ -115,7 +115,13 @@ def estimate_summary(r: dict[str, Any]) -> Section:
         fact("step time", "time.step_s", t["step_s"], human_time(t["step_s"])),
         fact(f"{unit}/s", "time.per_s", t["per_s"], f"{t['per_s']:,.0f}"),
         fact("MFU", "time.mfu", t["mfu"], f"{t['mfu']:.1%}", f"HFU {t['hfu']:.1%}"),
-        fact("host / idle", "time.idle_s", t["idle_s"], human_time(t["idle_s"]) + " idle"),
+        fact(
+            "idle (the GPU waits for the host)",
+            "time.idle_s",
+            t["idle_s"],
+            human_time(t["idle_s"]),
+            f"host issues for {human_time(t['host_s'])}",
+        ),
     )
     if m.get("budget_bytes"):
         s.body += (
@@ -184,7 +190,7 @@ def memory_section(series: dict, m: dict) -> Section:
         F.memory_figure(series, "allocated over the step, by kind"),
         f"{len(series['x']):,} of the step's {series['ops']:,} ops drawn (the peak and each "
         "stretch's lowest and highest kept). Reserved: the caching allocator's segments at "
-        "their peak.",
+        f"their peak; the GPU's budget is {gib(m['budget_bytes'])}.",
     )
     rows = [[k.replace("_", " "), gib(v)] for k, v in sorted(p["at_peak"].items(), key=_big) if v]
     s.body += f"<p>Alive at the peak (op {p['index']}, {e(op_label(p['op']))} in "
@@ -210,7 +216,7 @@ def time_section(r: dict, charts: dict) -> Section:
     if par := r.get("parallel"):
         rows["comm overlapped"] = par["overlapped_comm_s"]
         rows["comm exposed"] = par["exposed_comm_s"]
-    s.figure("phases", F.bars_figure(rows, "device time by phase", "seconds"))
+    s.figure("phases", F.bars_figure(rows, "device time by phase", "ms"))
     s.figure("timeline", F.timeline_figure(charts["phases"], t["step_s"], "the step in time"))
     s.body += f"<p>Host: {human_time(t['host_s'])} to issue the step's ops; "
     s.body += f"device busy {human_time(t['device_s'])} of {human_time(t['step_s'])}.</p>"
@@ -310,7 +316,7 @@ def profile_time(p: dict) -> Section:
     s = Section("time", "Time")
     for key, what in (("modules", "module"), ("phases", "phase"), ("kinds", "op kind")):
         rows = {g["name"]: g["device_s"] for g in p[key][:25]}
-        s.figure(key, F.bars_figure(rows, f"measured device time by {what}", "seconds"))
+        s.figure(key, F.bars_figure(rows, f"measured device time by {what}", "ms"))
     s.body += f"<p>Idle: {human_time(p['idle_s'])} ({p['idle_share']:.0%} of the step).</p>"
     top = sorted(p["ops"], key=lambda o: -o["device_s"])
     s.body += "<p>Top ops by measured time:</p>" + ops_table(top)
@@ -342,7 +348,7 @@ def plan_page(r: dict[str, Any]) -> tuple[str, str, list[Section]]:
     charts = need(r, "charts", "charts")
     title = f"plan for {r['workload']} on {r['gpu']}"
     sub = f"gobrrr plan: {r['precision']}, global batch {r['global_batch']}"
-    return title, sub, [plan_summary(r), plan_section(r, charts), plan_memory(charts)]
+    return title, sub, [plan_summary(r), plan_section(r, charts), plan_memory(r, charts)]
 
 
 def plan_summary(r: dict) -> Section:
@@ -445,11 +451,13 @@ def _knob_row(c: dict, name: str, i: int | None, u: int) -> list:
     ]
 
 
-def plan_memory(charts: dict) -> Section:
+def plan_memory(r: dict, charts: dict) -> Section:
     s = Section("memory", "Memory")
     s.figure(
         "memory",
-        F.memory_pair_figure(charts["memory"], "allocated over the step: as given and chosen"),
+        F.memory_pair_figure(
+            charts["memory"], r["budget_bytes"], "allocated over the step: as given and chosen"
+        ),
         "x: the share of each step's ops (checkpointing adds recomputed ops, accumulation "
         "runs several micro-batches).",
     )

@@ -78,13 +78,19 @@ class Chromium:
             f"--window-size={width},{height}",
             "about:blank",
         ]
+
         # the protocol's pipe: Chromium reads commands on fd 3 and writes replies on fd 4
-        shell = f'exec "$@" 3<&{cmd_r} 4>&{res_w}'
+        def pipe_fds() -> None:  # in the child, before exec; dup2 leaves them inheritable
+            os.dup2(cmd_r, 3)
+            os.dup2(res_w, 4)
+
         self.proc = subprocess.Popen(
-            ["sh", "-c", shell, "sh", *args],
-            pass_fds=(cmd_r, res_w),
+            args,
+            pass_fds=(3, 4),
+            preexec_fn=pipe_fds,  # noqa: PLW1509 (no threads start chromium)
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=open(os.environ.get("GOBRRR_CHROMIUM_LOG", os.devnull), "ab"),  # noqa: SIM115
         )
         os.close(cmd_r)
         os.close(res_w)

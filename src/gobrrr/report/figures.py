@@ -352,6 +352,7 @@ def compare_figure(rows: list[dict], title: str) -> go.Figure:
                 name=name,
                 marker_color=colour,
                 text=err,
+                textposition="none",
                 hovertemplate="%{x}: %{y:.3f} ms<br>%{text}<extra>" + name + "</extra>",
             )
         )

@@ -50,6 +50,7 @@ class Page:
     errors: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
     render_ms: float | None = None
+    scripts_ms: float | None = None
     rendered: int | None = None
     load_s: float = 0.0
     charts: list[dict[str, Any]] = field(default_factory=list)
@@ -164,12 +165,13 @@ class Chromium:
         while time.monotonic() < deadline:
             state = self.evaluate(
                 "document.body ? [document.body.dataset.rendered || null, "
-                "document.body.dataset.renderMs || null, document.body.dataset.errors || null]"
-                " : null"
+                "document.body.dataset.renderMs || null, document.body.dataset.errors || null,"
+                "document.body.dataset.scriptsMs || null] : null"
             )
             if state and (state[0] is not None or state[2] is not None):
                 page.rendered = int(state[0]) if state[0] is not None else None
                 page.render_ms = float(state[1]) if state[1] is not None else None
+                page.scripts_ms = float(state[3]) if state[3] is not None else None
                 break
             time.sleep(0.05)
         page.load_s = time.monotonic() - t0

@@ -7,7 +7,7 @@ is embedded once, inline: the page opens offline and fetches nothing. The result
 too (`<script type="application/json" id="gobrrr-result">`), its `<`, `>` and `&` written as
 JSON escapes, as plotly writes its figures: no name a user controls can close the tag.
 The page marks itself when every chart has rendered (`<body data-rendered=N>`, the time it
-took in `data-render-ms`) and shows any script error in a banner (`#gobrrr-errors`).
+took in `data-render-ms`, the time its scripts were read in by in `data-scripts-ms`) and shows any script error in a banner (`#gobrrr-errors`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ if(b){b.hidden=false;b.textContent='a chart failed: '+window.gobrrrErrors.join('
 document.body.dataset.errors=String(window.gobrrrErrors.length);}});"""
 
 LOADER = """(function(){var s=document.querySelectorAll('script.gobrrr-figure'),p=[];
+document.body.dataset.scriptsMs=String(Math.round(performance.now()));
 s.forEach(function(e){var d=document.getElementById(e.dataset.target),f=JSON.parse(e.textContent);
 p.push(Plotly.newPlot(d,f.data,f.layout,{responsive:true,displaylogo:false}).then(function(g){
 d.dataset.traces=String(g.data.length);}));});

@@ -6,8 +6,9 @@ a page made later from a saved result is the page the command would have written
 is embedded once, inline: the page opens offline and fetches nothing. The result is embedded
 too (`<script type="application/json" id="gobrrr-result">`), its `<`, `>` and `&` written as
 JSON escapes, as plotly writes its figures: no name a user controls can close the tag.
-The page marks itself when every chart has rendered (`<body data-rendered=N>`, the time it
-took in `data-render-ms`, the time its scripts were read in by in `data-scripts-ms`) and shows any script error in a banner (`#gobrrr-errors`).
+The page marks itself when every chart has rendered (`<body data-rendered=N>`; ms to then in
+`data-render-ms`, to its scripts read in `data-scripts-ms`) and shows any script error in a
+banner (`#gobrrr-errors`).
 """
 
 from __future__ import annotations

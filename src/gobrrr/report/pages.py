@@ -90,7 +90,7 @@ def estimate_page(r: dict[str, Any]) -> tuple[str, str, list[Section]]:
     out = [
         estimate_summary(r),
         roofline_section(charts["roofline"], "predicted", charts["roofline"].get("left_out_s")),
-        memory_section(charts["memory"], m),
+        memory_section(charts["memory"], m, r.get("parallel")),
         time_section(r, charts),
     ]
     return title, sub, out
@@ -182,12 +182,13 @@ def roofline_section(data: dict, what: str, left_out_s: float | None = None) -> 
     return s
 
 
-def memory_section(series: dict, m: dict) -> Section:
+def memory_section(series: dict, m: dict, par: dict | None = None) -> Section:
     s = Section("memory", "Memory")
     p = series["peak"]
+    rank = f" of one rank (each of {par['gpus']}, {par['kind']})" if par else ""
     s.figure(
         "memory",
-        F.memory_figure(series, "allocated over the step, by kind"),
+        F.memory_figure(series, f"allocated over the step{rank}, by kind"),
         f"{len(series['x']):,} of the step's {series['ops']:,} ops drawn (the peak and each "
         "stretch's lowest and highest kept). Reserved: the caching allocator's segments at "
         f"their peak; the GPU's budget is {gib(m['budget_bytes'])}.",
@@ -213,11 +214,13 @@ def time_section(r: dict, charts: dict) -> Section:
     root = r["workload"].get("name", "step")
     s.figure("modules", F.treemap_figure(charts["modules"], root, "device time by module"))
     rows = {**t["phase_s"], "idle (device waits for the host)": t["idle_s"]}
-    if par := r.get("parallel"):
+    par = r.get("parallel")
+    if par:
         rows["comm overlapped"] = par["overlapped_comm_s"]
         rows["comm exposed"] = par["exposed_comm_s"]
     s.figure("phases", F.bars_figure(rows, "device time by phase", "ms"))
-    s.figure("timeline", F.timeline_figure(charts["phases"], t["step_s"], "the step in time"))
+    title = "the step in time" + (": compute and the collectives (one rank)" if par else "")
+    s.figure("timeline", F.timeline_figure(charts["phases"], t["step_s"], title))
     s.body += f"<p>Host: {human_time(t['host_s'])} to issue the step's ops; "
     s.body += f"device busy {human_time(t['device_s'])} of {human_time(t['step_s'])}.</p>"
     s.body += "<p>Top ops by predicted time:</p>" + ops_table(r["top_ops"])

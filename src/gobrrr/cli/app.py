@@ -14,19 +14,23 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from gobrrr.capture import CHECKPOINTS
-from gobrrr.cli.checks import check_args, explain
+from gobrrr.cli.checks import check_args, check_output_file, explain
 from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.estimate import PARALLEL, estimate, workload_factory
 from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
-from gobrrr.plan.search import plan
+from gobrrr.plan.search import Planner
 from gobrrr.plan.verify import verify
 from gobrrr.precision import PRECISIONS
+from gobrrr.report.charts import estimate_charts, json_text, plan_charts
 from gobrrr.report.estimate import estimate_dict
+from gobrrr.report.html import read_result, require_plotly, write_html
+from gobrrr.report.progress import Progress
 from gobrrr.report.streams import command_streams, one_line
 
 JSON_VERSION = 1
@@ -44,6 +48,9 @@ EXAMPLES = {
   gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096
   gobrrr plan --model llama3-1b --gpu a100-80gb --global-batch 32 --seq 8192 \\
               --memory-budget 70GiB --json""",
+    "report": """examples:
+  gobrrr estimate --model gpt2 --batch 16 --json > gpt2.json
+  gobrrr report gpt2.json -o gpt2.html""",
     "gpus": """examples:
   gobrrr gpus
   gobrrr gpus --json""",
@@ -52,6 +59,7 @@ EXAMPLES = {
   gobrrr bench kernels --which norms lce --json""",
 }
 PRECISION_HELP = "fp32 | tf32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed)"
+HTML_HELP = "also write one HTML page with the charts (needs gobrrr[report])"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,6 +203,8 @@ def workload_spec(args: argparse.Namespace, default: str = "gpt2") -> str:
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    if args.html:
+        require_plotly()  # before the work, not after it
     est = estimate(
         workload_spec(args),
         args.gpu,
@@ -210,17 +220,34 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     if args.save_graph:
         est.graph.save(args.save_graph)
+    data = estimate_dict(est, top=args.top)
+    if args.json or args.html:
+        data["charts"] = estimate_charts(est)
+    data["warnings"] = args.warnings
+    if args.html:
+        write_html(data, args.html)
     if args.json:
-        print(json.dumps({**estimate_dict(est, top=args.top), "warnings": args.warnings}, indent=2))
+        print(json_text(data))
     else:
         from gobrrr.report.terminal import print_estimate  # lazy: rich, for tables only
 
         print_estimate(est, top=args.top)
+        _wrote(args.html)
     return 0
 
 
+def _wrote(path: str | None) -> None:
+    if path:
+        print(f"report: {path}")
+
+
 def _plan(args: argparse.Namespace) -> int:
-    result = plan(
+    if args.html:
+        require_plotly()  # before the work, not after it
+    progress = None if args.json else Progress("costing (variant, micro-batch) pairs:")
+    if progress:
+        progress.note(f"tracing {workload_spec(args)} (a few seconds to minutes)")
+    planner = Planner(
         workload_spec(args),
         args.gpu,
         global_batch=args.global_batch,
@@ -231,21 +258,36 @@ def _plan(args: argparse.Namespace) -> int:
         margin=args.margin,
         calibration=not args.no_calibration,
     )
+    result = planner.run(progress)
     verified = _verify(args, result) if args.verify else None
+    extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
+    data = {**result.to_dict(top=args.top), **extra}
+    if args.json or args.html:
+        data["charts"] = plan_charts(planner, result)
+    data["warnings"] = args.warnings
+    if args.html:
+        write_html(data, args.html)
     if args.json:
-        extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
-        print(
-            json.dumps(
-                {**result.to_dict(top=args.top), **extra, "warnings": args.warnings}, indent=2
-            )
-        )
+        print(json_text(data))
     else:
         from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
         print_plan(result, top=args.top)
         if verified is not None:
             print_verified(verified)
+        _wrote(args.html)
     return 0 if result.best is not None else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    require_plotly()
+    out = args.output or str(Path(args.result).with_suffix(".html"))
+    if Path(out).resolve() == Path(args.result).resolve():
+        raise GobrrrError(f"-o {out} is the result itself", hint="give another file, -o page.html")
+    check_output_file(out, "-o")
+    path = write_html(read_result(args.result), out)
+    print(json.dumps({"version": JSON_VERSION, "written": str(path)}) if args.json else path)
+    return 0
 
 
 def _verify(args: argparse.Namespace, result) -> list:
@@ -341,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ddp | fsdp (FSDP2's fully_shard), with --gpus > 1 (default ddp)",
     )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
+    p.add_argument("--html", metavar="FILE", help=HTML_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_estimate)
 
@@ -376,7 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     _add_profile_commands(sub)
+    _add_report_parser(sub, fmt)
     return parser
+
+
+def _add_report_parser(sub, fmt) -> None:
+    p = sub.add_parser(
+        "report",
+        help="one HTML page (charts) from a saved --json output",
+        epilog=EXAMPLES["report"],
+        formatter_class=fmt,
+    )
+    p.add_argument("result", help="a saved `--json` output of estimate, profile or plan")
+    p.add_argument("-o", "--output", metavar="FILE", help="the page (default: RESULT.html)")
+    p.add_argument("--json", action="store_true", help="print the written path as JSON")
+    p.set_defaults(func=_report)
 
 
 def _add_plan_parser(sub, fmt, models: list[str]) -> None:
@@ -454,6 +511,7 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         metavar="K",
         help="on a GPU: apply the best K plans (default 3) and measure each beside its prediction",
     )
+    p.add_argument("--html", metavar="FILE", help=HTML_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_plan)
 

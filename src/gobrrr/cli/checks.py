@@ -20,7 +20,12 @@ from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import describe, model_names
 
 # argparse attribute -> the option that set it, for output files
-OUTPUT_FILES = {"save_graph": "--save-graph", "trace": "--trace", "output": "--output"}
+OUTPUT_FILES = {
+    "save_graph": "--save-graph",
+    "trace": "--trace",
+    "output": "--output",
+    "html": "--html",
+}
 
 
 def check_args(args: argparse.Namespace) -> None:

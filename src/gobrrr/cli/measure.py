@@ -82,6 +82,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--trace", metavar="FILE", help="write the profiled step as a Chrome trace")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--html", metavar="FILE", help="also write one HTML page with the charts")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument(
         "--parallel",
@@ -156,7 +157,10 @@ def _factory(args) -> Callable[[int | None], Workload]:
 def run_profile(args) -> int:
     """Handler of `gobrrr profile`."""
     from gobrrr.profile.api import profile  # lazy: loaded for this command only
+    from gobrrr.report.html import require_plotly, write_html  # lazy: this command only
 
+    if args.html:
+        require_plotly()  # before the work, not after it
     if args.parallel:
         return _on_ranks(args, "profile --parallel", _profile_parallel)
     make = _factory(args)
@@ -192,6 +196,8 @@ def run_profile(args) -> int:
             make, batch, args.device, args.precision, args.steps, args.warmup, compile=args.compile
         )
         out["scaling"] = scaling.to_dict()
+    if args.html:
+        write_html(out, args.html)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -94,6 +94,7 @@ def plan(
     allow: Iterable[str] = (),
     margin: float = MARGIN,
     calibration=True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PlanResult:
     """The fastest configurations of `source`'s step that fit `gpu`, best first.
 
@@ -102,7 +103,8 @@ def plan(
     (default: the workload's own batch). memory_budget: bytes the reserved peak may take
     (default, and at most: what CUDA leaves the process on `gpu`). allow: knobs that go
     beyond the user's numerics (see ALLOW). margin: the share of the budget to leave free
-    (see MARGIN).
+    (see MARGIN). progress: called with (costed, of) as the search goes (variants x
+    micro-batches).
     """
     return Planner(
         source,
@@ -114,7 +116,7 @@ def plan(
         allow=allow,
         margin=margin,
         calibration=calibration,
-    ).run()
+    ).run(progress)
 
 
 class Planner:
@@ -225,8 +227,8 @@ class Planner:
             )
         return self.search.cost(knobs)
 
-    def run(self) -> PlanResult:
-        plans = self.search.run()
+    def run(self, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+        plans = self.search.run(progress)
         user = self.search.user()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
         return PlanResult(
@@ -410,18 +412,22 @@ class _Search:
         self.notes: list[str] = []
         self._user: Plan | None = None
 
-    def run(self) -> list[Plan]:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         out: list[Plan] = []
+        sizes = divisors(self.req.global_batch)
         if not self.blocks:
             self.notes.append(
                 "no repeated blocks (an nn.ModuleList or nn.Sequential of "
                 "modules of one class) to checkpoint: planned micro-batch and "
                 "accumulation only"
             )
-        for v in self.variants:
-            for m in divisors(self.req.global_batch):
+        for i, v in enumerate(self.variants):
+            for j, m in enumerate(sizes):
                 plans = self.at_micro_batch(m, v)
                 out.extend(plans)
+                if progress:  # a break skips the rest of this variant's micro-batches
+                    done = j + 1 if any(p.fits for p in plans) else len(sizes)
+                    progress(i * len(sizes) + done, len(self.variants) * len(sizes))
                 if not any(p.fits for p in plans):
                     break  # a larger micro-batch needs more memory still
         return out

@@ -1,0 +1,125 @@
+"""The report in a real browser: headless Chromium loads each kind of page (an estimate, a
+profile with --compare, a plan) from a file URL with the network off, and every chart draws
+(plotly's SVG), nothing logs an error, nothing is fetched, the charts hold the JSON's numbers,
+and a module or workload named as markup stays text. Skipped where no Chromium is installed
+(`.ci/setup` installs Debian's where it can)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gobrrr.cli.app import main
+
+pytest.importorskip("plotly")
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "report_browser", ROOT / "benchmarks/report/browser.py"
+)
+browser = sys.modules["report_browser"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(browser)
+if browser.find_chromium() is None:
+    pytest.skip("no chromium binary found (apt-get install chromium)", allow_module_level=True)
+
+EVIL = "<script>alert(1)</script>"
+WORKLOAD = f"""
+import torch
+from torch import nn
+from gobrrr import Workload
+
+class Evil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.add_module({EVIL!r}, nn.Linear(64, 256))
+        self.head = nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.head(torch.relu(getattr(self, {EVIL!r})(x))).square().mean()
+
+def make(batch_size: int = 16):
+    return Workload(model=Evil(), batch=(torch.randn(batch_size, 64),),
+                    name='<img src=x onerror="document.title=1">')
+"""
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    """{kind: (page path, the command that writes it and prints its JSON)}."""
+    d = tmp_path_factory.mktemp("pages")
+    (d / "evil.py").write_text(WORKLOAD)
+    spec = f"{d / 'evil.py'}:make"
+    runs = {
+        "estimate": ["estimate", spec, "--batch", "16"],
+        "profile": [
+            "profile",
+            spec,
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--compare",
+            "--gpu",
+            "h100",
+        ],
+        "plan": ["plan", "--model", "mlp", "--global-batch", "8", "--memory-budget", "3GiB"],
+    }
+    out = {}
+    for kind, args in runs.items():
+        out[kind] = (d / f"{kind}.html", [*args, "--json", "--html", str(d / f"{kind}.html")])
+    return out
+
+
+def run(args, capsys) -> dict:
+    assert main(args) in (0, 1)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_pages_render_offline_with_the_json_numbers(pages, capsys):
+    results = {kind: run(args, capsys) for kind, (_, args) in pages.items()}
+    with browser.Chromium() as b:
+        for kind, (path, _) in pages.items():
+            page = b.load(path)
+            charts = page.charts
+            assert page.errors == [], kind
+            assert page.requests == [], kind  # nothing fetched
+            assert page.rendered == len(charts) > 0, kind
+            assert all(c["svg"] > 0 and c["traces"] for c in charts), kind
+            check_numbers(b, kind, results[kind], charts)
+        # markup in names stayed text: no script ran, the title is the name as typed
+        b.load(pages["estimate"][0])
+        title = 'gobrrr: <img src=x onerror="document.title=1"> on h100-sxm'
+        assert b.evaluate("document.title") == title
+        assert not any(e.get("method") == "Page.javascriptDialogOpening" for e in b.events)
+        assert EVIL in b.text("#time table")
+        assert b.evaluate("document.querySelectorAll('main img, main script').length") == 0
+
+
+def check_numbers(b, kind: str, r: dict, charts: list[dict]) -> None:
+    """What the drawn charts and the summary hold is the JSON's."""
+    gib = 2**30
+    if kind == "estimate":
+        mem = r["charts"]["memory"]
+        drawn = next(c for c in charts if c["id"].endswith("-memory"))
+        total = next(t for t in drawn["traces"] if t["name"] == "allocated")
+        assert total["y"] == pytest.approx([v / gib for v in mem["total"]], abs=1e-6)
+        tree = next(c for c in charts if c["id"].endswith("-modules"))["traces"][0]
+        assert tree["values"] == pytest.approx(r["charts"]["modules"]["time_s"])
+        shown = b.evaluate(
+            "document.querySelector('[data-key=\"memory.peak_bytes\"]').dataset.value"
+        )
+        assert int(shown) == r["memory"]["peak_bytes"]
+    elif kind == "profile":
+        assert "compare" in r
+        bars = next(c for c in charts if c["id"].endswith("compare-0-kinds"))["traces"]
+        assert bars[1]["y"] == pytest.approx([k["measured_s"] * 1e3 for k in r["compare"]["kinds"]])
+    else:
+        c = r["charts"]["candidates"]
+        drawn = next(x for x in charts if x["id"].endswith("-candidates"))["traces"]
+        xs = sorted(x for t in drawn if t["name"] in ("fits", "does not fit") for x in t["x"])
+        assert xs == pytest.approx(sorted(v / gib for v in c["reserved_bytes"]))

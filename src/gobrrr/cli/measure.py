@@ -374,6 +374,7 @@ def _profile_parallel(args, group, dog) -> int:
         ("--compile", args.compile),
         ("--scaling", args.scaling),
         ("--trace", args.trace),
+        ("--html", args.html),
     )
     for flag, given in given_flags:
         if given:

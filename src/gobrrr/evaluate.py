@@ -27,7 +27,7 @@ from gobrrr.cost._ops_comm import COLLECTIVE_OF
 from gobrrr.cost._ops_comm import KIND as COMM_KIND
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
-from gobrrr.cost.collectives import data_parallel_time
+from gobrrr.cost.collectives import parallel_time
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import (
@@ -113,13 +113,13 @@ def op_times(
 def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:
     """The collectives' time on the comm stream (s): NCCL's, over the ranks and hosts of
     `meta.parallel` (one rank without it: no time), from the calibration's measured
-    `collectives` (`cost.collectives.data_parallel_time`); their regime "comm" (no compute
+    `collectives` (`cost.collectives.parallel_time`); their regime "comm" (no compute
     stream time). Unchanged where the step has none."""
     idx = [o.index for o in ops if o.kind == COMM_KIND]
     if not idx:
         return ops
     par = graph.meta.parallel
-    world, hosts = (par.world, par.hosts) if par else (1, 1)
+    kind, world, hosts = (par.kind, par.world, par.hosts) if par else ("ddp", 1, 1)
     points = rates.cal.collectives if rates.cal else []
     out = list(ops)
     for i in idx:
@@ -127,7 +127,7 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
         buf = node.inputs[0] if node.inputs else node.outputs[0]
         dtype = "fp32" if buf.dtype == "float32" else "bf16"
         op = COLLECTIVE_OF[node.op][0]
-        t = data_parallel_time(op, ops[i].bytes, dtype, world, hosts, points)
+        t = parallel_time(kind, op, ops[i].bytes, dtype, world, hosts, points)
         out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
     return tuple(out)
 

@@ -101,6 +101,12 @@ def estimate(
             f"--parallel {parallel} models FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, "
             f"reduce_dtype=fp32), not --precision {precision}: use --precision bf16-mixed"
         )
+    if gpus > 1 and parallel in SHARDED and compile:
+        raise GobrrrError(
+            f"--parallel {parallel} with --compile is not modelled: the compiled step's backward "
+            "is not traced unit by unit, so FSDP2's per-unit reduce-scatters cannot be placed; "
+            "predict it without --compile"
+        )
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
     graph = capture(

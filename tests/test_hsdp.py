@@ -233,3 +233,89 @@ def test_hsdp_needs_several_hosts(graph):
         check_parallel(4, 1, "hsdp")
     with pytest.raises(GobrrrError, match="hosts > 1"):
         fsdp(graph, 4, 1, hsdp=True)
+
+
+# ----------------------------------------------- the estimate command's data-parallel knobs
+class Flat(nn.Module):
+    """Modules of different classes, none repeated: nothing FSDP2 wraps as a unit by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mid, self.out = nn.Embedding(V, H), nn.Linear(H, F), nn.Linear(F, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.embed(ids))))
+
+
+def _flat_workload() -> Workload:
+    torch.manual_seed(0)
+    return Workload(Flat(), torch.randint(0, V, (2, 8)), step=_loss)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    from gobrrr.cli.app import main
+
+    rc = main(["estimate", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+SPEC = f"{__file__}:_workload"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--units", "blocks.0,blokcs.1"], "did you mean 'blocks.1'"),
+        (["--parallel", "hsdp", "--nodes", "1"], "--nodes 2 or more"),
+        (["--nodes", "3"], "--nodes 3 must divide --gpus 4"),
+        (["--parallel", "ddp", "--units", "blocks.0"], "--units set FSDP2's units"),
+        (["--parallel", "ddp", "--no-reshard"], "--no-reshard set FSDP2's units"),
+        (["--units", ","], "expected module names"),
+        (["--parallel", "hsdp", "--nodes", "2", "--compile"], "not modelled"),
+    ],
+)
+def test_bad_knobs_are_one_line_exit_2(capsys, args, says):
+    base = [SPEC, "--gpus", "4", "--parallel", "fsdp"]
+    rc, _, err = _cli(capsys, *base, *args)
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_without_blocks_needs_units(capsys):
+    rc, _, err = _cli(capsys, f"{__file__}:_flat_workload", "--gpus", "2", "--parallel", "fsdp")
+    assert rc == 2 and "no repeated blocks" in err and "--units" in err
+    rc, out, _ = _cli(
+        capsys,
+        f"{__file__}:_flat_workload",
+        "--gpus",
+        "2",
+        "--parallel",
+        "fsdp",
+        "--units",
+        "mid",
+        "--json",
+    )
+    assert rc == 0 and json.loads(out)["workload"]["passes"][-1]["units"] == ["mid"]
+
+
+def test_units_and_reshard_reach_the_pass(capsys):
+    rc, out, _ = _cli(
+        capsys,
+        SPEC,
+        "--gpus",
+        "4",
+        "--nodes",
+        "2",
+        "--parallel",
+        "hsdp",
+        "--units",
+        "blocks.0,blocks.2",
+        "--no-reshard",
+        "--json",
+    )
+    assert rc == 0
+    d = json.loads(out)
+    record = d["workload"]["passes"][-1]
+    assert record["units"] == ["blocks.0", "blocks.2"]
+    assert record["reshard_after_forward"] is False and record["shard"] == 2
+    assert d["parallel"]["kind"] == "hsdp" and d["parallel"]["per_rank_state"]["shards"] == 2

@@ -237,7 +237,8 @@ def table(doc: dict) -> str:
         "reserved peak; gobrrr's reserved peak is replayed with a 96 GB budget to match. "
         "gobrrr's `selective` keeps every matmul output (torchtitan's recomputes every second "
         "one) and `full` recomputes whole blocks: the two bracket their policy. torch.compile "
-        "under FSDP2 and Float8 are not modelled. Source: "
+        "under FSDP2 and Float8 are not modelled. With different GPUs the ratio is context, "
+        "not gobrrr's error (the measured cases above give that). Source: "
         "`benchmarks/multigpu/torchtitan_8b.py` -> `benchmarks/results/torchtitan_8b.json`.",
         "",
         "| torchtitan recipe | TPS/GPU | memory GiB | gobrrr (checkpointing) | tokens/s/GPU "

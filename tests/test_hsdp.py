@@ -109,7 +109,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     try:
         w = _workload()
         group = Group(rank, WORLD, rank % PER_HOST, torch.device("cpu"))
-        model = data_parallel(w.model, "fsdp", group, hosts=HOSTS)
+        model = data_parallel(w.model, "hsdp", group, hosts=HOSTS)
         shards = {}
         for module in (*model.blocks, model):
             for fp in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
@@ -269,8 +269,8 @@ SPEC = f"{__file__}:_workload"
         (["--units", "blocks.0,blokcs.1"], "did you mean 'blocks.1'"),
         (["--parallel", "hsdp", "--nodes", "1"], "--nodes 2 or more"),
         (["--nodes", "3"], "--nodes 3 must divide --gpus 4"),
-        (["--parallel", "ddp", "--units", "blocks.0"], "--units set FSDP2's units"),
-        (["--parallel", "ddp", "--no-reshard"], "--no-reshard set FSDP2's units"),
+        (["--parallel", "ddp", "--units", "blocks.0"], "--units: FSDP2's units"),
+        (["--parallel", "ddp", "--no-reshard"], "--no-reshard: FSDP2's units"),
         (["--units", ","], "expected module names"),
         (["--parallel", "hsdp", "--nodes", "2", "--compile"], "not modelled"),
     ],

@@ -139,7 +139,9 @@ def check_parallel(gpus: int, nodes: int, parallel: str) -> None:
         )
 
 
-def check_fsdp_knobs(parallel: str, reshard_after_forward: bool, units) -> None:
+def check_fsdp_knobs(
+    parallel: str, reshard_after_forward: bool, units: Sequence[str] | None
+) -> None:
     """FSDP2's knobs given to a recipe without FSDP2: one GobrrrError naming the fix."""
     if parallel in SHARDED:
         return
@@ -150,8 +152,8 @@ def check_fsdp_knobs(parallel: str, reshard_after_forward: bool, units) -> None:
     ]
     if given:
         raise GobrrrError(
-            f"{' and '.join(given)} set FSDP2's units and resharding: use them with "
-            f"--parallel fsdp or hsdp, not {parallel}"
+            f"{' and '.join(given)}: FSDP2's units and resharding, for --parallel fsdp or "
+            f"hsdp, not {parallel}"
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gobrrr.capture import capture
@@ -19,10 +19,13 @@ from gobrrr.passes.ddp import ddp
 from gobrrr.passes.fsdp import fsdp
 from gobrrr.workload import Workload
 
-__all__ = ["PARALLEL", "Estimate", "estimate", "shard", "workload_factory"]
+__all__ = ["PARALLEL", "SHARDED", "Estimate", "estimate", "shard", "workload_factory"]
 
-#: the data-parallel recipes `estimate(parallel=...)` knows
-PARALLEL = ("ddp", "fsdp")
+#: the data-parallel recipes `estimate(parallel=...)` knows: DDP; FSDP2 sharded over every
+#: rank; HSDP, FSDP2 sharded within each node and replicated across nodes
+PARALLEL = ("ddp", "fsdp", "hsdp")
+#: the recipes built on FSDP2's fully_shard (traced in bf16, with units and resharding)
+SHARDED = ("fsdp", "hsdp")
 
 
 def workload_factory(
@@ -70,6 +73,8 @@ def estimate(
     gpus: int = 1,
     nodes: int = 1,
     parallel: str = "ddp",
+    reshard_after_forward: bool = True,
+    units: Sequence[str] | None = None,
 ) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
 
@@ -82,16 +87,25 @@ def estimate(
     datasheet with default efficiencies; or a Calibration to use.
 
     gpus, nodes, parallel: the step data-parallel over `gpus` GPUs in all on `nodes` hosts,
-    by `parallel` ("ddp" or "fsdp", see `shard`); `batch` is each GPU's. One GPU: as traced.
+    by `parallel` ("ddp", "fsdp" or "hsdp", see `shard`); `batch` is each GPU's. One GPU: as
+    traced. reshard_after_forward, units: FSDP2's (fsdp and hsdp only; units default to the
+    repeated blocks).
     """
     for what, v in (("batch", batch), ("seq", seq)):
         if v is not None and v <= 0:
             raise GobrrrError(f"--{what} must be a positive number, got {v}")
     check_parallel(gpus, nodes, parallel)
-    if gpus > 1 and parallel == "fsdp" and precision != "bf16-mixed":
+    check_fsdp_knobs(parallel, reshard_after_forward, units)
+    if gpus > 1 and parallel in SHARDED and precision != "bf16-mixed":
         raise GobrrrError(
-            f"--parallel fsdp models FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, "
+            f"--parallel {parallel} models FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, "
             f"reduce_dtype=fp32), not --precision {precision}: use --precision bf16-mixed"
+        )
+    if gpus > 1 and parallel in SHARDED and compile:
+        raise GobrrrError(
+            f"--parallel {parallel} with --compile is not modelled: the compiled step's backward "
+            "is not traced unit by unit, so FSDP2's per-unit reduce-scatters cannot be placed; "
+            "predict it without --compile"
         )
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
@@ -103,7 +117,7 @@ def estimate(
         compile=compile,
     )
     if gpus > 1:
-        graph = shard(graph, parallel, gpus, nodes)
+        graph = shard(graph, parallel, gpus, nodes, reshard_after_forward, units)
     return evaluate(graph, target, capture_s=time.perf_counter() - t0)
 
 
@@ -118,15 +132,54 @@ def check_parallel(gpus: int, nodes: int, parallel: str) -> None:
         raise GobrrrError(
             f"--nodes {nodes} must divide --gpus {gpus} (the same GPUs on every node)"
         )
+    if parallel == "hsdp" and nodes < 2:
+        raise GobrrrError(
+            "--parallel hsdp shards within a node and replicates across nodes: it needs "
+            f"--nodes 2 or more (got --nodes {nodes}); on one node use --parallel fsdp"
+        )
 
 
-def shard(graph: StepGraph, parallel: str, gpus: int, nodes: int = 1) -> StepGraph:
+def check_fsdp_knobs(
+    parallel: str, reshard_after_forward: bool, units: Sequence[str] | None
+) -> None:
+    """FSDP2's knobs given to a recipe without FSDP2: one GobrrrError naming the fix."""
+    if parallel in SHARDED:
+        return
+    given = [
+        f
+        for f, on in (("--units", units is not None), ("--no-reshard", not reshard_after_forward))
+        if on
+    ]
+    if given:
+        raise GobrrrError(
+            f"{' and '.join(given)}: FSDP2's units and resharding, for --parallel fsdp or "
+            f"hsdp, not {parallel}"
+        )
+
+
+def shard(
+    graph: StepGraph,
+    parallel: str,
+    gpus: int,
+    nodes: int = 1,
+    reshard_after_forward: bool = True,
+    units: Sequence[str] | None = None,
+) -> StepGraph:
     """One rank's step of `graph` data-parallel over `gpus` GPUs on `nodes` hosts: DDP
-    (`passes.ddp`) or FSDP2 (`passes.fsdp`)."""
+    (`passes.ddp`), FSDP2 sharded over all of them or, "hsdp", sharded within each node and
+    replicated across the nodes (`passes.fsdp`), with FSDP2's `reshard_after_forward` and
+    `units` (default: the repeated blocks; none: a GobrrrError naming --units)."""
     check_parallel(gpus, nodes, parallel)
+    check_fsdp_knobs(parallel, reshard_after_forward, units)
     if parallel == "ddp":
         return ddp(graph, gpus, nodes)
-    return fsdp(graph, gpus, nodes)
+    if units is None and not graph.meta.blocks:
+        raise GobrrrError(
+            f"--parallel {parallel}: {graph.meta.name or 'the model'} has no repeated blocks "
+            "to shard as FSDP2 units (an nn.ModuleList or nn.Sequential of two or more modules "
+            "of one class): name them with --units NAME,NAME, or use --parallel ddp"
+        )
+    return fsdp(graph, gpus, nodes, reshard_after_forward, units, hsdp=parallel == "hsdp")
 
 
 def traced_precision(precision: str, gpus: int, parallel: str) -> str:
@@ -135,6 +188,6 @@ def traced_precision(precision: str, gpus: int, parallel: str) -> str:
     parameters and no autocast, so each unit computes in bf16 on its gathered bf16 parameters:
     the "bf16" trace, whose parameters, gradients and states `passes.fsdp` re-types as FSDP2
     holds them."""
-    if gpus > 1 and parallel == "fsdp" and precision == "bf16-mixed":
+    if gpus > 1 and parallel in SHARDED and precision == "bf16-mixed":
         return "bf16"
     return precision

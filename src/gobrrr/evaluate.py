@@ -27,7 +27,7 @@ from gobrrr.cost._ops_comm import COLLECTIVE_OF, HOOK_KIND
 from gobrrr.cost._ops_comm import KIND as COMM_KIND
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
-from gobrrr.cost.collectives import data_parallel_time
+from gobrrr.cost.collectives import parallel_time
 from gobrrr.cost.dp_host import hook_host_s
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
@@ -114,7 +114,7 @@ def op_times(
 def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:
     """The data-parallel ops' times. Collectives: on the comm stream, NCCL's, over the ranks
     and hosts of `meta.parallel` (one rank without it: no time), from the calibration's
-    measured `collectives` (`cost.collectives.data_parallel_time`); their regime "comm" (no
+    measured `collectives` (`cost.collectives.parallel_time`); their regime "comm" (no
     compute stream time). FSDP2's hooks: host time, the calibration's `dp_host` per unit and
     phase (`cost.dp_host`) less what the ops the pass put in that unit's phase already cost
     the host (the measurement holds them). Unchanged where the step has neither."""
@@ -123,7 +123,7 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
     if not idx and not hooks:
         return ops
     par = graph.meta.parallel
-    world, hosts = (par.world, par.hosts) if par else (1, 1)
+    kind, world, hosts = (par.kind, par.world, par.hosts) if par else ("ddp", 1, 1)
     points = rates.cal.collectives if rates.cal else []
     out = list(ops)
     for i in idx:
@@ -131,7 +131,7 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
         buf = node.inputs[0] if node.inputs else node.outputs[0]
         dtype = "fp32" if buf.dtype == "float32" else "bf16"
         op = COLLECTIVE_OF[node.op][0]
-        t = data_parallel_time(op, ops[i].bytes, dtype, world, hosts, points)
+        t = parallel_time(kind, op, ops[i].bytes, dtype, world, hosts, points)
         out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
     if hooks:
         charged = _fsdp_charged(graph, ops)

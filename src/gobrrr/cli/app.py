@@ -42,7 +42,9 @@ EXAMPLES = {
   gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
   gobrrr estimate --model convnet --gpu mygpu.toml --top 30
   gobrrr estimate --model gpt2 --batch 16 --seq 1024 --gpus 8 --parallel ddp
-  gobrrr estimate --model llama3-1b --batch 1 --seq 8192 --gpus 4 --parallel fsdp""",
+  gobrrr estimate --model llama3-1b --batch 1 --seq 8192 --gpus 4 --parallel fsdp
+  gobrrr estimate --model llama3-8b --batch 1 --seq 8192 --gpus 8 --parallel fsdp --no-reshard
+  gobrrr estimate --model llama3-70b --seq 8192 --gpus 64 --nodes 8 --parallel hsdp""",
     "plan": """examples:
   gobrrr plan --model gpt2 --global-batch 64 --seq 1024
   gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096
@@ -118,6 +120,16 @@ def gpu_count(text: str) -> int:
                 f"--gpus takes how many GPUs; {text!r} is a GPU: did you mean '--gpu'?"
             ) from None
         raise
+
+
+def _names(text: str) -> list[str]:
+    """argparse type: comma-separated names, at least one."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected module names such as layers.0,layers.1, got {text!r}"
+        )
+    return names
 
 
 def _names_a_gpu(text: str) -> bool:
@@ -217,6 +229,8 @@ def _estimate(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         nodes=args.nodes,
         parallel=args.parallel,
+        reshard_after_forward=args.reshard,
+        units=args.units,
     )
     if args.save_graph:
         est.graph.save(args.save_graph)
@@ -380,7 +394,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel",
         default="ddp",
         type=one_of("data-parallel recipe", PARALLEL),
-        help="ddp | fsdp (FSDP2's fully_shard), with --gpus > 1 (default ddp)",
+        help="ddp | fsdp (FSDP2's fully_shard over every GPU) | hsdp (FSDP2 sharded within "
+        "each node, replicated across --nodes > 1), with --gpus > 1 (default ddp)",
+    )
+    p.add_argument(
+        "--reshard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fsdp/hsdp: free each unit's gathered parameters after its forward "
+        "(reshard_after_forward; default on)",
+    )
+    p.add_argument(
+        "--units",
+        type=_names,
+        metavar="NAME,NAME",
+        help="fsdp/hsdp: the modules wrapped as FSDP2 units, as model.named_modules() names "
+        "them (default: the repeated blocks)",
     )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--html", metavar="FILE", help=HTML_HELP)

@@ -173,3 +173,39 @@ def data_parallel_time(
     if dtype != "bf16":
         curves.update(curves_from_measurement(pts, dtype))
     return collective_time(op, nbytes, world, LINKS[HOST_LINK], curves)
+
+
+def hsdp_time(
+    op: str,
+    nbytes: float,
+    dtype: str,
+    world: int,
+    hosts: int,
+    points: Iterable[Mapping] = (),
+) -> float:
+    """Seconds of one collective of HSDP over `world` ranks on `hosts` hosts (FSDP2's 2-D mesh:
+    sharded within a host, replicated across): the all-gathers and reduce-scatters run among
+    one host's world / hosts ranks over NVLink, read off the measured `points` as
+    `data_parallel_time` reads them; the all-reduce of the gradient shards runs among one rank
+    a host (`hosts` ranks) over the network (`CROSS_LINK`, its datasheet rate: each GPU has
+    its own port, so a host's rings run side by side)."""
+    if op == "all_reduce":
+        return collective_time(op, nbytes, hosts, LINKS[CROSS_LINK])
+    return data_parallel_time(op, nbytes, dtype, world // hosts, 1, points)
+
+
+def parallel_time(
+    kind: str,
+    op: str,
+    nbytes: float,
+    dtype: str,
+    world: int,
+    hosts: int,
+    points: Iterable[Mapping] = (),
+) -> float:
+    """Seconds of one collective of a data-parallel step of recipe `kind` (`meta.parallel`):
+    "hsdp", `hsdp_time`; any other ("ddp", "fsdp": every collective over all ranks),
+    `data_parallel_time`."""
+    if kind == "hsdp":
+        return hsdp_time(op, nbytes, dtype, world, hosts, points)
+    return data_parallel_time(op, nbytes, dtype, world, hosts, points)

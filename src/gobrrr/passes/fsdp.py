@@ -37,9 +37,24 @@ allocates on one rank, with `reduce_dtype=fp32`:
   micro-batch stands for n - 1 runs and is modelled as the synced last one: its collectives
   are exact for n = 2 and counted n - 1 times for larger n.
 
+HSDP (`hsdp=True`: fully_shard on a 2-D mesh (hosts, ranks per host), torchtitan's
+data_parallel_replicate_degree = hosts and data_parallel_shard_degree = ranks per host): every
+parameter, gradient and state is sharded over the ranks of ONE host (ceil(d0 / per_host) rows),
+the all-gathers and reduce-scatters run within the host; after each unit's reduce-scatter
+(`foreach_reduce`) its fp32 output, the sharded gradients, is all-reduced in place across the
+hosts (the replicate group: one rank a host, the network), and the optimizer waits for it
+(`finalize_backward`). That all-reduce needs no buffer of its own: it reduces the
+reduce-scatter output, which FSDP2 keeps (`AllReduceState`) and the gradients view until
+zero_grad. FSDP2 runs it on a stream of its own, beside the all-gathers and reduce-scatters;
+here it is on the one comm stream after its reduce-scatter (the intra-host collectives queue
+behind it: an upper bound on their delay). Without sync (accumulation) HSDP neither
+reduce-scatters nor all-reduces, as FSDP.
+
 Collectives are ops on the "comm" stream with their whole buffers as inputs and outputs:
-`c10d._allgather_base_.default` (output: world x shard, bf16) and
-`c10d._reduce_scatter_base_.default` (input: world x shard, fp32).
+`c10d._allgather_base_.default` (output: world x shard, bf16),
+`c10d._reduce_scatter_base_.default` (input: world x shard, fp32) and, under HSDP,
+`c10d.allreduce_.default` (the fp32 shard, across hosts). Their group is the node's
+`args[0]` (ranks); `meta.parallel` ("fsdp" or "hsdp") says which link each crosses.
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gobrrr.errors import GobrrrError
+from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, itemsize
 from gobrrr.graph.meta import Parallel, Repeat
 from gobrrr.passes import gc_paused
@@ -61,6 +76,7 @@ SHARD_DTYPE = "float32"
 ALL_GATHER = "c10d._allgather_base_.default"
 HOOKS = "fsdp.hooks.default"
 REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
+ALL_REDUCE = "c10d.allreduce_.default"  # HSDP's, across hosts
 _BWD = ("backward", "recompute")
 # FSDP2's side streams (the all-gather's copy-in stream allocates its input and output, the
 # reduce-scatter stream the sharded gradients) are "comm" here; the allocator replay keeps
@@ -110,8 +126,9 @@ class _Plan:
     """What the pass inserts and changes, keyed by original op index."""
 
     graph: StepGraph
-    world: int
+    world: int  # the ranks each parameter is sharded over (one host's under HSDP)
     storages: list[StorageInfo]
+    replicas: int = 1  # HSDP: the hosts the shards are replicated over (all-reduced across)
     before: dict[int, list[OpNode]] = field(default_factory=dict)
     after: dict[int, list[OpNode]] = field(default_factory=dict)
     extra_frees: dict[int, list[int]] = field(default_factory=dict)
@@ -134,29 +151,40 @@ def fsdp(
     hosts: int = 1,
     reshard_after_forward: bool | None = True,
     units: Sequence[str] | None = None,
+    hsdp: bool = False,
 ) -> StepGraph:
     """One rank's step of `graph` (traced with precision "bf16") under FSDP2 over `world`
     ranks on `hosts` hosts: every unit in `units` (default: the repeated blocks,
     `graph.meta.blocks`, as torchtitan wraps each decoder layer) and the root sharded, with
     param_dtype bf16 and reduce_dtype fp32 (see the module docstring). reshard_after_forward
     as passed to every fully_shard call, the root's included (as torchtitan passes it);
-    None: fully_shard's default, True for the units and False for the root."""
-    _check(graph, world, hosts)
-    names = list(graph.meta.blocks or ()) if units is None else [u for u in units if u]
+    None: fully_shard's default, True for the units and False for the root.
+
+    hsdp: False, sharded over all `world` ranks (the collectives span the hosts); True, HSDP:
+    sharded over each host's world / hosts ranks and replicated across the `hosts` hosts
+    (needs hosts > 1)."""
+    _check(graph, world, hosts, hsdp)
+    names = _unit_names(graph, units)
+    shards = world // hosts if hsdp else world
     with gc_paused():
         params = _params(graph, names)
-        plan = _Plan(graph, world, list(graph.storages))
+        plan = _Plan(graph, shards, list(graph.storages), replicas=hosts if hsdp else 1)
         _reshape_persistent(plan, params)
         rs_outs = _micro_batches(plan, params, names, reshard_after_forward)
         _optimizer(plan, params, rs_outs)
         return _assemble(plan, world, hosts, reshard_after_forward, names)
 
 
-def _check(graph: StepGraph, world: int, hosts: int) -> None:
+def _check(graph: StepGraph, world: int, hosts: int, hsdp: bool = False) -> None:
     if not isinstance(world, int) or world < 1:
         raise GobrrrError(f"fsdp: world must be a positive number of ranks, got {world!r}")
     if hosts < 1 or world % hosts:
         raise GobrrrError(f"fsdp: {world} ranks do not split evenly over {hosts} hosts")
+    if hsdp and hosts < 2:
+        raise GobrrrError(
+            "fsdp: HSDP shards within a host and replicates across hosts: it needs hosts > 1 "
+            "(on one host it is plain FSDP, hsdp=False)"
+        )
     if graph.meta.parallel is not None:
         raise GobrrrError(
             f"fsdp: the graph is already sharded ({graph.meta.parallel.kind}); "
@@ -167,6 +195,45 @@ def _check(graph: StepGraph, world: int, hosts: int) -> None:
             f"fsdp: the step was traced with precision {graph.meta.precision}; FSDP2 with "
             "param_dtype bf16 computes in bf16 without autocast: trace it with precision 'bf16'"
         )
+
+
+def _unit_names(graph: StepGraph, units: Sequence[str] | None) -> list[str]:
+    """The units: `units` checked against the modules that ran ops (each one of them, none
+    inside another), or the repeated blocks (none: a GobrrrError; units=[] asks for the root
+    alone)."""
+    if units is None:
+        if not graph.meta.blocks:
+            raise GobrrrError(
+                "fsdp: the model has no repeated blocks to shard as FSDP2 units (an "
+                "nn.ModuleList or nn.Sequential of two or more modules of one class): name "
+                "the units, or use DDP"
+            )
+        return list(graph.meta.blocks)
+    modules = _module_names(graph)
+    names = [u for u in units if u]
+    for u in names:
+        if u not in modules:
+            raise GobrrrError(
+                f"fsdp: unit {u!r} is not a module that runs in the step"
+                f"{did_you_mean(u, sorted(modules))}: name units as model.named_modules() does"
+            )
+    for a in names:
+        for b in names:
+            if b != a and b.startswith(a + "."):
+                raise GobrrrError(
+                    f"fsdp: unit {b!r} lies inside unit {a!r}: nested units are not modelled; "
+                    "name one of the two"
+                )
+    return names
+
+
+def _module_names(graph: StepGraph) -> set[str]:
+    """Every module that ran an op, and the modules holding it."""
+    out: set[str] = set()
+    for m in {n.module for n in graph.nodes if n.module}:
+        parts = m.split(".")
+        out.update(".".join(parts[: k + 1]) for k in range(len(parts)))
+    return out
 
 
 # ------------------------------------------------------------------------------ parameters
@@ -531,6 +598,9 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
                 frees=(rs_in,) if last else (),
             ),
         )
+        if plan.replicas > 1:  # HSDP: the shard all-reduced in place across the hosts
+            ar = _node(ALL_REDUCE, u.name, (flat_out,), (flat_out,), stream=COMM)
+            plan.op(plan.after, u.post, dataclasses.replace(ar, args=(plan.replicas,)))
         prev, outs[u.name] = rs_in, rs_out
     return outs
 
@@ -609,16 +679,18 @@ def _assemble(plan: _Plan, world: int, hosts: int, reshard: bool, names: list[st
     repeat = g.meta.repeat
     if repeat is not None:
         repeat = Repeat(first[repeat.start], first[repeat.end], repeat.times)
+    record = {
+        "pass": "fsdp",
+        "world": world,
+        "hosts": hosts,
+        "reshard_after_forward": reshard,
+        "units": names,
+    }
+    hsdp = plan.replicas > 1
+    if hsdp:
+        record.update(hsdp=True, shard=plan.world)
     meta = meta.with_pass(
-        {
-            "pass": "fsdp",
-            "world": world,
-            "hosts": hosts,
-            "reshard_after_forward": reshard,
-            "units": names,
-        },
-        parallel=Parallel("fsdp", world, hosts),
-        repeat=repeat,
+        record, parallel=Parallel("hsdp" if hsdp else "fsdp", world, hosts), repeat=repeat
     )
     return StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta=meta)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gobrrr.evaluate import Estimate, checkpointing, saved_activations
+from gobrrr.graph.ir import StepGraph
 from gobrrr.memory.replay import module_rollup
 from gobrrr.report.advice import hints
 
@@ -109,5 +110,54 @@ def parallel_dict(est: Estimate) -> dict[str, Any]:
             "comm_s": t.comm_s,
             "exposed_comm_s": t.exposed_comm_s,
             "overlapped_comm_s": t.overlapped_comm_s,
+            "per_rank_state": per_rank_state(est.graph),
         }
     }
+
+
+#: the optimizers whose states are two moments of each parameter's elements (ZeRO's K = 8 of
+#: fp32 AdamW's bytes per element)
+TWO_MOMENTS = ("Adam", "AdamW")
+
+
+def per_rank_state(graph: StepGraph) -> dict[str, Any] | None:
+    """One rank's parameters, gradients (those the optimizer steps with) and optimizer states
+    in bytes, as the step graph holds them (exact: before the allocator rounds each block),
+    beside ZeRO's closed forms from the model's parameter elements Psi (`meta.params`; the
+    trainable ones for gradients and states): FSDP2 and HSDP (ZeRO-3) Psi x 4/N, 4/N, 8/N with
+    N the ranks a parameter is sharded over (all of them; one node's under HSDP), fp32 shards
+    and AdamW's two fp32 moments; DDP (replicated) 4, 4 and 8 bytes an element (2, 2 and 4
+    traced in pure bf16). The graph's figures exceed the closed forms by FSDP2's dim-0 padding
+    (ceil(d0 / N) rows a parameter). None for one GPU; the states' closed form None for an
+    optimizer that is not Adam or AdamW."""
+    meta = graph.meta
+    par = meta.parallel
+    if par is None:
+        return None
+    by_id = {s.id: s for s in graph.storages}
+    stepped = {
+        t.storage
+        for n in graph.nodes
+        if n.phase == "optimizer"
+        for t in n.inputs
+        if by_id[t.storage].kind == "gradient"
+    }
+    held = {
+        "parameters_bytes": sum(s.nbytes for s in graph.storages if s.kind == "parameter"),
+        "gradients_bytes": sum(by_id[i].nbytes for i in stepped),
+        "optimizer_states_bytes": sum(
+            s.nbytes for s in graph.storages if s.kind == "optimizer_state"
+        ),
+    }
+    if par.kind == "ddp":
+        n, rule, width = 1, "replicated", 2 if meta.precision.name == "bf16" else 4
+    else:
+        n, rule, width = (par.per_host if par.kind == "hsdp" else par.world), "ZeRO-3", 4
+    adam = meta.optimizer is not None and meta.optimizer.key.split(":")[0] in TWO_MOMENTS
+    trainable = meta.trainable_params or meta.params
+    closed = {
+        "parameters_bytes": meta.params * width / n,
+        "gradients_bytes": trainable * width / n,
+        "optimizer_states_bytes": trainable * 2 * width / n if adam else None,
+    }
+    return {"rule": rule, "shards": n, "bytes_per_element": width, **held, "closed_form": closed}

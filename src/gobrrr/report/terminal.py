@@ -16,6 +16,7 @@ from gobrrr.evaluate import Estimate, checkpointing, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
 from gobrrr.report.advice import hints
+from gobrrr.report.estimate import per_rank_state
 
 KIND_ORDER = (
     "parameter",
@@ -107,7 +108,7 @@ def summary_lines(est: Estimate) -> list[Text]:
     )
     mode = " · torch.compile" if est.compiled else ""
     precision = str(meta.precision)
-    if meta.parallel is not None and meta.parallel.kind == "fsdp":  # traced as FSDP2 computes
+    if meta.parallel is not None and meta.parallel.kind in ("fsdp", "hsdp"):  # as FSDP2 computes
         precision = "bf16-mixed (FSDP2: parameters gathered in bf16, gradients reduced in fp32)"
     unit = throughput_unit(est.graph)
     head = Text.assemble(
@@ -161,14 +162,44 @@ def _parallel_lines(est: Estimate) -> list[Text]:
     if par is None:
         return []
     unit = throughput_unit(est.graph)
-    return [
+    how = f"{par.kind} over {par.world} GPUs on {par.hosts} host(s)"
+    if par.kind == "hsdp":
+        how += f" (sharded over each host's {par.per_host}, replicated over the {par.hosts})"
+    lines = [
         Text(
-            f"{par.kind} over {par.world} GPUs on {par.hosts} host(s), figures per GPU: "
+            f"{how}, figures per GPU: "
             f"{t.tokens_per_s:,.0f} {unit}/s a GPU, {t.job_tokens_per_s:,.0f} {unit}/s the job"
             f" · communication {human_time(t.comm_s)}: {human_time(t.exposed_comm_s)} exposed, "
             f"{human_time(t.overlapped_comm_s)} overlapped with compute"
         )
     ]
+    state = per_rank_state(est.graph)
+    if state is not None:
+        lines.append(Text(state_line(state)))
+    return lines
+
+
+def state_line(state: dict) -> str:
+    """ "per rank: parameters X, gradients Y, optimizer states Z (ZeRO-3: Psi x 4/N, 4/N,
+    8/N = ...)" from `report.estimate.per_rank_state`."""
+    got = [state[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes")]
+    closed = state["closed_form"]
+    want = [closed[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes")]
+    n, w = state["shards"], state["bytes_per_element"]
+    if state["rule"] == "ZeRO-3":
+        rule = f"ZeRO-3: Psi x {w}/N, {w}/N, {2 * w}/N with N = {n}"
+    else:
+        rule = f"replicated: {w} Psi, {w} Psi, {2 * w} Psi"
+    forms = ", ".join("-" if v is None else _size(v) for v in want)
+    return (
+        f"per rank: parameters {_size(got[0])}, gradients {_size(got[1])}, optimizer states "
+        f"{_size(got[2])} ({rule} = {forms})"
+    )
+
+
+def _size(n: float) -> str:
+    """GiB, or MiB below one GiB (a small model's shards)."""
+    return gib(n) if n >= GiB else f"{n / 2**20:,.2f} MiB"
 
 
 def _checkpoint(est: Estimate) -> str:

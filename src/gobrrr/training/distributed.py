@@ -11,8 +11,9 @@
 - "fsdp": every unit (default: the repeated blocks, `training.checkpointing.block_names`) and
   then the root wrapped with `fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32))`, `reshard_after_forward` as given (the root's included, as torchtitan
-  passes it). With `hosts` > 1: HSDP, sharded within a host and replicated across hosts
-  (a 2-D mesh of (hosts, ranks per host)).
+  passes it), sharded over every rank (a 1-D mesh, whatever the hosts).
+- "hsdp": the same on a 2-D mesh of (hosts, ranks per host), `hosts` > 1: sharded within a
+  host and replicated across hosts (`passes.fsdp(..., hsdp=True)`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.training.checkpointing import block_names
 
 #: the data-parallel recipes gobrrr predicts and applies
-PARALLEL = ("ddp", "fsdp")
+PARALLEL = ("ddp", "fsdp", "hsdp")
 
 #: how long a rank waits for the others (at set-up and in any collective) before it fails
 DEFAULT_TIMEOUT_S = 600.0
@@ -103,10 +104,12 @@ def data_parallel(
         raise GobrrrError(f"unknown parallel {parallel!r}: choose one of {', '.join(PARALLEL)}")
     if hosts < 1 or group.world % hosts:
         raise GobrrrError(f"{hosts} hosts do not split {group.world} ranks evenly")
+    if parallel == "hsdp" and hosts < 2:
+        raise GobrrrError("hsdp replicates across hosts: give hosts > 1 (one host: 'fsdp')")
     if parallel == "ddp":
         ids = [group.device.index] if group.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
-    mesh = _mesh(group, hosts)
+    mesh = _mesh(group, hosts if parallel == "hsdp" else 1)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for name in unit_names(model, units):
         fully_shard(

@@ -140,7 +140,7 @@ def real(tmp_path_factory) -> list[dict]:
     """Each rank's padded shards and collectives in one HSDP step (2 hosts x 2 ranks)."""
     out = tmp_path_factory.mktemp("hsdp")
     ctx = mp.start_processes(
-        _rank, args=(_free_port(), str(out)), nprocs=WORLD, start_method="fork", join=False
+        _rank, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=False
     )
     while not ctx.join(timeout=60):
         pass

@@ -140,16 +140,23 @@ class _ParallelSearch(_Search):
 
     def run(self) -> list[Plan]:
         for parallel, variants in self.by.items():
-            fused = [v for v in variants if v.fused_loss]
-            for v in variants:
-                if not v.fused_loss and fused and not self._fitted(parallel):
-                    self.notes.append(
-                        f"{parallel.upper()}: the model's own head and loss not costed: no "
-                        "plan with the fused loss, which needs less memory, fits"
-                    )
-                    break
-                self.variant(parallel, v)
+            try:
+                self.parallel(parallel, variants)
+            except _Refused as e:  # the pass cannot shard this model's step
+                self.notes.append(f"{_NAMES[parallel]} not planned: {e}")
+                self.costed = {k: p for k, p in self.costed.items() if k.parallel != parallel}
         return list(self.costed.values())
+
+    def parallel(self, parallel: str, variants: list[Variant]) -> None:
+        fused = [v for v in variants if v.fused_loss]
+        for v in variants:
+            if not v.fused_loss and fused and not self._fitted(parallel):
+                self.notes.append(
+                    f"{_NAMES[parallel]}: the model's own head and loss not costed: no "
+                    "plan with the fused loss, which needs less memory, fits"
+                )
+                return
+            self.variant(parallel, v)
 
     def _fitted(self, parallel: str) -> bool:
         return any(p.fits and p.knobs.parallel == parallel for p in self.costed.values())
@@ -246,9 +253,19 @@ class _ParallelSearch(_Search):
                 g = checkpoint_pass(g, dict(knobs.checkpoint))
             self._graph = (key, accumulate(g, knobs.accumulation))
         g = self._graph[1]
-        if knobs.parallel == "ddp":
-            return ddp(g, self.req.gpus, self.req.nodes)
-        return fsdp(g, self.req.gpus, self.req.nodes, reshard_after_forward=knobs.reshard)
+        try:
+            if knobs.parallel == "ddp":
+                return ddp(g, self.req.gpus, self.req.nodes)
+            return fsdp(g, self.req.gpus, self.req.nodes, reshard_after_forward=knobs.reshard)
+        except GobrrrError as e:
+            raise _Refused(str(e)) from e
+
+
+class _Refused(GobrrrError):
+    """The data-parallel pass refused the step: that parallelism is not planned."""
+
+
+_NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
 
 
 def _untimed(

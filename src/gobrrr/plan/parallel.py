@@ -72,6 +72,7 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
     )
     search = _ParallelSearch(req, planner.target, steps, list(probe.blocks), by, precision)
     search.notes.extend(notes)
+    search.trainable = sum(p.numel() for p in probe.workload.model.parameters() if p.requires_grad)
     return search
 
 
@@ -137,6 +138,8 @@ class _ParallelSearch(_Search):
         self._graph: tuple[tuple, StepGraph] | None = None  # the last candidate's, unsharded
         self._at: tuple[tuple, StepGraph] | None = None  # the last traced or derived graph
         self.workload_name = ""
+        self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
+        self._grads: int | None = None
 
     def run(self) -> list[Plan]:
         for parallel, variants in self.by.items():
@@ -165,6 +168,8 @@ class _ParallelSearch(_Search):
         """Every micro-batch of `v` under `parallel`, smallest first, until none fits; under
         FSDP2 then the rank's whole share in one micro-batch."""
         ms = divisors(self.req.per_rank)
+        if parallel == "fsdp" and len(ms) > 1 and self._unsharded_grads() > self.req.usable:
+            ms = ms[-1:]  # accumulation cannot fit: the rank's whole share at once only
         plain_first = False  # the first micro-batch: checkpointing every block first
         for m in ms:
             plans = self.at_micro_batch(m, v, parallel, plain_first)
@@ -175,6 +180,23 @@ class _ParallelSearch(_Search):
             return
         if parallel == "fsdp" and m != ms[-1]:
             self.at_micro_batch(ms[-1], v, parallel, False)
+
+    def _unsharded_grads(self) -> int:
+        """Bytes FSDP2 holds between micro-batches under accumulation: without the gradient
+        sync every unit's gradients stay unsharded, in reduce_dtype fp32
+        (`to_accumulated_grad_if_needed`), 4 bytes a trainable parameter (a note says so
+        where that alone exceeds the budget)."""
+        if self._grads is None:
+            self._grads = 4 * self.trainable
+            if self._grads > self.req.usable:
+                self.notes.append(
+                    f"FSDP2 with accumulation not costed: with the gradient sync skipped "
+                    f"until the last micro-batch, FSDP2 keeps every gradient unsharded in "
+                    f"fp32 between micro-batches, {self._grads / GIB:.1f} GiB over the "
+                    f"{self.req.usable / GIB:.1f} GiB budget; each rank takes its "
+                    f"{self.req.per_rank} samples in one micro-batch"
+                )
+        return self._grads
 
     def at_micro_batch(
         self, m: int, v: Variant = BASE, parallel: str = "ddp", plain_first: bool = True

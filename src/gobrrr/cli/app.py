@@ -49,7 +49,8 @@ EXAMPLES = {
   gobrrr plan --model gpt2 --global-batch 64 --seq 1024
   gobrrr plan my_train.py:workload --gpu h100 --global-batch 64 --seq 4096
   gobrrr plan --model llama3-1b --gpu a100-80gb --global-batch 32 --seq 8192 \\
-              --memory-budget 70GiB --json""",
+              --memory-budget 70GiB --json
+  gobrrr plan --model llama3-1b --gpu h100 --gpus 4 --global-batch 16 --seq 8192""",
     "report": """examples:
   gobrrr estimate --model gpt2 --batch 16 --json > gpt2.json
   gobrrr report gpt2.json -o gpt2.html""",
@@ -271,6 +272,8 @@ def _plan(args: argparse.Namespace) -> int:
         allow=args.allow,
         margin=args.margin,
         calibration=not args.no_calibration,
+        gpus=args.gpus,
+        nodes=args.nodes,
     )
     result = planner.run(progress)
     verified = _verify(args, result) if args.verify else None
@@ -541,6 +544,17 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         help="on a GPU: apply the best K plans (default 3) and measure each beside its prediction",
     )
     p.add_argument("--html", metavar="FILE", help=HTML_HELP)
+    p.add_argument(
+        "--gpus",
+        type=gpu_count,
+        default=1,
+        metavar="N",
+        help="data-parallel GPUs in all (default 1); with N > 1 the plan chooses DDP or "
+        "FSDP2 too, --global-batch is the whole job's and each rank takes 1/N of it",
+    )
+    p.add_argument(
+        "--nodes", type=positive_int, default=1, metavar="M", help="hosts they span (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_plan)
 

@@ -19,12 +19,23 @@ What each knob does to the real model (in the order applied, and why that order)
     5. compile: torch.compile(model), last, over the model as it will run; the optimizer
        stays eager.
     6. micro_batch x accumulation: inside the returned step (gobrrr.training.step.TrainStep).
+
+With parallel "ddp" or "fsdp" (inside a torchrun process; `gobrrr plan --gpus N`): the process
+joins the job first (gobrrr.training.distributed.process_group) and the model moves to the
+rank's device; checkpointing and the fused loss change the model before it is wrapped (DDP
+registers its hooks and FSDP2 its units over the modules as they will run); then
+`data_parallel` wraps it (DDP, or FSDP2 on each repeated block and the root with
+MixedPrecisionPolicy(param bf16, reduce fp32)); the optimizer is built after, over the
+wrapped parameters (FSDP2's are DTensor shards). The step skips the gradient sync on every
+micro-batch but the last (`gradient_sync`), and under FSDP2 runs without autocast (the policy
+casts, as torchtitan does). Each rank's batch is its share: global_batch / gpus samples.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,20 +76,25 @@ class AppliedStep:
         knobs: Knobs,
         precision: str,
         changes: tuple[str, ...],
+        device: torch.device | None = None,
     ) -> None:
         self.model, self.optimizer, self.knobs, self.precision = model, optimizer, knobs, precision
-        self.compiled = runner if runner is not model else None
+        self.compiled = runner if runner is not model and not knobs.distributed else None
         self.changes = changes
-        self.device = _device_of(model)
+        self.device = device or _device_of(model)
         running = copy.copy(workload)  # the user's Workload object is left as it was
         running.model = runner
+        # FSDP2's MixedPrecisionPolicy casts the parameters and floating inputs to bf16: the
+        # step itself runs without autocast (fp32 as far as TrainStep knows), as torchtitan's
+        numerics = "fp32" if knobs.parallel == "fsdp" else precision
         self._step = TrainStep(
             running,
             optimizer,
-            precision,
+            numerics,
             device_type=self.device.type,
             accumulation=knobs.accumulation,
-            scaler=make_scaler(precision, self.device.type),
+            scaler=make_scaler(numerics, self.device.type),
+            sync=_sync(runner) if knobs.distributed else None,
         )
         self._batch = workload.batch
 
@@ -86,6 +102,13 @@ class AppliedStep:
         batch = self._batch if batch is None else batch
         n = batch_size(batch)
         if n != self.knobs.global_batch:
+            if self.knobs.distributed:
+                raise GobrrrError(
+                    f"a batch of {n} samples, but this rank's share of the plan's global "
+                    f"batch is micro_batch {self.knobs.micro_batch} x accumulation "
+                    f"{self.knobs.accumulation} = {self.knobs.global_batch}: give each rank "
+                    "global_batch / gpus samples"
+                )
             raise GobrrrError(
                 f"a batch of {n} samples, but the plan's global batch is micro_batch "
                 f"{self.knobs.micro_batch} x accumulation {self.knobs.accumulation} = "
@@ -112,9 +135,13 @@ def apply(
     device it is on. Every error is one GobrrrError line naming the value and the fix."""
     knobs = as_knobs(knobs)
     check_precision(precision)
+    _check_parallel(knobs, precision)
+    group = _join() if knobs.distributed else None  # not torchrun: one clear error
     precision = Precision.parse(knobs.precision(precision))
     model = workload.model
     changes = []
+    if group is not None:
+        model.to(group.device)
     if precision.casts_weights:
         model.to(precision.param_dtype)
         changes.append("weights in bfloat16")
@@ -122,14 +149,61 @@ def apply(
         changes.append(_fused_loss(workload))
     if knobs.checkpoint:
         changes.append(checkpoint_blocks(model, dict(knobs.checkpoint)))
+    runner = model
+    if group is not None:
+        from gobrrr.training.distributed import data_parallel
+
+        runner = data_parallel(model, knobs.parallel, group, reshard_after_forward=knobs.reshard)
+        changes.append(_wrapped(knobs, group.world))
     optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states, knobs.offload)
     if knobs.optimizer_states != "as-is" or knobs.offload:
         changes.append(f"optimizer {type(optimizer).__name__}")
-    runner = model
     if knobs.compile:
         runner = torch.compile(model)
         changes.append("torch.compile(model)")
-    return AppliedStep(workload, model, runner, optimizer, knobs, precision.name, tuple(changes))
+    device = group.device if group is not None else None
+    return AppliedStep(
+        workload, model, runner, optimizer, knobs, precision.name, tuple(changes), device
+    )
+
+
+def _check_parallel(knobs: Knobs, precision: str) -> None:
+    """The data-parallel knobs apply with what the plan costs them with."""
+    if not knobs.distributed:
+        return
+    if knobs.compile or knobs.offload:
+        raise GobrrrError(
+            f"parallel={knobs.parallel!r} with compile or offload is not planned: "
+            "set compile=False and offload=False"
+        )
+    if knobs.parallel == "fsdp" and (
+        precision != "bf16-mixed" or knobs.weights != "as-is" or knobs.optimizer_states != "as-is"
+    ):
+        raise GobrrrError(
+            "parallel='fsdp' runs FSDP2 with MixedPrecisionPolicy(param bf16, reduce fp32): "
+            f"give precision='bf16-mixed' (got {precision!r}) with weights and "
+            "optimizer_states 'as-is'"
+        )
+
+
+def _join():
+    """This process's place in the torchrun job (torch.distributed imported only here)."""
+    from gobrrr.training.distributed import process_group
+
+    return process_group()
+
+
+def _sync(runner: nn.Module):
+    from gobrrr.training.distributed import gradient_sync
+
+    return functools.partial(gradient_sync, runner)
+
+
+def _wrapped(knobs: Knobs, world: int) -> str:
+    if knobs.parallel == "ddp":
+        return f"DistributedDataParallel over {world} ranks"
+    reshard = "reshard" if knobs.reshard else "no reshard"
+    return f"fully_shard (FSDP2) over {world} ranks, {reshard}"
 
 
 def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:

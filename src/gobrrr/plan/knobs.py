@@ -28,6 +28,13 @@ OPTIMIZER_STATES = ("as-is", "bf16", "8bit")
 #: autocast (gobrrr precision "bf16"); a change of numerics, planned only when allowed.
 WEIGHTS = ("as-is", "bf16")
 
+#: Data parallelism. "none": one GPU (every single-GPU plan). "ddp": DistributedDataParallel,
+#: every rank holding the whole model, gradients all-reduced in buckets. "fsdp": FSDP2
+#: (`fully_shard` on each repeated block, then the root) with torchtitan's
+#: MixedPrecisionPolicy(param bf16, reduce fp32); over several hosts the plan costs it as
+#: `passes.fsdp` does with hosts > 1.
+PARALLEL = ("none", "ddp", "fsdp")
+
 
 @dataclass(frozen=True)
 class Knobs:
@@ -46,6 +53,11 @@ class Knobs:
             linear + cross-entropy kernel (no logits tensor).
         compile: the model runs under torch.compile (the optimizer stays eager).
         weights: one of WEIGHTS.
+        parallel: one of PARALLEL. Not "none": micro_batch x accumulation is one rank's
+            share of the job's batch (the job's global batch / its GPUs), and gradient sync
+            is skipped on every micro-batch but the last.
+        reshard: FSDP2's reshard_after_forward (free each unit's gathered parameters after
+            its forward, gather them again for backward); read with parallel "fsdp" only.
     """
 
     micro_batch: int
@@ -56,6 +68,8 @@ class Knobs:
     fused_loss: bool = False
     compile: bool = False
     weights: str = "as-is"
+    parallel: str = "none"
+    reshard: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.accumulation < 1:
@@ -76,6 +90,8 @@ class Knobs:
             )
         if self.weights not in WEIGHTS:
             raise GobrrrError(f"unknown weights {self.weights!r}: choose {', '.join(WEIGHTS)}")
+        if self.parallel not in PARALLEL:
+            raise GobrrrError(f"unknown parallel {self.parallel!r}: choose {', '.join(PARALLEL)}")
 
     @property
     def global_batch(self) -> int:
@@ -89,9 +105,18 @@ class Knobs:
         """The checkpoint policy of `block`: "full", "selective" or "none"."""
         return dict(self.checkpoint).get(block, "none")
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the step is data-parallel over several GPUs."""
+        return self.parallel != "none"
+
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form; a one-GPU configuration's without the data-parallel fields, as it
+        was before they existed."""
         d = asdict(self)
         d["checkpoint"] = [list(c) for c in self.checkpoint]
+        if not self.distributed:
+            del d["parallel"], d["reshard"]
         return d
 
     @staticmethod
@@ -108,4 +133,4 @@ def every_kth(blocks: list[str], k: int, policy: str = "full") -> tuple[tuple[st
     return tuple((b, policy) for i, b in enumerate(blocks) if i % k == 0)
 
 
-__all__ = ["CHECKPOINT_POLICIES", "OPTIMIZER_STATES", "WEIGHTS", "Knobs", "every_kth"]
+__all__ = ["CHECKPOINT_POLICIES", "OPTIMIZER_STATES", "PARALLEL", "WEIGHTS", "Knobs", "every_kth"]

@@ -22,12 +22,16 @@ class Plan:
     changes: what differs from the user's step, one phrase each; why: the reason in a line.
     host_bytes: host memory the step needs beyond the user's (CPU offload: pinned parameter
     and gradient copies, and the optimizer states); host_pinned_bytes: the pinned part.
+    Over several GPUs (gpus > 1): units_per_s is the whole job's (per GPU x gpus), the bytes
+    are one rank's, parallel says the data parallelism ("FSDP2 x4, reshard"),
+    exposed_comm_s the communication the step waits for; a configuration whose memory does
+    not fit is not timed (step_s None, units_per_s 0).
     """
 
     knobs: Knobs
     unit: str
     units_per_s: float
-    step_s: float
+    step_s: float | None
     peak_bytes: int
     reserved_bytes: int
     fits: bool
@@ -37,6 +41,14 @@ class Plan:
     recompute_s: float = 0.0
     host_bytes: int = 0
     host_pinned_bytes: int = 0
+    gpus: int = 1
+    parallel: str = ""
+    exposed_comm_s: float = 0.0
+
+    @property
+    def units_per_s_per_gpu(self) -> float:
+        """Throughput of one GPU (units per second)."""
+        return self.units_per_s / self.gpus
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -54,6 +66,13 @@ class Plan:
             "changes": list(self.changes),
             "why": self.why,
         }
+        if self.gpus > 1:
+            out.update(
+                gpus=self.gpus,
+                parallel=self.parallel,
+                **{f"{self.unit}_per_s_per_gpu": self.units_per_s_per_gpu},
+                exposed_comm_s=self.exposed_comm_s,
+            )
         return out
 
 
@@ -62,8 +81,10 @@ class PlanResult:
     """The plans for one workload at one global batch on one GPU, best first.
 
     user: the step as the user gave it (the whole global batch in one micro-batch, nothing
-    checkpointed). plans: every distinct configuration costed, those that fit first, each
-    group by predicted throughput. budget_bytes: what the reserved peak must stay within.
+    checkpointed; over several GPUs, each rank's share in one micro-batch under the first
+    parallelism planned, None where the search did not cost it). plans: every distinct
+    configuration costed, those that fit first, each group by predicted throughput.
+    budget_bytes: what each GPU's reserved peak must stay within. gpus, nodes: the job's.
     """
 
     workload: str
@@ -72,12 +93,14 @@ class PlanResult:
     global_batch: int
     budget_bytes: int
     blocks: int
-    user: Plan
+    user: Plan | None
     plans: tuple[Plan, ...]
     considered: int
     traces: int
     took_s: float
     notes: tuple[str, ...] = ()
+    gpus: int = 1
+    nodes: int = 1
 
     @property
     def best(self) -> Plan | None:
@@ -91,7 +114,7 @@ class PlanResult:
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         plans = self.plans if top is None else self.plans[:top]
-        return {
+        out = {
             "version": PLAN_VERSION,
             "workload": self.workload,
             "gpu": self.gpu,
@@ -100,7 +123,7 @@ class PlanResult:
             "budget_bytes": self.budget_bytes,
             "blocks": self.blocks,
             "fits": self.best is not None,
-            "user": self.user.to_dict(),
+            "user": self.user.to_dict() if self.user else None,
             "best": self.best.to_dict() if self.best else None,
             "plans": [p.to_dict() for p in plans],
             "considered": self.considered,
@@ -108,12 +131,21 @@ class PlanResult:
             "took_s": self.took_s,
             "notes": list(self.notes),
         }
+        if self.gpus > 1:
+            out.update(gpus=self.gpus, nodes=self.nodes, per_rank=self.global_batch // self.gpus)
+        return out
 
 
 def no_fit_message(r: PlanResult) -> str:
     """One line: nothing fits, the smallest reserved peak found, and what would make it fit."""
     gib = 2**30
     low = min(r.plans, key=lambda p: p.reserved_bytes) if r.plans else r.user
+    gpus = f"each of {r.gpus} GPUs' " if r.gpus > 1 else ""
+    more = (
+        "more GPUs (FSDP2 shards parameters, gradients and optimizer states over them)"
+        if r.gpus > 1
+        else "more GPUs (shard parameters, gradients and optimizer states)"
+    )
     host = (
         "offloaded plans did not fit either"
         if any(p.knobs.offload for p in r.plans)
@@ -121,8 +153,13 @@ def no_fit_message(r: PlanResult) -> str:
     )
     return (
         f"no configuration of {r.workload} at global batch {r.global_batch} fits "
-        f"{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
-        f"{low.reserved_bytes / gib:.1f} GiB ({', '.join(low.changes) or 'as given'}); "
-        "to fit: more GPUs (shard parameters, gradients and optimizer states), optimizer "
+        f"{gpus}{r.budget_bytes / gib:.1f} GiB on {r.gpu}: the smallest reserved peak found is "
+        f"{low.reserved_bytes / gib:.1f} GiB ({_what(low)}); "
+        f"to fit: {more}, optimizer "
         f"states in 8 bits, {host}, or a smaller model or sequence"
     )
+
+
+def _what(p: Plan) -> str:
+    """A plan's configuration in words: its parallelism and what it changes."""
+    return ", ".join([*([p.parallel] if p.parallel else []), *p.changes]) or "as given"

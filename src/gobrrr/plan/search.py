@@ -69,18 +69,26 @@ def variant_of(knobs: Knobs) -> Variant:
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked for: the global batch (samples per optimizer step) and the bytes
-    the reserved peak must stay within."""
+    """What the user asked for: the global batch (samples per optimizer step, over all
+    ranks), the bytes each GPU's reserved peak must stay within, and the job's GPUs and
+    hosts."""
 
     global_batch: int
     budget: int
     allow: frozenset[str]
     margin: float = MARGIN
+    gpus: int = 1
+    nodes: int = 1
 
     @property
     def usable(self) -> int:
         """What a plan's reserved peak may take: the budget less the margin."""
         return int(self.budget * (1 - self.margin))
+
+    @property
+    def per_rank(self) -> int:
+        """Samples each rank takes per optimizer step (micro_batch x accumulation)."""
+        return self.global_batch // self.gpus
 
 
 def plan(
@@ -94,6 +102,8 @@ def plan(
     allow: Iterable[str] = (),
     margin: float = MARGIN,
     calibration=True,
+    gpus: int = 1,
+    nodes: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> PlanResult:
     """The fastest configurations of `source`'s step that fit `gpu`, best first.
@@ -103,8 +113,10 @@ def plan(
     (default: the workload's own batch). memory_budget: bytes the reserved peak may take
     (default, and at most: what CUDA leaves the process on `gpu`). allow: knobs that go
     beyond the user's numerics (see ALLOW). margin: the share of the budget to leave free
-    (see MARGIN). progress: called with (costed, of) as the search goes (variants x
-    micro-batches).
+    (see MARGIN). gpus, nodes: the job's GPUs and the hosts they span; with gpus > 1 the
+    plan is data-parallel (DDP or FSDP2, `plan.parallel`), global_batch the whole job's and
+    memory_budget each GPU's. progress: called with (costed, of) as the search goes
+    (variants x micro-batches).
     """
     return Planner(
         source,
@@ -116,13 +128,16 @@ def plan(
         allow=allow,
         margin=margin,
         calibration=calibration,
+        gpus=gpus,
+        nodes=nodes,
     ).run(progress)
 
 
 class Planner:
     """One workload at one global batch on one GPU: probed (built once and asked, `Probe`)
     and traced (twice) when made, then any Knobs costed by passes over the traces (`cost`),
-    or the whole search (`run`)."""
+    or the whole search (`run`). With gpus > 1 the search is `plan.parallel`'s, which traces
+    only what it costs."""
 
     def __init__(
         self,
@@ -136,6 +151,8 @@ class Planner:
         allow: Iterable[str] = (),
         margin: float = MARGIN,
         calibration=True,
+        gpus: int = 1,
+        nodes: int = 1,
     ) -> None:
         self.t0 = time.perf_counter()
         self.precision = precision
@@ -147,9 +164,17 @@ class Planner:
             memory_budget,
             allow,
             margin,
+            gpus,
+            nodes,
         )
         if memory_budget is not None:
-            _check_state_budget(self.probe.parameter_bytes, self.req)
+            _check_state_budget(self.probe.parameter_bytes // gpus, self.req)
+        if gpus > 1:
+            from gobrrr.plan.parallel import parallel_search  # the search over several GPUs
+
+            self.base, self.search = None, parallel_search(self, source, seq)
+            self.steps = self.search.steps
+            return
         self.steps = _Steps(
             lambda variant: Tracer(
                 source, seq=seq, precision=precision, target=self.target, variant=variant
@@ -219,20 +244,27 @@ class Planner:
         return self.search.blocks
 
     def cost(self, knobs: Knobs) -> Plan:
-        """The predicted step with these knobs (their global batch must be the planner's)."""
-        if knobs.global_batch != self.req.global_batch:
+        """The predicted step with these knobs (their micro_batch x accumulation must be the
+        planner's global batch; over several GPUs, each rank's share of it)."""
+        if knobs.global_batch != self.req.per_rank:
             raise GobrrrError(
                 f"knobs for a global batch of {knobs.global_batch}, the plan's is "
                 f"{self.req.global_batch}"
+                + (f" ({self.req.per_rank} per rank)" if self.req.gpus > 1 else "")
+            )
+        if knobs.distributed != (self.req.gpus > 1):
+            raise GobrrrError(
+                f"knobs with parallel={knobs.parallel!r} for a plan over {self.req.gpus} "
+                "GPU(s): give parallel 'ddp' or 'fsdp' with gpus > 1, 'none' with one GPU"
             )
         return self.search.cost(knobs)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> PlanResult:
         plans = self.search.run(progress)
         user = self.search.user()
-        ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -p.units_per_s))
+        ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -(p.units_per_s or 0.0)))
         return PlanResult(
-            workload=str(self.base.meta.name),
+            workload=str(self.search.workload_name if self.base is None else self.base.meta.name),
             gpu=self.target.gpu.name,
             precision=self.precision,
             global_batch=self.req.global_batch,
@@ -244,6 +276,8 @@ class Planner:
             traces=self.steps.traces,
             took_s=time.perf_counter() - self.t0,
             notes=tuple(self.search.notes),
+            gpus=self.req.gpus,
+            nodes=self.req.nodes,
         )
 
 
@@ -253,6 +287,8 @@ def _request(
     memory_budget: int | None,
     allow: Iterable[str],
     margin: float,
+    gpus: int = 1,
+    nodes: int = 1,
 ) -> Request:
     allowed = frozenset(a.strip() for a in allow if a.strip())
     unknown = sorted(allowed - set(ALLOW))
@@ -276,7 +312,23 @@ def _request(
         cap = min(cap, memory_budget)
     if not 0 <= margin < 1:
         raise GobrrrError(f"--margin must be a fraction of the budget in [0, 1), got {margin}")
-    return Request(global_batch, cap, allowed, margin)
+    _check_gpus(global_batch, gpus, nodes)
+    return Request(global_batch, cap, allowed, margin, gpus, nodes)
+
+
+def _check_gpus(global_batch: int, gpus: int, nodes: int) -> None:
+    """The job's GPUs must split the global batch evenly, and its hosts the GPUs."""
+    if gpus < 1:
+        raise GobrrrError(f"--gpus must be at least 1, got {gpus}")
+    if nodes < 1 or gpus % nodes:
+        raise GobrrrError(
+            f"--nodes {nodes} must divide --gpus {gpus} (the same GPUs on every node)"
+        )
+    if global_batch < gpus or global_batch % gpus:
+        raise GobrrrError(
+            f"--global-batch {global_batch} does not split evenly over {gpus} GPUs (each "
+            f"rank takes global_batch / gpus samples): give a multiple of {gpus}"
+        )
 
 
 class _Steps:
@@ -502,7 +554,7 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
     reserved = m.reserved or m.peak
     fits = m.oom_index is None and reserved <= req.usable
     recompute = est.time.phase_s.get("recompute", 0.0)
-    changes = describe(knobs, req.global_batch, blocks)
+    changes = describe(knobs, req.per_rank, blocks)
     gib = 2**30
     why = (
         f"fits with {(req.budget - reserved) / gib:.1f} GiB to spare"
@@ -519,10 +571,11 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
             f"; needs {host['total'] / gib:.1f} GiB of host memory "
             f"({host['pinned'] / gib:.1f} GiB pinned)"
         )
+    per_gpu = est.time.tokens_per_s
     return Plan(
         knobs=knobs,
         unit=throughput_unit(est.graph),
-        units_per_s=est.time.tokens_per_s,
+        units_per_s=per_gpu * req.gpus if knobs.distributed else per_gpu,
         step_s=est.time.step_s,
         peak_bytes=m.peak,
         reserved_bytes=reserved,
@@ -533,7 +586,20 @@ def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:
         recompute_s=recompute,
         host_bytes=host["total"],
         host_pinned_bytes=host["pinned"],
+        gpus=req.gpus,
+        parallel=parallelism(knobs, req.gpus, req.nodes),
+        exposed_comm_s=est.time.exposed_comm_s,
     )
+
+
+def parallelism(knobs: Knobs, gpus: int, nodes: int = 1) -> str:
+    """The data parallelism in words, e.g. "FSDP2 x4, reshard" ("" on one GPU)."""
+    if not knobs.distributed:
+        return ""
+    hosts = f" on {nodes} nodes" if nodes > 1 else ""
+    if knobs.parallel == "ddp":
+        return f"DDP x{gpus}{hosts}"
+    return f"FSDP2 x{gpus}{hosts}, {'reshard' if knobs.reshard else 'no reshard'}"
 
 
 def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:

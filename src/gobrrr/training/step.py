@@ -103,6 +103,8 @@ class TrainStep:
             "optimizer"), e.g. a profiler range; none by default.
         keep_loss: return the loss. Off, each micro-batch's loss is freed right after its
             backward (the trace of the step then holds it no longer than it must).
+        sync: `sync(last)` is entered around each micro-batch's forward and backward, True
+            on the last (data parallelism's gradient sync, `distributed.gradient_sync`).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class TrainStep:
         scaler: torch.amp.GradScaler | None = None,
         phase: PhaseContext | None = None,
         keep_loss: bool = True,
+        sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         check_precision(precision)
         if accumulation < 1:
@@ -124,6 +127,7 @@ class TrainStep:
         self.device_type, self.accumulation, self.scaler = device_type, accumulation, scaler
         self._phase = phase
         self.keep_loss = keep_loss
+        self._sync = sync or (lambda last: contextlib.nullcontext())
 
     def phase(self, name: str) -> contextlib.AbstractContextManager:
         return self._phase(name) if self._phase is not None else contextlib.nullcontext()
@@ -131,9 +135,10 @@ class TrainStep:
     def __call__(self, batch: Batch | None = None) -> torch.Tensor | None:
         micro = split_batch(self.workload.batch if batch is None else batch, self.accumulation)
         total = None
-        for mb in micro:
-            loss = self.forward(mb)
-            self.backward(loss)
+        for i, mb in enumerate(micro):
+            with self._sync(i == len(micro) - 1):  # data-parallel: sync on the last only
+                loss = self.forward(mb)
+                self.backward(loss)
             if self.keep_loss:
                 total = loss.detach() if total is None else total + loss.detach()
             del loss

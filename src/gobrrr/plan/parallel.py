@@ -1,0 +1,314 @@
+"""The plan over several GPUs: DDP or FSDP2 chosen jointly with the one-GPU knobs.
+
+Every candidate is the one-GPU search's composition of passes over one rank's trace (the
+graph at the rank's micro-batch, checkpointing, accumulation to the rank's share of the
+global batch), then the data-parallel pass: `passes.ddp`, or `passes.fsdp` with the
+candidate's reshard_after_forward (over the "bf16" trace, `estimate.traced_precision`). The
+one-rank trace does not depend on the parallelism: DDP's candidates share one trace family,
+FSDP2's another (reshard on and off share theirs, and the graph before the pass).
+
+What the search skips, and why it cannot miss a plan that fits:
+- DDP, where the replicated parameters, their gradients and DDP's bucket copies of them
+  (3 x the parameters' bytes, before any optimizer state) exceed the budget: no trace.
+- FSDP2, but for the user's precision "bf16-mixed" (FSDP2 is costed with torchtitan's
+  MixedPrecisionPolicy) and a model with repeated blocks (its units).
+- Compile and offload: planned on one GPU only (the passes model neither under DDP or FSDP2).
+- Memory first: a candidate's allocation replay runs before its time; one that does not fit
+  is kept with its memory, untimed. Checkpointing every block (the least memory) is costed
+  first; where even that does not fit, no other policy at that micro-batch can. Reshard off
+  (more memory) only where reshard on fits; the user's head and loss only where the fused
+  loss (less memory) fitted somewhere.
+- Micro-batches grow until none fits (memory grows with them), but under FSDP2 the rank's
+  whole share in one micro-batch is costed too: without accumulation FSDP2 holds no
+  unsharded fp32 gradients between micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from gobrrr.errors import GobrrrError
+from gobrrr.estimate import traced_precision
+from gobrrr.evaluate import evaluate, throughput_unit
+from gobrrr.graph.ir import StepGraph
+from gobrrr.memory.replay import step_memory
+from gobrrr.passes.accumulate import accumulate
+from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
+from gobrrr.passes.ddp import ddp
+from gobrrr.passes.fsdp import fsdp
+from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.result import Plan
+from gobrrr.plan.search import (
+    BASE,
+    Request,
+    Variant,
+    _plan,
+    _Search,
+    _Steps,
+    describe,
+    divisors,
+    parallelism,
+    variant_of,
+)
+from gobrrr.plan.trace import Tracer
+
+GIB = 2**30
+
+
+def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
+    """The search of `planner` (a Planner over gpus > 1) for `source` at `seq`: its
+    variants per parallelism chosen from the probe alone (nothing traced yet)."""
+    req, probe, precision = planner.req, planner.probe, planner.precision
+    notes: list[str] = []
+    by = {p: _variants(planner, p, notes) for p in ("ddp", "fsdp")}
+    if not by["ddp"] and not by["fsdp"]:
+        raise GobrrrError(notes[-1])
+    steps = _Steps(
+        lambda key: Tracer(
+            source, seq=seq, precision=key[1], target=planner.target, variant=key[0]
+        ),
+        req.per_rank,
+    )
+    search = _ParallelSearch(req, planner.target, steps, list(probe.blocks), by, precision)
+    search.notes.extend(notes)
+    search.trainable = sum(p.numel() for p in probe.workload.model.parameters() if p.requires_grad)
+    return search
+
+
+def _variants(planner, parallel: str, notes: list[str]) -> list[Variant]:
+    """The traced variants worth costing under `parallel`, fused loss first; none where the
+    parallelism cannot fit or run (a note says why)."""
+    req, probe = planner.req, planner.probe
+    fused = [] if probe.fused_loss_refusal else [replace(BASE, fused_loss=True)]
+    if parallel == "fsdp":
+        why = _no_fsdp(planner)
+        if why:
+            notes.append(f"FSDP2 not planned: {why}")
+            return []
+        return [*fused, BASE]
+    dropped = sorted({"compile", "offload"} & req.allow)
+    if dropped:
+        notes.append(f"{' and '.join(dropped)} planned on one GPU only (not with DDP or FSDP2)")
+    base = [*fused, BASE]
+    out = base + [replace(v, optimizer_states=st) for st in planner._states(notes) for v in base]
+    if "bf16-weights" in req.allow and planner.precision != "bf16":
+        out += [replace(v, weights="bf16") for v in base]
+    kept = [v for v in out if _ddp_floor(planner, v) <= req.usable]
+    if not kept:
+        floor = min(_ddp_floor(planner, v) for v in out)
+        notes.append(
+            f"DDP not planned: every rank holds the parameters, their gradients and DDP's "
+            f"bucket copies of them, {floor / GIB:.1f} GiB before any optimizer state, over "
+            f"the {req.usable / GIB:.1f} GiB budget"
+        )
+    return kept
+
+
+def _ddp_floor(planner, v: Variant) -> int:
+    """Bytes every DDP rank holds whatever else is planned: the parameters, their gradients
+    and DDP's bucket copies of them (as built; halved where the step runs in pure bf16)."""
+    bf16 = v.weights == "bf16" or planner.precision == "bf16"
+    return 3 * planner.probe.parameter_bytes // (2 if bf16 else 1)
+
+
+def _no_fsdp(planner) -> str | None:
+    """Why FSDP2 is not planned for this workload (None: it is)."""
+    if planner.precision != "bf16-mixed":
+        return (
+            "it is costed with MixedPrecisionPolicy(param bf16, reduce fp32), which is "
+            f"--precision bf16-mixed, not {planner.precision}"
+        )
+    if not planner.probe.blocks:
+        return (
+            "the model has no repeated blocks to shard as its units (an nn.ModuleList or "
+            "nn.Sequential of two or more modules of one class)"
+        )
+    return None
+
+
+class _ParallelSearch(_Search):
+    """Costs DDP and FSDP2 candidates at each per-rank micro-batch (see the module
+    docstring for the order and what it skips)."""
+
+    def __init__(self, req: Request, target, steps, blocks, by: dict, precision: str) -> None:
+        super().__init__(req, target, steps, blocks, [])
+        self.by, self.precision = by, precision
+        self.costed: dict[Knobs, Plan] = {}
+        self._graph: tuple[tuple, StepGraph] | None = None  # the last candidate's, unsharded
+        self._at: tuple[tuple, StepGraph] | None = None  # the last traced or derived graph
+        self.workload_name = ""
+        self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
+        self._grads: int | None = None
+
+    def run(self) -> list[Plan]:
+        for parallel, variants in self.by.items():
+            try:
+                self.parallel(parallel, variants)
+            except _Refused as e:  # the pass cannot shard this model's step
+                self.notes.append(f"{_NAMES[parallel]} not planned: {e}")
+                self.costed = {k: p for k, p in self.costed.items() if k.parallel != parallel}
+        return list(self.costed.values())
+
+    def parallel(self, parallel: str, variants: list[Variant]) -> None:
+        fused = [v for v in variants if v.fused_loss]
+        for v in variants:
+            if not v.fused_loss and fused and not self._fitted(parallel):
+                self.notes.append(
+                    f"{_NAMES[parallel]}: the model's own head and loss not costed: no "
+                    "plan with the fused loss, which needs less memory, fits"
+                )
+                return
+            self.variant(parallel, v)
+
+    def _fitted(self, parallel: str) -> bool:
+        return any(p.fits and p.knobs.parallel == parallel for p in self.costed.values())
+
+    def variant(self, parallel: str, v: Variant) -> None:
+        """Every micro-batch of `v` under `parallel`, smallest first, until none fits; under
+        FSDP2 then the rank's whole share in one micro-batch."""
+        ms = divisors(self.req.per_rank)
+        if parallel == "fsdp" and len(ms) > 1 and self._unsharded_grads() > self.req.usable:
+            ms = ms[-1:]  # accumulation cannot fit: the rank's whole share at once only
+        plain_first = False  # the first micro-batch: checkpointing every block first
+        for m in ms:
+            plans = self.at_micro_batch(m, v, parallel, plain_first)
+            if not any(p.fits for p in plans):
+                break
+            plain_first = not plans[0].knobs.checkpoint and plans[0].fits
+        else:
+            return
+        if parallel == "fsdp" and m != ms[-1]:
+            self.at_micro_batch(ms[-1], v, parallel, False)
+
+    def _unsharded_grads(self) -> int:
+        """Bytes FSDP2 holds between micro-batches under accumulation: without the gradient
+        sync every unit's gradients stay unsharded, in reduce_dtype fp32
+        (`to_accumulated_grad_if_needed`), 4 bytes a trainable parameter (a note says so
+        where that alone exceeds the budget)."""
+        if self._grads is None:
+            self._grads = 4 * self.trainable
+            if self._grads > self.req.usable:
+                self.notes.append(
+                    f"FSDP2 with accumulation not costed: with the gradient sync skipped "
+                    f"until the last micro-batch, FSDP2 keeps every gradient unsharded in "
+                    f"fp32 between micro-batches, {self._grads / GIB:.1f} GiB over the "
+                    f"{self.req.usable / GIB:.1f} GiB budget; each rank takes its "
+                    f"{self.req.per_rank} samples in one micro-batch"
+                )
+        return self._grads
+
+    def at_micro_batch(
+        self, m: int, v: Variant = BASE, parallel: str = "ddp", plain_first: bool = True
+    ) -> list[Plan]:
+        """The candidates at micro-batch m, the plain step first where `plain_first` (it
+        fitted at the micro-batch before), else checkpointing every block first (where even
+        that does not fit, nothing at m does)."""
+        n = self.req.per_rank // m
+        knobs = functools.partial(replace, v, micro_batch=m, accumulation=n, parallel=parallel)
+        ckpt = bool(self.blocks)
+        if plain_first or not ckpt:
+            plain = self.cost(knobs())
+            if plain.fits or not ckpt:
+                return self._no_reshard([plain])
+        full = self.cost(knobs(checkpoint=every_kth(self.blocks, 1)))
+        if not full.fits:
+            return self._no_reshard([full])
+        plain = self.cost(knobs(), timed=True)
+        out = [plain, full]
+        if not plain.fits:
+            sel = self.cost(knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True)
+            out += [sel, self.cost(knobs(checkpoint=every_kth(self.blocks, 2)))]
+            out += self.budget_optimal(knobs, plain, sel, full)
+        return self._no_reshard(out)
+
+    def _no_reshard(self, plans: list[Plan]) -> list[Plan]:
+        """FSDP2's plans that fit, costed again with reshard_after_forward off."""
+        more = [
+            self.cost(replace(p.knobs, reshard=False))
+            for p in plans
+            if p.fits and p.knobs.parallel == "fsdp" and p.knobs.reshard
+        ]
+        return plans + more
+
+    def user(self) -> Plan | None:
+        """The rank's whole share in one micro-batch under the first parallelism planned,
+        nothing else changed, where the search costed it."""
+        first = next(p for p, vs in self.by.items() if vs)
+        return self.costed.get(Knobs(micro_batch=self.req.per_rank, parallel=first))
+
+    def graph(self, knobs: Knobs) -> StepGraph:
+        """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
+        the parallelism runs in (before checkpointing and sharding)."""
+        precision = traced_precision(knobs.precision(self.precision), 2, knobs.parallel)
+        key = (replace(variant_of(knobs), parallel="none", reshard=True), precision)
+        if self._at is None or self._at[0] != (key, knobs.micro_batch):
+            g = self.steps.at(key, knobs.micro_batch)
+            self._at = ((key, knobs.micro_batch), g)
+            self.workload_name = self.workload_name or str(g.meta.name)
+        return self._at[1]
+
+    def cost(self, knobs: Knobs, timed: bool = False) -> Plan:
+        """The predicted step of `knobs` on one rank: its memory, and its time where it fits
+        (or `timed`: the knapsack reads the times of plans that do not fit)."""
+        got = self.costed.get(knobs)
+        if got is not None and (got.step_s is not None or not timed):
+            return got
+        g = self.sharded(knobs)
+        mem = step_memory(g, self.target.gpu, self.target.cal)
+        reserved = mem.reserved or mem.peak
+        if (mem.oom_index is not None or reserved > self.req.usable) and not timed:
+            plan = _untimed(knobs, g, mem.peak, reserved, self.req, self.blocks)
+        else:
+            plan = _plan(knobs, evaluate(g, self.target), self.req, self.blocks)
+        self.evaluated += 1
+        self.costed[knobs] = plan
+        return plan
+
+    def sharded(self, knobs: Knobs) -> StepGraph:
+        """The candidate's one-rank graph: checkpointed, accumulated, then sharded; the
+        graph before sharding kept for the next candidate that differs only in reshard."""
+        key = (replace(knobs, reshard=True),)
+        if self._graph is None or self._graph[0] != key:
+            g = self.graph(knobs)
+            if knobs.checkpoint:
+                g = checkpoint_pass(g, dict(knobs.checkpoint))
+            self._graph = (key, accumulate(g, knobs.accumulation))
+        g = self._graph[1]
+        try:
+            if knobs.parallel == "ddp":
+                return ddp(g, self.req.gpus, self.req.nodes)
+            return fsdp(g, self.req.gpus, self.req.nodes, reshard_after_forward=knobs.reshard)
+        except GobrrrError as e:
+            raise _Refused(str(e)) from e
+
+
+class _Refused(GobrrrError):
+    """The data-parallel pass refused the step: that parallelism is not planned."""
+
+
+_NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
+
+
+def _untimed(
+    knobs: Knobs, g: StepGraph, peak: int, reserved: int, req: Request, blocks: list[str]
+) -> Plan:
+    """A candidate whose memory does not fit: its peaks, not its time."""
+    return Plan(
+        knobs=knobs,
+        unit=throughput_unit(g),
+        units_per_s=0.0,
+        step_s=None,
+        peak_bytes=peak,
+        reserved_bytes=reserved,
+        fits=False,
+        headroom_bytes=req.budget - reserved,
+        changes=tuple(describe(knobs, req.per_rank, blocks)),
+        why=f"needs {reserved / GIB:.1f} GiB reserved per rank, over the "
+        f"{req.usable / GIB:.1f} GiB a plan may take (not timed)",
+        gpus=req.gpus,
+        parallel=parallelism(knobs, req.gpus, req.nodes),
+    )
+
+
+__all__ = ["parallel_search"]

@@ -26,6 +26,7 @@ What the search skips, and why it cannot miss a plan that fits:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 from gobrrr.errors import GobrrrError
@@ -141,7 +142,10 @@ class _ParallelSearch(_Search):
         self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
         self._grads: int | None = None
 
-    def run(self) -> list[Plan]:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
+        """Every parallelism's candidates; `progress` called with (variants costed, of)."""
+        self._progress, self._done = progress, 0
+        self._total = sum(len(v) for v in self.by.values())
         for parallel, variants in self.by.items():
             try:
                 self.parallel(parallel, variants)
@@ -160,6 +164,9 @@ class _ParallelSearch(_Search):
                 )
                 return
             self.variant(parallel, v)
+            self._done += 1
+            if self._progress:
+                self._progress(self._done, self._total)
 
     def _fitted(self, parallel: str) -> bool:
         return any(p.fits and p.knobs.parallel == parallel for p in self.costed.values())

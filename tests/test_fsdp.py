@@ -220,3 +220,32 @@ def test_allocator_pools_are_per_stream():
     b.free(b.malloc(64 * 2**20))
     b.malloc(64 * 2**20)
     assert b.reserved == 64 * 2**20
+
+
+class HeadOnlyRoot(nn.Module):
+    """Blocks, then a head: the root holds only the head, whose gradients backward makes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(H, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_root_holding_only_the_head_reduces_last():
+    """FSDP2 reduce-scatters the root's gradients in autograd's final callback, after every
+    block's, though the head's gradients are made first in backward."""
+    torch.manual_seed(0)
+    w = Workload(
+        HeadOnlyRoot(),
+        torch.randn(2, 8, H),
+        step=lambda m, b: m(b).float().square().mean(),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True),
+    )
+    g = fsdp(capture(w, precision="bf16"), 4)
+    reduces = [n.module for n in g.nodes if n.op == REDUCE_SCATTER]
+    assert reduces == ["blocks.2", "blocks.1", "blocks.0", ""]

@@ -543,8 +543,15 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
     reduce-scatter into the unit's sharded gradients."""
     w = plan.world
     order = sorted(units[1:], key=lambda u: u.post) + [units[0]]
-    posts = [u.post for u in order]
-    if posts != sorted(posts) or len(set(posts)) != len(posts):
+    # the blocks' post-backwards in backward order, each after its own last op; the root's
+    # runs in autograd's final callback, after them all, even where the last backward op is
+    # a block's (a root holding only the head: its gradients are made first)
+    posts = [u.post for u in order[:-1]]
+    if (
+        posts != sorted(posts)
+        or len(set(posts)) != len(posts)
+        or order[-1].post < max(posts, default=-1)
+    ):
         raise GobrrrError("fsdp: units' backward spans overlap; cannot order post-backwards")
     prev: int | None = None
     outs = {}

@@ -157,7 +157,18 @@ def planned(args, shape: str) -> dict:
     )
     best = r.require_best()
     print(f"{shape}: plan chose {best.parallel}, {', '.join(best.changes) or 'as given'}")
+    PREDICTED[shape] = {
+        "tokens_per_s": best.units_per_s,
+        "step_s": best.step_s,
+        "peak_allocated": best.peak_bytes,
+        "peak_reserved": best.reserved_bytes,
+        "gpu": args.gpu,
+    }
     return best.knobs.to_dict()
+
+
+#: shape -> the chosen plan's predicted figures (filled by `planned`)
+PREDICTED: dict[str, dict] = {}
 
 
 # -- one job ------------------------------------------------------------------------------------
@@ -294,6 +305,8 @@ def parent(args) -> int:
         rows = []
         knobs = planned(args, shape)
         rows.append(launch(args, {**base, "kind": "plan", "name": f"{shape}-plan", "knobs": knobs}))
+        if shape in PREDICTED:
+            rows[-1]["predicted"] = PREDICTED[shape]
         _say(rows[-1])
         for series in grid(args, shape):
             for case in series:

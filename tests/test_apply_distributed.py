@@ -99,11 +99,12 @@ def planned() -> list[Knobs]:
 
 DDP = Knobs(micro_batch=1, accumulation=2, parallel="ddp")
 FSDP = Knobs(micro_batch=1, accumulation=2, parallel="fsdp")
+FSDP_EACH = Knobs(micro_batch=1, accumulation=2, parallel="fsdp", sync_each=True)
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    jobs = [("ddp", DDP, "fp32"), ("fsdp", FSDP, "bf16-mixed")]
+    jobs = [("ddp", DDP, "fp32"), ("fsdp", FSDP, "bf16-mixed"), ("each", FSDP_EACH, "bf16-mixed")]
     jobs += [(f"plan{i}", k, "bf16-mixed") for i, k in enumerate(planned())]
     return run_job(jobs, tmp_path_factory.mktemp("dp"))
 
@@ -157,12 +158,15 @@ def test_fsdp_step_is_the_whole_batch_step_with_bf16_compute(ran):
     one's by ~0.5%). Averaging wrong (one rank's gradient, or the sum) is off by ~50-100%."""
     want = fsdp_reference()
     before = {n: p.detach() for n, p in tiny().model.named_parameters()}
-    got = ran["fsdp"]["params"]
-    assert got.keys() == want.keys()
-    for n in want:
-        step = (want[n] - before[n]).norm()
-        err = (got[n] - want[n]).norm() / step
-        assert err < (2**-7 if ".ln_" in n else 1e-5), (n, err.item())
+    # "each": the gradients reduce-scattered on both micro-batches and summed as fp32 shards
+    # (sync_each, fully_shard's default): the same sum, in another order
+    for job in ("fsdp", "each"):
+        got = ran[job]["params"]
+        assert got.keys() == want.keys()
+        for n in want:
+            step = (want[n] - before[n]).norm()
+            err = (got[n] - want[n]).norm() / step
+            assert err < (2**-7 if ".ln_" in n else 1e-5), (job, n, err.item())
 
 
 def test_every_planned_configuration_applies_and_steps(ran):

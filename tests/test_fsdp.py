@@ -249,3 +249,24 @@ def test_a_root_holding_only_the_head_reduces_last():
     g = fsdp(capture(w, precision="bf16"), 4)
     reduces = [n.module for n in g.nodes if n.op == REDUCE_SCATTER]
     assert reduces == ["blocks.2", "blocks.1", "blocks.0", ""]
+
+
+def test_sync_each_reduce_scatters_every_micro_batch_and_keeps_only_shards(graph):
+    """FSDP2's default accumulation (no set_requires_gradient_sync(False)): every micro-batch
+    reduce-scatters, the later one's shard added into the first's; no unsharded fp32
+    gradient outlives a micro-batch, and the traced `grad += new` does not run."""
+    acc = accumulate(graph, 2)
+    held = fsdp(acc, 4)
+    each = fsdp(acc, 4, sync_each=True)
+    units = ["blocks.2", "blocks.1", "blocks.0", ""]
+    assert [n.module for n in held.nodes if n.op == REDUCE_SCATTER] == units
+    assert [n.module for n in each.nodes if n.op == REDUCE_SCATTER] == units * 2
+    adds = [n for n in each.nodes if n.op == "aten.add_.Tensor"]
+    assert [n.module for n in adds] == units and all(n.stream == "comm" for n in adds)
+    # the sharded gradients are the first micro-batch's reduce-scatter outputs: 4/N bytes a
+    # parameter (padded shards), and nothing else of kind "gradient"
+    shard = _per_unit(4)
+    grads = sum(s.nbytes for s in each.storages if s.kind == "gradient")
+    assert grads == sum(4 * k for k in shard.values())
+    assert sum(s.nbytes for s in held.storages if s.kind == "gradient") > grads
+    assert each.meta.passes[-1]["sync_each"] is True

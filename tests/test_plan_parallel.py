@@ -134,3 +134,11 @@ def test_cli_bad_split_exits_2(capsys):
     assert main(["plan", "--model", "gpt2", "--gpus", "4", "--global-batch", "6", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert "split evenly" in out["error"]
+
+
+def test_sync_each_is_fsdp2s_alone_and_travels_in_the_json():
+    with pytest.raises(GobrrrError, match="sync_each is FSDP2's"):
+        Knobs(micro_batch=1, accumulation=2, parallel="ddp", sync_each=True)
+    k = Knobs(micro_batch=1, accumulation=2, parallel="fsdp", sync_each=True)
+    assert Knobs.from_dict(k.to_dict()) == k
+    assert "sync_each" not in Knobs(micro_batch=1, parallel="fsdp").to_dict()

@@ -133,6 +133,7 @@ class _Plan:
     after: dict[int, list[OpNode]] = field(default_factory=dict)
     extra_frees: dict[int, list[int]] = field(default_factory=dict)
     drop_frees: set[int] = field(default_factory=set)
+    dropped: set[int] = field(default_factory=set)  # traced ops FSDP2 does not run
     # op -> {storage it reads: the storage (or the whole view) it reads instead}
     remap: dict[int, dict[int, TensorInfo | int]] = field(default_factory=dict)
 
@@ -152,6 +153,7 @@ def fsdp(
     reshard_after_forward: bool | None = True,
     units: Sequence[str] | None = None,
     hsdp: bool = False,
+    sync_each: bool = False,
 ) -> StepGraph:
     """One rank's step of `graph` (traced with precision "bf16") under FSDP2 over `world`
     ranks on `hosts` hosts: every unit in `units` (default: the repeated blocks,
@@ -162,7 +164,13 @@ def fsdp(
 
     hsdp: False, sharded over all `world` ranks (the collectives span the hosts); True, HSDP:
     sharded over each host's world / hosts ranks and replicated across the `hosts` hosts
-    (needs hosts > 1)."""
+    (needs hosts > 1).
+
+    sync_each: under accumulation, the gradients are reduce-scattered on every micro-batch
+    (FSDP2's default; torchtitan's accumulation), each later micro-batch's sharded gradients
+    added into the first's, instead of held unsharded in fp32 until the last
+    (`set_requires_gradient_sync(False)` on the others): less memory, a reduce-scatter per
+    micro-batch."""
     _check(graph, world, hosts, hsdp)
     names = _unit_names(graph, units)
     shards = world // hosts if hsdp else world
@@ -170,9 +178,9 @@ def fsdp(
         params = _params(graph, names)
         plan = _Plan(graph, shards, list(graph.storages), replicas=hosts if hsdp else 1)
         _reshape_persistent(plan, params)
-        rs_outs = _micro_batches(plan, params, names, reshard_after_forward)
+        rs_outs = _micro_batches(plan, params, names, reshard_after_forward, sync_each)
         _optimizer(plan, params, rs_outs)
-        return _assemble(plan, world, hosts, reshard_after_forward, names)
+        return _assemble(plan, world, hosts, reshard_after_forward, names, sync_each)
 
 
 def _check(graph: StepGraph, world: int, hosts: int, hsdp: bool = False) -> None:
@@ -305,10 +313,11 @@ def _reshape_persistent(plan: _Plan, params: dict[int, Param]) -> None:
 
 # --------------------------------------------------------------------------- micro-batches
 def _micro_batches(
-    plan: _Plan, params: dict[int, Param], names: list[str], reshard: bool
+    plan: _Plan, params: dict[int, Param], names: list[str], reshard: bool, sync_each: bool
 ) -> dict[str, int]:
     """Gathers, reshards and reductions of every micro-batch; returns {unit: the storage of
-    its sharded gradients} (the last micro-batch's reduce-scatter outputs)."""
+    its sharded gradients} (the last micro-batch's reduce-scatter outputs; with sync_each,
+    the first's, which the later ones add into)."""
     g = plan.graph
     opt = next((n.index for n in g.nodes if n.phase == "optimizer"), len(g.nodes))
     ranges = [(0, opt)] if g.repeat is None else [(0, g.repeat[0]), (g.repeat[0], g.repeat[1])]
@@ -320,10 +329,14 @@ def _micro_batches(
     grads = {p.grad: p for p in params.values() if p.grad is not None}
     for m, (lo, hi) in enumerate(ranges):
         units = _positions(g, lo, hi, by_unit, grads)
-        sync = m == len(ranges) - 1
+        sync = sync_each or m == len(ranges) - 1
         _hooks(plan, units, reshard)
         _forward(plan, units, reshard)
         gathered = _backward_gathers(plan, units, reshard)
+        if sync_each and m > 0:
+            fresh = _fresh_grads(plan, lo, hi, grads)
+            _reduce(plan, units, gathered, accumulated, fresh, into=rs_outs)
+            continue
         _retarget_adds(plan, lo, hi, grads, accumulated)
         if sync:
             rs_outs = _reduce(plan, units, gathered, accumulated)
@@ -511,6 +524,18 @@ def _retarget_adds(plan: _Plan, lo: int, hi: int, grads, accumulated: dict[int, 
                 plan.remap.setdefault(n.index, {})[p.grad] = view
 
 
+def _fresh_grads(plan: _Plan, lo: int, hi: int, grads) -> dict[int, int]:
+    """A later micro-batch synced on its own: its `grad += new` (passes.accumulate) does not
+    run, the earlier unsharded gradient being gone; `new` is what is reduce-scattered.
+    Returns {parameter storage: its new gradient's storage}."""
+    fresh = {}
+    for n in plan.graph.nodes[lo:hi]:
+        if n.name == "add_" and len(n.inputs) > 1 and (p := grads.get(n.inputs[0].storage)):
+            fresh[p.sid] = n.inputs[1].storage
+            plan.dropped.add(n.index)
+    return fresh
+
+
 def _to_accumulated(plan: _Plan, units: list[Unit], gathered, accumulated) -> None:
     """A micro-batch without gradient sync: at each unit's post-backward its parameters are
     resharded and each bf16 gradient cast to an unsharded fp32 one (the bf16 one freed)."""
@@ -537,10 +562,21 @@ def _to_accumulated(plan: _Plan, units: list[Unit], gathered, accumulated) -> No
             )
 
 
-def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, int]:
+def _reduce(
+    plan: _Plan,
+    units: list[Unit],
+    gathered,
+    accumulated,
+    fresh: dict[int, int] | None = None,
+    into: dict[str, int] | None = None,
+) -> dict[str, int]:
     """The synced micro-batch's post-backwards, in backward order (the root last): reshard,
     the previous reduce-scatter input freed, copy-in (the unsharded gradients freed), the
-    reduce-scatter into the unit's sharded gradients."""
+    reduce-scatter into the unit's sharded gradients. `fresh`: {parameter: the gradient
+    storage to reduce instead of its traced one}; `into`: {unit: sharded gradients} a later
+    micro-batch's reduce-scatter output is added into (then freed), as FSDP2 accumulates
+    sharded gradients."""
+    fresh = fresh or {}
     w = plan.world
     order = sorted(units[1:], key=lambda u: u.post) + [units[0]]
     # the blocks' post-backwards in backward order, each after its own last op; the root's
@@ -567,13 +603,18 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
         rs_in = plan.new_storage(
             shard * w * 4, "temporary", f"{u.name or '<root>'} reduce-scatter input", u.name
         )
+        adds = into is not None and u.name in into
         rs_out = plan.new_storage(
-            shard * 4, "gradient", f"{u.name or '<root>'} sharded grads", u.name
+            shard * 4,
+            "temporary" if adds else "gradient",
+            f"{u.name or '<root>'} sharded grads{' (this micro-batch)' if adds else ''}",
+            u.name,
         )
         srcs, dead = [], []
         for p in ps:
             acc = accumulated.get(p.sid)
             sid, dt = (acc, REDUCE_DTYPE) if acc is not None else (p.grad, PARAM_DTYPE)
+            sid = fresh.get(p.sid, sid)
             srcs.append(TensorInfo(p.shape, _contiguous(p.shape), dt, sid))
             dead.append(sid)
         flat_in = _flat(rs_in, shard * w, REDUCE_DTYPE)
@@ -608,6 +649,12 @@ def _reduce(plan: _Plan, units: list[Unit], gathered, accumulated) -> dict[str, 
         if plan.replicas > 1:  # HSDP: the shard all-reduced in place across the hosts
             ar = _node(ALL_REDUCE, u.name, (flat_out,), (flat_out,), stream=COMM)
             plan.op(plan.after, u.post, dataclasses.replace(ar, args=(plan.replicas,)))
+        if adds:  # sharded_param.grad += the new shard, on the reduce-scatter's stream
+            acc_out = _flat(into[u.name], shard, REDUCE_DTYPE)
+            add = _node(
+                "aten.add_.Tensor", u.name, (acc_out, flat_out), (acc_out,), frees=(rs_out,)
+            )
+            plan.op(plan.after, u.post, dataclasses.replace(add, stream=COMM))
         prev, outs[u.name] = rs_in, rs_out
     return outs
 
@@ -658,7 +705,9 @@ def _shard_bytes(nbytes: int, world: int) -> int:
 
 
 # --------------------------------------------------------------------------------- assembly
-def _assemble(plan: _Plan, world: int, hosts: int, reshard: bool, names: list[str]) -> StepGraph:
+def _assemble(
+    plan: _Plan, world: int, hosts: int, reshard: bool, names: list[str], sync_each: bool = False
+) -> StepGraph:
     g = plan.graph
     nodes: list[OpNode] = []
     at: dict[int, int] = {}  # original op -> its new index
@@ -669,7 +718,8 @@ def _assemble(plan: _Plan, world: int, hosts: int, reshard: bool, names: list[st
         for x in plan.before.get(n.index, ()):
             nodes.append(dataclasses.replace(x, index=len(nodes), phase=phase))
         at[n.index] = len(nodes)
-        nodes.append(_moved(plan, n, len(nodes)))
+        if n.index not in plan.dropped:
+            nodes.append(_moved(plan, n, len(nodes)))
         for x in plan.after.get(n.index, ()):
             nodes.append(dataclasses.replace(x, index=len(nodes), phase=phase))
     first[len(g.nodes)] = len(nodes)
@@ -696,6 +746,8 @@ def _assemble(plan: _Plan, world: int, hosts: int, reshard: bool, names: list[st
     hsdp = plan.replicas > 1
     if hsdp:
         record.update(hsdp=True, shard=plan.world)
+    if sync_each:
+        record.update(sync_each=True)
     meta = meta.with_pass(
         record, parallel=Parallel("hsdp" if hsdp else "fsdp", world, hosts), repeat=repeat
     )

@@ -94,7 +94,8 @@ class AppliedStep:
             device_type=self.device.type,
             accumulation=knobs.accumulation,
             scaler=make_scaler(numerics, self.device.type),
-            sync=_sync(runner) if knobs.distributed else None,
+            # FSDP2 syncing each micro-batch (sync_each) is fully_shard's default: no hook
+            sync=_sync(runner) if knobs.distributed and not knobs.sync_each else None,
         )
         self._batch = workload.batch
 
@@ -203,7 +204,8 @@ def _wrapped(knobs: Knobs, world: int) -> str:
     if knobs.parallel == "ddp":
         return f"DistributedDataParallel over {world} ranks"
     reshard = "reshard" if knobs.reshard else "no reshard"
-    return f"fully_shard (FSDP2) over {world} ranks, {reshard}"
+    each = ", gradients reduce-scattered every micro-batch" if knobs.sync_each else ""
+    return f"fully_shard (FSDP2) over {world} ranks, {reshard}{each}"
 
 
 def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:

@@ -55,9 +55,12 @@ class Knobs:
         weights: one of WEIGHTS.
         parallel: one of PARALLEL. Not "none": micro_batch x accumulation is one rank's
             share of the job's batch (the job's global batch / its GPUs), and gradient sync
-            is skipped on every micro-batch but the last.
+            is skipped on every micro-batch but the last (unless sync_each).
         reshard: FSDP2's reshard_after_forward (free each unit's gathered parameters after
             its forward, gather them again for backward); read with parallel "fsdp" only.
+        sync_each: FSDP2's gradients reduce-scattered on every micro-batch and accumulated
+            as shards (torchtitan's accumulation), instead of held unsharded in fp32 to the
+            last; with parallel "fsdp" only.
     """
 
     micro_batch: int
@@ -70,6 +73,7 @@ class Knobs:
     weights: str = "as-is"
     parallel: str = "none"
     reshard: bool = True
+    sync_each: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.accumulation < 1:
@@ -92,6 +96,11 @@ class Knobs:
             raise GobrrrError(f"unknown weights {self.weights!r}: choose {', '.join(WEIGHTS)}")
         if self.parallel not in PARALLEL:
             raise GobrrrError(f"unknown parallel {self.parallel!r}: choose {', '.join(PARALLEL)}")
+        if self.sync_each and self.parallel != "fsdp":
+            raise GobrrrError(
+                f"sync_each is FSDP2's way to accumulate, not parallel {self.parallel!r}: "
+                "set parallel='fsdp' or sync_each=False"
+            )
 
     @property
     def global_batch(self) -> int:
@@ -117,6 +126,8 @@ class Knobs:
         d["checkpoint"] = [list(c) for c in self.checkpoint]
         if not self.distributed:
             del d["parallel"], d["reshard"]
+        if not self.sync_each:
+            del d["sync_each"]
         return d
 
     @staticmethod

@@ -176,7 +176,7 @@ class _ParallelSearch(_Search):
         FSDP2 then the rank's whole share in one micro-batch."""
         ms = divisors(self.req.per_rank)
         if parallel == "fsdp" and len(ms) > 1 and self._unsharded_grads() > self.req.usable:
-            ms = ms[-1:]  # accumulation cannot fit: the rank's whole share at once only
+            v = replace(v, parallel="fsdp", sync_each=True)  # unsharded fp32 grads cannot fit
         plain_first = False  # the first micro-batch: checkpointing every block first
         for m in ms:
             plans = self.at_micro_batch(m, v, parallel, plain_first)
@@ -197,11 +197,10 @@ class _ParallelSearch(_Search):
             self._grads = 4 * self.trainable
             if self._grads > self.req.usable:
                 self.notes.append(
-                    f"FSDP2 with accumulation not costed: with the gradient sync skipped "
-                    f"until the last micro-batch, FSDP2 keeps every gradient unsharded in "
+                    f"FSDP2 accumulates by reduce-scattering every micro-batch: with the "
+                    f"sync skipped until the last it would keep every gradient unsharded in "
                     f"fp32 between micro-batches, {self._grads / GIB:.1f} GiB over the "
-                    f"{self.req.usable / GIB:.1f} GiB budget; each rank takes its "
-                    f"{self.req.per_rank} samples in one micro-batch"
+                    f"{self.req.usable / GIB:.1f} GiB budget"
                 )
         return self._grads
 
@@ -212,7 +211,14 @@ class _ParallelSearch(_Search):
         fitted at the micro-batch before), else checkpointing every block first (where even
         that does not fit, nothing at m does)."""
         n = self.req.per_rank // m
-        knobs = functools.partial(replace, v, micro_batch=m, accumulation=n, parallel=parallel)
+        knobs = functools.partial(
+            replace,
+            v,
+            micro_batch=m,
+            accumulation=n,
+            parallel=parallel,
+            sync_each=v.sync_each and n > 1,
+        )
         ckpt = bool(self.blocks)
         if plain_first or not ckpt:
             plain = self.cost(knobs())
@@ -248,7 +254,10 @@ class _ParallelSearch(_Search):
         """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
         the parallelism runs in (before checkpointing and sharding)."""
         precision = traced_precision(knobs.precision(self.precision), 2, knobs.parallel)
-        key = (replace(variant_of(knobs), parallel="none", reshard=True), precision)
+        key = (
+            replace(variant_of(knobs), parallel="none", reshard=True, sync_each=False),
+            precision,
+        )
         if self._at is None or self._at[0] != (key, knobs.micro_batch):
             g = self.steps.at(key, knobs.micro_batch)
             self._at = ((key, knobs.micro_batch), g)
@@ -285,7 +294,13 @@ class _ParallelSearch(_Search):
         try:
             if knobs.parallel == "ddp":
                 return ddp(g, self.req.gpus, self.req.nodes)
-            return fsdp(g, self.req.gpus, self.req.nodes, reshard_after_forward=knobs.reshard)
+            return fsdp(
+                g,
+                self.req.gpus,
+                self.req.nodes,
+                reshard_after_forward=knobs.reshard,
+                sync_each=knobs.sync_each and knobs.accumulation > 1,
+            )
         except GobrrrError as e:
             raise _Refused(str(e)) from e
 

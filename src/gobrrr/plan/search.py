@@ -599,7 +599,8 @@ def parallelism(knobs: Knobs, gpus: int, nodes: int = 1) -> str:
     hosts = f" on {nodes} nodes" if nodes > 1 else ""
     if knobs.parallel == "ddp":
         return f"DDP x{gpus}{hosts}"
-    return f"FSDP2 x{gpus}{hosts}, {'reshard' if knobs.reshard else 'no reshard'}"
+    each = ", sync every micro-batch" if knobs.sync_each else ""
+    return f"FSDP2 x{gpus}{hosts}, {'reshard' if knobs.reshard else 'no reshard'}{each}"
 
 
 def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:

@@ -29,34 +29,10 @@ from gobrrr.estimate import check_parallel, shard
 from gobrrr.evaluate import evaluate
 from gobrrr.graph.meta import Parallel
 from gobrrr.passes.fsdp import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, fsdp
+from tests.test_fsdp import LAYERS, F, H, Tiny, V  # the same tiny model
 
-H, F, V, LAYERS = 16, 10, 37, 3  # F and V are odd: dim 0 padded when sharded over 2
 HOSTS, PER_HOST = 2, 2
 WORLD = HOSTS * PER_HOST
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(H, F), nn.Linear(F, H)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

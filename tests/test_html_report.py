@@ -278,3 +278,23 @@ def test_progress_rewrites_one_line_on_a_terminal():
     for i in range(1, 6):
         p(i, 5)
     assert log.getvalue() == "gobrrr: costing 1/5\ngobrrr: costing 5/5\n"
+
+
+def test_a_multi_gpu_plan_page_and_one_without_the_step_as_given(tmp_path, capsys):
+    """plan --gpus: the page and its charts come from the sharded graphs; a data-parallel
+    search that never costed the step as given (a 70B over 64 GPUs) still gets its page."""
+    page = tmp_path / "plan.html"
+    args = ["plan", "--model", "mlp", "--global-batch", "8", "--gpus", "4", "--json"]
+    assert main([*args, "--html", str(page)]) == 0
+    data = json.loads(capsys.readouterr()[0])
+    assert data["best"]["parallel"].startswith(("DDP x4", "FSDP2 x4"))
+    chosen = data["charts"]["memory"]["chosen"]
+    # the chosen plan's memory series is its sharded step's: its peak is the plan's
+    assert chosen["peak"]["bytes"] == data["best"]["peak_bytes"]
+    assert "<svg" in page.read_text() or "plotly" in page.read_text()
+    data["user"] = None
+    data["charts"]["candidates"]["user"] = None
+    data["charts"]["memory"].pop("as given", None)
+    other = tmp_path / "no_user.html"
+    H.write_html(data, str(other))
+    assert "not costed" in other.read_text()

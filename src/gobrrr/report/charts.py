@@ -291,7 +291,9 @@ def plan_charts(planner: Planner, result: PlanResult) -> dict[str, Any]:
     """The plan's charts: every configuration costed (`candidates`) and the memory over the
     step as given and with the chosen plan (when one fits), each re-evaluated from the
     planner's traces as the search evaluated it."""
-    memory = {"as given": _plan_memory(planner, result.user.knobs)}
+    memory = {}
+    if result.user is not None:  # a multi-GPU search need not cost the step as given
+        memory["as given"] = _plan_memory(planner, result.user.knobs)
     if result.best is not None:
         memory["chosen"] = _plan_memory(planner, result.best.knobs)
     return {
@@ -303,11 +305,15 @@ def plan_charts(planner: Planner, result: PlanResult) -> dict[str, Any]:
 
 
 def _plan_memory(planner: Planner, knobs: Knobs) -> dict[str, Any]:
-    # the graph `_Search.cost` evaluates for these knobs (plan/search.py)
-    g = planner.search.graph(knobs)
-    if knobs.checkpoint:
-        g = checkpoint_pass(g, dict(knobs.checkpoint))
-    g = accumulate(g, knobs.accumulation)
+    # the graph `_Search.cost` evaluates for these knobs (plan/search.py); a data-parallel
+    # search's own (`plan/parallel.py`: sharded after checkpointing and accumulation)
+    if knobs.distributed:
+        g = planner.search.sharded(knobs)
+    else:
+        g = planner.search.graph(knobs)
+        if knobs.checkpoint:
+            g = checkpoint_pass(g, dict(knobs.checkpoint))
+        g = accumulate(g, knobs.accumulation)
     return memory_series(g, evaluate(g, planner.target).memory)
 
 
@@ -316,16 +322,16 @@ def candidates(result: PlanResult) -> dict[str, Any]:
     reserved_bytes, fits, changes), the step as given among them (`user`: its index) and the
     chosen plan's index (`chosen`, None when nothing fits)."""
     plans = list(result.plans)
-    if result.user not in plans:
+    if result.user is not None and result.user not in plans:
         plans.append(result.user)
     return {
-        "unit": result.user.unit,
+        "unit": plans[0].unit if plans else "",
         "per_s": [p.units_per_s for p in plans],
         "step_s": [p.step_s for p in plans],
         "peak_bytes": [p.peak_bytes for p in plans],
         "reserved_bytes": [p.reserved_bytes for p in plans],
         "fits": [p.fits for p in plans],
         "changes": [list(p.changes) for p in plans],
-        "user": plans.index(result.user),
+        "user": plans.index(result.user) if result.user is not None else None,
         "chosen": 0 if result.best is not None else None,
     }

@@ -356,7 +356,9 @@ def plan_page(r: dict[str, Any]) -> tuple[str, str, list[Section]]:
 
 def plan_summary(r: dict) -> Section:
     s = Section("summary", "Summary")
-    u, b = r["user"], r.get("best")
+    u, b = r.get("user"), r.get("best")
+    if u is None:  # a multi-GPU search need not cost the step as given: an empty stand-in
+        u = {"unit": (b or {}).get("unit", "tokens"), "fits": False, "reserved_bytes": 0}
     unit = u["unit"]
     s.body = facts(
         fact(
@@ -373,7 +375,7 @@ def plan_summary(r: dict) -> Section:
             "user.fits",
             u["fits"],
             f"{u[f'{unit}_per_s']:,.0f} {unit}/s" if u["fits"] else "does not fit",
-            f"reserved {gib(u['reserved_bytes'])}",
+            f"reserved {gib(u['reserved_bytes'])}" if u["reserved_bytes"] else "not costed",
         ),
     )
     if b:
@@ -441,10 +443,11 @@ def knob_table(c: dict) -> str:
     return table(["change", f"{unit}/s", "vs as given", "reserved", "fits"], rows, {1, 2, 3})
 
 
-def _knob_row(c: dict, name: str, i: int | None, u: int) -> list:
+def _knob_row(c: dict, name: str, i: int | None, u: int | None) -> list:
     if i is None:
         return [name, "not costed alone", "", "", ""]
-    gain = c["per_s"][i] / c["per_s"][u] if c["fits"][u] and c["per_s"][u] else None
+    costed = u is not None and c["fits"][u] and c["per_s"][u]
+    gain = c["per_s"][i] / c["per_s"][u] if costed else None
     return [
         name,
         f"{c['per_s'][i]:,.0f}",

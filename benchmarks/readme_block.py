@@ -1,6 +1,6 @@
 """The one way a benchmark writes its table into the root README: between two marker lines.
 
-replace_block(README, START, END, "\\n" + table + "\\n")
+write_table(README, START, END, table)     # from a benchmark's --readme
 """
 
 from __future__ import annotations
@@ -19,3 +19,12 @@ def replace_block(readme: Path, start: str, end: str, body: str) -> None:
     head, rest = doc.split(start, 1)
     tail = rest.split(end, 1)[1]
     readme.write_text(head + start + body + end + tail)
+
+
+def write_table(readme: Path, start: str, end: str, table: str) -> None:
+    """`table` on its own lines between the markers of `readme`; a README without them ends
+    the benchmark with the one-line message (SystemExit), as a command-line script should."""
+    try:
+        replace_block(readme, start, end, "\n" + table + "\n")
+    except GobrrrError as e:
+        raise SystemExit(str(e)) from None

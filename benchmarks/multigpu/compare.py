@@ -44,7 +44,6 @@ import transformers
 import gobrrr
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
-from gobrrr.errors import GobrrrError
 from gobrrr.estimate import shard, traced_precision
 from gobrrr.evaluate import evaluate
 from gobrrr.graph.ir import StepGraph
@@ -58,7 +57,7 @@ RESULTS = HERE.parent / "results"
 OUT = RESULTS / "multigpu_predictions.json"
 CACHE = Path("/tmp/multigpu_graphs")
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from readme_block import replace_block  # noqa: E402
+from readme_block import write_table  # noqa: E402
 from steps import SHAPES  # noqa: E402
 
 START = "<!-- multigpu-table: start (benchmarks/multigpu/compare.py --readme) -->"
@@ -294,13 +293,6 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: Path, text: str) -> None:
-    try:
-        replace_block(readme, START, END, "\n" + text + "\n")
-    except GobrrrError as e:
-        raise SystemExit(str(e)) from None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", help="case keys or names (default: every case)")
@@ -322,7 +314,7 @@ def main() -> None:
     text = table(doc)
     print(text)
     if args.readme:
-        write_readme(Path(args.readme), text)
+        write_table(Path(args.readme), START, END, text)
 
 
 if __name__ == "__main__":

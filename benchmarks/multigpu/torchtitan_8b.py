@@ -53,7 +53,7 @@ ROOT = HERE.parents[1]
 OUT = HERE.parent / "results" / "torchtitan_8b.json"
 sys.path[:0] = [str(HERE.parent)]
 
-from readme_block import replace_block  # noqa: E402
+from readme_block import write_table  # noqa: E402
 
 START = "<!-- torchtitan-8b: start (benchmarks/multigpu/torchtitan_8b.py --readme) -->"
 END = "<!-- torchtitan-8b: end -->"
@@ -296,7 +296,7 @@ def main() -> None:
         print(f"wrote {a.out}")
     text = table(doc)
     if a.readme:
-        replace_block(a.readme, START, END, "\n" + text + "\n")
+        write_table(Path(a.readme), START, END, text)
         print(f"wrote the table into {a.readme}")
     else:
         print(text)

@@ -21,9 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
-from readme_block import replace_block  # noqa: E402
-
-from gobrrr.errors import GobrrrError  # noqa: E402
+from readme_block import write_table  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 START = "<!-- plan-table: start (benchmarks/plan/plan_report.py --readme) -->"
@@ -155,13 +153,6 @@ def table(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: Path, text: str) -> None:
-    try:
-        replace_block(readme, START, END, "\n" + text + "\n")
-    except GobrrrError as e:
-        raise SystemExit(str(e)) from None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None)
@@ -169,7 +160,7 @@ def main() -> None:
     text = table(rows())
     print(text)
     if args.readme:
-        write_readme(Path(args.readme), text)
+        write_table(Path(args.readme), START, END, text)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ the times.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -38,7 +37,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(HERE.parent)]
 
-from steps import SHAPES  # noqa: E402  (the measured shapes, one place)
+from steps import SHAPES, step_fn  # noqa: E402  (the measured shapes and loop, one place)
 
 WARMUP, STEPS = 2, 3
 TINY = dict(hidden_size=64, n_embd=64, num_hidden_layers=2, n_layer=2, vocab_size=256)
@@ -96,32 +95,7 @@ def wrap(model, blocks, parallel: str, device):
 
 def grid_step(model, opt, case: dict, vocab: int, device):
     """One optimizer step of `steps.py`'s loop over the rank's share of the global batch."""
-    import torch
-    import torch.nn.functional as F
-
-    n, mb, ddp = case["accumulation"], case["micro_batch"], case["parallel"] == "ddp"
-    tokens = torch.randint(0, vocab, (n, mb, case["seq"] + 1), device=device)
-
-    def sync(last: bool):
-        if ddp:
-            return contextlib.nullcontext() if last else model.no_sync()
-        model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    def step():
-        for i in range(n):
-            x, y = tokens[i, :, :-1], tokens[i, :, 1:]
-            with sync(i == n - 1):
-                cast = torch.autocast(device.type, torch.bfloat16) if ddp else None
-                with cast or contextlib.nullcontext():
-                    logits = model(input_ids=x).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / n
-                del logits
-                loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return step_fn(model, opt, {**case, "batch": case["micro_batch"]}, vocab, device)
 
 
 # -- the plan, through gobrrr ------------------------------------------------------------------

@@ -172,13 +172,15 @@ def wrap(model, blocks, case: dict):
     return model
 
 
-def step_fn(model, opt, case: dict, vocab: int):
-    """One optimizer step (all its micro-batches) of torchtitan's loop."""
+def step_fn(model, opt, case: dict, vocab: int, device="cuda"):
+    """One optimizer step (all its micro-batches of case["batch"] sequences) of torchtitan's
+    loop on `device`."""
     import torch
     import torch.nn.functional as F
 
     n, ddp = case["accumulation"], case["parallel"] == "ddp"
-    tokens = torch.randint(0, vocab, (n, case["batch"], case["seq"] + 1), device="cuda")
+    device = torch.device(device)
+    tokens = torch.randint(0, vocab, (n, case["batch"], case["seq"] + 1), device=device)
 
     def sync(last: bool):
         if ddp:
@@ -190,7 +192,8 @@ def step_fn(model, opt, case: dict, vocab: int):
         for i in range(n):
             x, y = tokens[i, :, :-1], tokens[i, :, 1:]
             with sync(i == n - 1):
-                with torch.autocast("cuda", torch.bfloat16) if ddp else contextlib.nullcontext():
+                cast = torch.autocast(device.type, torch.bfloat16) if ddp else None
+                with cast or contextlib.nullcontext():
                     logits = model(input_ids=x).logits
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / n
                 del logits

@@ -235,20 +235,26 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     if args.save_graph:
         est.graph.save(args.save_graph)
-    data = estimate_dict(est, top=args.top)
-    if args.json or args.html:
-        data["charts"] = estimate_charts(est)
-    data["warnings"] = args.warnings
-    if args.html:
-        write_html(data, args.html)
-    if args.json:
-        print(json_text(data))
-    else:
+    if not _emit(args, estimate_dict(est, top=args.top), lambda: estimate_charts(est)):
         from gobrrr.report.terminal import print_estimate  # lazy: rich, for tables only
 
         print_estimate(est, top=args.top)
         _wrote(args.html)
     return 0
+
+
+def _emit(args: argparse.Namespace, data: dict, charts: Callable[[], dict]) -> bool:
+    """The result's machine-readable outputs: `charts()` added where --json or --html wants
+    them, the warnings, the page (--html), the JSON on stdout (--json). True when the JSON
+    was printed (no tables then)."""
+    if args.json or args.html:
+        data["charts"] = charts()
+    data["warnings"] = args.warnings
+    if args.html:
+        write_html(data, args.html)
+    if args.json:
+        print(json_text(data))
+    return bool(args.json)
 
 
 def _wrote(path: str | None) -> None:
@@ -279,14 +285,7 @@ def _plan(args: argparse.Namespace) -> int:
     verified = _verify(args, result) if args.verify else None
     extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
     data = {**result.to_dict(top=args.top), **extra}
-    if args.json or args.html:
-        data["charts"] = plan_charts(planner, result)
-    data["warnings"] = args.warnings
-    if args.html:
-        write_html(data, args.html)
-    if args.json:
-        print(json_text(data))
-    else:
+    if not _emit(args, data, lambda: plan_charts(planner, result)):
         from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
         print_plan(result, top=args.top)

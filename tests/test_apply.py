@@ -418,6 +418,28 @@ def test_pure_bf16_casts_the_model_and_the_batch():
     assert loss.dtype == torch.bfloat16
 
 
+def test_the_workloads_own_batch_is_cast_and_moved_once():
+    """step() reuses the batch it prepared on its first call (a per-step host-to-device copy
+    of the workload's batch is a cost a hand loop with its batch on the GPU never pays);
+    a batch passed in is prepared on every call, as a loop prepares each loader batch."""
+    w = make("mlp")
+    step = apply(w, Knobs(micro_batch=B), "bf16")
+    casts = Ops()
+    with casts:
+        step()
+        step()
+    floating = sum(1 for t in w.batch if t.is_floating_point())
+    assert floating >= 1
+
+    def batch_casts():
+        return sum(1 for op, shapes in casts.ops if "_to_copy" in op and shapes[0][0] == B)
+
+    assert batch_casts() == floating  # the batch cast to bf16 on the first step only
+    with casts:
+        step(w.batch)
+    assert batch_casts() == 2 * floating
+
+
 # -- bad input: one GobrrrError line --------------------------------------------------------
 
 

@@ -26,8 +26,8 @@ from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
-from gobrrr.capture.saved import SavedTracker
 from gobrrr.capture.rnn import cuda_rnn
+from gobrrr.capture.saved import SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import StepGraph

@@ -13,7 +13,6 @@ upsampling in fp32) and bf16; each point is [size, second coordinate, size per s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gobrrr.calibrate.timing import time_op
 

@@ -39,7 +39,7 @@ def _case(cell, dev, dtype, hidden, layers, batch, steps, reps):
     return fwd, max(total - fwd, 0.0), reserve
 
 
-def rnn_grid(dev: torch.device, reps: int = 5) -> dict[str, list[list[float]]]:
+def rnn_grid(dev: torch.device, reps: int = 3) -> dict[str, list[list[float]]]:
     """{"<lstm|gru>:<forward|backward>:<bf16|fp32>": [[hidden, batch, layers, steps,
     seconds], ...], "reserve:<mode>:<dtype>": [[hidden, batch, layers, steps, bytes per
     (layer, step, sequence, hidden unit)], ...]}; `rnn_grid` on an H100 takes about a minute."""

@@ -56,6 +56,13 @@ def _call(
         ({"d": 160}, "flash", "flash"),  # cuDNN backward on Hopper: <= 128, 192/128, 256/256
         ({"hq": 8, "hk": 2, "gqa": True}, "cudnn", "flash"),
         ({"hq": 8, "hk": 2}, "math", "math"),  # different heads without enable_gqa
+        # fp32 GQA: no fused 16-bit kernel, and the memory-efficient one takes no GQA
+        ({"hq": 14, "hk": 2, "gqa": True, "dtype": torch.float32}, "math", "math"),
+        ({"hq": 8, "hk": 8, "gqa": True, "dtype": torch.float32}, "efficient", "efficient"),
+        # a mask with GQA: cuDNN takes both; flash no mask, efficient no GQA
+        ({"hq": 8, "hk": 2, "gqa": True, "mask": torch.bool}, "cudnn", "math"),
+        # head dim 160 in training: not cuDNN's backward on Hopper; flash takes GQA
+        ({"hq": 8, "hk": 2, "gqa": True, "d": 160}, "flash", "flash"),
         (
             {"s": 64, "sk": 128, "causal": True},
             "cudnn",
@@ -236,11 +243,12 @@ def test_a_learned_mask_takes_the_math_path():
 
 
 def test_grouped_query_attention_traces_on_every_backend():
-    """fp32 takes the memory-efficient kernel, which has no GQA: K and V are repeated to the
-    query heads first (as torch's composite does), so its backward's gradients fit K and V."""
+    """fp32 rules out cuDNN and flash, and the memory-efficient kernel has no GQA: the call
+    runs the math path, whose composite repeats K and V to the query heads (its matmuls see
+    4 heads); cuDNN takes the 2 K/V heads as they are."""
     from gobrrr.models.registry import get_workload
 
-    for precision, backend in (("fp32", "efficient"), ("bf16-mixed", "cudnn")):
+    for precision, backend in (("fp32", "math"), ("bf16-mixed", "cudnn")):
         g = capture(
             lambda: get_workload(
                 "llama3-1b",
@@ -257,9 +265,13 @@ def test_grouped_query_attention_traces_on_every_backend():
             sdpa=H100,
         )
         assert g.meta.sdpa_backends == {backend: 2}
-        fwd = [n for n in g.nodes if n.phase == "forward" and "attention" in n.op]
-        # the kernel's K: repeated to 4 heads for the efficient kernel, 2 (native GQA) for cuDNN
-        assert {n.inputs[1].shape[1] for n in fwd} == {4 if backend == "efficient" else 2}
+        fwd = [n for n in g.nodes if n.phase == "forward"]
+        if backend == "cudnn":  # the kernel's K: 2 heads (native GQA)
+            att = [n for n in fwd if "attention" in n.op]
+            assert {n.inputs[1].shape[1] for n in att} == {2}
+        else:  # the scores, per layer: (B, 4 query heads, S, S) out of a batched matmul
+            scores = [n for n in fwd if n.op == "aten._safe_softmax.default"]
+            assert [n.outputs[0].shape for n in scores] == [(1, 4, 16, 16)] * 2
 
 
 @pytest.mark.parametrize(
@@ -312,3 +324,49 @@ def test_attention_costs_whole_128_position_tiles():
     assert ops and all(padded(n) == (256, pytest.approx((256 / 197) ** 2)) for n in ops)
     ops = [n for n in _graph(0.0, False, s=512).nodes if "cudnn_attention" in n.op]
     assert all(padded(n) == (512, 1.0) for n in ops)
+
+
+@pytest.mark.parametrize(
+    "cap, dtype, d, want",
+    [
+        ((7, 0), torch.float32, 66, "efficient"),  # no tensor cores in fp32 on sm70: align 1
+        ((9, 0), torch.float32, 66, "math"),  # sm80 on: fp32 head dims in multiples of 4
+        ((7, 5), torch.float16, 68, "math"),  # fp16 tensor cores on sm75: multiples of 8
+        ((7, 5), torch.float16, 72, "efficient"),
+        ((7, 5), torch.bfloat16, 64, "math"),  # no bf16 before sm80
+    ],
+)
+def test_memory_efficient_alignment_follows_the_gpu(cap, dtype, d, want):
+    """minimum_gemm_alignment: 4 elements from sm80, 128 bits where tensor cores run."""
+    c = _call(d=d, dtype=dtype)
+    assert choose(c, SdpaTarget(cap, cudnn_first=False)) == want
+
+
+def test_math_path_saves_the_probabilities_and_repeated_heads():
+    """An fp32 GQA call (math on CUDA) keeps, for backward: q scaled, K scaled and repeated to
+    the query heads, V repeated, and the S x S softmax output, all fp32 (the composite's
+    matmuls and softmax save these; the scaled scores and the mask are not kept)."""
+
+    class Att(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(2, 8, 64, 16))
+            self.kv = nn.Parameter(torch.randn(2, 2, 2, 64, 16))
+
+        def forward(self, x):
+            y = F.scaled_dot_product_attention(
+                self.q, self.kv[0], self.kv[1], is_causal=True, enable_gqa=True
+            )
+            return (y * x).sum()
+
+    g = capture(
+        lambda: gobrrr.Workload(model=Att(), batch=(torch.randn(1),), loss=None),
+        precision="fp32",
+        sdpa=H100,
+    )
+    assert g.meta.sdpa_backends == {"math": 1}
+    b, hq, s, d = 2, 8, 64, 16
+    hand = 4 * b * hq * (3 * s * d + s * s)
+    saved = [st.nbytes for st in g.storages if st.kind == "activation"]
+    # besides: x, the one fp32 element y * x saves to give y its gradient
+    assert sum(saved) == hand + 4, sorted(saved)

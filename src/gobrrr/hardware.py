@@ -452,7 +452,15 @@ class Calibration:
     `dp_host`: the host time FSDP2's hooks add per unit, {"points": [{"ranks", "reshard",
     "phase": "forward" | "backward", "params" (the unit's parameter tensors), "seconds"},
     ...], "meta"} (`gobrrr.calibrate.sections.dp_host`; read by `cost.dp_host`). Empty: not
-    measured (the hooks cost the host nothing beyond the ops they run)."""
+    measured (the hooks cost the host nothing beyond the ops they run).
+    `rnn_grid`: cuDNN's fused LSTM / GRU, forward and backward, {"<lstm|gru>:<forward|
+    backward>:<bf16|fp32>": [[hidden, batch, layers, steps, seconds], ...]}, and "reserve:
+    <mode>:<dtype>" the reserve space's measured bytes per (layer, step, sequence, hidden
+    unit) (`gobrrr.calibrate.sections.rnn`; read by `cost.measured_ops`). Empty: not measured
+    (the roofline at one step's GEMM).
+    `pixel_grid`: bilinear upsampling and its atomicAdd backward, log-softmax over the
+    channels of (N, C, H, W) and nll_loss2d, {"<op>:<bf16|fp32>": [[size, second coordinate,
+    size per second], ...]} (`gobrrr.calibrate.sections.pixels`). Empty: not measured."""
 
     gpu: str
     device_name: str
@@ -490,6 +498,8 @@ class Calibration:
     power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
     collectives: list[dict[str, Any]] = field(default_factory=list)
     dp_host: dict[str, Any] = field(default_factory=dict)
+    rnn_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    pixel_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
     #: sections this gobrrr does not know (a newer one wrote them): kept as read and written

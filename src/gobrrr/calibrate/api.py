@@ -25,7 +25,9 @@ from gobrrr.calibrate.sections import conv as cc
 from gobrrr.calibrate.sections import host as ch
 from gobrrr.calibrate.sections import offload as co
 from gobrrr.calibrate.sections import paths as cpa
+from gobrrr.calibrate.sections import pixels as cpx
 from gobrrr.calibrate.sections import power as cpw
+from gobrrr.calibrate.sections import rnn as crnn
 from gobrrr.calibrate.sections import shapes as csh
 from gobrrr.calibrate.sections import step as cs
 from gobrrr.calibrate.sections.kernels import kernel_host_costs
@@ -150,6 +152,8 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "optim8": optim8_section,
         "power_duty": lambda d: {"power_duty": cpw.power_duty(d)},
         "offload": co.offload_section,
+        "rnn_grid": lambda d: {"rnn_grid": crnn.rnn_grid(d)},
+        "pixel_grid": lambda d: {"pixel_grid": cpx.pixel_grid(d)},
     }
 
 

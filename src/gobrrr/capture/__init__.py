@@ -26,6 +26,7 @@ from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
+from gobrrr.capture.rnn import cuda_rnn
 from gobrrr.capture.saved import SavedTracker
 from gobrrr.capture.sdpa import SdpaTarget, cuda_sdpa
 from gobrrr.errors import GobrrrError
@@ -398,6 +399,7 @@ def capture(
         assume.ValueMode(values),
         rules,
         cuda_dropout(),
+        cuda_rnn(),
         as_on_cuda(),
         cuda_sdpa(sdpa or SdpaTarget()) as chosen,
         compiled.compiling() if compile else contextlib.nullcontext(),

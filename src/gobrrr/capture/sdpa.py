@@ -5,7 +5,10 @@ trace runs) it takes the CPU flash kernel or the math path, which materialises t
 matrix, its softmax and a dropout mask; on a CUDA GPU it takes cuDNN, FlashAttention-2 or the
 memory-efficient (CUTLASS) kernel whenever their constraints allow, and none of those keeps an
 S x S tensor. Traced as the CPU runs it, a model with attention dropout or a padding mask came
-out up to twice its real memory.
+out up to twice its real memory. The memory-efficient kernel takes no grouped-query attention:
+an fp32 call with `enable_gqa` and fewer K/V heads (HF transformers passes it whenever no mask
+is given) runs the math path on CUDA, K and V repeated to the query heads and the S x S
+probabilities kept for backward, and so it is traced.
 
 While the trace runs, `cuda_sdpa(target)` intercepts every call (at the dispatcher, so
 `nn.MultiheadAttention` and recomputed blocks are caught too), chooses the
@@ -142,6 +145,16 @@ def _flash(c: _Call, t: SdpaTarget) -> bool:
     return True
 
 
+def _gemm_alignment(dtype: torch.dtype, t: SdpaTarget) -> int:
+    """Elements a head dim must be a multiple of for the memory-efficient kernel
+    (`minimum_gemm_alignment`): 4 from sm80 on; where tensor cores run (sm80 on, or 16 bits
+    on sm70-75) 128 bits of them: 8 in 16 bits, 4 in fp32; 1 otherwise."""
+    half = dtype in _HALF
+    tensor_cores = t.capability >= (8, 0) or (t.capability >= (7, 0) and half)
+    align = 4 if t.capability >= (8, 0) else 1
+    return max(align, 128 // (16 if half else 32)) if tensor_cores else align
+
+
 def _efficient(c: _Call, t: SdpaTarget) -> bool:
     if not torch.backends.cuda.mem_efficient_sdp_enabled() or t.capability < (5, 0):
         return False
@@ -149,7 +162,12 @@ def _efficient(c: _Call, t: SdpaTarget) -> bool:
         return False
     if c.q.dtype == torch.bfloat16 and t.capability < (8, 0):
         return False
-    align = 8 if c.q.dtype in _HALF else 4  # minimum_gemm_alignment: 128 bits of tensor core
+    # no grouped-query attention in this kernel (check_batch_size_and_num_heads_dense<false>):
+    # with enable_gqa and fewer K/V heads the call falls through to the math path, which
+    # repeats K and V to the query heads and keeps the S x S probabilities
+    if not c.q.shape[1] == c.k.shape[1] == c.v.shape[1]:
+        return False
+    align = _gemm_alignment(c.q.dtype, t)
     dqk, dv = c.q.shape[-1], c.v.shape[-1]
     if dqk != c.k.shape[-1] or dqk % align or dv % align:
         return False
@@ -216,12 +234,12 @@ def _run(backend: str, c: _Call) -> torch.Tensor:
     if backend == "efficient":
         mask = _additive(c.mask, c.q.dtype)
         mask = _pad_mask_16(mask, c) if mask is not None else None
-        k, v = c.k, c.v
-        if c.q.shape[1] != k.shape[1]:  # no GQA in this kernel: K and V repeated to Q's heads
-            k, v = (x.repeat_interleave(c.q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         return aten._scaled_dot_product_efficient_attention(
-            c.q, k, v, mask, c.grad, c.dropout, c.causal, scale=c.scale
+            c.q, c.k, c.v, mask, c.grad, c.dropout, c.causal, scale=c.scale
         )[0]
+    # the math path is a composite: traced as it runs on CUDA (K and V repeat_interleave'd to
+    # the query heads under enable_gqa, q and k scaled, the S x S scores, their softmax and
+    # dropout mask materialised, the probabilities saved for backward)
     return aten._scaled_dot_product_attention_math(
         c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa
     )[0]

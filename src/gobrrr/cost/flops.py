@@ -25,6 +25,7 @@ from gobrrr.cost import (
     _ops_offload,
     _ops_optim,
     _ops_pointwise,
+    _ops_rnn,
 )
 from gobrrr.cost._ops_common import CostFn, OpCost, Tf32, first_out, io_bytes, tf32_of, vector
 from gobrrr.graph.ir import OpNode, StepGraph
@@ -43,6 +44,7 @@ for _module in (
     _ops_gobrrr,
     _ops_offload,
     _ops_comm,
+    _ops_rnn,
 ):
     _REGISTRY.update(_module.COSTS)
 

@@ -15,9 +15,11 @@ from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_attention import padded as attention_padded
 from gobrrr.cost._ops_attention import variant as attention_variant
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
+from gobrrr.cost._ops_rnn import step_dims as rnn_step_dims
 from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.fusion import extern, fuse, regions
+from gobrrr.cost.measured_ops import op_seconds
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
 from gobrrr.cost.shapes import (
@@ -128,6 +130,24 @@ def time_op(
             host,
             "none",
         )
+    if (seconds := op_seconds(rates.cal, node)) is not None:  # a measured grid's time
+        regime = "overhead" if host >= seconds else "memory"
+        return OpTime(
+            node.index,
+            node.op,
+            node.module,
+            node.phase,
+            cost.kind,
+            cost.math,
+            cost.flops,
+            cost.bytes,
+            cost.flops / max(cost.bytes, 1.0),
+            0.0,
+            seconds,
+            seconds,
+            host,
+            regime,
+        )
     conv_rate = None
     dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None
     if dw_bw is not None:  # CUDA-core kernels bound by memory and latency: its bandwidth
@@ -144,7 +164,8 @@ def time_op(
     elif cost.kind == "conv" and (conv_rate := rates.conv(node, cost)) is not None:
         rate = conv_rate
     elif cost.math in MATMUL_MATH:
-        rate = rates.matmul(cost.math, cost.flops, gemm_dims(node))
+        dims = rnn_step_dims(node) if cost.kind == "rnn" else gemm_dims(node)
+        rate = rates.matmul(cost.math, cost.flops, dims)
         if rates.cal is None:
             rate *= wave_efficiency(node, rates.gpu.sms)
         if cost.math != "fp32" and not padded and misaligned(node):

@@ -1,0 +1,114 @@
+"""Device times of ops whose time their bytes and FLOPs do not tell, read from grids the
+calibration measured on the GPU: cuDNN's fused RNN (`rnn_grid`) and the pixel-wise ops of a
+segmentation head (`pixel_grid`). None where the calibration lacks the grid (the op is then
+costed by its roofline, as before the grids existed).
+
+- `_cudnn_rnn` / `_cudnn_rnn_backward`: the recurrence is a chain of one small GEMM per step
+  and layer, each waiting on the last: the time grows with layers x steps at a rate set by the
+  hidden width and the batch. The grid holds measured [[hidden, batch, layers, steps,
+  seconds], ...] per "<lstm|gru>:<forward|backward>:<bf16|fp32>"; a call is timed at the
+  measured layer count nearest its own and the sequence length nearest its own, as seconds per
+  layer-step interpolated in (hidden, batch), times its layers x steps x directions.
+- `upsample_bilinear2d(_backward)`: the backward scatters each output gradient into the four
+  input pixels it came from with atomicAdd, contended by scale^2 writers per input pixel;
+  "_log_softmax" / "_log_softmax_backward_data" over dim 1 of an (N, C, H, W) tensor
+  (a strided "spatial" softmax, not the row kernel `softmax_grid` measures); "nll_loss2d_forward"
+  / "nll_loss2d_backward". Each grid is [[size, second coordinate, size per second], ...]
+  keyed "<op>:<bf16|fp32>", with size and second coordinate per op (`pixel_coords`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from gobrrr.cost._ops_rnn import dims as rnn_dims
+from gobrrr.cost.curves import grid_value
+from gobrrr.graph.ir import OpNode
+from gobrrr.hardware import Calibration
+
+RNN_OPS = ("_cudnn_rnn", "_cudnn_rnn_backward")
+PIXEL_OPS = (
+    "upsample_bilinear2d",
+    "upsample_bilinear2d_backward",
+    "_log_softmax",
+    "_log_softmax_backward_data",
+    "nll_loss2d_forward",
+    "nll_loss2d_backward",
+)
+
+
+def dtype_key(dtype: str) -> str:
+    return "bf16" if dtype in ("bfloat16", "float16") else "fp32"
+
+
+def _nearest(values: set[float], want: float) -> float:
+    return min(values, key=lambda v: abs(math.log(v) - math.log(max(want, 1))))
+
+
+def rnn_seconds(cal: Calibration | None, node: OpNode) -> float | None:
+    """Measured device seconds of a cuDNN RNN call (module docstring), or None."""
+    if cal is None or node.name not in RNN_OPS:
+        return None
+    grid = getattr(cal, "rnn_grid", None) or {}
+    d = rnn_dims(node)
+    points = grid.get(f"{d['mode']}:{d['direction']}:{dtype_key(d['dtype'])}")
+    if not points:
+        return None
+    layers = _nearest({p[2] for p in points}, d["layers"])
+    at = [p for p in points if p[2] == layers]
+    steps = _nearest({p[3] for p in at}, d["steps"])
+    per = [[p[0], p[1], p[4] / (p[2] * p[3])] for p in at if p[3] == steps]
+    per_step = grid_value(per, d["hidden"], d["batch"])
+    return per_step * d["layers"] * d["steps"] * d["dirs"]
+
+
+def pixel_coords(node: OpNode) -> tuple[str, float, float] | None:
+    """(grid key stem, size, second coordinate) of a pixel-wise op, or None:
+    upsampling forward (output elements, scale), backward (output-gradient elements, scale);
+    log-softmax over dim 1 of a 4-D tensor (elements, channels); nll_loss2d (pixels,
+    channels)."""
+    name = node.name
+    if name.startswith("upsample_bilinear2d") and node.inputs and node.outputs:
+        big, small = (
+            (node.inputs[0], node.outputs[0])
+            if name.endswith("backward")
+            else (node.outputs[0], node.inputs[0])
+        )
+        if len(big.shape) != 4:
+            return None
+        return name, float(big.numel), big.shape[-1] / max(small.shape[-1], 1)
+    if name in ("_log_softmax", "_log_softmax_backward_data") and node.inputs:
+        x = node.inputs[0]
+        dim = node.arg(1 if name == "_log_softmax" else 2, "dim", -1)
+        if len(x.shape) != 4 or int(dim) % 4 != 1:
+            return None
+        return name, float(x.numel), float(x.shape[1])
+    if name in ("nll_loss2d_forward", "nll_loss2d_backward"):
+        x = node.inputs[0 if name.endswith("forward") else 1]
+        if len(x.shape) != 4:
+            return None
+        return name, float(x.numel // x.shape[1]), float(x.shape[1])
+    return None
+
+
+def pixel_seconds(cal: Calibration | None, node: OpNode) -> float | None:
+    """Measured device seconds of a pixel-wise op (module docstring), or None."""
+    grid = (getattr(cal, "pixel_grid", None) or {}) if cal is not None else {}
+    if not grid or node.name not in PIXEL_OPS:
+        return None
+    coords = pixel_coords(node)
+    if coords is None:
+        return None
+    stem, size, second = coords
+    x = node.inputs[1] if stem == "nll_loss2d_backward" else node.inputs[0]
+    points = grid.get(f"{stem}:{dtype_key(x.dtype)}")
+    if not points:
+        return None
+    return size / grid_value(points, size, second)
+
+
+def op_seconds(cal: Calibration | None, node: OpNode) -> float | None:
+    """The measured device seconds of `node` from the calibration's grids, or None."""
+    if cal is None:
+        return None
+    return rnn_seconds(cal, node) or pixel_seconds(cal, node)

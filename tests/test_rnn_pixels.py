@@ -1,0 +1,119 @@
+"""Recurrent layers traced as cuDNN runs them (gobrrr.capture.rnn, cost._ops_rnn) and the
+measured grids that time them and a segmentation head's pixel-wise ops (cost.measured_ops)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gobrrr
+from gobrrr.capture import capture
+from gobrrr.capture.rnn import reserve_bytes
+from gobrrr.cost.flops import op_cost
+from gobrrr.cost.measured_ops import op_seconds
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import time_op
+from gobrrr.hardware import get_gpu
+
+H100 = get_gpu("h100")
+T, N, I, H, L = 10, 4, 32, 64, 2
+
+
+class _Rnn(nn.Module):
+    def __init__(self, cell) -> None:
+        super().__init__()
+        self.rnn = cell(I, H, num_layers=L, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0].pow(2).mean()
+
+
+def _graph(cell=nn.LSTM, precision="fp32"):
+    return capture(
+        lambda: gobrrr.Workload(model=_Rnn(cell), batch=(torch.randn(N, T, I),), loss=None),
+        precision=precision,
+    )
+
+
+def _ops(g, name):
+    return [n for n in g.nodes if n.name == name]
+
+
+@pytest.mark.parametrize("cell, per", [(nn.LSTM, 6), (nn.GRU, 7)])
+def test_an_rnn_is_one_cudnn_op_with_its_reserve(cell, per):
+    g = _graph(cell)
+    (fwd,), (bwd,) = _ops(g, "_cudnn_rnn"), _ops(g, "_cudnn_rnn_backward")
+    assert not _ops(g, "mkldnn_rnn_layer")  # the CPU's per-layer op is gone
+    ref = cell(I, H, num_layers=L, batch_first=True)(torch.randn(N, T, I))
+    assert fwd.outputs[0].shape == tuple(ref[0].shape)  # the module's own output, on the CPU
+    # the reserve: per (layer, step, sequence, hidden unit) `per` fp32 elements
+    assert fwd.outputs[3].numel == L * T * N * H * per * 4 == reserve_bytes(
+        "lstm" if per == 6 else "gru", L, 1, T, N, H, 4
+    )
+    # kept for backward: the reserve stays alive until _cudnn_rnn_backward has run
+    by_size = [s for s in g.storages if s.nbytes == fwd.outputs[3].numel]
+    assert any(s.created == fwd.index and (s.freed or 0) >= bwd.index for s in by_size)
+    # one gradient per weight of every layer
+    assert len(bwd.outputs) == 3 + 4 * L
+
+
+def test_rnn_flops_are_the_gemms_of_every_layer():
+    g = _graph()
+    (fwd,), (bwd,) = _ops(g, "_cudnn_rnn"), _ops(g, "_cudnn_rnn_backward")
+    hand = 2 * T * N * 4 * H * ((I + H) + (H + H))  # layer 0 reads I wide, layer 1 H wide
+    assert op_cost(fwd).flops == hand
+    assert op_cost(bwd).flops == 2 * hand
+
+
+def test_measured_rnn_grid_times_the_call_and_its_absence_keeps_the_roofline(make_cal):
+    g = _graph()
+    (fwd,) = _ops(g, "_cudnn_rnn")
+    # 1 ms per 2 layers x 100 steps at hidden 64 and 128, batch 4 and 16
+    pts = [[h, b, 2, 100, 1e-3 * (1 + (h == 128))] for h in (64, 128) for b in (4, 16)]
+    pts += [[64, 4, 1, 100, 9.0]]  # at another layer count: not the nearest to 2
+    cal = make_cal(rnn_grid={"lstm:forward:fp32": pts})
+    want = 1e-3 / 200 * L * T  # seconds per layer-step x this call's layers x steps
+    assert op_seconds(cal, fwd) == pytest.approx(want)
+    t = time_op(fwd, op_cost(fwd), Rates(H100, cal))
+    assert t.device_s == pytest.approx(want)
+    plain = time_op(fwd, op_cost(fwd), Rates(H100, make_cal()))
+    assert op_seconds(make_cal(), fwd) is None and plain.device_s != pytest.approx(want)
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 150, 1)
+
+    def forward(self, x, y):
+        z = F.interpolate(self.c(x), size=(64, 64), mode="bilinear", align_corners=False)
+        return F.cross_entropy(z, y)
+
+
+def test_pixel_grid_times_upsampling_and_the_pixel_loss(make_cal):
+    g = capture(
+        lambda: gobrrr.Workload(
+            model=_Head(),
+            batch=(torch.randn(2, 3, 16, 16), torch.randint(0, 150, (2, 64, 64))),
+            loss=None,
+        ),
+        precision="fp32",
+    )
+    (up_b,) = _ops(g, "upsample_bilinear2d_backward")
+    (ls,) = _ops(g, "_log_softmax")
+    (nll,) = _ops(g, "nll_loss2d_backward")
+    n = 2 * 150 * 64 * 64
+    grid = {
+        "upsample_bilinear2d_backward:fp32": [[1e5, 2, 1e9], [1e5, 8, 1e9], [1e7, 2, 2e9]]
+        + [[1e7, 8, 2e9]],
+        "_log_softmax:fp32": [[1e5, 19, 4e9], [1e5, 150, 4e9], [1e7, 19, 4e9], [1e7, 150, 4e9]],
+        "nll_loss2d_backward:fp32": [[1e3, 19, 5e8], [1e3, 150, 5e8], [1e5, 19, 5e8]]
+        + [[1e5, 150, 5e8]],
+    }
+    cal = make_cal(pixel_grid=grid)
+    # gradient elements over the rate at that size (log-interpolated: 1e9 -> 2e9), scale 4
+    rate = 1e9 + (2e9 - 1e9) * (torch.tensor(n / 1e5).log() / torch.tensor(100.0).log()).item()
+    assert op_seconds(cal, up_b) == pytest.approx(n / rate)
+    assert op_seconds(cal, ls) == pytest.approx(n / 4e9)
+    assert op_seconds(cal, nll) == pytest.approx(2 * 64 * 64 / 5e8)
+    assert all(op_seconds(make_cal(), x) is None for x in (up_b, ls, nll))

@@ -1,6 +1,9 @@
-"""The one way a benchmark writes its table into the root README: between two marker lines.
+"""The one way a benchmark writes its table into a docs page: between two marker lines.
 
-write_table(README, START, END, table)     # from a benchmark's --readme
+write_table(DOC, START, END, table)     # from a benchmark's --readme
+
+The measured tables live in docs/accuracy.md (the zoo, held-out, multi-GPU, torchtitan and
+planner tables); each script's `--readme` writes there unless given another file.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def replace_block(readme: Path, start: str, end: str, body: str) -> None:
 
 
 def write_table(readme: Path, start: str, end: str, table: str) -> None:
-    """`table` on its own lines between the markers of `readme`; a README without them ends
+    """`table` on its own lines between the markers of `readme`; a file without them ends
     the benchmark with the one-line message (SystemExit), as a command-line script should."""
     try:
         replace_block(readme, start, end, "\n" + table + "\n")

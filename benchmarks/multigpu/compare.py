@@ -1,6 +1,7 @@
 """gobrrr's multi-GPU predictions against every measured step: DDP and FSDP2, H100 and H200.
 
-    PYTHONPATH=src python benchmarks/multigpu/compare.py [--cases KEY ...] [--readme [README.md]]
+    PYTHONPATH=src python benchmarks/multigpu/compare.py [--cases KEY ...]
+        [--readme [docs/accuracy.md]]
     PYTHONPATH=src python benchmarks/multigpu/compare.py --table-only --readme
 
 For every case of every `benchmarks/results/multigpu_steps_*.json` (recorded by `steps.py`),
@@ -23,7 +24,7 @@ kept. The prediction (ranks in lockstep, a collective costs its transfer only) i
 with the min: the rank whose NCCL kernels wait least is the one closest to that model.
 
 Writes `benchmarks/results/multigpu_predictions.json`; `--readme` writes the table (built
-from that JSON) between the multigpu-table markers of the root README. Traces are cached
+from that JSON) between the multigpu-table markers of docs/accuracy.md. Traces are cached
 under /tmp/multigpu_graphs (keyed by shape, batch, sequence, checkpointing, precision).
 """
 
@@ -247,7 +248,7 @@ def line(r: dict) -> str:
 
 
 def table(doc: dict) -> str:
-    """The README's table, from the JSON."""
+    """The table of docs/accuracy.md, from the JSON."""
     head = (
         "| case (per-rank batch x seq) | GPUs | allocated GiB: measured, predicted | "
         "reserved GiB | step ms | exposed comm ms: measured min / median / max, predicted |\n"
@@ -297,7 +298,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", help="case keys or names (default: every case)")
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None)
+    ap.add_argument("--readme", nargs="?", const=str(ROOT / "docs" / "accuracy.md"), default=None)
     ap.add_argument("--table-only", action="store_true", help="rebuild the table from --out")
     args = ap.parse_args()
     if args.table_only:

@@ -1,7 +1,8 @@
 """Llama-3.1-8B on 8 H100s with FSDP2 at seq 8192, predicted on paper (no GPU) beside the
 figures torchtitan published for the same recipe.
 
-    PYTHONPATH=src python benchmarks/multigpu/torchtitan_8b.py [--out F] [--readme [README.md]]
+    PYTHONPATH=src python benchmarks/multigpu/torchtitan_8b.py [--out F]
+        [--readme [docs/accuracy.md]]
     PYTHONPATH=src python benchmarks/multigpu/torchtitan_8b.py --table-only --readme
 
 torchtitan's figures: `benchmarks/llama3_h100_202412_torchtitan.md` (Table 1: 1D parallelism,
@@ -24,7 +25,7 @@ limit, against the calibrated H100 SXM: 80 GB HBM3, 3.35 TB/s, 700 W). The memor
 also replayed with a 96 GB card's budget, so the reserved peak is not cut at 80 GB.
 
 Writes `benchmarks/results/torchtitan_8b.json`; `--readme` writes the table between the
-torchtitan-8b markers in the README's Multi-GPU section.
+torchtitan-8b markers in docs/accuracy.md's Multi-GPU section.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def versions() -> dict:
 
 
 def table(doc: dict) -> str:
-    """The README paragraph and table."""
+    """The paragraph and table of docs/accuracy.md."""
     src = doc["source"]
     lines = [
         "Llama-3.1-8B on 8 H100s with FSDP2 at seq 8192, predicted with no GPU beside "
@@ -285,7 +286,7 @@ def _wall() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--readme", nargs="?", const=ROOT / "README.md", type=Path)
+    ap.add_argument("--readme", nargs="?", const=ROOT / "docs" / "accuracy.md", type=Path)
     ap.add_argument("--table-only", action="store_true", help="rebuild the table from --out")
     a = ap.parse_args()
     if a.table_only:

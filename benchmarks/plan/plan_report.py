@@ -1,13 +1,13 @@
 """The planner's measured scenarios as a table, from the committed results.
 
-    python benchmarks/plan/plan_report.py [--readme [README.md]]
+    python benchmarks/plan/plan_report.py [--readme [docs/accuracy.md]]
 
 Reads tests/fixtures/plan_h100_*.json (written by bench_plan.py on an H100) and prints, per
 scenario: the grid a careful user would try (micro-batch x every block checkpointed or not,
 at most 8 accumulation steps) with how many of its points ran out of memory and its best
 measured throughput; the plan; the plan's measured throughput over the grid's best; and the
-prediction's errors over every configuration that ran. `--readme` writes the table into the
-README between its plan-table markers.
+prediction's errors over every configuration that ran. `--readme` writes the table into
+docs/accuracy.md (or the file given) between its plan-table markers.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def table(rs: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None)
+    ap.add_argument("--readme", nargs="?", const=str(ROOT / "docs" / "accuracy.md"), default=None)
     args = ap.parse_args()
     text = table(rows())
     print(text)

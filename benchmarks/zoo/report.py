@@ -2,12 +2,14 @@
 
     python benchmarks/zoo/report.py [tests/fixtures/zoo_h100.json]
         [--predictions benchmarks/results/zoo_h100_predictions.json] [--markdown FILE]
+        [--readme [docs/accuracy.md]]
 
 Predicts every case the results file measured (on this machine's CPU, as tests/test_zoo.py
 does), prints a markdown table (case, family, recipe, measured and predicted allocated /
 reserved peak and step time, errors), the median |error| and the worst case of each, the
 cases that failed to trace and the cases whose measurement failed; writes the predictions
-and errors to --predictions (JSON, with a version).
+and errors to --predictions (JSON, with a version); `--readme` also writes the table and
+its summary between the results file's markers in docs/accuracy.md (or the file given).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ END = "<!-- zoo-table: end -->"
 
 
 def markers(results: Path) -> tuple[str, str]:
-    """The README markers of this results file's table: the zoo's, or for another file
+    """The markers of this results file's table in docs/accuracy.md: the zoo's, or for another file
     (zoo_h100_holdout.json) its own, named by the file ("zoo-holdout-table")."""
     if results.name == RESULTS.name:
         return START, END
@@ -74,7 +76,7 @@ def markers(results: Path) -> tuple[str, str]:
 def write_readme(
     readme: Path, text: str, summary: list[str], marks: tuple[str, str] = (START, END)
 ) -> None:
-    """Replace the README's block between the markers by the table and its summary."""
+    """Replace the block between the markers of `readme` by the table and its summary."""
     body = "\n".join(["", text, "", *(f"- {line}" for line in summary), ""])
     replace_block(readme, *marks, body)
 
@@ -132,9 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--readme",
         nargs="?",
-        const=str(ROOT / "README.md"),
+        const=str(ROOT / "docs" / "accuracy.md"),
         default=None,
-        help="also put the table into the README (between its zoo-table markers)",
+        help="also put the table into docs/accuracy.md, or FILE (between its table markers)",
     )
     args = ap.parse_args(argv)
     results = Path(args.results)

@@ -61,9 +61,7 @@ def _fold(s: str) -> str:
 MAX_COUNT = 2**31 - 1
 
 
-def check_count(
-    name: str, value: object, *, optional: bool = True, most: int = MAX_COUNT
-) -> None:
+def check_count(name: str, value: object, *, optional: bool = True, most: int = MAX_COUNT) -> None:
     """`value` is a whole number in [1, most] (or None where `optional`); else a GobrrrError
     naming `name=` and the fix."""
     if value is None and optional:
@@ -83,9 +81,7 @@ def check_count(
 def check_flag(name: str, value: object) -> None:
     """`value` is True or False."""
     if not isinstance(value, bool):
-        raise GobrrrError(
-            f"{name}={value!r} is {_a(value)}", hint=f"give {name}=True or False"
-        )
+        raise GobrrrError(f"{name}={value!r} is {_a(value)}", hint=f"give {name}=True or False")
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
@@ -103,9 +99,7 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
 def check_number(name: str, value: object, low: float, high: float, example: str) -> None:
     """`value` is a finite real number in [low, high)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GobrrrError(
-            f"{name}={value!r} is {_a(value)}", hint=f"give a number, e.g. {example}"
-        )
+        raise GobrrrError(f"{name}={value!r} is {_a(value)}", hint=f"give a number, e.g. {example}")
     if not low <= value < high:  # nan fails both comparisons
         raise GobrrrError(
             f"{name}={value!r} is out of range", hint=f"give a number in [{low:g}, {high:g})"

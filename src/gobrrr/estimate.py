@@ -14,10 +14,10 @@ from gobrrr.errors import GobrrrError, check_choice, check_count, check_flag
 from gobrrr.evaluate import Estimate, evaluate
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
-from gobrrr.precision import PRECISIONS
 from gobrrr.models.registry import get_workload, load_workload, model_names
 from gobrrr.passes.ddp import ddp
 from gobrrr.passes.fsdp import fsdp
+from gobrrr.precision import PRECISIONS
 from gobrrr.workload import Workload
 
 __all__ = [
@@ -106,9 +106,7 @@ def estimate(
     check_flag("compile", compile)
     check_flag("reshard_after_forward", reshard_after_forward)
     check_choice("parallel", parallel, PARALLEL)
-    if units is not None and (
-        isinstance(units, str) or not all(isinstance(u, str) for u in units)
-    ):
+    if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
         raise GobrrrError(
             f"units={units!r} is not a list of module names",
             hint="give names as model.named_modules() spells them, e.g. units=['layers.0']",

@@ -30,7 +30,7 @@ def is_command() -> bool:
     if sys.argv and os.path.basename(sys.argv[0]) == "gobrrr":
         return True
     argv = getattr(sys, "orig_argv", [])
-    return any(a == "-m" and b == "gobrrr" for a, b in zip(argv, argv[1:]))
+    return any(a == "-m" and b == "gobrrr" for a, b in zip(argv, argv[1:], strict=False))
 
 
 def install_early() -> None:

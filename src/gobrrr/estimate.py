@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from gobrrr.capture import CHECKPOINTS, capture
@@ -50,6 +51,7 @@ def workload_factory(
         if source in model_names():
             return lambda: get_workload(source, batch_size=batch, seq_len=seq)
         if ":" in source or source.endswith(".py"):
+            not_a_directory(source)
             return lambda: load_workload(source, batch_size=batch, seq_len=seq)
         raise GobrrrError(
             f"unknown model {source!r}: choose one of {', '.join(model_names())}, "
@@ -59,6 +61,18 @@ def workload_factory(
         kwargs = _accepted(source, batch_size=batch, seq_len=seq)
         return lambda: source(**kwargs)
     raise GobrrrError(f"cannot make a workload from {type(source).__name__}")
+
+
+def not_a_directory(spec: str) -> None:
+    """A folder where the workload's file belongs is named as one (not "not found")."""
+    path = Path(spec.rpartition(":")[0] if ":" in spec else spec).expanduser()
+    if path.is_dir():
+        py = sorted(p.name for p in path.glob("*.py"))[:3]
+        example = f" such as {path / py[0]}:workload" if py else ""
+        raise GobrrrError(
+            f"workload {spec}: {path} is a directory",
+            hint=f"give a Python file and its function, path/to/file.py:function{example}",
+        )
 
 
 def _accepted(fn: Callable, **kw: Any) -> dict[str, Any]:

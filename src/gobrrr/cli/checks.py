@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from gobrrr.errors import GobrrrError, GobrrrWarning, did_you_mean
+from gobrrr.estimate import not_a_directory
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import describe, model_names
 
@@ -61,6 +62,8 @@ def _spec(args: argparse.Namespace) -> str | None:
                 f"{', '.join(model_names())}) or give path/to/file.py:function",
             )
     spec = getattr(args, "workload", None) or getattr(args, "model", None)
+    if spec and (_is_file_spec(spec) or Path(spec).expanduser().is_dir()):
+        not_a_directory(spec)
     if spec and not _is_file_spec(spec) and spec not in model_names():
         raise GobrrrError(
             f"unknown model {spec!r}{did_you_mean(spec, model_names())}",

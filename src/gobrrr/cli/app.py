@@ -28,7 +28,7 @@ from gobrrr.estimate import PARALLEL, estimate, workload_factory
 from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
-from gobrrr.plan.search import Planner
+from gobrrr.plan.search import MARGIN, Planner
 from gobrrr.plan.verify import verify
 from gobrrr.precision import PRECISIONS
 from gobrrr.report.charts import estimate_charts, json_text, plan_charts
@@ -313,14 +313,57 @@ def _plan(args: argparse.Namespace) -> int:
     verified = _verify(args, result) if args.verify else None
     extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
     data = {**result.to_dict(top=args.top), **extra}
+    edge = headroom(result, planner.req.margin)
+    if edge is not None:
+        data["headroom"] = edge
     if not _emit(args, data, lambda: plan_charts(planner, result)):
         from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
         print_plan(result, top=args.top)
+        if edge is not None:
+            print(edge["says"])
         if verified is not None:
             print_verified(verified)
         _wrote(args.html)
     return 0 if result.best is not None else 1
+
+
+#: below this share of the budget free, the plan is called "at the edge": the reserved peak
+#: was predicted within -3.3%..+5.3% on an H100 (plan/search.py MARGIN's note)
+EDGE = 0.05
+
+
+def headroom(result, margin: float) -> dict | None:
+    """How close the chosen plan's reserved peak comes to the budget, and the margin kept
+    (`--margin`; the planner's default MARGIN keeps none): for the output and --json."""
+    best = result.best
+    if best is None:
+        return None
+    budget, free = result.budget_bytes, best.headroom_bytes
+    share = free / budget
+    gib = 2**30
+    says = (
+        f"headroom: the chosen plan leaves {free / gib:.1f} GiB of the {budget / gib:.1f} GiB "
+        f"budget free ({share:.1%}); "
+        + (
+            f"--margin {margin:g} kept {margin:.0%} of it free"
+            if margin
+            else "no margin kept (the default --margin 0 lets a plan fill the budget)"
+        )
+    )
+    if share < EDGE:
+        says += (
+            f". That is at the edge: the reserved peak is predicted within about 5%, "
+            f"so for room to spare plan with --margin {EDGE:g} ({EDGE:.0%} kept free)"
+        )
+    return {
+        "bytes": free,
+        "share": share,
+        "margin": margin,
+        "default_margin": MARGIN,
+        "at_edge": share < EDGE,
+        "says": says,
+    }
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -175,6 +175,23 @@ KNOWN = (
         "compute it from Python numbers",
     ),
     (
+        "found at least two devices, cpu and cuda",
+        "gobrrr traces on the CPU, as the GPU would run it, and the workload moved part of "
+        "it to CUDA (.cuda() or .to('cuda')): remove those calls from the workload function "
+        "(gobrrr profile moves the model and batch to the GPU itself)",
+    ),
+    (
+        "hasPrimaryContext",
+        "gobrrr traces without a GPU, and the workload asked CUDA for a device "
+        "(.cuda(), .to('cuda'), torch.cuda.*): remove those calls from the workload function "
+        "(gobrrr profile moves the model and batch to the GPU itself)",
+    ),
+    (
+        "run_and_save",
+        "--compile with --checkpoint full is not modelled: torch.compile cannot trace "
+        "gobrrr's checkpointed blocks on fake tensors; predict with one of the two",
+    ),
+    (
         "the traced step raised",
         "the error is in the step's own code on the batch given: run "
         "one step of it in plain PyTorch to find it (GOBRRR_DEBUG=1 shows the traceback)",

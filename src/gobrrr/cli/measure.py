@@ -163,11 +163,10 @@ def run_profile(args) -> int:
 
     if args.html:
         require_plotly()  # before the work, not after it
-    if not args.parallel:
-        check_device(args.device)  # before the model is built in host memory
     if args.parallel:
         return _on_ranks(args, "profile --parallel", _profile_parallel)
     make = _factory(args)
+    check_device(args.device)  # before the model is built in host memory
     out: dict = {}
     graph = prediction = None
     gpu: str | Target | None = args.gpu

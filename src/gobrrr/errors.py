@@ -52,3 +52,61 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 def _fold(s: str) -> str:
     return s.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+
+# -- arguments of the public functions, checked where they enter ------------------------------
+
+#: the largest count (batch, sequence, GPUs) gobrrr accepts: torch's sizes are int64, and a
+#: step beyond 2**31 samples or tokens in one dimension is a typo, not a training run
+MAX_COUNT = 2**31 - 1
+
+
+def check_count(name: str, value: object, *, optional: bool = True, most: int = MAX_COUNT) -> None:
+    """`value` is a whole number in [1, most] (or None where `optional`); else a GobrrrError
+    naming `name=` and the fix."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " (without quotes)" if isinstance(value, str) else ""
+        raise GobrrrError(
+            f"{name}={value!r} is {_a(value)}",
+            hint=f"give a whole number > 0{hint}, e.g. {name}=8",
+        )
+    if not 1 <= value <= most:
+        raise GobrrrError(
+            f"{name}={value} is out of range", hint=f"give a whole number from 1 to {most:,}"
+        )
+
+
+def check_flag(name: str, value: object) -> None:
+    """`value` is True or False."""
+    if not isinstance(value, bool):
+        raise GobrrrError(f"{name}={value!r} is {_a(value)}", hint=f"give {name}=True or False")
+
+
+def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
+    """`value` is one of the strings `choices`, with "did you mean" for a misspelling."""
+    choices = list(choices)
+    if isinstance(value, str) and value in choices:
+        return
+    near = did_you_mean(value, choices) if isinstance(value, str) else ""
+    raise GobrrrError(
+        f"{name}={value!r} is unknown{near}",
+        hint=f"give one of {', '.join(repr(c) for c in choices)}",
+    )
+
+
+def check_number(name: str, value: object, low: float, high: float, example: str) -> None:
+    """`value` is a finite real number in [low, high)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GobrrrError(f"{name}={value!r} is {_a(value)}", hint=f"give a number, e.g. {example}")
+    if not low <= value < high:  # nan fails both comparisons
+        raise GobrrrError(
+            f"{name}={value!r} is out of range", hint=f"give a number in [{low:g}, {high:g})"
+        )
+
+
+def _a(value: object) -> str:
+    """ "a str", "an int": the type of `value` with its article."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

@@ -6,20 +6,30 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from gobrrr.capture import capture
+from gobrrr.capture import CHECKPOINTS, capture
 from gobrrr.capture.sdpa import target_for
-from gobrrr.errors import GobrrrError
+from gobrrr.errors import GobrrrError, check_choice, check_count, check_flag
 from gobrrr.evaluate import Estimate, evaluate
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.models.registry import get_workload, load_workload, model_names
 from gobrrr.passes.ddp import ddp
 from gobrrr.passes.fsdp import fsdp
+from gobrrr.precision import PRECISIONS
 from gobrrr.workload import Workload
 
-__all__ = ["PARALLEL", "SHARDED", "Estimate", "estimate", "shard", "workload_factory"]
+__all__ = [
+    "PARALLEL",
+    "SHARDED",
+    "Estimate",
+    "check_target_args",
+    "estimate",
+    "shard",
+    "workload_factory",
+]
 
 #: the data-parallel recipes `estimate(parallel=...)` knows: DDP; FSDP2 sharded over every
 #: rank; HSDP, FSDP2 sharded within each node and replicated across nodes
@@ -41,6 +51,7 @@ def workload_factory(
         if source in model_names():
             return lambda: get_workload(source, batch_size=batch, seq_len=seq)
         if ":" in source or source.endswith(".py"):
+            not_a_directory(source)
             return lambda: load_workload(source, batch_size=batch, seq_len=seq)
         raise GobrrrError(
             f"unknown model {source!r}: choose one of {', '.join(model_names())}, "
@@ -50,6 +61,18 @@ def workload_factory(
         kwargs = _accepted(source, batch_size=batch, seq_len=seq)
         return lambda: source(**kwargs)
     raise GobrrrError(f"cannot make a workload from {type(source).__name__}")
+
+
+def not_a_directory(spec: str) -> None:
+    """A folder where the workload's file belongs is named as one (not "not found")."""
+    path = Path(spec.rpartition(":")[0] if ":" in spec else spec).expanduser()
+    if path.is_dir():
+        py = sorted(p.name for p in path.glob("*.py"))[:3]
+        example = f" such as {path / py[0]}:workload" if py else ""
+        raise GobrrrError(
+            f"workload {spec}: {path} is a directory",
+            hint=f"give a Python file and its function, path/to/file.py:function{example}",
+        )
 
 
 def _accepted(fn: Callable, **kw: Any) -> dict[str, Any]:
@@ -91,9 +114,17 @@ def estimate(
     traced. reshard_after_forward, units: FSDP2's (fsdp and hsdp only; units default to the
     repeated blocks).
     """
-    for what, v in (("batch", batch), ("seq", seq)):
-        if v is not None and v <= 0:
-            raise GobrrrError(f"--{what} must be a positive number, got {v}")
+    check_target_args(source, gpu, calibration, batch=batch, seq=seq, gpus=gpus, nodes=nodes)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("checkpoint", checkpoint, CHECKPOINTS)
+    check_flag("compile", compile)
+    check_flag("reshard_after_forward", reshard_after_forward)
+    check_choice("parallel", parallel, PARALLEL)
+    if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
+        raise GobrrrError(
+            f"units={units!r} is not a list of module names",
+            hint="give names as model.named_modules() spells them, e.g. units=['layers.0']",
+        )
     check_parallel(gpus, nodes, parallel)
     check_fsdp_knobs(parallel, reshard_after_forward, units)
     if gpus > 1 and parallel in SHARDED and precision != "bf16-mixed":
@@ -119,6 +150,31 @@ def estimate(
     if gpus > 1:
         graph = shard(graph, parallel, gpus, nodes, reshard_after_forward, units)
     return evaluate(graph, target, capture_s=time.perf_counter() - t0)
+
+
+def check_target_args(source, gpu, calibration, **counts: int | None) -> None:
+    """The arguments `estimate` and `plan` share, checked where they enter (a string where a
+    number belongs fails here in one line, not deep inside the trace): one GobrrrError naming
+    the argument and the fix."""
+    if not (isinstance(source, str | Workload) or callable(source)):
+        raise GobrrrError(
+            f"source={source!r} is not a workload",
+            hint="give a built-in model name, 'file.py:function', a function returning a "
+            "gobrrr.Workload, or a Workload",
+        )
+    if not isinstance(gpu, str | GpuSpec | Target):
+        raise GobrrrError(
+            f"gpu={gpu!r} is not a GPU",
+            hint="give a GPU's name such as 'h100' (`gobrrr gpus` lists them) or a "
+            ".toml/.json spec file; for how many GPUs, use gpus=N",
+        )
+    if not (calibration is None or isinstance(calibration, bool | Calibration)):
+        raise GobrrrError(
+            f"calibration={calibration!r} is not a calibration",
+            hint="give True (the saved one), False (datasheet) or a gobrrr Calibration",
+        )
+    for name, value in counts.items():
+        check_count(name, value, optional=name in ("batch", "seq", "global_batch"))
 
 
 def check_parallel(gpus: int, nodes: int, parallel: str) -> None:

@@ -374,7 +374,8 @@ def throughput_unit(graph: StepGraph) -> str:
     for n in graph.nodes:
         for t in n.inputs:
             if t.storage in inputs and t.dtype.startswith(("int", "uint")) and len(t.shape) >= 2:
-                return "tokens" if t.numel == graph.meta.tokens else "samples"
+                micro = graph.meta.tokens // (graph.meta.accumulation or 1)  # one micro-batch's
+                return "tokens" if t.numel == micro else "samples"
     return "samples"
 
 

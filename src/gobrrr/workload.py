@@ -385,6 +385,11 @@ def _check_loss(loss: Any, what: str, out: Any) -> torch.Tensor:
             hint="compute it from the model's output, "
             "without .detach(), .item(), torch.no_grad() or torch.tensor(...)",
         )
+    if torch.is_grad_enabled() and loss.grad_fn is None:  # a fresh leaf: backward reaches nothing
+        raise GobrrrError(
+            f"{what} a loss made from scratch (a leaf tensor, no path back to the parameters)",
+            hint="compute it from the model's output, not torch.tensor(..., requires_grad=True)",
+        )
     return loss
 
 

@@ -9,7 +9,10 @@ the work starts, and only gobrrr's own output reaches stdout (see `gobrrr.report
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import math
 import os
 import sys
 import traceback
@@ -17,14 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gobrrr.capture import CHECKPOINTS
-from gobrrr.cli.checks import check_args, check_output_file, explain
+from gobrrr.cli import interrupt
+from gobrrr.cli.checks import OUTPUT_FILES, check_args, check_output_file, explain
 from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
-from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.errors import MAX_COUNT, GobrrrError, did_you_mean
 from gobrrr.estimate import PARALLEL, estimate, workload_factory
 from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
-from gobrrr.plan.search import Planner
+from gobrrr.plan.search import MARGIN, Planner
 from gobrrr.plan.verify import verify
 from gobrrr.precision import PRECISIONS
 from gobrrr.report.charts import estimate_charts, json_text, plan_charts
@@ -34,6 +38,10 @@ from gobrrr.report.progress import Progress
 from gobrrr.report.streams import command_streams, one_line
 
 JSON_VERSION = 1
+MAX_BYTES = 2**60  # a memory budget beyond 1 EiB is a typo
+#: exit code when the reader of stdout went away (`gobrrr ... | head`): 128 + SIGPIPE, what a
+#: shell reports for a program SIGPIPE ended, as cat or git do; the output was cut, not wrong
+BROKEN_PIPE = 141
 
 EXAMPLES = {
     "estimate": """examples:
@@ -107,6 +115,21 @@ def positive_int(text: str) -> int:
         ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number (e.g. 8), got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is too large: at most {MAX_COUNT:,}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1), e.g. 0.05 (not inf, nan or a percentage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < 1:  # nan fails the comparison too
+        raise argparse.ArgumentTypeError(
+            f"expected a share of the budget in [0, 1), e.g. 0.05 for 5%, got {text!r}"
+        )
     return value
 
 
@@ -166,7 +189,11 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 70GiB, 75GB or 80000000000, got {text!r}"
         ) from None
-    if value <= 0:
+    if not math.isfinite(value) or value > MAX_BYTES:  # inf, nan, 1e400
+        raise argparse.ArgumentTypeError(
+            f"expected a finite size such as 70GiB (at most 1EiB), got {text!r}"
+        )
+    if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
     return int(value)
 
@@ -247,6 +274,7 @@ def _emit(args: argparse.Namespace, data: dict, charts: Callable[[], dict]) -> b
     """The result's machine-readable outputs: `charts()` added where --json or --html wants
     them, the warnings, the page (--html), the JSON on stdout (--json). True when the JSON
     was printed (no tables then)."""
+    interrupt.check()  # a Ctrl-C swallowed during the work: no output at all
     if args.json or args.html:
         data["charts"] = charts()
     data["warnings"] = args.warnings
@@ -285,14 +313,57 @@ def _plan(args: argparse.Namespace) -> int:
     verified = _verify(args, result) if args.verify else None
     extra = {"verified": [v.to_dict() for v in verified]} if verified is not None else {}
     data = {**result.to_dict(top=args.top), **extra}
+    edge = headroom(result, planner.req.margin)
+    if edge is not None:
+        data["headroom"] = edge
     if not _emit(args, data, lambda: plan_charts(planner, result)):
         from gobrrr.report.plan import print_plan, print_verified  # lazy: rich, for tables only
 
         print_plan(result, top=args.top)
+        if edge is not None:
+            print(edge["says"])
         if verified is not None:
             print_verified(verified)
         _wrote(args.html)
     return 0 if result.best is not None else 1
+
+
+#: below this share of the budget free, the plan is called "at the edge": the reserved peak
+#: was predicted within -3.3%..+5.3% on an H100 (plan/search.py MARGIN's note)
+EDGE = 0.05
+
+
+def headroom(result, margin: float) -> dict | None:
+    """How close the chosen plan's reserved peak comes to the budget, and the margin kept
+    (`--margin`; the planner's default MARGIN keeps none): for the output and --json."""
+    best = result.best
+    if best is None:
+        return None
+    budget, free = result.budget_bytes, best.headroom_bytes
+    share = free / budget
+    gib = 2**30
+    says = (
+        f"headroom: the chosen plan leaves {free / gib:.1f} GiB of the {budget / gib:.1f} GiB "
+        f"budget free ({share:.1%}); "
+        + (
+            f"--margin {margin:g} kept {margin:.0%} of it free"
+            if margin
+            else "no margin kept (the default --margin 0 lets a plan fill the budget)"
+        )
+    )
+    if share < EDGE:
+        says += (
+            f". That is at the edge: the reserved peak is predicted within about 5%, "
+            f"so for room to spare plan with --margin {EDGE:g} ({EDGE:.0%} kept free)"
+        )
+    return {
+        "bytes": free,
+        "share": share,
+        "margin": margin,
+        "default_margin": MARGIN,
+        "at_edge": share < EDGE,
+        "says": says,
+    }
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -507,7 +578,7 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
     )
     p.add_argument(
         "--margin",
-        type=float,
+        type=fraction,
         default=0.0,
         metavar="F",
         help="share of the budget to leave free, e.g. 0.05 (default 0: the "
@@ -566,23 +637,31 @@ def _add_profile_commands(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     as_json = "--json" in argv
-    with command_streams() as said:
+    with interrupt.handling():
         try:
-            args = build_parser().parse_args(argv)  # --help exits here, as argparse does
-        except GobrrrError as e:
-            return _fail(e, as_json)
-        args.warnings = said
-        return _run(args, as_json)
+            with _stdout_fd_to_stderr(), command_streams() as said:
+                try:
+                    args = build_parser().parse_args(argv)  # --help exits here, as argparse does
+                except GobrrrError as e:
+                    return _fail(e, as_json)
+                args.warnings = said
+                return _run(args, as_json)
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): nothing to say
+            _stdout_to_devnull()
+            return BROKEN_PIPE
 
 
 def _run(args: argparse.Namespace, as_json: bool) -> int:
+    before = _outputs(args)
     try:
         check_args(args)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        code = func(args)
+        interrupt.check()  # a Ctrl-C that library code swallowed still ends the run
+        return code
     except SystemExit as e:  # the user's code exited; argparse never gets here
         if _raised_by(e, "rich."):  # rich's way out when the reader of a pipe went away
-            raise
+            return BROKEN_PIPE
         return _fail(
             GobrrrError(
                 f"the workload called sys.exit({e.code!r}) while gobrrr imported or ran it",
@@ -592,9 +671,86 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
             as_json,
         )
     except KeyboardInterrupt:
-        return _fail(GobrrrError("interrupted", hint="nothing was written"), as_json)
+        removed = _remove_changed(before)
+        hint = f"removed the half-written {', '.join(removed)}" if removed else None
+        return _fail(GobrrrError("interrupted", hint=hint), as_json, interrupt.INTERRUPTED)
     except Exception as e:
         return _fail(e, as_json)
+
+
+def _outputs(args: argparse.Namespace) -> dict[Path, tuple[int, int] | None]:
+    """The output files the command may write, each with (mtime_ns, size) or None when it
+    does not exist yet."""
+    out: dict[Path, tuple[int, int] | None] = {}
+    for attr in OUTPUT_FILES:
+        path = getattr(args, attr, None)
+        if isinstance(path, str) and path.strip():
+            p = Path(path).expanduser()
+            st = p.stat() if p.is_file() else None
+            out[p] = (st.st_mtime_ns, st.st_size) if st else None
+    return out
+
+
+def _remove_changed(before: dict[Path, tuple[int, int] | None]) -> list[str]:
+    """Remove the output files written since `before` (an interrupted write is partial)."""
+    removed = []
+    for p, was in before.items():
+        st = p.stat() if p.is_file() else None
+        if st is not None and (st.st_mtime_ns, st.st_size) != was:
+            p.unlink()
+            removed.append(str(p))
+    return removed
+
+
+@contextlib.contextmanager
+def _stdout_fd_to_stderr():
+    """While the command runs, file descriptor 1 is stderr's and sys.stdout writes to a copy
+    of the real fd 1: whatever the user's code or a C library writes to fd 1 (os.write(1),
+    a subprocess) lands on stderr, so stdout holds only gobrrr's output (the JSON under
+    --json). Where sys.stdout is not fd 1 (a test capturing it) nothing changes."""
+    try:
+        if sys.stdout.fileno() != 1:
+            raise ValueError("not fd 1")
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        yield
+        return
+    real = sys.stdout
+    out = io.TextIOWrapper(
+        io.FileIO(saved, "w", closefd=False),
+        encoding=getattr(real, "encoding", None) or "utf-8",
+        errors=getattr(real, "errors", None) or "strict",
+        line_buffering=bool(getattr(real, "line_buffering", False)),
+    )
+    os.dup2(2, 1)
+    sys.stdout = out
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        try:
+            out.flush()
+        except BrokenPipeError:
+            _to_devnull(saved)
+            raise
+        finally:
+            out.close()  # flushes to devnull where the pipe broke; leaves `saved` open
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _to_devnull(fd: int) -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+def _stdout_to_devnull() -> None:
+    """After the reader of stdout went away: what is still buffered goes nowhere, quietly,
+    rather than a second BrokenPipeError when Python flushes stdout at exit."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        _to_devnull(sys.stdout.fileno())
 
 
 def _raised_by(e: BaseException, module: str) -> bool:
@@ -604,9 +760,9 @@ def _raised_by(e: BaseException, module: str) -> bool:
     return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(module)
 
 
-def _fail(e: BaseException, as_json: bool) -> int:
+def _fail(e: BaseException, as_json: bool, code: int = 2) -> int:
     """One line on stderr (after the traceback under GOBRRR_DEBUG=1), the same as JSON on
-    stdout under --json; exit code 2."""
+    stdout under --json; exit code 2 (130 when interrupted)."""
     if os.environ.get("GOBRRR_DEBUG") == "1":
         traceback.print_exc()
     message, hint = explain(e)
@@ -624,7 +780,7 @@ def _fail(e: BaseException, as_json: bool) -> int:
                 indent=2,
             )
         )
-    return 2
+    return code
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from gobrrr.errors import GobrrrError, GobrrrWarning, did_you_mean
+from gobrrr.estimate import not_a_directory
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import describe, model_names
 
@@ -61,6 +62,8 @@ def _spec(args: argparse.Namespace) -> str | None:
                 f"{', '.join(model_names())}) or give path/to/file.py:function",
             )
     spec = getattr(args, "workload", None) or getattr(args, "model", None)
+    if spec and (_is_file_spec(spec) or Path(spec).expanduser().is_dir()):
+        not_a_directory(spec)
     if spec and not _is_file_spec(spec) and spec not in model_names():
         raise GobrrrError(
             f"unknown model {spec!r}{did_you_mean(spec, model_names())}",
@@ -170,6 +173,23 @@ KNOWN = (
         "the code reads a tensor's value (.item(), float(t), `if t > 0:`, "
         ".tolist()), which fake tensors do not have: keep it in torch (e.g. torch.where) or "
         "compute it from Python numbers",
+    ),
+    (
+        "found at least two devices, cpu and cuda",
+        "gobrrr traces on the CPU, as the GPU would run it, and the workload moved part of "
+        "it to CUDA (.cuda() or .to('cuda')): remove those calls from the workload function "
+        "(gobrrr profile moves the model and batch to the GPU itself)",
+    ),
+    (
+        "hasPrimaryContext",
+        "gobrrr traces without a GPU, and the workload asked CUDA for a device "
+        "(.cuda(), .to('cuda'), torch.cuda.*): remove those calls from the workload function "
+        "(gobrrr profile moves the model and batch to the GPU itself)",
+    ),
+    (
+        "run_and_save",
+        "--compile with --checkpoint full is not modelled: torch.compile cannot trace "
+        "gobrrr's checkpointed blocks on fake tensors; predict with one of the two",
     ),
     (
         "the traced step raised",

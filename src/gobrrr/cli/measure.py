@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
+from gobrrr.cli import interrupt
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import PARALLEL, workload_factory
 from gobrrr.evaluate import evaluate
@@ -157,6 +158,7 @@ def _factory(args) -> Callable[[int | None], Workload]:
 def run_profile(args) -> int:
     """Handler of `gobrrr profile`."""
     from gobrrr.profile.api import profile  # lazy: loaded for this command only
+    from gobrrr.profile.runner import check_device
     from gobrrr.report.html import require_plotly, write_html  # lazy: this command only
 
     if args.html:
@@ -164,6 +166,7 @@ def run_profile(args) -> int:
     if args.parallel:
         return _on_ranks(args, "profile --parallel", _profile_parallel)
     make = _factory(args)
+    check_device(args.device)  # before the model is built in host memory
     out: dict = {}
     graph = prediction = None
     gpu: str | Target | None = args.gpu
@@ -196,6 +199,7 @@ def run_profile(args) -> int:
             make, batch, args.device, args.precision, args.steps, args.warmup, compile=args.compile
         )
         out["scaling"] = scaling.to_dict()
+    interrupt.check()  # a Ctrl-C swallowed during the work: no output at all
     if args.html:
         write_html(out, args.html)
     if args.json:
@@ -259,12 +263,18 @@ def run_calibrate(args) -> int:
     """Handler of `gobrrr calibrate`."""
     from gobrrr.calibrate.api import calibrate, default_path  # lazy: loaded for this command only
 
+    if args.no_save and args.output:
+        raise GobrrrError(
+            f"--output {args.output} with --no-save: one says where to save, the other not to",
+            hint="drop --no-save to save there, or --output to only measure and print",
+        )
     if args.collectives:
         return _on_ranks(args, "calibrate --collectives", _calibrate_collectives)
     if args.quick:
         raise GobrrrError("--quick sets the grid of --collectives", hint="add --collectives")
     save = False if args.no_save else (args.output or True)
     cal = calibrate(args.device, save=save)
+    interrupt.check()
     if args.json:
         print(json.dumps(cal.to_dict(), indent=1))
     else:

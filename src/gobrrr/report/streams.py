@@ -53,6 +53,13 @@ class _Router(io.TextIOBase):
         self.out.flush()
         self.err.flush()
 
+    @property
+    def buffer(self):  # bytes written raw (sys.stdout.buffer) are never gobrrr's: stderr's
+        return self.err.buffer
+
+    def reconfigure(self, **kwargs) -> None:  # the user's settings apply where their text goes
+        getattr(self.err, "reconfigure", lambda **_: None)(**kwargs)
+
     def isatty(self) -> bool:
         return self.out.isatty()
 

@@ -46,8 +46,9 @@ def test_an_rnn_is_one_cudnn_op_with_its_reserve(cell, per):
     assert not _ops(g, "mkldnn_rnn_layer")  # the CPU's per-layer op is gone
     ref = cell(I, H, num_layers=L, batch_first=True)(torch.randn(N, T, I))
     assert fwd.outputs[0].shape == tuple(ref[0].shape)  # the module's own output, on the CPU
-    # the reserve: per (layer, step, sequence, hidden unit) `per` fp32 elements
-    assert fwd.outputs[3].numel == L * T * N * H * per * 4 == reserve_bytes(
+    # the reserve: per (step, sequence, hidden unit) `per` fp32 elements a layer, but the last
+    # layer's output (the op's output) -- as cuDNN 9 sized it on an H100 (rnn_grid "reserve:*")
+    assert fwd.outputs[3].numel == (L * per - 1) * T * N * H * 4 == reserve_bytes(
         "lstm" if per == 6 else "gru", L, 1, T, N, H, 4
     )
     # kept for backward: the reserve stays alive until _cudnn_rnn_backward has run

@@ -30,11 +30,14 @@ from gobrrr.capture.dropout import cpu_composite
 MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
 NAMES = {v: k for k, v in MODES.items()}
 
-#: Elements of the reserve space per (layer, direction, step, sequence, hidden unit): LSTM
-#: keeps its 4 gate activations, the cell state and the hidden output (6); GRU its 3 gates
-#: from the input, the 3 recurrent pre-activations (the candidate's reset product needs
-#: W_hn·h) and the output (7: a GRU's reserve is larger than an LSTM's of one width, as
-#: cuDNN reported in pytorch/pytorch#2895); a plain RNN its pre-activation and output (2).
+#: Elements of the reserve space per (layer, direction, step, sequence, hidden unit), the
+#: last layer's output not counted (it is the op's `output`, kept by autograd on its own):
+#: LSTM keeps its 4 gate activations, the cell state and each layer's hidden output (6); GRU
+#: its 3 input gates, the 3 recurrent pre-activations (the candidate's reset product needs
+#: W_hn·h) and the output (7); a plain RNN its pre-activation and output (2). Measured on an
+#: H100 (cuDNN 9, torch 2.11; calibration `rnn_grid` "reserve:*"): LSTM 5 elements for one
+#: layer and 17/3 a layer for three, i.e. 6·L − 1; GRU 6 and 20/3, i.e. 7·L − 1 — in bf16
+#: and fp32 alike, at every hidden width, batch and length of the grid.
 RESERVE_ELEMENTS = {"lstm": 6, "gru": 7, "rnn_tanh": 2, "rnn_relu": 2}
 
 
@@ -42,8 +45,8 @@ def reserve_bytes(
     mode: str, layers: int, directions: int, steps: int, batch: int, hidden: int, itemsize: int
 ) -> int:
     """Bytes of the training reserve space of one `_cudnn_rnn` call (see RESERVE_ELEMENTS)."""
-    per = RESERVE_ELEMENTS[mode]
-    return layers * directions * steps * batch * hidden * per * itemsize
+    per = RESERVE_ELEMENTS[mode] * layers - 1
+    return directions * steps * batch * hidden * per * itemsize
 
 
 def _steps_batch(x: torch.Tensor, batch_first: bool) -> tuple[int, int]:
@@ -196,6 +199,17 @@ def _single(mode: str):
     return kernel
 
 
+def _override_meta(lib: torch.library.Library, op: str, fn) -> None:
+    """Register `fn` as aten::`op`'s Meta kernel over torch's own (torch/_meta_registrations.py
+    registers one from Python, which torch releases before 2.12 refuse to override unless
+    told; destroying `lib` restores torch's kernel)."""
+    try:
+        lib.impl(op, fn, "Meta", allow_override=True)
+    except TypeError:  # a torch whose Library.impl has no allow_override
+        torch.library._impls.discard(f"aten/{op}/Meta")
+        lib.impl(op, fn, "Meta")
+
+
 @contextlib.contextmanager
 def cuda_rnn() -> Iterator[None]:
     """Within this context nn.LSTM / GRU / RNN on CPU tensors run cuDNN's fused `_cudnn_rnn`,
@@ -208,8 +222,8 @@ def cuda_rnn() -> Iterator[None]:
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
             warnings.simplefilter("ignore")
-            lib.impl("_cudnn_rnn", _rnn_meta, "Meta")
-            lib.impl("_cudnn_rnn_backward", _rnn_backward_meta, "Meta")
+            _override_meta(lib, "_cudnn_rnn", _rnn_meta)
+            _override_meta(lib, "_cudnn_rnn_backward", _rnn_backward_meta)
         with contextlib.ExitStack() as stack:
             stack.enter_context(cpu_composite("lstm.input", _lstm))
             for mode in ("gru", "rnn_tanh", "rnn_relu"):

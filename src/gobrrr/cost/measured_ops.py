@@ -57,7 +57,7 @@ def rnn_seconds(cal: Calibration | None, node: OpNode) -> float | None:
     layers = _nearest({p[2] for p in points}, d["layers"])
     at = [p for p in points if p[2] == layers]
     steps = _nearest({p[3] for p in at}, d["steps"])
-    per = [[p[0], p[1], p[4] / (p[2] * p[3])] for p in at if p[3] == steps]
+    per = [[p[0], p[1], p[4] / (p[2] * p[3])] for p in at if p[3] == steps and p[4] > 0]
     per_step = grid_value(per, d["hidden"], d["batch"])
     return per_step * d["layers"] * d["steps"] * d["dirs"]
 

@@ -43,7 +43,7 @@ DESCRIBED = {
     "drops-output": "drops the model's output before backward (gobrrr's own step, HF "
     "Trainer, Lightning)",
     "keeps-output": "keeps the model's output alive until the next step "
-    "(out = model(...); loss.backward(); opt.step())",
+    "(out = model(batch); loss.backward(); opt.step())",
     "forward-backward": "is the workload's own forward_backward, traced as it holds its tensors",
 }
 

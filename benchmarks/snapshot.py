@@ -72,6 +72,7 @@ def suite() -> dict:
             precision=c["precision"],
             checkpoint=c["checkpoint"],
             compile=c["compile"],
+            loop="drops-output",  # the recorded steps ran gobrrr's TrainStep
         )
         out[key] = figures(est)
     return out

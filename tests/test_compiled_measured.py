@@ -59,7 +59,11 @@ def _predict(name: str):
     if not available(case.library):
         pytest.skip(f"{case.library} is not installed: pip install 'gobrrr[zoo]'")
     return gobrrr.estimate(
-        case.factory(), gpu="h100", precision=case.precision, compile=case.compile
+        case.factory(),
+        gpu="h100",
+        precision=case.precision,
+        compile=case.compile,
+        loop="drops-output",
     )
 
 

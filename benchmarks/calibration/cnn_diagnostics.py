@@ -81,7 +81,7 @@ def memory_case(precision: str, batch: int) -> dict:
         ),
         key=lambda t: -t["bytes"],
     )
-    est = estimate("convnet", "h100", batch=batch, precision=precision)
+    est = estimate("convnet", "h100", batch=batch, precision=precision, loop="drops-output")
     graph, sim = est.graph, est.memory
     return {
         "precision": precision,

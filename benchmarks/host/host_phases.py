@@ -93,7 +93,13 @@ def _predicted(name: str):
 
     model, batch, seq, ckpt = spec
     return gobrrr.estimate(
-        model, gpu="h100", batch=batch, seq=seq, precision=BUILTIN_PRECISION, checkpoint=ckpt
+        model,
+        gpu="h100",
+        batch=batch,
+        seq=seq,
+        precision=BUILTIN_PRECISION,
+        checkpoint=ckpt,
+        loop="drops-output",
     )
 
 

@@ -165,6 +165,7 @@ def ours(name, batch, seq, precision, checkpoint, compile_, cal: Calibration | N
         checkpoint=checkpoint,
         calibration=False,
         compile=compile_,
+        loop="drops-output",  # measured with gobrrr's TrainStep
     )
     out = {"peak": est.memory.peak, "step_s": est.time.step_s, "capture_s": est.capture_s}
     if cal is not None:

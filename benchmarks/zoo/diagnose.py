@@ -298,6 +298,7 @@ def profile_case(name: str, device: str, batch: int | None) -> dict:
         precision=case.precision,
         compile=case.compile,
         calibration=cal,
+        loop="drops-output",  # profile measures gobrrr's TrainStep
     )
     res = profile(
         case.factory()(**kw),

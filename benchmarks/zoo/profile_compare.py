@@ -42,6 +42,7 @@ def one(name: str, device: str, batch: int | None, seq: int | None) -> dict:
         precision=case.precision,
         compile=case.compile,
         calibration=cal,
+        loop="drops-output",  # profile measures gobrrr's TrainStep
     )
     result = profile(
         case.factory()(**kw),

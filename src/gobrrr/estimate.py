@@ -3,6 +3,7 @@ step on fake tensors, then `evaluate` the graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -15,13 +16,17 @@ from gobrrr.errors import GobrrrError, check_choice, check_count, check_flag
 from gobrrr.evaluate import Estimate, evaluate
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
+from gobrrr.memory.replay import step_memory
 from gobrrr.models.registry import get_workload, load_workload, model_names
 from gobrrr.passes.ddp import ddp
 from gobrrr.passes.fsdp import fsdp
+from gobrrr.passes.loop import LOOPS, held, other
+from gobrrr.passes.loop import loop as loop_pass
 from gobrrr.precision import PRECISIONS
 from gobrrr.workload import Workload
 
 __all__ = [
+    "LOOPS",
     "PARALLEL",
     "SHARDED",
     "Estimate",
@@ -30,6 +35,10 @@ __all__ = [
     "shard",
     "workload_factory",
 ]
+
+#: the loop `estimate` assumes where it is not told: the plain loop's, which holds the model's
+#: output through backward (never under for it; a loop that drops the output peaks lower)
+DEFAULT_LOOP = "keeps-output"
 
 #: the data-parallel recipes `estimate(parallel=...)` knows: DDP; FSDP2 sharded over every
 #: rank; HSDP, FSDP2 sharded within each node and replicated across nodes
@@ -98,8 +107,16 @@ def estimate(
     parallel: str = "ddp",
     reshard_after_forward: bool = True,
     units: Sequence[str] | None = None,
+    loop: str | None = None,
 ) -> Estimate:
     """Predict peak memory and step time of one training step on `gpu`.
+
+    loop: the training loop whose memory is predicted (`gobrrr.passes.loop`):
+    "keeps-output" (the default: `out = model(...); loss.backward(); opt.step()`, the model's
+    output alive until the next step rebinds it) or "drops-output" (gobrrr's own step, HF
+    Trainer, Lightning: the output freed before backward). Leave it None for a
+    Workload(forward_backward=...), whose own loop is traced. The Estimate's `other_loop`
+    is the memory under the other loop; the time is the same under both.
 
     compile: the model runs under torch.compile (the optimizer stays eager): the step is
     traced as AOTAutograd partitions it, with Inductor's fusion (`gobrrr.capture.compiled`,
@@ -125,6 +142,8 @@ def estimate(
             f"units={units!r} is not a list of module names",
             hint="give names as model.named_modules() spells them, e.g. units=['layers.0']",
         )
+    if loop is not None:
+        check_choice("loop", loop, LOOPS)
     check_parallel(gpus, nodes, parallel)
     check_fsdp_knobs(parallel, reshard_after_forward, units)
     if gpus > 1 and parallel in SHARDED and precision != "bf16-mixed":
@@ -147,9 +166,31 @@ def estimate(
         sdpa=target_for(target.gpu.full_name),
         compile=compile,
     )
-    if gpus > 1:
-        graph = shard(graph, parallel, gpus, nodes, reshard_after_forward, units)
-    return evaluate(graph, target, capture_s=time.perf_counter() - t0)
+    traced = graph
+    graph = _looped(traced, loop)
+    sharded = (
+        (lambda g: shard(g, parallel, gpus, nodes, reshard_after_forward, units))
+        if gpus > 1
+        else (lambda g: g)
+    )
+    est = evaluate(sharded(graph), target, capture_s=time.perf_counter() - t0)
+    alternative = other(graph.meta.loop_mode)
+    if alternative is None:
+        return est
+    if not held(traced):  # the model returns nothing a loop could keep longer
+        return dataclasses.replace(est, other_loop=est.memory)
+    memory = step_memory(sharded(loop_pass(traced, alternative)), target.gpu, target.cal)
+    return dataclasses.replace(est, other_loop=memory)
+
+
+def _looped(graph: StepGraph, kind: str | None) -> StepGraph:
+    """The traced graph under loop `kind` (None: DEFAULT_LOOP, or the workload's own
+    forward_backward where it gives one)."""
+    if kind is None:
+        if graph.meta.loop_mode == "forward-backward":
+            return graph
+        kind = DEFAULT_LOOP
+    return loop_pass(graph, kind)
 
 
 def check_target_args(source, gpu, calibration, **counts: int | None) -> None:

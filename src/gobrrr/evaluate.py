@@ -317,6 +317,9 @@ class Estimate:
     formulas: dict[str, Any]
     capture_s: float
     compiled: bool = False
+    # the step's memory under the other training loop (`gobrrr.passes.loop.other`), where
+    # `gobrrr.estimate` replayed it; None otherwise
+    other_loop: MemoryResult | None = None
 
     @property
     def calibration(self) -> str | None:

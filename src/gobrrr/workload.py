@@ -38,6 +38,13 @@ class Workload:
         max_seq_len: the longest sequence the model accepts, to reject impossible --seq.
         info: free-form facts about the model (layers, hidden, heads, vocab) used by the
             closed-form formulas when present.
+        forward_backward: the user's own step as their loop runs it, fn(model, batch) ->
+            loss (or (loss, anything)): forward, loss AND loss.backward() called inside it.
+            What it holds alive during backward is what gobrrr traces (e.g. `out` kept
+            through backward). gobrrr still owns the optimizer step (fn must not step an
+            optimizer), the accumulation (each backward fn starts is scaled by
+            1/micro-batches, as gobrrr's own step scales the loss) and checkpointing. Not
+            with `loss` or `step`.
     """
 
     model: nn.Module
@@ -50,6 +57,7 @@ class Workload:
     seq_len: int | None = None
     max_seq_len: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    forward_backward: Callable[[nn.Module, Batch], Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +98,7 @@ class Workload:
         return self.model(batch)
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
+        assert self.forward_backward is None, "forward_backward runs its own backward"
         if self.step is not None:
             return extract_loss(self.step(self.model, batch), "Workload(step=...) returned")
         out = self.run_model(batch)
@@ -119,6 +128,24 @@ def extract_loss(out: Any, what: str = "the model returned") -> torch.Tensor:
     elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         loss = out[0]
     return _check_loss(loss, what, out)
+
+
+def forward_backward_loss(out: Any) -> torch.Tensor:
+    """The loss a `forward_backward` function returned: a one-element tensor, or the first
+    element of a tuple/list. Anything else is a GobrrrError saying what to return."""
+    loss = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else f"{_short(out)} ({type(out).__name__})"
+        )
+        raise GobrrrError(
+            f"Workload(forward_backward=...) returned {what}, not the loss",
+            hint="return the scalar loss it called backward on (or (loss, anything)), e.g. "
+            "`loss = model(**batch).loss; loss.backward(); return loss`",
+        )
+    return loss
 
 
 def embedding_only_params(model: nn.Module) -> int:
@@ -176,6 +203,13 @@ def _check_fields(w: Workload) -> None:
             "Workload has both loss= and step=",
             hint="give one: step(model, batch) -> loss computes the loss itself",
         )
+    if w.forward_backward is not None and (w.loss is not None or w.step is not None):
+        given = "loss=" if w.loss is not None else "step="
+        raise GobrrrError(
+            f"Workload has both forward_backward= and {given}",
+            hint="give one: forward_backward(model, batch) computes the loss and calls "
+            "backward itself",
+        )
     for name, fn, form in (
         (
             "loss",
@@ -184,6 +218,12 @@ def _check_fields(w: Workload) -> None:
             "or None when the model returns its loss",
         ),
         ("step", w.step, "a function step(model, batch) -> scalar loss"),
+        (
+            "forward_backward",
+            w.forward_backward,
+            "a function forward_backward(model, batch) that calls loss.backward() and "
+            "returns the loss",
+        ),
     ):
         if fn is not None and not callable(fn):
             raise GobrrrError(
@@ -284,6 +324,14 @@ def _check_optimizer(opt: Any) -> None:
 def _check_calls(w: Workload) -> None:
     """model(*batch), loss(output, batch) and step(model, batch) must accept these
     arguments (checked on the signatures, before anything runs)."""
+    if w.forward_backward is not None:
+        if not _binds(w.forward_backward, (w.model, w.batch)):
+            raise GobrrrError(
+                f"Workload(forward_backward={_short(w.forward_backward)}) cannot be called as "
+                "forward_backward(model, batch)",
+                hint="take two arguments: the model and the batch",
+            )
+        return
     if w.step is not None:
         if not _binds(w.step, (w.model, w.batch)):
             raise GobrrrError(

@@ -64,6 +64,7 @@ class _Driver:
         self.phase = "forward"
         self.stack: list[str] = []
         self.backward_module = ""
+        self.on_output: Callable[[Any], None] | None = None  # the model's forward returned
 
     def module(self) -> str:
         inner = compiled.current_module()
@@ -95,6 +96,8 @@ class _Driver:
         name = self.stack.pop() if self.stack else ""
         if self.phase != "forward" or not torch.is_grad_enabled():
             return
+        if name == "" and self.on_output is not None:  # the whole model returned `out`
+            self.on_output(out)
         parent = name.rpartition(".")[0]
         for t in iter_tensors(out):
             if t.grad_fn is not None:
@@ -297,6 +300,21 @@ class _Step(TrainStep):
             if self.recorder is not None:
                 self.recorder.after_node = None
 
+    def user_backward(self, run, tensors):
+        """TrainStep.user_backward (a backward the workload's forward_backward started), the
+        engine's gradient sums flagged as in `backward`."""
+        handles = []
+        if self.recorder is not None:
+            for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+                handles += accumulate.watch(t, self.recorder)
+        try:
+            return super().user_backward(run, tensors)
+        finally:
+            for h in handles:
+                h.remove()
+            if self.recorder is not None:
+                self.recorder.after_node = None
+
     def init_optimizer_state(self) -> None:
         """What a warm-up step leaves behind, without its forward and backward: the optimizer
         state (created lazily by the first step). Gradients of zeros stand in for real ones."""
@@ -481,6 +499,7 @@ def _trace(
             rec = step.recorder = Recorder(
                 table, driver.module, driver.current_phase, on_op=saved.on_op
             )
+            driver.on_output = rec.mark_output
             values.where = lambda: (driver.module(), driver.current_phase(), len(rec.nodes))
             if regions is not None:
                 regions.clock = lambda: len(rec.nodes)
@@ -510,6 +529,8 @@ def _trace(
             autograd=saved.meta(),
             gradient_sums_in_place=in_place,
             optimizer=_optimizer_meta(step.optimizer),
+            loop="forward-backward" if w.forward_backward is not None else "drops-output",
+            outputs=tuple(rec.outputs),
         ),
     )
 
@@ -521,7 +542,10 @@ def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> to
     runner = compiled.compile_model(w.model, regions)
     step.workload = dataclasses.replace(w, model=runner)
     first = split_batch(w.batch, step.accumulation)[0]
-    _guarded(lambda: step.backward(step.forward(first)), "compiled model's first step")
+    if w.forward_backward is not None:
+        _guarded(lambda: step.forward_backward(first), "compiled model's first step")
+    else:
+        _guarded(lambda: step.backward(step.forward(first)), "compiled model's first step")
     for p in w.model.parameters():
         p.grad = None
     regions.runs.clear()

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from gobrrr.capture.compiled import ignore_compile_internals
 from gobrrr.graph.ir import OpNode, StorageInfo, TensorInfo
+from gobrrr.graph.meta import ModelOutput
 
 SUM_OP = "aten.add.Tensor"  # the engine's sum of two gradients in an input buffer
 
@@ -150,6 +151,21 @@ class Recorder(TorchDispatchMode):
         self._names: dict = {}
         self.after_node: Any = None  # the backward node whose formula ran last (accumulate)
         self.engine_sums: list[int] = []  # ops where the engine summed two gradients
+        self.outputs: list[ModelOutput] = []  # what the model's forward calls returned
+
+    def mark_output(self, out: Any) -> None:
+        """Mark the tensors of what a call of the model's forward returned (reached through
+        tuples, lists, dicts and plain objects' attributes, e.g. HF's ModelOutput and its KV
+        cache), as of the last op recorded: the loop pass (`gobrrr.passes.loop`) keeps them
+        alive as a loop holding `out = model(...)` does."""
+        marked: set[int] = set()
+        for path, t in _returned_tensors(out, "", set(), depth=0):
+            sid = self.table.lookup(t)
+            if sid is not None and sid not in marked:
+                marked.add(sid)
+                shape = tuple(int(s) for s in t.shape)
+                dtype = str(t.dtype).removeprefix("torch.")
+                self.outputs.append(ModelOutput(len(self.nodes) - 1, sid, path, shape, dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -210,3 +226,27 @@ class Recorder(TorchDispatchMode):
         )
         if self._on_op is not None:
             self._on_op(index, phase, out_flat, [t.storage for t in outputs])
+
+
+def _returned_tensors(x: Any, path: str, seen: set[int], depth: int):
+    """(path, tensor) of every tensor in a returned structure, depth-first, each object once
+    (`seen` by id); modules and classes are not entered (their tensors are parameters)."""
+    if id(x) in seen or depth > 6:
+        return
+    if isinstance(x, torch.Tensor):
+        yield path or "output", x
+        return
+    if x is None or isinstance(x, (str, bytes, int, float, bool, type, torch.nn.Module)):
+        return
+    seen.add(id(x))
+    if isinstance(x, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in x.items())
+    elif isinstance(x, (tuple, list)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(x))
+    else:
+        fields = getattr(x, "__dict__", None)
+        if not isinstance(fields, dict):
+            return
+        items = ((f"{path}.{k}" if path else k, v) for k, v in fields.items())
+    for p, v in items:
+        yield from _returned_tensors(v, p, seen, depth + 1)

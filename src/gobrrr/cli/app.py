@@ -24,7 +24,7 @@ from gobrrr.cli import interrupt
 from gobrrr.cli.checks import OUTPUT_FILES, check_args, check_output_file, explain
 from gobrrr.cli.measure import add_calibrate_parser, add_profile_parser
 from gobrrr.errors import MAX_COUNT, GobrrrError, did_you_mean
-from gobrrr.estimate import PARALLEL, estimate, workload_factory
+from gobrrr.estimate import LOOPS, PARALLEL, estimate, workload_factory
 from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
@@ -259,6 +259,7 @@ def _estimate(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         reshard_after_forward=args.reshard,
         units=args.units,
+        loop=args.loop,
     )
     if args.save_graph:
         est.graph.save(args.save_graph)
@@ -483,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME,NAME",
         help="fsdp/hsdp: the modules wrapped as FSDP2 units, as model.named_modules() names "
         "them (default: the repeated blocks)",
+    )
+    p.add_argument(
+        "--loop",
+        type=one_of("loop", LOOPS),
+        help="the training loop whose memory is predicted: keeps-output (default: "
+        "out = model(...); loss.backward(); opt.step(), the output alive until the next step) "
+        "| drops-output (HF Trainer, Lightning, gobrrr's plan/apply: freed before backward)",
     )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--html", metavar="FILE", help=HTML_HELP)

@@ -145,6 +145,28 @@ class Repeat(NamedTuple):
     times: int
 
 
+class ModelOutput(NamedTuple):
+    """One tensor the model's forward returned (`gobrrr.capture.recorder.Recorder.outputs`):
+    `returned`, the op after which that forward call returned; the storage it lives in; where
+    it sits in what the call returned (e.g. "logits", "[0]", "past_key_values.layers[0].keys");
+    its shape and dtype. A training loop that keeps the output (`out = model(...)` alive until
+    the next step rebinds it) keeps these storages (`gobrrr.passes.loop`)."""
+
+    returned: int
+    storage: int
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+#: The training loops a step graph can assume (`gobrrr.passes.loop`): "drops-output", the
+#: model's output freed before backward (gobrrr's TrainStep, HF Trainer, Lightning);
+#: "keeps-output", `out = model(...)` held until the next step rebinds it (the plain loop,
+#: timm's and torchvision's reference scripts); "forward-backward", the user's own
+#: `Workload(forward_backward=...)`, traced as it holds its tensors.
+LOOPS = ("drops-output", "keeps-output", "forward-backward")
+
+
 #: Fields whose JSON form is not the value itself: (to JSON, from JSON).
 @dataclass(frozen=True)
 class Parallel:
@@ -187,6 +209,10 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
         lambda d: Repeat(int(d["start"]), int(d["end"]), int(d["times"])),
     ),
     "passes": (list, tuple),
+    "outputs": (
+        lambda os: [[*o[:3], list(o.shape), o.dtype] for o in os],
+        lambda os: tuple(ModelOutput(a, b, c, tuple(d), e) for a, b, c, d, e in os),
+    ),
 }
 #: Fields written even when None (the file holds null).
 _ALWAYS = frozenset({"seq_len"})
@@ -259,6 +285,11 @@ class StepMeta:
     """The micro-batch a `passes.microbatch` family gave this graph at."""
     passes: tuple[dict[str, Any], ...] | None = None
     """The passes applied, in order: {"pass": name, its arguments...}."""
+    loop: str | None = None
+    """The training loop the graph's memory assumes (one of LOOPS; None: a graph from before
+    loops were recorded, which is gobrrr's TrainStep: "drops-output")."""
+    outputs: tuple[ModelOutput, ...] | None = None
+    """The tensors the model's forward returned, each call's (the capture marks them)."""
     parallel: Parallel | None = None
     """The data-parallel recipe a shard pass applied (`passes.ddp`, `passes.fsdp`); None: one
     GPU. The graph is then one rank's step."""
@@ -273,6 +304,12 @@ class StepMeta:
         if self.precision.tf32:
             return Tf32(True, True)
         return self.tf32 or Tf32()
+
+    @property
+    def loop_mode(self) -> str:
+        """`loop`, "drops-output" (gobrrr's TrainStep, what capture traces) where not
+        recorded."""
+        return self.loop or "drops-output"
 
     @property
     def checkpoint_mode(self) -> str | Mapping[str, str]:
@@ -298,7 +335,12 @@ class StepMeta:
             if self.compiled_regions is None
             else tuple(Region(k, at(a), at(b)) for k, a, b in self.compiled_regions)
         )
-        return dataclasses.replace(self, syncs=syncs, compiled_regions=regions)
+        outputs = (
+            None
+            if self.outputs is None
+            else tuple(o._replace(returned=at(o.returned)) for o in self.outputs)
+        )
+        return dataclasses.replace(self, syncs=syncs, compiled_regions=regions, outputs=outputs)
 
     def with_repeated(self, split: int, shift: int, pos: Mapping[int, int], n: int) -> StepMeta:
         """This meta after `passes.accumulate` inserted the second micro-batch's `shift` ops

@@ -246,8 +246,8 @@ def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:
 
 
 def _fused_loss(workload: Workload) -> str:
-    if workload.step is not None or workload.loss is not None:
-        kind = "step" if workload.step is not None else "loss"
+    if workload.step is not None or workload.loss is not None or workload.forward_backward:
+        kind = next(k for k in ("step", "loss", "forward_backward") if getattr(workload, k))
         raise GobrrrError(
             f"fused_loss replaces the model's own head and loss, but this "
             f"workload computes its loss in Workload({kind}=...), which gobrrr "

@@ -7,6 +7,7 @@ from typing import Any
 from gobrrr.evaluate import Estimate, checkpointing, saved_activations
 from gobrrr.graph.ir import StepGraph
 from gobrrr.memory.replay import module_rollup
+from gobrrr.passes.loop import DESCRIBED, described, held, other
 from gobrrr.report.advice import hints
 
 ESTIMATE_VERSION = 1
@@ -25,13 +26,14 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
             **{
                 k: v
                 for k, v in est.graph.meta.to_dict().items()
-                if k not in ("info", "assumptions", "autograd")
+                if k not in ("info", "assumptions", "autograd", "outputs")
             },
             "compiled": est.compiled,
             "checkpointing": ckpt,
             "recomputed_ops": recomputed,
         },
         "assumptions": list(est.graph.meta.assumptions or []),
+        "loop": loop_dict(est),
         "gpu": {
             "name": est.gpu.name,
             "memory_bytes": est.gpu.memory_bytes,
@@ -91,6 +93,54 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
         "modules": len(modules),
         "capture_s": est.capture_s,
     }
+
+
+def loop_dict(est: Estimate) -> dict[str, Any]:
+    """The training loop the memory assumes (`gobrrr.passes.loop`), the other loop's peak and
+    the model outputs that make the difference (bytes)."""
+    kind = est.graph.meta.loop_mode
+    out: dict[str, Any] = {"assumes": kind, "line": loop_line(est)}
+    alt, mem = other(kind), est.other_loop
+    if alt is not None and mem is not None:
+        sizes = {s.id: s.nbytes for s in est.graph.storages}
+        out |= {
+            "other": alt,
+            "other_peak_bytes": mem.peak,
+            "other_reserved_bytes": mem.reserved,
+            "other_minus_this_bytes": mem.peak - est.memory.peak,
+            "held": [
+                {
+                    "path": o.path,
+                    "dtype": o.dtype,
+                    "shape": list(o.shape),
+                    "bytes": sizes[o.storage],
+                }
+                for o in held(est.graph)
+            ],
+        }
+    return out
+
+
+def loop_line(est: Estimate) -> str:
+    """One line: the loop the memory assumes, and what the other would add or save."""
+    kind = est.graph.meta.loop_mode
+    line = f"memory for a training loop that {DESCRIBED[kind]}"
+    alt, mem = other(kind), est.other_loop
+    if alt is None or mem is None:
+        return line
+    diff = mem.peak - est.memory.peak
+    sizes = {s.id: s.nbytes for s in est.graph.storages}
+    what = described(held(est.graph), sizes)
+    if not what:
+        return f"{line}; the model returns nothing a loop could keep longer"
+    size = _size(abs(diff))
+    if alt == "keeps-output":
+        return f"{line}; a loop that keeps it alive through backward holds +{size} more: {what}"
+    return f"{line}; one that drops it before backward peaks {size} lower: {what}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def parallel_dict(est: Estimate) -> dict[str, Any]:

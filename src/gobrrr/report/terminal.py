@@ -16,7 +16,7 @@ from gobrrr.evaluate import Estimate, checkpointing, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
 from gobrrr.report.advice import hints
-from gobrrr.report.estimate import per_rank_state
+from gobrrr.report.estimate import loop_line, per_rank_state
 
 KIND_ORDER = (
     "parameter",
@@ -75,6 +75,7 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
     c = console or Console()
     for line in summary_lines(est):
         c.print(line)
+    c.print(Text(loop_line(est)))
     c.print(_memory_table(est))
     rollup = module_rollup(est.memory.by_module)
     if rollup:

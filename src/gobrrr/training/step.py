@@ -13,6 +13,13 @@ is a mean over valid tokens (cross-entropy with ignore_index, padding masks) ave
 micro-batch over its own tokens: where the micro-batches hold unequal numbers of valid
 tokens, the accumulated loss is the mean of the micro-batch means, not the mean over all the
 batch's tokens, exactly as in any gradient-accumulation loop.
+
+A workload with `forward_backward=fn` runs fn(model, micro_batch) instead of forward and
+backward: fn calls backward itself. Each backward it starts (torch.autograd.backward, which
+Tensor.backward calls) runs on its tensors scaled by 1/accumulation and through the fp16
+GradScaler, outside autocast, exactly the arithmetic of `(loss / n)` then `scaler.scale(...)
+.backward()` above: the gradients are those of gobrrr's own step, bit for bit. fn must not step
+an optimizer (gobrrr steps once, after the last micro-batch) and must produce gradients.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gobrrr.errors import GobrrrError
 from gobrrr.precision import Precision, autocast_dtype, check_precision
-from gobrrr.workload import Batch, Workload, _leaves, map_tensors
+from gobrrr.workload import Batch, Workload, _leaves, forward_backward_loss, map_tensors
 
 PhaseContext = Callable[[str], contextlib.AbstractContextManager]
 
@@ -137,10 +145,16 @@ class TrainStep:
         total = None
         for i, mb in enumerate(micro):
             with self._sync(i == len(micro) - 1):  # data-parallel: sync on the last only
-                loss = self.forward(mb)
-                self.backward(loss)
+                if self.workload.forward_backward is not None:
+                    loss = self.forward_backward(mb)  # its own loss, not scaled by 1/n
+                else:
+                    loss = self.forward(mb)
+                    self.backward(loss)
             if self.keep_loss:
-                total = loss.detach() if total is None else total + loss.detach()
+                part = loss.detach()
+                if self.workload.forward_backward is not None and self.accumulation > 1:
+                    part = part / self.accumulation
+                total = part if total is None else total + part
             del loss
         with self.phase("optimizer"):
             self.optimizer_step()
@@ -156,6 +170,41 @@ class TrainStep:
         with self.phase("backward"):
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def forward_backward(self, micro_batch: Batch) -> torch.Tensor:
+        """The workload's forward_backward(model, micro_batch), under the precision's
+        autocast; the backward it starts runs through `user_backward`. Returns its loss (not
+        scaled). A GobrrrError where it produced no gradient or stepped an optimizer."""
+        fn = self.workload.forward_backward
+        params = [p for p in self.workload.model.parameters() if p.requires_grad]
+        before = _grad_marks(params)
+        with (
+            self.phase("forward"),
+            autocast_for(self.precision, self.device_type),
+            _backward_through(self.user_backward),
+            _no_optimizer_step(),
+        ):
+            out = fn(self.workload.model, micro_batch)
+        loss = forward_backward_loss(out)
+        if _grad_marks(params) == before:
+            raise GobrrrError(
+                "Workload(forward_backward=...) produced no gradient: it never called backward",
+                hint="call loss.backward() inside it (gobrrr scales it for accumulation and "
+                "steps the optimizer afterwards), or give step= and let gobrrr call backward",
+            )
+        return loss
+
+    def user_backward(self, run: Callable[[Any], Any], tensors: Any) -> Any:
+        """A backward the workload's forward_backward started: `run(tensors)` on its tensors
+        scaled as `forward` and `backward` scale the loss (1/accumulation, the GradScaler),
+        outside autocast, as backward runs in gobrrr's own step."""
+        with self.phase("backward"), _no_autocast(self.device_type):
+            return run(_map_loss(tensors, self._scaled))
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.accumulation > 1:
+            loss = loss / self.accumulation
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def optimizer_step(self) -> None:
         """optimizer.step (through the GradScaler, which skips a step whose gradients hold an
         inf or NaN) and zero_grad(set_to_none=True)."""
@@ -165,6 +214,61 @@ class TrainStep:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _grad_marks(params: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+    """What each parameter's .grad is now (its identity and version): a backward that reached
+    a parameter sets a new .grad or adds into it in place, changing one or the other."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
+
+
+def _map_loss(tensors: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """torch.autograd.backward's `tensors` (one tensor or a sequence) with fn applied."""
+    if isinstance(tensors, torch.Tensor):
+        return fn(tensors)
+    return [fn(t) for t in tensors]
+
+
+@contextlib.contextmanager
+def _backward_through(hook: Callable[[Callable[[Any], Any], Any], Any]):
+    """While the block runs, torch.autograd.backward(tensors, ...) (what Tensor.backward
+    calls) goes through hook(run, tensors), run(tensors) doing the original call."""
+    original = torch.autograd.backward
+
+    def backward(tensors, *args, **kwargs):
+        return hook(lambda ts: original(ts, *args, **kwargs), tensors)
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
+def _no_optimizer_step():
+    """A GobrrrError if any optimizer steps while the block runs (the workload's
+    forward_backward must leave the step, and the accumulation, to gobrrr)."""
+
+    def refuse(opt, args, kwargs):
+        raise GobrrrError(
+            f"Workload(forward_backward=...) called {type(opt).__name__}.step() itself",
+            hint="leave the optimizer step to gobrrr: it accumulates the micro-batches' "
+            "gradients and steps once (give the optimizer as Workload(optimizer=...))",
+        )
+
+    handle = register_optimizer_step_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off (backward runs outside it in gobrrr's own step)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 __all__ = ["TrainStep", "autocast_for", "batch_size", "cast_batch", "make_scaler", "split_batch"]

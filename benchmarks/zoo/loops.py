@@ -1,0 +1,317 @@
+"""The loops users run, measured: peak memory and step time of one zoo model under several
+training loops, and gobrrr's prediction for each loop (`gobrrr.estimate(loop=...)`).
+
+    PYTHONUNBUFFERED=1 python benchmarks/zoo/loops.py OUT.json [--cases NAME,NAME]
+    python benchmarks/zoo/loops.py /tmp/loops.json --device cpu --tiny --cases gpt2-124m
+
+Each (case, loop) runs in a fresh process of this script (`--one CASE LOOP`): the case built
+on the device (seeded) and prepared as gobrrr's profile runner prepares it (moved, cast,
+its optimizer made), 3 warm-up steps of the loop, the peak-memory stats reset, `--steps`
+steps timed (wall clock between device syncs, median); then `max_memory_allocated` and
+`max_memory_reserved` over them. The loops, each written to match its original's
+statements (forward and loss under the precision's autocast, backward outside it):
+
+- trainstep: gobrrr's own step (`gobrrr.training.step.TrainStep`, what profile and apply run):
+  the model's output dropped once the loss is taken. Predicted with loop="drops-output".
+- plain: `out = model(...); loss = out.loss (or loss_fn(out, y)); loss.backward();
+  opt.step(); opt.zero_grad()`: `out` alive until the next step rebinds it.
+  loop="keeps-output".
+- hf-trainer (transformers models): a real `transformers.Trainer` built around the model
+  with `TrainingArguments(bf16=...)`, the model prepared by its Accelerator (which autocasts
+  the forward and returns its outputs in fp32), then `trainer.training_step(model, inputs)`,
+  `opt.step()`, `opt.zero_grad()`; compute_loss returns only the loss. loop="drops-output".
+- timm (image models): timm's train.py `train_one_epoch` as of commit 004fb5f: `output =
+  model(input); loss = loss_fn(output, target)` under autocast, `optimizer.zero_grad()`,
+  `loss.backward()`, `optimizer.step()`: `output` kept, and last step's gradients alive
+  through the forward (zero_grad comes before backward). loop="keeps-output"; the gradients
+  are not modelled (recorded as `not_modelled`).
+- torchvision (image models): references/classification/train.py `train_one_epoch`: the
+  same statements as timm's, then `utils.accuracy(output, target, topk=(1, 5))` on the kept
+  output. loop="keeps-output", the same gradients not modelled.
+
+Predictions run on the CPU (fake tensors) in the parent process, with the calibration of the
+device's GPU where one is shipped. An exception is recorded, never fatal; OUT.json is
+rewritten after every run. torch 2.11, transformers 5.17 and (where it imports) timm, no
+network: the models are the zoo's (random weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parents[2]), str(HERE.parents[1])]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gobrrr.training.step import autocast_for  # noqa: E402
+from gobrrr.workload import extract_loss  # noqa: E402
+
+VERSION = 1
+#: (zoo case, batch, seq): the shapes the loops are compared at (None: the case's own)
+CASES = [
+    ("llama3.2-1b", 4, 2048),
+    ("qwen2-0.5b", 8, 1024),
+    ("bert-base-mlm-fp32", 32, 512),
+    ("gpt2-124m", 8, 1024),
+    ("resnet50-tv-fp32", None, None),
+    ("vit_b_16-tv", None, None),
+    ("vit_small-timm", None, None),
+]
+TINY = {"batch": 2, "seq": 32}  # --tiny: every case at this shape (a CPU dry run)
+HF_LOOPS = ("trainstep", "plain", "hf-trainer")
+IMAGE_LOOPS = ("trainstep", "plain", "timm", "torchvision")
+#: the loop gobrrr predicts each measured loop with
+PREDICTED_AS = {
+    "trainstep": "drops-output",
+    "hf-trainer": "drops-output",
+    "plain": "keeps-output",
+    "timm": "keeps-output",
+    "torchvision": "keeps-output",
+}
+NOT_MODELLED = {
+    "timm": "zero_grad before backward: last step's gradients alive through the forward",
+    "torchvision": "zero_grad before backward: last step's gradients alive through the forward",
+}
+
+
+def loops_for(case) -> tuple[str, ...]:
+    return HF_LOOPS if case.library == "transformers" else IMAGE_LOOPS
+
+
+# -- the loops ---------------------------------------------------------------------------------
+
+
+def _forward_loss(wl, batch):
+    """(out, loss) as a hand-written loop has them: the model's output and the loss."""
+    if wl.step is not None:  # the zoo's image cases: step = cross_entropy(model(x), y)
+        out = wl.model(batch[0])
+        return out, F.cross_entropy(out[0] if isinstance(out, tuple) else out, batch[1])
+    out = wl.run_model(batch)
+    return out, (wl.loss(out, batch) if wl.loss is not None else extract_loss(out))
+
+
+def plain_loop(wl, opt, precision, device):
+    def step():
+        with autocast_for(precision, device):
+            out, loss = _forward_loss(wl, wl.batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step.out = out  # held until the next step rebinds it, as `out` in the loop is
+
+    return step
+
+
+def timm_loop(wl, opt, precision, device, accuracy: bool = False):
+    """timm's train_one_epoch body (and, with `accuracy`, torchvision's reference)."""
+
+    def step():
+        with autocast_for(precision, device):
+            output, loss = _forward_loss(wl, wl.batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if accuracy:  # utils.accuracy(output, target, topk=(1, 5))
+            logits = output[0] if isinstance(output, tuple) else output
+            _, pred = logits.topk(5, 1, True, True)
+            step.acc = pred.t().eq(wl.batch[1].view(1, -1)).float().sum()
+        step.output = output
+
+    return step
+
+
+def hf_trainer_loop(wl, opt, precision, device):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        bf16=precision == "bf16-mixed",
+        per_device_train_batch_size=next(iter(wl.batch.values())).shape[0],
+        report_to=[],
+        use_cpu=device == "cpu",
+    )
+    trainer = Trainer(model=wl.model, args=args)
+    model = trainer.accelerator.prepare(wl.model)  # as Trainer's loop prepares it
+
+    def step():
+        trainer.training_step(model, dict(wl.batch))
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def make_loop(name, wl, opt, scaler, precision, device):
+    if name == "trainstep":
+        from gobrrr.training.step import TrainStep
+
+        return TrainStep(wl, opt, precision, device_type=device, scaler=scaler, keep_loss=False)
+    if name == "plain":
+        return plain_loop(wl, opt, precision, device)
+    if name == "hf-trainer":
+        return hf_trainer_loop(wl, opt, precision, device)
+    return timm_loop(wl, opt, precision, device, accuracy=name == "torchvision")
+
+
+# -- the child: one case under one loop ------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(case_name: str, loop: str, device: str, batch, seq, warmup: int, steps: int) -> dict:
+    from gobrrr.profile.runner import prepare
+    from zoo.cases import get_case
+
+    case = get_case(case_name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        wl = case.build(batch or case.batch, seq or case.seq)
+    wl, opt, scaler = prepare(wl, device, case.precision, "none", case.compile)
+    step = make_loop(loop, wl, opt, scaler, case.precision, device)
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    row = {"step_s": statistics.median(times), "step_times": times}
+    if device == "cuda":
+        row |= {
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+        }
+    return row
+
+
+def predict(case_name: str, loop: str, batch, seq, gpu: str) -> dict:
+    import gobrrr
+    from zoo.cases import get_case
+
+    case = get_case(case_name)
+    est = gobrrr.estimate(
+        case.factory(),
+        gpu,
+        batch=batch or case.batch,
+        seq=seq or case.seq,
+        precision=case.precision,
+        compile=case.compile,
+        loop=loop,
+    )
+    return {
+        "loop": loop,
+        "peak_allocated": est.memory.peak,
+        "peak_reserved": est.memory.reserved,
+        "step_s": est.time.step_s,
+        "other_loop_peak_allocated": est.other_loop.peak if est.other_loop else None,
+    }
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+def _child(args, case: str, loop: str, batch, seq) -> dict:
+    cmd = [sys.executable, str(HERE), "--one", case, loop, "--device", args.device]
+    cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd += [f"--batch={batch or 0}", f"--seq={seq or 0}"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": {"type": "Timeout", "message": f"over {args.timeout} s"}}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": {"type": "ChildFailed", "message": p.stderr[-2000:]}}
+    return json.loads(lines[-1])
+
+
+def _gpu(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "h100"
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    for lib in ("transformers", "timm", "torchvision", "accelerate"):
+        with contextlib.suppress(Exception):
+            out[lib] = __import__(lib).__version__
+    return out
+
+
+def run(args) -> dict:
+    from zoo.cases import get_case
+
+    chosen = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    data = {
+        "version": VERSION,
+        "device": _gpu(args.device) if args.device == "cuda" else "cpu",
+        "versions": versions(),
+        "tiny": args.tiny,
+        "cases": {},
+    }
+    for name, batch, seq in chosen:
+        if args.tiny:
+            batch, seq = TINY["batch"], TINY["seq"] if get_case(name).seq else None
+        case = get_case(name)
+        if case.library == "timm" and "timm" not in data["versions"]:
+            data["cases"][name] = {"error": "timm does not import"}
+            continue
+        rows = data["cases"][name] = {"batch": batch or case.batch, "seq": seq or case.seq}
+        for loop in loops_for(case):
+            row = rows[loop] = {"measured": _child(args, name, loop, batch, seq)}
+            row["not_modelled"] = NOT_MODELLED.get(loop)
+            try:
+                row["predicted"] = predict(name, PREDICTED_AS[loop], batch, seq, _gpu(args.device))
+            except Exception as e:  # recorded, not fatal
+                row["predicted"] = {"error": f"{type(e).__name__}: {e}"}
+            Path(args.out).write_text(json.dumps(data, indent=1))
+            print(f"{name} {loop}: {row['measured']}", file=sys.stderr)
+    return data
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", nargs="?", default="loops.json")
+    p.add_argument("--cases", help="NAME,NAME of CASES (default: all)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help=f"every case at {TINY} (CPU dry run)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--one", nargs=2, metavar=("CASE", "LOOP"), help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        try:
+            row = measure(*args.one, args.device, args.batch, args.seq, args.warmup, args.steps)
+        except Exception as e:
+            oom = "out of memory" in str(e)
+            tail = traceback.format_exc()[-1500:]
+            row = {"error": {"type": type(e).__name__, "message": str(e)[:500], "oom": oom}}
+            row["error"]["traceback"] = tail
+        print(json.dumps(row))
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The training loop as a graph pass: how long the model's output lives.
+
+gobrrr traces its own step (`gobrrr.training.step.TrainStep`), which, like HF's
+`Trainer.training_step` and Lightning, drops what the model returned as soon as the loss is
+taken from it: the output's tensors live only as long as backward needs them. The loop most
+people write keeps it:
+
+    for batch in loader:
+        out = model(**batch)           # the previous `out` is let go only here, once the
+        loss = out.loss                # new forward has returned
+        loss.backward()
+        opt.step(); opt.zero_grad()
+
+so `out` (the logits, an HF model's KV cache, whatever the forward returned) stays alive
+through backward and the optimizer step, and into the next step until its forward returns
+(timm's and torchvision's reference train_one_epoch hold `output` the same way). The capture
+marks what each call of the model's forward returned (`StepMeta.outputs`); `loop(graph,
+"keeps-output")` holds those storages as that loop does:
+
+- the output of micro-batch k lives until micro-batch k + 1's forward has returned; the
+  last micro-batch's until the end of the step;
+- the previous step's output (the same storages) is alive from the step's first op until
+  its first forward returns: a storage allocated by op 0 and freed there.
+
+Only lifetimes change (and that one storage is added): the ops, and so the time, are the
+graph's own. "drops-output" is the graph as traced. A `Workload(forward_backward=...)` graph
+("forward-backward") is the user's own loop, traced as it holds its tensors: no pass applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from gobrrr.errors import GobrrrError
+from gobrrr.graph.ir import StepGraph, StorageInfo
+from gobrrr.graph.meta import ModelOutput
+
+#: the loops `loop` (and `gobrrr.estimate(loop=...)`) take
+LOOPS = ("drops-output", "keeps-output")
+#: what each loop is, in words (reports)
+DESCRIBED = {
+    "drops-output": "drops the model's output before backward (gobrrr's own step, HF "
+    "Trainer, Lightning)",
+    "keeps-output": "keeps the model's output alive until the next step "
+    "(out = model(batch); loss.backward(); opt.step())",
+    "forward-backward": "is the workload's own forward_backward, traced as it holds its tensors",
+}
+
+
+def other(kind: str) -> str | None:
+    """The loop `kind` is compared with (None for the user's own forward_backward)."""
+    return {"drops-output": "keeps-output", "keeps-output": "drops-output"}.get(kind)
+
+
+def loop(graph: StepGraph, kind: str) -> StepGraph:
+    """`graph` (as traced: gobrrr's step, "drops-output") with the model's output held as
+    loop `kind` holds it (see the module docstring). The graph itself where it already is
+    that loop."""
+    if kind not in LOOPS:
+        raise GobrrrError(f"unknown loop {kind!r}: choose one of {', '.join(LOOPS)}")
+    current = graph.meta.loop_mode
+    if current == "forward-backward":
+        raise GobrrrError(
+            f"--loop {kind}: this workload gives its own forward_backward, whose loop is "
+            "traced as it runs: leave --loop out"
+        )
+    if kind == current:
+        return graph
+    if current != "drops-output":
+        raise GobrrrError(f"loop {kind!r} on a {current!r} graph: apply it to the traced graph")
+    if graph.repeat is not None:
+        raise GobrrrError(
+            "loop 'keeps-output' on an accumulated graph: apply it before `accumulate`"
+        )
+    return _keeps(graph)
+
+
+def _keeps(graph: StepGraph) -> StepGraph:
+    last = len(graph.nodes) - 1
+    calls = _calls(graph)
+    returns = sorted(calls)
+    if not returns:  # nothing marked: the loop changes nothing
+        meta = graph.meta.with_pass({"pass": "loop", "loop": "keeps-output"}, loop="keeps-output")
+        return dataclasses.replace(graph, meta=meta)
+    storages = list(graph.storages)
+    frees: dict[int, set[int]] = defaultdict(set)  # op -> storages it frees, changes only
+    unfree: dict[int, set[int]] = defaultdict(set)
+    for k, at in enumerate(returns):
+        until = returns[k + 1] if k + 1 < len(returns) else last
+        for sid in calls[at]:
+            s = storages[sid]
+            if s.freed < until:
+                unfree[s.freed].add(sid)
+                frees[until].add(sid)
+                storages[sid] = dataclasses.replace(s, freed=until)
+    paths = {o.storage: o.path for o in graph.meta.outputs or ()}
+    previous = []
+    for sid in calls[returns[-1]]:  # the previous step's output, until the first forward returns
+        s, new = storages[sid], len(storages)
+        label = f"previous step's {paths[sid]}"
+        storages.append(StorageInfo(new, s.nbytes, s.kind, 0, returns[0], label, s.module))
+        previous.append(new)
+    frees[returns[0]].update(previous)
+    nodes = list(graph.nodes)
+    for i in sorted({*frees, *unfree}):
+        n = nodes[i]
+        kept = tuple(f for f in n.frees if f not in unfree.get(i, ()))
+        nodes[i] = dataclasses.replace(n, frees=kept + tuple(sorted(frees.get(i, ()))))
+    nodes[0] = dataclasses.replace(nodes[0], allocs=nodes[0].allocs + tuple(previous))
+    meta = graph.meta.with_pass({"pass": "loop", "loop": "keeps-output"}, loop="keeps-output")
+    return StepGraph(nodes=tuple(nodes), storages=tuple(storages), meta=meta)
+
+
+def _calls(graph: StepGraph) -> dict[int, list[int]]:
+    """{op after which a forward call returned: the storages of its output that the step
+    made and frees (those made before it, or kept past it, a loop cannot change)}."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for o in graph.meta.outputs or ():
+        s = graph.storages[o.storage]
+        if s.created >= 0 and s.freed is not None and s.nbytes > 0:
+            out[o.returned].append(o.storage)
+    return dict(out)
+
+
+def held(graph: StepGraph) -> list[ModelOutput]:
+    """The model's outputs a keeping loop holds longer than gobrrr's step: each call's
+    tensors in storages the step makes and frees."""
+    calls = _calls(graph)
+    seen: set[int] = set()
+    out = []
+    for o in graph.meta.outputs or ():
+        if o.storage in calls.get(o.returned, ()) and o.storage not in seen:
+            seen.add(o.storage)
+            out.append(o)
+    return out
+
+
+def described(outputs: list[ModelOutput], sizes: dict[int, int], most: int = 3) -> str:
+    """What `outputs` are, in words, largest first, grouped by the first name of their path:
+    "the logits (bf16 [4, 2048, 128256])", "past_key_values (32 tensors, 256 MiB)".
+    `sizes`: bytes by storage id."""
+    groups: dict[str, list[ModelOutput]] = defaultdict(list)
+    for o in outputs:
+        groups[o.path.split(".")[0].split("[")[0] or "output"].append(o)
+    ranked = sorted(groups.items(), key=lambda kv: -sum(sizes.get(o.storage, 0) for o in kv[1]))
+    words = []
+    for name, os_ in ranked[:most]:
+        if len(os_) == 1:
+            o = os_[0]
+            words.append(f"the {name} ({o.dtype} {list(o.shape)})")
+        else:
+            mib = sum(sizes.get(o.storage, 0) for o in os_) / 2**20
+            words.append(f"the {name} ({len(os_)} tensors, {mib:,.0f} MiB)")
+    rest = len(ranked) - most
+    return ", ".join(words) + (f" and {rest} more" if rest > 0 else "")

@@ -142,9 +142,9 @@ def parallel_refusal(knobs: Knobs, precision: str, blocks: Sequence[str]) -> str
         )
     if knobs.parallel == "fsdp" and not blocks:
         return (
-            "parallel='fsdp' shards the model's repeated blocks as its units, and it has "
-            "none (an nn.ModuleList or nn.Sequential of two or more modules of one class): "
-            "use parallel='ddp'"
+            "parallel='fsdp' takes the model's repeated blocks as its units, and it has no "
+            "repeated blocks (an nn.ModuleList or nn.Sequential of two or more modules of one "
+            "class): use parallel='ddp'"
         )
     return None
 

@@ -5,6 +5,11 @@
     for batch in data:            # batches of micro_batch * accumulation = 32 samples
         loss = step(batch)        # one optimizer step; the loss of the whole batch
 
+Before anything changes, every knob is checked with `plan.applicable` (the predicate the
+planner asks too: what it plans, apply applies); a refusal is one GobrrrError line and leaves
+the model as it was. A model apply changed is marked, and a second apply onto it refused: it
+would keep the first plan's changes (docs/apply.md).
+
 What each knob does to the real model (in the order applied, and why that order):
     1. precision "bf16" (the user's, or weights="bf16"): the model is cast to bfloat16
        first, so the optimizer and its states are made for the weights as they will train.

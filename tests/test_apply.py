@@ -372,9 +372,12 @@ def test_fused_loss_refuses_what_it_cannot_take_over():
     )
     ids = torch.randint(0, 64, (B, 8))
     soft_capped = Workload(model=Gemma2ForCausalLM(cfg), batch={"input_ids": ids, "labels": ids})
+    gpt2 = make("gpt2")
+    stepped = Workload(model=gpt2.model, batch=gpt2.batch, step=lambda m, b: m(*b))
     cases = [
         (make("mlp"), "neither gobrrr's GPT2/Llama nor a Hugging Face causal LM"),
-        (make("resnet"), r"Workload\(step=...\)"),
+        (make("resnet"), "ResNet is neither gobrrr's GPT2/Llama"),
+        (stepped, r"computes its loss in Workload\(step=...\)"),
         (soft_capped, "Gemma2ForCausalLM transforms the logits"),
     ]
     for wl, why in cases:

@@ -5,6 +5,11 @@
     for batch in data:            # batches of micro_batch * accumulation = 32 samples
         loss = step(batch)        # one optimizer step; the loss of the whole batch
 
+Before anything changes, every knob is checked with `plan.applicable` (the predicate the
+planner asks too: what it plans, apply applies); a refusal is one GobrrrError line and leaves
+the model as it was. A model apply changed is marked, and a second apply onto it refused: it
+would keep the first plan's changes (docs/apply.md).
+
 What each knob does to the real model (in the order applied, and why that order):
     1. precision "bf16" (the user's, or weights="bf16"): the model is cast to bfloat16
        first, so the optimizer and its states are made for the weights as they will train.
@@ -43,9 +48,10 @@ import torch
 from torch import nn
 
 from gobrrr.errors import GobrrrError, did_you_mean
+from gobrrr.plan import applicable
 from gobrrr.plan.knobs import Knobs
 from gobrrr.precision import Precision, check_precision
-from gobrrr.training.checkpointing import apply_checkpointing
+from gobrrr.training.checkpointing import apply_checkpointing, block_names
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.optimizers import states_optimizer
 from gobrrr.training.step import TrainStep, batch_size, cast_batch, make_scaler
@@ -149,10 +155,13 @@ def apply(
     device it is on. Every error is one GobrrrError line naming the value and the fix."""
     knobs = as_knobs(knobs)
     check_precision(precision)
-    _check_parallel(knobs, precision)
+    model = workload.model
+    _check_fresh(model)
+    # every knob checked before anything changes: a refused plan leaves the model as it was
+    blocks = block_names(model) if knobs.parallel == "fsdp" else ()
+    applicable.check(workload, knobs, precision, blocks)
     group = _join() if knobs.distributed else None  # not torchrun: one clear error
     precision = Precision.parse(knobs.precision(precision))
-    model = workload.model
     changes = []
     if group is not None:
         model.to(group.device)
@@ -160,9 +169,11 @@ def apply(
         model.to(precision.param_dtype)
         changes.append("weights in bfloat16")
     if knobs.fused_loss:
-        changes.append(_fused_loss(workload))
+        changes.append(use_fused_loss(model))
     if knobs.checkpoint:
         changes.append(checkpoint_blocks(model, dict(knobs.checkpoint)))
+    if changes or group is not None:
+        model._gobrrr_applied = str(knobs)  # a second apply onto it is refused (_check_fresh)
     runner = model
     if group is not None:
         from gobrrr.training.distributed import data_parallel
@@ -181,22 +192,14 @@ def apply(
     )
 
 
-def _check_parallel(knobs: Knobs, precision: str) -> None:
-    """The data-parallel knobs apply with what the plan costs them with."""
-    if not knobs.distributed:
-        return
-    if knobs.compile or knobs.offload:
+def _check_fresh(model: nn.Module) -> None:
+    """A model an earlier apply changed (bf16 weights, the fused head, checkpoint wrappers,
+    moved and wrapped for data parallelism) would keep those changes under the next plan."""
+    earlier = getattr(model, "_gobrrr_applied", None)
+    if earlier is not None:
         raise GobrrrError(
-            f"parallel={knobs.parallel!r} with compile or offload is not planned: "
-            "set compile=False and offload=False"
-        )
-    if knobs.parallel == "fsdp" and (
-        precision != "bf16-mixed" or knobs.weights != "as-is" or knobs.optimizer_states != "as-is"
-    ):
-        raise GobrrrError(
-            "parallel='fsdp' runs FSDP2 with MixedPrecisionPolicy(param bf16, reduce fp32): "
-            f"give precision='bf16-mixed' (got {precision!r}) with weights and "
-            "optimizer_states 'as-is'"
+            f"this {type(model).__name__} was already changed by apply({earlier}): build a "
+            "fresh model and workload for each plan"
         )
 
 
@@ -245,32 +248,15 @@ def as_knobs(knobs: Knobs | Mapping[str, Any] | Any) -> Knobs:
     return Knobs.from_dict(dict(knobs))
 
 
-def _fused_loss(workload: Workload) -> str:
-    if workload.step is not None or workload.loss is not None or workload.forward_backward:
-        kind = next(k for k in ("step", "loss", "forward_backward") if getattr(workload, k))
-        raise GobrrrError(
-            f"fused_loss replaces the model's own head and loss, but this "
-            f"workload computes its loss in Workload({kind}=...), which gobrrr "
-            "does not rewrite: let the model return its loss, or set "
-            "fused_loss=False"
-        )
-    return use_fused_loss(workload.model)
-
-
 # -- checkpointing --------------------------------------------------------------------------
 
 
 def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
     """Wrap the named blocks in activation checkpointing with their policies, through
     gobrrr.training.checkpointing.apply_checkpointing(model, policies)."""
-    names = dict(model.named_modules())
-    for block in policies:
-        if block not in names:
-            raise GobrrrError(
-                f"checkpoint block {block!r} is not a module of "
-                f"{type(model).__name__}{did_you_mean(block, names)}: name blocks "
-                "as model.named_modules() does (e.g. 'transformer.h.3')"
-            )
+    why = applicable.checkpoint_refusal(model, policies)
+    if why:
+        raise GobrrrError(why)
     apply_checkpointing(model, policies)
     counts = {p: sum(1 for v in policies.values() if v == p) for p in set(policies.values())}
     return "checkpoint " + ", ".join(f"{n} block(s) {p}" for p, n in sorted(counts.items()))

@@ -6,6 +6,8 @@ so what is predicted and what runs are one decision.
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,26 +78,28 @@ class Knobs:
     sync_each: bool = False
 
     def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.accumulation < 1:
-            raise GobrrrError(
-                f"micro_batch and accumulation must be >= 1, got "
-                f"{self.micro_batch} and {self.accumulation}"
-            )
-        for name, policy in self.checkpoint:
-            if policy not in CHECKPOINT_POLICIES:
-                raise GobrrrError(
-                    f"unknown checkpoint policy {policy!r} for block {name!r}: "
-                    f"choose {', '.join(CHECKPOINT_POLICIES)}"
-                )
-        if self.optimizer_states not in OPTIMIZER_STATES:
-            raise GobrrrError(
-                f"unknown optimizer_states {self.optimizer_states!r}: choose "
-                f"{', '.join(OPTIMIZER_STATES)}"
-            )
-        if self.weights not in WEIGHTS:
-            raise GobrrrError(f"unknown weights {self.weights!r}: choose {', '.join(WEIGHTS)}")
-        if self.parallel not in PARALLEL:
-            raise GobrrrError(f"unknown parallel {self.parallel!r}: choose {', '.join(PARALLEL)}")
+        for name, unit in (("micro_batch", "samples"), ("accumulation", "micro-batches")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise GobrrrError(f"Knobs({name}={v!r}): give a whole number of {unit} >= 1")
+            object.__setattr__(self, name, int(v))  # frozen: a numpy integer made an int
+        for name in ("offload", "fused_loss", "compile", "reshard", "sync_each"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise GobrrrError(f"Knobs({name}={v!r}) is not a bool: give True or False")
+        # frozen: the checkpoint pairs normalised in place, as a tuple of (block, policy)
+        object.__setattr__(self, "checkpoint", _checkpoint_pairs(self.checkpoint))
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        for name, choices in (
+            ("optimizer_states", OPTIMIZER_STATES),
+            ("weights", WEIGHTS),
+            ("parallel", PARALLEL),
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, str) or v not in choices:
+                raise GobrrrError(f"unknown {name} {v!r}: choose {', '.join(choices)}")
         if self.sync_each and self.parallel != "fsdp":
             raise GobrrrError(
                 f"sync_each is FSDP2's way to accumulate, not parallel {self.parallel!r}: "
@@ -135,6 +139,38 @@ class Knobs:
         d = dict(d)
         d["checkpoint"] = tuple((str(n), str(p)) for n, p in d.get("checkpoint", ()))
         return Knobs(**d)
+
+
+def _checkpoint_pairs(checkpoint: Any) -> tuple[tuple[str, str], ...]:
+    """`checkpoint` as (block, policy) pairs: a tuple or list of pairs, or a {block: policy}
+    mapping; anything else, an unknown policy or a block named twice is a GobrrrError."""
+    form = (
+        "give (block, policy) pairs, e.g. checkpoint=every_kth(blocks, 1) or "
+        "(('transformer.h.0', 'full'),), or () for none"
+    )
+    if isinstance(checkpoint, Mapping):
+        checkpoint = tuple(checkpoint.items())
+    if isinstance(checkpoint, (str, bytes)) or not isinstance(checkpoint, (tuple, list)):
+        raise GobrrrError(f"Knobs(checkpoint={checkpoint!r}): {form}")
+    pairs = []
+    for pair in checkpoint:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise GobrrrError(f"Knobs(checkpoint=...) holds {pair!r}: {form}")
+        name, policy = pair
+        if not isinstance(name, str) or not name:
+            raise GobrrrError(f"Knobs(checkpoint=...) names block {name!r}: {form}")
+        if policy not in CHECKPOINT_POLICIES:
+            raise GobrrrError(
+                f"unknown checkpoint policy {policy!r} for block {name!r}: "
+                f"choose {', '.join(CHECKPOINT_POLICIES)}"
+            )
+        pairs.append((name, policy))
+    if len({n for n, _ in pairs}) < len(pairs):
+        twice = next(n for i, (n, _) in enumerate(pairs) if n in dict(pairs[:i]))
+        raise GobrrrError(
+            f"Knobs(checkpoint=...) names block {twice!r} twice: give each block one policy"
+        )
+    return tuple(pairs)
 
 
 def every_kth(blocks: list[str], k: int, policy: str = "full") -> tuple[tuple[str, str], ...]:

@@ -38,6 +38,7 @@ from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.ddp import ddp
 from gobrrr.passes.fsdp import fsdp
+from gobrrr.plan.applicable import parallel_refusal
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.result import Plan
 from gobrrr.plan.search import (
@@ -62,7 +63,8 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
     variants per parallelism chosen from the probe alone (nothing traced yet)."""
     req, probe, precision = planner.req, planner.probe, planner.precision
     notes: list[str] = []
-    by = {p: _variants(planner, p, notes) for p in ("ddp", "fsdp")}
+    states = planner._states(notes)  # allowed, and possible for the workload's optimizer
+    by = {p: _variants(planner, p, states, notes) for p in ("ddp", "fsdp")}
     if not by["ddp"] and not by["fsdp"]:
         raise GobrrrError(notes[-1])
     steps = _Steps(
@@ -77,24 +79,25 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
     return search
 
 
-def _variants(planner, parallel: str, notes: list[str]) -> list[Variant]:
+def _variants(planner, parallel: str, states: list[str], notes: list[str]) -> list[Variant]:
     """The traced variants worth costing under `parallel`, fused loss first; none where the
-    parallelism cannot fit or run (a note says why)."""
+    parallelism cannot fit or run, and only those apply runs with it
+    (`applicable.parallel_refusal`; a note says what is left out and why)."""
     req, probe = planner.req, planner.probe
+    name = _NAMES[parallel]
+    why = parallel_refusal(replace(BASE, parallel=parallel), planner.precision, probe.blocks)
+    if why:
+        notes.append(f"{name} not planned: {why}")
+        return []
     fused = [] if probe.fused_loss_refusal else [replace(BASE, fused_loss=True)]
-    if parallel == "fsdp":
-        why = _no_fsdp(planner)
-        if why:
-            notes.append(f"FSDP2 not planned: {why}")
-            return []
-        return [*fused, BASE]
-    dropped = sorted({"compile", "offload"} & req.allow)
-    if dropped:
-        notes.append(f"{' and '.join(dropped)} planned on one GPU only (not with DDP or FSDP2)")
     base = [*fused, BASE]
-    out = base + [replace(v, optimizer_states=st) for st in planner._states(notes) for v in base]
+    out = base + [replace(v, optimizer_states=st) for st in states for v in base]
     if "bf16-weights" in req.allow and planner.precision != "bf16":
         out += [replace(v, weights="bf16") for v in base]
+    out += [replace(BASE, **{k: True}) for k in ("compile", "offload") if k in req.allow]
+    out = _applicable(out, parallel, planner, notes)
+    if parallel == "fsdp":
+        return out
     kept = [v for v in out if _ddp_floor(planner, v) <= req.usable]
     if not kept:
         floor = min(_ddp_floor(planner, v) for v in out)
@@ -106,26 +109,28 @@ def _variants(planner, parallel: str, notes: list[str]) -> list[Variant]:
     return kept
 
 
+def _applicable(variants: list[Variant], parallel: str, planner, notes: list[str]):
+    """`variants` that apply runs under `parallel`; one note for those it does not."""
+    kept, left = [], {}
+    for v in variants:
+        why = parallel_refusal(
+            replace(v, parallel=parallel), planner.precision, planner.probe.blocks
+        )
+        if why:
+            left.setdefault(why, []).extend(describe(replace(v, fused_loss=False), 1, []))
+        else:
+            kept.append(v)
+    for why, what in left.items():
+        what = ", ".join(dict.fromkeys(what))
+        notes.append(f"{_NAMES[parallel]}: {what} not planned: {why}")
+    return kept
+
+
 def _ddp_floor(planner, v: Variant) -> int:
     """Bytes every DDP rank holds whatever else is planned: the parameters, their gradients
     and DDP's bucket copies of them (as built; halved where the step runs in pure bf16)."""
     bf16 = v.weights == "bf16" or planner.precision == "bf16"
     return 3 * planner.probe.parameter_bytes // (2 if bf16 else 1)
-
-
-def _no_fsdp(planner) -> str | None:
-    """Why FSDP2 is not planned for this workload (None: it is)."""
-    if planner.precision != "bf16-mixed":
-        return (
-            "it is costed with MixedPrecisionPolicy(param bf16, reduce fp32), which is "
-            f"--precision bf16-mixed, not {planner.precision}"
-        )
-    if not planner.probe.blocks:
-        return (
-            "the model has no repeated blocks to shard as its units (an nn.ModuleList or "
-            "nn.Sequential of two or more modules of one class)"
-        )
-    return None
 
 
 class _ParallelSearch(_Search):

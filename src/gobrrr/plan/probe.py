@@ -11,10 +11,8 @@ import torch
 
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
+from gobrrr.plan import applicable
 from gobrrr.training.checkpointing import block_names
-from gobrrr.training.fused_loss import use_fused_loss
-from gobrrr.training.optim_trace import traced_states_optimizer
-from gobrrr.training.optimizers import adam_hyper
 from gobrrr.workload import Workload, iter_tensors
 
 
@@ -22,9 +20,8 @@ class Probe:
     """One build of `source` at its own batch (and `seq`), on the meta device: no memory is
     allocated and nothing runs. Each answer is worked out when first asked and kept.
 
-    The fused-loss question routes the probe's model through the fused loss, as a plan with
-    it would (the head's forward changes, no parameter or module does): the other answers,
-    which read parameters, modules and the optimizer, are the same before and after it.
+    What apply can apply is asked of `plan.applicable`, the predicate apply itself checks:
+    the planner plans nothing apply would refuse.
     """
 
     def __init__(self, source: Any, seq: int | None) -> None:
@@ -57,18 +54,15 @@ class Probe:
 
     @cached_property
     def fused_loss_refusal(self) -> str | None:
-        """Why the fused linear + cross-entropy does not apply to this model (None: it does)."""
-        try:
-            use_fused_loss(self.workload.model)
-        except GobrrrError as e:
-            return str(e)
-        return None
+        """Why the fused linear + cross-entropy does not apply to this workload (None: it
+        does)."""
+        return applicable.fused_loss_refusal(self.workload)
 
     def states_refusal(self, states: str) -> str | None:
         """Why the optimizer cannot keep its states as `states` ("bf16", "8bit"; None: it
         can)."""
         if states not in self._states:
-            self._states[states] = _refusal(traced_states_optimizer, self.optimizer, states)
+            self._states[states] = applicable.optimizer_refusal(self.optimizer, states)
         return self._states[states]
 
     @cached_property
@@ -82,7 +76,7 @@ class Probe:
                 "for torch.optim.AdamW (its fused CPU step is what the calibration "
                 "measures)"
             )
-        return _refusal(adam_hyper, opt)  # an option the offloaded one lacks (amsgrad, maximize)
+        return applicable.optimizer_refusal(opt, "as-is", offload=True)
 
 
 def samples(w: Workload) -> int:
@@ -99,16 +93,6 @@ def _build(source: Any, seq: int | None) -> Workload:
         raise
     except Exception as e:  # user code: report it in one line, as a trace does
         raise GobrrrError(f"building the workload raised {type(e).__name__}: {e}") from e
-
-
-def _refusal(check, *args) -> str | None:
-    """What `check(*args)` refuses, in its words (None: it takes them)."""
-    with torch.device("meta"):
-        try:
-            check(*args)
-        except GobrrrError as e:
-            return str(e)
-    return None
 
 
 __all__ = ["Probe", "samples"]

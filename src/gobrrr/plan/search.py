@@ -29,6 +29,7 @@ from gobrrr.memory.replay import process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.microbatch import BatchDependentStructure, family
+from gobrrr.plan import applicable
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.probe import Probe
@@ -185,9 +186,12 @@ class Planner:
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
-        self.search = _Search(
-            self.req, self.target, self.steps, list(self.base.meta.blocks or ()), variants
-        )
+        blocks = list(self.base.meta.blocks or ())
+        refusal = applicable.checkpoint_refusal(self.probe.workload.model, blocks)
+        if refusal:  # apply could not wrap them: plan without checkpointing
+            notes.append(f"checkpointing not planned: {refusal}")
+            blocks = []
+        self.search = _Search(self.req, self.target, self.steps, blocks, variants)
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:

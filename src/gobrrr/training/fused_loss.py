@@ -87,6 +87,9 @@ def use_fused_loss(model: nn.Module) -> str:
     GobrrrError saying why."""
     if getattr(model, "_gobrrr_fused_loss", False):
         return "already fused"
+    why = fused_loss_refusal(model)
+    if why:
+        raise GobrrrError(why)
     if isinstance(model, (GPT2, Llama)):
         norm = model.transformer.ln_f if isinstance(model, GPT2) else model.norm
         model.head_loss = functools.partial(_head_loss, norm, model.lm_head)
@@ -95,6 +98,20 @@ def use_fused_loss(model: nn.Module) -> str:
         what = _use_in_hf(model)
     model._gobrrr_fused_loss = True
     return what
+
+
+def fused_loss_refusal(model: nn.Module) -> str | None:
+    """Why use_fused_loss cannot take over `model`'s head and loss, as one GobrrrError line
+    (None: it can)."""
+    if getattr(model, "_gobrrr_fused_loss", False) or isinstance(model, (GPT2, Llama)):
+        return None
+    why = _hf_refusal(model)
+    if why is None:
+        return None
+    return (
+        f"fused_loss needs a model whose output head feeds a cross-entropy gobrrr can take "
+        f"over, and {type(model).__name__} {why}: set fused_loss=False"
+    )
 
 
 def _head_loss(
@@ -109,12 +126,6 @@ def _head_loss(
 
 def _use_in_hf(model: nn.Module) -> str:
     name = type(model).__name__
-    why = _hf_refusal(model)
-    if why:
-        raise GobrrrError(
-            f"fused_loss needs a model whose output head feeds a cross-entropy "
-            f"gobrrr can take over, and {name} {why}: set fused_loss=False"
-        )
     head, forward, state = model.lm_head, model.forward, {"on": False}
     labels_at = _labels_position(type(model).forward)
 
@@ -249,4 +260,4 @@ def _given(args: tuple, kwargs: dict, labels_at: int | None) -> bool:
     return labels_at is not None and len(args) > labels_at and args[labels_at] is not None
 
 
-__all__ = ["fused_linear_cross_entropy", "use_fused_loss"]
+__all__ = ["fused_linear_cross_entropy", "fused_loss_refusal", "use_fused_loss"]

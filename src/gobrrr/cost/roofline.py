@@ -19,7 +19,7 @@ from gobrrr.cost._ops_rnn import step_dims as rnn_step_dims
 from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.fusion import extern, fuse, regions
-from gobrrr.cost.measured_ops import op_seconds
+from gobrrr.cost.measured_ops import op_seconds, rnn_host_seconds
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
 from gobrrr.cost.shapes import (
@@ -131,6 +131,7 @@ def time_op(
             "none",
         )
     if (seconds := op_seconds(rates.cal, node)) is not None:  # a measured grid's time
+        host = max(host, rnn_host_seconds(rates.cal, node) or 0.0)  # cuDNN RNN: per-step launches
         regime = "overhead" if host >= seconds else "memory"
         return OpTime(
             node.index,

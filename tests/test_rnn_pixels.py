@@ -11,7 +11,7 @@ from gobrrr.capture import capture
 from gobrrr.capture.rnn import reserve_bytes
 from gobrrr.cost._ops_rnn import algorithm
 from gobrrr.cost.flops import op_cost
-from gobrrr.cost.measured_ops import op_seconds, rnn_host_seconds
+from gobrrr.cost.measured_ops import op_seconds, rnn_issue
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import time_op
 from gobrrr.hardware import get_gpu
@@ -165,15 +165,14 @@ def test_rnn_grid_reads_the_points_of_the_calls_algorithm_and_the_hosts_time(mak
     assert op_seconds(flat, one) == pytest.approx(1e-6 * T)  # one layer, hidden 256
     assert op_seconds(flat, odd) == pytest.approx(1e-6 * T)
 
-    # the host's seconds to issue the per-step kernels become the op's host cost
+    # the host's seconds to issue the per-step kernels become the op's host cost, and its
+    # kernels run as they are issued: it ends no sooner than its issue plus one layer-step
     t = time_op(two, op_cost(two), Rates(H100, cal))
     assert t.host_s == pytest.approx(20e-6 * 2 * T) and t.device_s == pytest.approx(6e-6 * T)
-    assert (
-        rnn_host_seconds(
-            make_cal(rnn_grid={"lstm:forward:fp16": _grid(1)["lstm:forward:fp16"]}), two
-        )
-        is None
-    )
+    assert t.streamed_s == pytest.approx(3e-6)
+    no_host = make_cal(rnn_grid={"lstm:forward:fp16": _grid(1)["lstm:forward:fp16"]})
+    assert rnn_issue(no_host, two) is None
+    assert time_op(two, op_cost(two), Rates(H100, no_host)).streamed_s == 0.0
 
 
 def test_an_fp16_call_reads_a_grid_measured_before_the_fp16_key(make_cal):

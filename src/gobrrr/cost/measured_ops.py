@@ -101,11 +101,17 @@ def rnn_seconds(cal: Calibration | None, node: OpNode) -> float | None:
     return _rnn_grid_seconds(cal, node, "")
 
 
-def rnn_host_seconds(cal: Calibration | None, node: OpNode) -> float | None:
-    """Measured host seconds to issue a cuDNN RNN call (its per-step kernels: the grid's
-    "host:" points, read as `rnn_seconds` reads the device's), or None (grids measured before
-    them: the op's host cost is then the ordinary per-op one)."""
-    return _rnn_grid_seconds(cal, node, "host:")
+def rnn_issue(cal: Calibration | None, node: OpNode) -> tuple[float, float] | None:
+    """(host seconds to issue a cuDNN RNN call, device seconds of one of its layer-steps), or
+    None. The host's time is the grid's "host:" points read as `rnn_seconds` reads the
+    device's; the call's kernels run as the host issues them, so the op ends no sooner than
+    its issue plus one layer-step. None for grids measured before the host's points (the op's
+    host cost is then the ordinary per-op one)."""
+    host = _rnn_grid_seconds(cal, node, "host:")
+    if host is None:
+        return None
+    d = rnn_dims(node)
+    return host, (rnn_seconds(cal, node) or 0.0) / (d["layers"] * d["steps"] * d["dirs"])
 
 
 def pixel_coords(node: OpNode) -> tuple[str, float, float] | None:

@@ -219,3 +219,38 @@ def test_pixel_grid_times_upsampling_and_the_pixel_loss(make_cal):
     assert op_seconds(cal, ls) == pytest.approx(n / 4e9)
     assert op_seconds(cal, nll) == pytest.approx(2 * 64 * 64 / 5e8)
     assert all(op_seconds(make_cal(), x) is None for x in (up_b, ls, nll))
+
+
+def test_rnn_section_records_device_and_host_points_per_kernel_dtype(monkeypatch):
+    """The section's bookkeeping, run on the CPU with CUDA's timing calls stubbed (its timing
+    itself needs a GPU): keys by the dtype cuDNN ran, one point per configuration."""
+    from gobrrr.calibrate.sections import rnn as sec
+
+    class _Event:
+        def __init__(self, **kw) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other) -> float:
+            return 2.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(sec, "device_persist", lambda dev: True)
+    monkeypatch.setattr(sec, "QUICK", {**sec.QUICK, "hidden": (16,), "steps": (4,)})
+    monkeypatch.setattr(sec, "BATCH", (2,))
+    grid = sec.rnn_grid(torch.device("cpu"), quick=True)
+    # on the CPU autocast("cuda") does nothing: the "fp16" module runs fp32, and is keyed so
+    assert grid["device:persist"] == [[1.0]]
+    assert {k for k in grid if k.startswith("lstm:")} == {"lstm:forward:fp32", "lstm:backward:fp32"}
+    fwd = grid["lstm:forward:fp32"]
+    assert [p[:4] for p in fwd] == [[16, 2, 1, 4], [16, 2, 2, 4]] * 2  # fp16 and fp32 runs
+    assert all(p[4] == pytest.approx(2e-3) for p in fwd)
+    assert all(p[4] == 0.0 for p in grid["lstm:backward:fp32"])  # both - forward
+    assert len(grid["host:lstm:forward:fp32"]) == 4

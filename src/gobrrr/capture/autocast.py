@@ -60,8 +60,10 @@ LOWER_PRECISION = [
     ("rnn_relu_cell", ""),
     ("_scaled_dot_product_flash_attention", ""),
     ("scaled_dot_product_attention", ""),
-    ("_cudnn_rnn", ""),  # AutocastRNN.cpp: casts (and re-packs) to the lower precision
 ]
+# AutocastRNN.cpp casts (and re-packs) to fp16 whatever autocast's dtype (H100 profile of a
+# bf16-mixed LSTM step: fp16 GEMMs and elemWiseRNNcell<__half>, an fp16 output)
+HALF = [("_cudnn_rnn", "")]
 _UPSAMPLE = [
     "upsample_nearest1d",
     "upsample_nearest2d",
@@ -161,6 +163,7 @@ BANNED = [("binary_cross_entropy", "")]
 
 _TABLES = (
     (LOWER_PRECISION, "lower"),
+    (HALF, "half"),
     (FP32, "fp32"),
     (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
     (FP32_APPEND_DTYPE, "fp32_append_dtype"),
@@ -259,8 +262,9 @@ def _cast_all(
 def _kernel(op: Any, policy: str, cache: _CastCache):
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(EXCLUDE_AUTOCAST):
-            if policy == "lower":
-                args, kwargs = _cast_all(cache, args, kwargs, _lower_dtype())
+            if policy in ("lower", "half"):
+                dtype = torch.float16 if policy == "half" else _lower_dtype()
+                args, kwargs = _cast_all(cache, args, kwargs, dtype)
             elif policy == "fp32":
                 args, kwargs = _cast_all(cache, args, kwargs, torch.float32)
             elif policy == "fp32_set_opt_dtype":

@@ -41,7 +41,29 @@ def dims(node: OpNode) -> dict[str, int | str]:
         "input": int(x.shape[-1]),
         "dtype": x.dtype,
         "direction": "backward" if backward else "forward",
+        "proj": int(node.arg(first + 2, "proj_size") or 0),
     }
+
+
+def algorithm(d: dict, device_persist: bool) -> str:
+    """The cuDNN algorithm PyTorch picks for a call of dims `d` (aten/src/ATen/native/cudnn/
+    RNN.cpp, `get_algo`; unpacked input): "small_h" (any dtype but double, hidden <= 192 LSTM /
+    GRU or 384 plain RNN forward, 128 / 256 backward), "persist" (fp16 only: one layer, one
+    direction, hidden <= 1024 and input both multiples of 128, `use_persist_device_heuristics`
+    on an sm80+ GPU of >= 98 SMs, `device_persist`: batch a multiple of 8 up to 128, never GRU,
+    a plain RNN under batch 96 or hidden 896), else "standard". dtype: a dtype name."""
+    if d["proj"]:
+        return "standard"
+    fwd = d["direction"] == "forward"
+    gated = d["mode"] in ("lstm", "gru")
+    if d["hidden"] <= ((192 if fwd else 128) if gated else (384 if fwd else 256)):
+        return "small_h"
+    common = d["layers"] == 1 and d["dirs"] == 1 and d["hidden"] <= 1024
+    common = common and d["hidden"] % 128 == 0 and d["input"] % 128 == 0
+    b = d["batch"]
+    device = device_persist and b % 8 == 0 and b <= 128 and d["mode"] != "gru"
+    device = device and (d["mode"] == "lstm" or b < 96 or d["hidden"] < 896)
+    return "persist" if str(d["dtype"]) == "float16" and common and device else "standard"
 
 
 def forward_flops(d: dict) -> float:

@@ -6,9 +6,12 @@ costed by its roofline, as before the grids existed).
 - `_cudnn_rnn` / `_cudnn_rnn_backward`: the recurrence is a chain of one small GEMM per step
   and layer, each waiting on the last: the time grows with layers x steps at a rate set by the
   hidden width and the batch. The grid holds measured [[hidden, batch, layers, steps,
-  seconds], ...] per "<lstm|gru>:<forward|backward>:<bf16|fp32>"; a call is timed at the
-  measured layer count nearest its own and the sequence length nearest its own, as seconds per
-  layer-step interpolated in (hidden, batch), times its layers x steps x directions.
+  seconds], ...] per "<lstm|gru>:<forward|backward>:<fp16|bf16|fp32>" (the dtype cuDNN ran:
+  fp16 under either autocast) and the host's seconds to issue it under "host:<same key>"; a
+  call is timed from the points of its cuDNN algorithm (persistent or standard, `_ops_rnn.
+  algorithm`), at the measured layer count nearest its own and the sequence length nearest its
+  own, as seconds per layer-step interpolated in (hidden, batch), times its layers x steps x
+  directions. The host's time exceeds the device's (a step with an RNN waits on the host).
 - `upsample_bilinear2d(_backward)`: the backward scatters each output gradient into the four
   input pixels it came from with atomicAdd, contended by scale^2 writers per input pixel;
   "_log_softmax" / "_log_softmax_backward_data" over dim 1 of an (N, C, H, W) tensor
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from gobrrr.cost._ops_rnn import algorithm
 from gobrrr.cost._ops_rnn import dims as rnn_dims
 from gobrrr.cost.curves import grid_value
 from gobrrr.graph.ir import OpNode
@@ -45,21 +49,69 @@ def _nearest(values: set[float], want: float) -> float:
     return min(values, key=lambda v: abs(math.log(v) - math.log(max(want, 1))))
 
 
-def rnn_seconds(cal: Calibration | None, node: OpNode) -> float | None:
-    """Measured device seconds of a cuDNN RNN call (module docstring), or None."""
+#: the grid keys a kernel dtype reads, in order: grids measured before the "fp16" key timed
+#: bf16 modules under "bf16" (bf16-mixed steps were then traced in bf16)
+RNN_DTYPE_KEYS = {"float16": ("fp16", "bf16"), "bfloat16": ("bf16",)}
+
+
+def _rnn_points(grid: dict, d: dict, prefix: str) -> list[list[float]]:
+    """The grid's points for a call of dims `d`: its mode, direction and kernel dtype, those
+    of the same cuDNN algorithm where the grid has any (`_ops_rnn.algorithm`, each point a
+    (hidden, batch, layers) call with input = hidden, one direction), at the measured layer
+    count nearest the call's among those that measured two or more widths (else any) and
+    then the nearest sequence length."""
+    points: list[list[float]] = []
+    for key in RNN_DTYPE_KEYS.get(str(d["dtype"]), ("fp32",)):
+        points = grid.get(f"{prefix}{d['mode']}:{d['direction']}:{key}") or []
+        if points:
+            break
+    if not points:
+        return []
+    persist = bool(grid.get("device:persist", [[0.0]])[0][0])
+    want = algorithm(d, persist)
+
+    def algo(p: list[float]) -> str:
+        at = {**d, "hidden": int(p[0]), "input": int(p[0]), "batch": int(p[1])}
+        return algorithm({**at, "layers": int(p[2]), "dirs": 1, "proj": 0}, persist)
+
+    same = [p for p in points if algo(p) == want] if "device:persist" in grid else []
+    points = same or points
+    wide = {p[2] for p in points if len({q[0] for q in points if q[2] == p[2]}) > 1}
+    layers = _nearest(wide or {p[2] for p in points}, d["layers"])
+    at = [p for p in points if p[2] == layers]
+    steps = _nearest({p[3] for p in at}, d["steps"])
+    return [p for p in at if p[3] == steps and p[4] > 0]
+
+
+def _rnn_grid_seconds(cal: Calibration | None, node: OpNode, prefix: str) -> float | None:
     if cal is None or node.name not in RNN_OPS:
         return None
     grid = getattr(cal, "rnn_grid", None) or {}
     d = rnn_dims(node)
-    points = grid.get(f"{d['mode']}:{d['direction']}:{dtype_key(d['dtype'])}")
-    if not points:
+    at = _rnn_points(grid, d, prefix)
+    if not at:
         return None
-    layers = _nearest({p[2] for p in points}, d["layers"])
-    at = [p for p in points if p[2] == layers]
-    steps = _nearest({p[3] for p in at}, d["steps"])
-    per = [[p[0], p[1], p[4] / (p[2] * p[3])] for p in at if p[3] == steps and p[4] > 0]
+    per = [[p[0], p[1], p[4] / (p[2] * p[3])] for p in at]
     per_step = grid_value(per, d["hidden"], d["batch"])
     return per_step * d["layers"] * d["steps"] * d["dirs"]
+
+
+def rnn_seconds(cal: Calibration | None, node: OpNode) -> float | None:
+    """Measured device seconds of a cuDNN RNN call (module docstring), or None."""
+    return _rnn_grid_seconds(cal, node, "")
+
+
+def rnn_issue(cal: Calibration | None, node: OpNode) -> tuple[float, float] | None:
+    """(host seconds to issue a cuDNN RNN call, device seconds of one of its layer-steps), or
+    None. The host's time is the grid's "host:" points read as `rnn_seconds` reads the
+    device's; the call's kernels run as the host issues them, so the op ends no sooner than
+    its issue plus one layer-step. None for grids measured before the host's points (the op's
+    host cost is then the ordinary per-op one)."""
+    host = _rnn_grid_seconds(cal, node, "host:")
+    if host is None:
+        return None
+    d = rnn_dims(node)
+    return host, (rnn_seconds(cal, node) or 0.0) / (d["layers"] * d["steps"] * d["dirs"])
 
 
 def pixel_coords(node: OpNode) -> tuple[str, float, float] | None:

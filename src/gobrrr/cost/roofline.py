@@ -19,7 +19,7 @@ from gobrrr.cost._ops_rnn import step_dims as rnn_step_dims
 from gobrrr.cost.curves import interp
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.fusion import extern, fuse, regions
-from gobrrr.cost.measured_ops import op_seconds
+from gobrrr.cost.measured_ops import op_seconds, rnn_issue
 from gobrrr.cost.offload import offload_times
 from gobrrr.cost.rates import BATCH_NORMS, Rates
 from gobrrr.cost.shapes import (
@@ -54,6 +54,9 @@ class OpTime:
     host_s: float
     regime: str  # "compute" | "memory" | "overhead" | "none" (views: no kernel)
     side_s: float = 0.0  # on the side stream of the host link (CPU offload's copies)
+    # > 0: the op's kernels run as the host issues them (cuDNN's RNN, a kernel per step), the
+    # last of them this long: it ends no sooner than its issue's end plus this
+    streamed_s: float = 0.0
 
 
 # the `op_host` names: the CPU trace and CUDA pick different overloads of one op
@@ -131,6 +134,7 @@ def time_op(
             "none",
         )
     if (seconds := op_seconds(rates.cal, node)) is not None:  # a measured grid's time
+        host, tail = rnn_issue(rates.cal, node) or (host, 0.0)  # cuDNN RNN: per-step launches
         regime = "overhead" if host >= seconds else "memory"
         return OpTime(
             node.index,
@@ -147,6 +151,7 @@ def time_op(
             seconds,
             host,
             regime,
+            streamed_s=tail,
         )
     conv_rate = None
     dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None

@@ -236,6 +236,9 @@ class _Run:
             resource = RESOURCE[stream]
             start = self._wait(max(self.free[resource], self.host), self.on_device[i])
             end = start + (o.side_s if stream in COPY_STREAMS else o.device_s)
+            if o.streamed_s > 0:  # its kernels run as they are issued (cuDNN's RNN)
+                start = self._wait(max(self.free[resource], issue_start), self.on_device[i])
+                end = max(start + o.device_s, issue_end + o.streamed_s)
             self.free[resource] = self.tail[stream] = self.ended[i] = end
             self.clock[i] = resource
         else:

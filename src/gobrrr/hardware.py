@@ -453,11 +453,15 @@ class Calibration:
     "phase": "forward" | "backward", "params" (the unit's parameter tensors), "seconds"},
     ...], "meta"} (`gobrrr.calibrate.sections.dp_host`; read by `cost.dp_host`). Empty: not
     measured (the hooks cost the host nothing beyond the ops they run).
-    `rnn_grid`: cuDNN's fused LSTM / GRU, forward and backward, {"<lstm|gru>:<forward|
-    backward>:<bf16|fp32>": [[hidden, batch, layers, steps, seconds], ...]}, and "reserve:
-    <mode>:<dtype>" the reserve space's measured bytes per (layer, step, sequence, hidden
-    unit) (`gobrrr.calibrate.sections.rnn`; read by `cost.measured_ops`). Empty: not measured
-    (the roofline at one step's GEMM).
+    `rnn_grid`: cuDNN's fused LSTM / GRU, forward and backward, keyed by the dtype cuDNN ran
+    ("fp16" for an fp32 module under autocast, which PyTorch's RNN autocast always runs in
+    fp16; "bf16"; "fp32") and, where it measured them, the host's issue time and whether the
+    GPU qualifies for cuDNN's persistent kernel: {"<lstm|gru>:<forward|backward>:<dtype>":
+    [[hidden, batch, layers, steps, seconds], ...], ...}, and "reserve:<mode>:<dtype>" the
+    reserve space's measured bytes per (layer, step, sequence, hidden unit)
+    (`gobrrr.calibrate.sections.rnn`; read by `cost.measured_ops`). A grid without fp16 keys
+    (measured before they existed) is read at its bf16 points. Empty: not measured (the
+    roofline at one step's GEMM).
     `pixel_grid`: bilinear upsampling and its atomicAdd backward, log-softmax over the
     channels of (N, C, H, W) and nll_loss2d, {"<op>:<bf16|fp32>": [[size, second coordinate,
     size per second], ...]} (`gobrrr.calibrate.sections.pixels`). Empty: not measured."""

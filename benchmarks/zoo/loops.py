@@ -93,42 +93,57 @@ def loops_for(case) -> tuple[str, ...]:
 # -- the loops ---------------------------------------------------------------------------------
 
 
-def _forward_loss(wl, batch):
-    """(out, loss) as a hand-written loop has them: the model's output and the loss."""
-    if wl.step is not None:  # the zoo's image cases: step = cross_entropy(model(x), y)
-        out = wl.model(batch[0])
-        return out, F.cross_entropy(out[0] if isinstance(out, tuple) else out, batch[1])
-    out = wl.run_model(batch)
-    return out, (wl.loss(out, batch) if wl.loss is not None else extract_loss(out))
+def _output(wl, batch):
+    """What the model returned, as a hand-written loop calls it (`model(input)` for the zoo's
+    image cases, whose `step` is cross_entropy(model(x), y); `model(**batch)` otherwise)."""
+    return wl.model(batch[0]) if wl.step is not None else wl.run_model(batch)
+
+
+def _loss(wl, out, batch):
+    """The loss a hand-written loop takes from `out`: `loss_fn(output, target)` for images,
+    `out.loss` (or the workload's loss) for the rest."""
+    if wl.step is not None:
+        return F.cross_entropy(out[0] if isinstance(out, tuple) else out, batch[1])
+    return wl.loss(out, batch) if wl.loss is not None else extract_loss(out)
 
 
 def plain_loop(wl, opt, precision, device):
+    """`out = model(...); loss = out.loss; loss.backward(); opt.step(); opt.zero_grad()`.
+
+    `step.out` is the loop's `out`: rebound as soon as the forward returns, which is when
+    the loop lets the previous step's output go (held to the end of the step, as a rebinding
+    after the step would, the previous output and the current one are both alive through
+    backward: two outputs, not the loop's one)."""
+
     def step():
         with autocast_for(precision, device):
-            out, loss = _forward_loss(wl, wl.batch)
+            step.out = _output(wl, wl.batch)
+            loss = _loss(wl, step.out, wl.batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        step.out = out  # held until the next step rebinds it, as `out` in the loop is
 
+    step.out = None
     return step
 
 
 def timm_loop(wl, opt, precision, device, accuracy: bool = False):
-    """timm's train_one_epoch body (and, with `accuracy`, torchvision's reference)."""
+    """timm's train_one_epoch body (and, with `accuracy`, torchvision's reference):
+    `output = model(input)` rebound as the forward returns, as in plain_loop."""
 
     def step():
         with autocast_for(precision, device):
-            output, loss = _forward_loss(wl, wl.batch)
+            step.output = _output(wl, wl.batch)
+            loss = _loss(wl, step.output, wl.batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if accuracy:  # utils.accuracy(output, target, topk=(1, 5))
-            logits = output[0] if isinstance(output, tuple) else output
+            logits = step.output[0] if isinstance(step.output, tuple) else step.output
             _, pred = logits.topk(5, 1, True, True)
             step.acc = pred.t().eq(wl.batch[1].view(1, -1)).float().sum()
-        step.output = output
 
+    step.output = None
     return step
 
 

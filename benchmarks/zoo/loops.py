@@ -17,9 +17,12 @@ statements (forward and loss under the precision's autocast, backward outside it
   opt.step(); opt.zero_grad()`: `out` alive until the next step rebinds it.
   loop="keeps-output".
 - hf-trainer (transformers models): a real `transformers.Trainer` built around the model
-  with `TrainingArguments(bf16=...)`, the model prepared by its Accelerator (which autocasts
-  the forward and returns its outputs in fp32), then `trainer.training_step(model, inputs)`,
-  `opt.step()`, `opt.zero_grad()`; compute_loss returns only the loss. loop="drops-output".
+  with `TrainingArguments(bf16=...)`, stepped as its own loop steps it (`hf_trainer_loop`):
+  the model and optimizer prepared by its Accelerator (which autocasts the forward and
+  returns its outputs in fp32), the attributes its loop sets, `trainer.training_step(model,
+  inputs, num_items_in_batch)`, `optimizer.step()`, `model.zero_grad()`; compute_loss
+  returns only the loss. loop="drops-output". Needs accelerate (recorded as an error
+  without it).
 - timm (image models): timm's train.py `train_one_epoch` as of commit 004fb5f: `output =
   model(input); loss = loss_fn(output, target)` under autocast, `optimizer.zero_grad()`,
   `loss.backward()`, `optimizer.step()`: `output` kept, and last step's gradients alive
@@ -148,6 +151,12 @@ def timm_loop(wl, opt, precision, device, accuracy: bool = False):
 
 
 def hf_trainer_loop(wl, opt, precision, device):
+    """One optimizer step of a real `transformers.Trainer`, as its `_inner_training_loop` and
+    `_run_epoch` (transformers 5.17) run it with one batch per step: the model and the
+    optimizer prepared together by its Accelerator, `current_gradient_accumulation_steps` set
+    to the batches of the step (1) and `num_items_in_batch` counted from the labels before
+    `training_step(model, inputs, num_items_in_batch)`, then `optimizer.step()` and
+    `model.zero_grad()`. The optimizer is gobrrr's (the one the other loops step)."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -158,12 +167,17 @@ def hf_trainer_loop(wl, opt, precision, device):
         use_cpu=device == "cpu",
     )
     trainer = Trainer(model=wl.model, args=args)
-    model = trainer.accelerator.prepare(wl.model)  # as Trainer's loop prepares it
+    model, optimizer = trainer.accelerator.prepare(wl.model, opt)  # as _inner_training_loop
+    trainer.model_wrapped, trainer.optimizer = model, optimizer
+    trainer.current_gradient_accumulation_steps = 1  # _run_epoch: len(batch_samples)
+    trainer.accelerator.gradient_state._set_sync_gradients(True)  # the step's last batch
 
     def step():
-        trainer.training_step(model, dict(wl.batch))
-        opt.step()
-        opt.zero_grad()
+        inputs = dict(wl.batch)
+        n_items = trainer._get_num_items_in_batch([inputs], args.device)  # get_batch_samples
+        trainer.training_step(model, inputs, n_items)
+        optimizer.step()
+        model.zero_grad()
 
     return step
 

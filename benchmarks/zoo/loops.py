@@ -17,17 +17,24 @@ statements (forward and loss under the precision's autocast, backward outside it
   opt.step(); opt.zero_grad()`: `out` alive until the next step rebinds it.
   loop="keeps-output".
 - hf-trainer (transformers models): a real `transformers.Trainer` built around the model
-  with `TrainingArguments(bf16=...)`, the model prepared by its Accelerator (which autocasts
-  the forward and returns its outputs in fp32), then `trainer.training_step(model, inputs)`,
-  `opt.step()`, `opt.zero_grad()`; compute_loss returns only the loss. loop="drops-output".
+  with `TrainingArguments(bf16=...)`, stepped as its own loop steps it (`hf_trainer_loop`):
+  the model and optimizer prepared by its Accelerator (which autocasts the forward and
+  returns its outputs in fp32), the attributes its loop sets, `trainer.training_step(model,
+  inputs, num_items_in_batch)`, `optimizer.step()`, `model.zero_grad()`; compute_loss
+  returns only the loss. loop="drops-output". Needs accelerate (recorded as an error
+  without it).
 - timm (image models): timm's train.py `train_one_epoch` as of commit 004fb5f: `output =
   model(input); loss = loss_fn(output, target)` under autocast, `optimizer.zero_grad()`,
   `loss.backward()`, `optimizer.step()`: `output` kept, and last step's gradients alive
-  through the forward (zero_grad comes before backward). loop="keeps-output"; the gradients
-  are not modelled (recorded as `not_modelled`).
+  through the forward (zero_grad comes before backward). loop="zero-grad-first".
 - torchvision (image models): references/classification/train.py `train_one_epoch`: the
   same statements as timm's, then `utils.accuracy(output, target, topk=(1, 5))` on the kept
-  output. loop="keeps-output", the same gradients not modelled.
+  output. loop="zero-grad-first".
+
+The plain, timm and torchvision loops rebind their output as the forward returns, as the
+originals' `out = model(...)` does (rebound after the step instead, the previous output and
+the current one would both be alive through backward: measured so on an H100 before, two
+outputs above TrainStep).
 
 Predictions run on the CPU (fake tensors) in the parent process, with the calibration of the
 device's GPU where one is shipped. An exception is recorded, never fatal; OUT.json is
@@ -77,13 +84,10 @@ PREDICTED_AS = {
     "trainstep": "drops-output",
     "hf-trainer": "drops-output",
     "plain": "keeps-output",
-    "timm": "keeps-output",
-    "torchvision": "keeps-output",
+    "timm": "zero-grad-first",
+    "torchvision": "zero-grad-first",
 }
-NOT_MODELLED = {
-    "timm": "zero_grad before backward: last step's gradients alive through the forward",
-    "torchvision": "zero_grad before backward: last step's gradients alive through the forward",
-}
+NOT_MODELLED: dict[str, str] = {}
 
 
 def loops_for(case) -> tuple[str, ...]:
@@ -93,46 +97,67 @@ def loops_for(case) -> tuple[str, ...]:
 # -- the loops ---------------------------------------------------------------------------------
 
 
-def _forward_loss(wl, batch):
-    """(out, loss) as a hand-written loop has them: the model's output and the loss."""
-    if wl.step is not None:  # the zoo's image cases: step = cross_entropy(model(x), y)
-        out = wl.model(batch[0])
-        return out, F.cross_entropy(out[0] if isinstance(out, tuple) else out, batch[1])
-    out = wl.run_model(batch)
-    return out, (wl.loss(out, batch) if wl.loss is not None else extract_loss(out))
+def _output(wl, batch):
+    """What the model returned, as a hand-written loop calls it (`model(input)` for the zoo's
+    image cases, whose `step` is cross_entropy(model(x), y); `model(**batch)` otherwise)."""
+    return wl.model(batch[0]) if wl.step is not None else wl.run_model(batch)
+
+
+def _loss(wl, out, batch):
+    """The loss a hand-written loop takes from `out`: `loss_fn(output, target)` for images,
+    `out.loss` (or the workload's loss) for the rest."""
+    if wl.step is not None:
+        return F.cross_entropy(out[0] if isinstance(out, tuple) else out, batch[1])
+    return wl.loss(out, batch) if wl.loss is not None else extract_loss(out)
 
 
 def plain_loop(wl, opt, precision, device):
+    """`out = model(...); loss = out.loss; loss.backward(); opt.step(); opt.zero_grad()`.
+
+    `step.out` is the loop's `out`: rebound as soon as the forward returns, which is when
+    the loop lets the previous step's output go (held to the end of the step, as a rebinding
+    after the step would, the previous output and the current one are both alive through
+    backward: two outputs, not the loop's one)."""
+
     def step():
         with autocast_for(precision, device):
-            out, loss = _forward_loss(wl, wl.batch)
+            step.out = _output(wl, wl.batch)
+            loss = _loss(wl, step.out, wl.batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        step.out = out  # held until the next step rebinds it, as `out` in the loop is
 
+    step.out = None
     return step
 
 
 def timm_loop(wl, opt, precision, device, accuracy: bool = False):
-    """timm's train_one_epoch body (and, with `accuracy`, torchvision's reference)."""
+    """timm's train_one_epoch body (and, with `accuracy`, torchvision's reference):
+    `output = model(input)` rebound as the forward returns, as in plain_loop."""
 
     def step():
         with autocast_for(precision, device):
-            output, loss = _forward_loss(wl, wl.batch)
+            step.output = _output(wl, wl.batch)
+            loss = _loss(wl, step.output, wl.batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if accuracy:  # utils.accuracy(output, target, topk=(1, 5))
-            logits = output[0] if isinstance(output, tuple) else output
+            logits = step.output[0] if isinstance(step.output, tuple) else step.output
             _, pred = logits.topk(5, 1, True, True)
             step.acc = pred.t().eq(wl.batch[1].view(1, -1)).float().sum()
-        step.output = output
 
+    step.output = None
     return step
 
 
 def hf_trainer_loop(wl, opt, precision, device):
+    """One optimizer step of a real `transformers.Trainer`, as its `_inner_training_loop` and
+    `_run_epoch` (transformers 5.17) run it with one batch per step: the model and the
+    optimizer prepared together by its Accelerator, `current_gradient_accumulation_steps` set
+    to the batches of the step (1) and `num_items_in_batch` counted from the labels before
+    `training_step(model, inputs, num_items_in_batch)`, then `optimizer.step()` and
+    `model.zero_grad()`. The optimizer is gobrrr's (the one the other loops step)."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -143,12 +168,17 @@ def hf_trainer_loop(wl, opt, precision, device):
         use_cpu=device == "cpu",
     )
     trainer = Trainer(model=wl.model, args=args)
-    model = trainer.accelerator.prepare(wl.model)  # as Trainer's loop prepares it
+    model, optimizer = trainer.accelerator.prepare(wl.model, opt)  # as _inner_training_loop
+    trainer.model_wrapped, trainer.optimizer = model, optimizer
+    trainer.current_gradient_accumulation_steps = 1  # _run_epoch: len(batch_samples)
+    trainer.accelerator.gradient_state._set_sync_gradients(True)  # the step's last batch
 
     def step():
-        trainer.training_step(model, dict(wl.batch))
-        opt.step()
-        opt.zero_grad()
+        inputs = dict(wl.batch)
+        n_items = trainer._get_num_items_in_batch([inputs], args.device)  # get_batch_samples
+        trainer.training_step(model, inputs, n_items)
+        optimizer.step()
+        model.zero_grad()
 
     return step
 

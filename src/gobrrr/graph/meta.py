@@ -164,7 +164,7 @@ class ModelOutput(NamedTuple):
 #: "keeps-output", `out = model(...)` held until the next step rebinds it (the plain loop,
 #: timm's and torchvision's reference scripts); "forward-backward", the user's own
 #: `Workload(forward_backward=...)`, traced as it holds its tensors.
-LOOPS = ("drops-output", "keeps-output", "forward-backward")
+LOOPS = ("drops-output", "keeps-output", "zero-grad-first", "forward-backward")
 
 
 #: Fields whose JSON form is not the value itself: (to JSON, from JSON).

@@ -113,8 +113,10 @@ def estimate(
 
     loop: the training loop whose memory is predicted (`gobrrr.passes.loop`):
     "keeps-output" (the default: `out = model(...); loss.backward(); opt.step()`, the model's
-    output alive until the next step rebinds it) or "drops-output" (gobrrr's own step, HF
-    Trainer, Lightning: the output freed before backward). Leave it None for a
+    output alive until the next step rebinds it), "drops-output" (gobrrr's own step, HF
+    Trainer, Lightning: the output freed before backward) or "zero-grad-first" (timm's and
+    torchvision's train_one_epoch: the output kept, and zero_grad() called just before
+    backward, so the last step's gradients live through the forward). Leave it None for a
     Workload(forward_backward=...), whose own loop is traced. The Estimate's `other_loop`
     is the memory under the other loop; the time is the same under both.
 

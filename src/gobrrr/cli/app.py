@@ -490,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=one_of("loop", LOOPS),
         help="the training loop whose memory is predicted: keeps-output (default: "
         "out = model(...); loss.backward(); opt.step(), the output alive until the next step) "
-        "| drops-output (HF Trainer, Lightning, gobrrr's plan/apply: freed before backward)",
+        "| drops-output (HF Trainer, Lightning, gobrrr's plan/apply: freed before backward) "
+        "| zero-grad-first (timm's and torchvision's train_one_epoch: the output kept, and "
+        "zero_grad() just before backward, so last step's gradients live through the forward)",
     )
     p.add_argument("--save-graph", metavar="FILE", help="write the step graph as JSON")
     p.add_argument("--html", metavar="FILE", help=HTML_HELP)

@@ -134,6 +134,8 @@ def loop_line(est: Estimate) -> str:
     if not what:
         return f"{line}; the model returns nothing a loop could keep longer"
     size = _size(abs(diff))
+    if kind == "zero-grad-first":  # the other loop (drops-output) frees both
+        what = f"{what} and the last step's gradients"
     if alt == "keeps-output":
         return f"{line}; a loop that keeps it alive through backward holds +{size} more: {what}"
     return f"{line}; one that drops it before backward peaks {size} lower: {what}"

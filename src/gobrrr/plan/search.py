@@ -448,10 +448,10 @@ def _notes_8bit(target: Target) -> list[str]:
 def _graphs(tracer: Tracer, global_batch: int) -> Callable[[int], StepGraph]:
     """micro-batch -> its step graph: derived from traces at two micro-batches where the
     step's structure does not depend on the batch, else traced at each."""
+    tracer.expect(_traced_at(global_batch))  # with an `Ahead`, traced by children
     if global_batch < 2:
         g = tracer(1)
         return lambda m: g
-    tracer.expect(_traced_at(global_batch))
     try:
         fam = family(tracer)
     except BatchDependentStructure:

@@ -47,9 +47,9 @@ def tiny(batch_size: int = 8, seq_len: int = 64):
 """
 
 
-def _cli(tmp_path, processes: int, budget: int) -> tuple[dict, set[str]]:
+def _cli(tmp_path, processes: int, budget: int) -> tuple[dict, list[str]]:
     """`gobrrr plan` of the tiny workload in a fresh process: its JSON (less took_s) and the
-    processes that built the workload."""
+    process that made each build of the workload, in order."""
     (tmp_path / "w.py").write_text(WORKLOAD)
     builds = tmp_path / f"builds{processes}"
     env = dict(os.environ, GOBRRR_TRACE_PROCESSES=str(processes), BUILDS=str(builds))
@@ -63,7 +63,7 @@ def _cli(tmp_path, processes: int, budget: int) -> tuple[dict, set[str]]:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     out.pop("took_s")
-    return out, set(builds.read_text().split())
+    return out, builds.read_text().split()
 
 
 def test_forked_traces_and_costs_give_the_one_process_plan(tmp_path):
@@ -78,7 +78,10 @@ def test_forked_traces_and_costs_give_the_one_process_plan(tmp_path):
     many, many_pids = _cli(tmp_path, 2, budget)
     assert any("checkpoint" in " ".join(p["changes"]) for p in one["plans"])
     assert one["traces"] == 6  # micro-batches 1, 2 and 4, with and without the fused loss
-    assert len(one_pids) == 1 and len(many_pids) == 1 + 6  # the probe's, then a child's each
+    # one build for the probe, then one per trace: all in one process, or in the two workers
+    assert len(one_pids) == len(many_pids) == 1 + 6
+    assert len(set(one_pids)) == 1 and len(set(many_pids)) == 3
+    assert many_pids.count(many_pids[0]) == 1  # the probe's: every trace in a worker
     assert many == one
     assert _leftovers(tmp_path) == []  # every child's file read and removed
 

@@ -120,90 +120,121 @@ class Tracer:
 
 
 class Ahead:
-    """Traces run ahead in other processes, at most `processes` at once: a trace is seconds
-    of single-threaded Python over fake tensors, each independent of the others, so on a
-    machine with cores to spare the planner's traces overlap one another and its costing.
+    """Traces run ahead in worker processes, `processes` of them: a trace is seconds of
+    single-threaded Python over fake tensors, each independent of the others, so on a machine
+    with cores to spare the planner's traces overlap one another and its costing.
 
-    The children are forked by a server process that this one forks when the planner starts,
-    before its first backward: autograd refuses to run in a child forked after its parent
-    ran one (its worker threads do not survive a fork), and the server never runs one. A
-    child traces as this process's first trace would, with the same code, and hands the
-    StepGraph back pickled with the warnings it raised (raised here again). A trace that fails
-    in a child is traced again here, which raises its error where the search meets it.
+    The workers are forked when the planner starts, before its first backward: autograd
+    refuses to run in a child forked after its parent ran one (its worker threads do not
+    survive a fork). Each worker traces the jobs it is given one after another, as this
+    process would (the same code; from its second trace on, with the fake-tensor caches and
+    lazily built tables of a process that has traced, as this one's later traces are), and
+    hands each StepGraph back pickled, with the warnings it raised (raised here again). A
+    trace that fails in a worker is traced again here, which raises its error where the
+    search meets it.
 
     Not for a model whose code calls TorchScript functions (`uses_torchscript`): a process's
-    first run of those differs from its later ones (see `passes.microbatch.family`), and a
-    child's trace is always its process's first. The workload function runs in the child:
-    side effects it has (a counter, a print) happen there, so the Python API leaves this off
-    (`Planner(ahead=0)`) and the command line, whose process is gobrrr's own, turns it on.
+    first run of those differs from its later ones (see `passes.microbatch.family`), and the
+    trace a worker makes first need not be this process's first. The workload function runs
+    in the worker: side effects it has (a counter, a print) happen there, so the Python API
+    leaves this off (`Planner(ahead=0)`) and the command line, whose process is gobrrr's own,
+    turns it on.
     """
 
     def __init__(self, processes: int) -> None:
-        self.processes = processes
         self.queue: list[tuple[Tracer, int]] = []
-        self.jobs: dict[tuple[int, int], _Job] = {}  # (id(tracer), m) -> its job
-        self.received = 0  # traces a child made
+        self.jobs: dict[tuple[int, int], _Job] = {}  # (id(tracer), m) -> its job, once sent
+        self.received = 0  # traces a worker made
         self.here = 0  # traces made in this process (its autograd threads then exist)
         self._tracers: dict[int, Tracer] = {}  # kept alive while their ids key jobs
-        self.server = _Server.start() if processes > 0 else None
-        self._finalizer = weakref.finalize(self, _shut, self.server, self.jobs)
+        self._next = 0
+        self.workers = [w for w in (_Worker.start() for _ in range(processes)) if w]
+        self.processes = len(self.workers)
+        self._finalizer = weakref.finalize(self, _shut, self.workers, self.jobs)
 
     def expect(self, tracer: Tracer, micro_batches: Iterable[int]) -> None:
         for m in micro_batches:
-            key = (id(tracer), m)
-            if key not in self.jobs and (tracer, m) not in self.queue:
+            if (id(tracer), m) not in self.jobs and (tracer, m) not in self.queue:
                 self._tracers[id(tracer)] = tracer
                 self.queue.append((tracer, m))
         self._fill()
 
     def get(self, tracer: Tracer, m: int) -> StepGraph:
-        """The graph at m: a child's where one traced (or is tracing) it, else traced here
-        (a queued one is taken off the queue)."""
+        """The graph at m: a worker's (waited for; one not yet sent goes first in the queue),
+        else, where no worker can, traced here."""
         key = (id(tracer), m)
-        self.queue = [(t, b) for t, b in self.queue if (id(t), b) != key]
+        if key not in self.jobs and self.workers:
+            self.queue = [(tracer, m)] + [(t, b) for t, b in self.queue if (id(t), b) != key]
+            self._fill()
+            while (tracer, m) in self.queue and self._read(block=True):  # every worker busy
+                self._fill()
         job = self.jobs.pop(key, None)
-        g = job.result(self.server) if job is not None and self.server is not None else None
+        g = self._result(job) if job is not None else None
         self.received += g is not None
         if g is None:
+            if job is not None:  # a worker failed: the rest is traced here (see _trace_job)
+                self.close()
             g = tracer.trace(m)
             self.here += 1
         self._fill()
         return g
 
     def _fill(self) -> None:
-        """Start queued traces while fewer than `processes` are under way."""
-        if self.server is None:
-            return
-        self.server.poll()
-        busy = sum(1 for j in self.jobs.values() if not self.server.finished(j.id))
-        while self.queue and busy < self.processes:
-            tracer, m = self.queue.pop(0)
-            job = _Job.submit(self.server, tracer, m)
-            if job is None:  # a tracer that cannot be sent (a lambda, say): traced here
-                continue
-            self.jobs[(id(tracer), m)] = job
-            busy += 1
+        """Send queued traces to the idle workers."""
+        self._read(block=False)
+        for w in self.workers:
+            while w.job is None and self.queue:
+                tracer, m = self.queue.pop(0)
+                job = _Job.send(w, self._next, tracer, m)
+                self._next += 1
+                if job is not None:  # else (a source that cannot be pickled) traced here
+                    self.jobs[(id(tracer), m)] = job
+
+    def _read(self, block: bool) -> bool:
+        """Take in the workers' reports (waiting for one where `block`); False when no
+        worker is left."""
+        busy = [w for w in self.workers if w.job is not None]
+        if not busy:
+            return bool(self.workers)
+        ready, _, _ = select.select([w.reports for w in busy], [], [], None if block else 0)
+        for w in busy:
+            if w.reports in ready and not w.read():  # it died: its job is lost
+                self.workers.remove(w)
+                w.stop()
+        return bool(self.workers)
+
+    def _result(self, job: _Job) -> StepGraph | None:
+        while job.status is None:
+            if not job.worker.alive:
+                break
+            self._read(block=True)
+            self._fill()
+        try:
+            with open(job.path, "rb") as f:
+                data = f.read()
+        finally:
+            job.remove()
+        return _unpickled(data) if job.status == 0 else None
 
     def close(self) -> None:
-        """Stop the server and the traces nobody asked for, and remove their files."""
+        """Stop the workers and remove the files of traces nobody asked for."""
         self.queue.clear()
         self._finalizer()
-        self.server = None
+        self.workers = []
 
 
-class _Server:
-    """A process that forks one child per trace asked of it (`_serve`), forked before the
-    planner's first backward. Jobs go down one pipe, pickled; (job id, exit status) of each
-    finished child come back up another."""
+class _Worker:
+    """A process forked before the planner's first backward that traces the jobs sent down
+    its request pipe (`_work`) and reports (job id, status) up its report pipe."""
 
     def __init__(self, pid: int, requests: int, reports: int) -> None:
         self.pid, self.requests, self.reports = pid, requests, reports
-        self.done: dict[int, int] = {}  # job id -> the child's exit status
+        self.job: _Job | None = None  # the job it is tracing
+        self.alive = True
         self._buf = b""
-        self.next_id = 0
 
     @staticmethod
-    def start() -> _Server | None:
+    def start() -> _Worker | None:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         sys.stdout.flush()
@@ -217,69 +248,57 @@ class _Server:
         if pid == 0:
             os.close(req_w)
             os.close(rep_r)
-            _serve(req_r, rep_w)  # never returns
+            _work(req_r, rep_w)  # never returns
         os.close(req_r)
         os.close(rep_w)
-        return _Server(pid, req_w, rep_r)
+        return _Worker(pid, req_w, rep_r)
 
-    def send(self, message: bytes) -> bool:
-        try:
-            os.write(self.requests, struct.pack("<Q", len(message)) + message)
-        except OSError:  # the server is gone
+    def read(self) -> bool:
+        """Take in what the worker reported; False once it is gone."""
+        chunk = os.read(self.reports, 4096)
+        if not chunk:
+            if self.job is not None:
+                self.job.status = -1
+                self.job = None
+            self.alive = False
             return False
+        self._buf += chunk
+        while len(self._buf) >= _REPORT.size:
+            job, status = _REPORT.unpack(self._buf[: _REPORT.size])
+            self._buf = self._buf[_REPORT.size :]
+            if self.job is not None and self.job.id == job:
+                self.job.status = status
+                self.job = None
         return True
 
-    def poll(self, block: bool = False) -> bool:
-        """Read the reports that arrived (waiting for one if `block`); False once the
-        server is gone."""
-        while True:
-            ready, _, _ = select.select([self.reports], [], [], None if block else 0)
-            if not ready:
-                return True
-            chunk = os.read(self.reports, 4096)
-            if not chunk:
-                return False
-            self._buf += chunk
-            while len(self._buf) >= _REPORT.size:
-                job, status = _REPORT.unpack(self._buf[: _REPORT.size])
-                self._buf = self._buf[_REPORT.size :]
-                self.done[job] = status
-            block = False
-
-    def finished(self, job: int) -> bool:
-        return job in self.done
-
-    def wait(self, job: int) -> int | None:
-        """The exit status of the job's child (None: the server is gone)."""
-        while job not in self.done:
-            if not self.poll(block=True):
-                return None
-        return self.done.pop(job)
-
     def stop(self) -> None:
-        """Close the request pipe (the server kills its children and exits) and reap it."""
+        """Close its pipes (it exits when it reads the end) and reap it."""
+        self.alive = False
         for fd in (self.requests, self.reports):
             try:
                 os.close(fd)
             except OSError:
                 pass
         try:
+            os.kill(self.pid, signal.SIGKILL)  # a trace under way is not waited for
             os.waitpid(self.pid, 0)
-        except ChildProcessError:
+        except (ProcessLookupError, ChildProcessError):
             pass
 
 
-_REPORT = struct.Struct("<qi")  # (job id, exit status)
+_REPORT = struct.Struct("<qi")  # (job id, status: 0 traced, 1 failed)
+_LENGTH = struct.Struct("<Q")
 
 
 class _Job:
-    """One trace asked of the server: its id and the file its child writes."""
+    """One trace sent to a worker: its id, the file the worker writes, its status once done."""
 
-    def __init__(self, job: int, path: str) -> None:
-        self.id, self.path = job, path
+    def __init__(self, job: int, path: str, worker: _Worker) -> None:
+        self.id, self.path, self.worker = job, path, worker
+        self.status: int | None = None
 
     @staticmethod
-    def submit(server: _Server, tracer: Tracer, m: int) -> _Job | None:
+    def send(worker: _Worker, job_id: int, tracer: Tracer, m: int) -> _Job | None:
         spec = (tracer.source, tracer.seq, tracer.precision, tracer.target, tracer.variant, m)
         try:
             payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
@@ -287,85 +306,70 @@ class _Job:
             return None
         fd, path = tempfile.mkstemp(prefix="gobrrr-trace-", suffix=".pickle")
         os.close(fd)
-        job = _Job(server.next_id, path)
-        server.next_id += 1
-        if not server.send(pickle.dumps((job.id, path, payload))):
+        message = pickle.dumps((job_id, path, payload))
+        try:
+            os.write(worker.requests, _LENGTH.pack(len(message)) + message)
+        except OSError:  # the worker is gone
             os.unlink(path)
             return None
+        job = worker.job = _Job(job_id, path, worker)
         return job
-
-    def result(self, server: _Server) -> StepGraph | None:
-        """The child's graph, its warnings raised here; None where it failed."""
-        status = server.wait(self.id)
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        finally:
-            self.remove()
-        return _unpickled(data) if status == 0 else None
 
     def remove(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
 
 
-def _serve(requests: int, reports: int) -> None:
-    """The server's loop: fork a child per job read, report each child's exit; when the
-    planner closes the pipe (or is gone), kill what still runs and exit."""
-    children: dict[int, int] = {}  # pid -> job id
+def _work(requests: int, reports: int) -> None:
+    """A worker's loop: trace each job read, write its graph to the job's file and report
+    it; exit when the planner closes the pipe."""
     buf = b""
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the planner handles Ctrl-C
         while True:
-            ready, _, _ = select.select([requests], [], [], 0.01 if children else None)
-            if ready:
-                chunk = os.read(requests, 1 << 16)
-                if not chunk:
+            chunk = os.read(requests, 1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            while len(buf) >= _LENGTH.size:
+                n = _LENGTH.unpack(buf[: _LENGTH.size])[0]
+                if len(buf) < _LENGTH.size + n:
                     break
-                buf += chunk
-                while len(buf) >= 8 and len(buf) >= 8 + struct.unpack("<Q", buf[:8])[0]:
-                    n = struct.unpack("<Q", buf[:8])[0]
-                    job, path, payload = pickle.loads(buf[8 : 8 + n])
-                    buf = buf[8 + n :]
-                    pid = os.fork()
-                    if pid == 0:
-                        os.close(requests)
-                        os.close(reports)
-                        signal.signal(signal.SIGINT, signal.SIG_DFL)
-                        _trace_job(payload, path)  # never returns
-                    children[pid] = job
-            while children:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if not pid:
-                    break
-                os.write(reports, _REPORT.pack(children.pop(pid), status))
+                job, path, payload = pickle.loads(buf[_LENGTH.size : _LENGTH.size + n])
+                buf = buf[_LENGTH.size + n :]
+                status = _trace_job(payload, path)
+                os.write(reports, _REPORT.pack(job, status))
     finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
         os._exit(0)
 
 
-def _trace_job(payload: bytes, path: str) -> None:
-    """In a child of the server: the trace a job asks for, written to `path`."""
-
-    def trace() -> StepGraph:
+def _trace_job(payload: bytes, path: str) -> int:
+    """In a worker: the trace a job asks for, pickled into `path` with its warnings; 0 when
+    it was, 1 when it raised (the planner traces it again and reports the error; and traces
+    the rest itself, since a worker forked after a backward in the planner's process, where
+    the API was called after training, say, fails every trace at its first backward)."""
+    try:
         source, seq, precision, target, variant, m = pickle.loads(payload)
-        return Tracer(source, seq=seq, precision=precision, target=target, variant=variant).trace(m)
+        tracer = Tracer(source, seq=seq, precision=precision, target=target, variant=variant)
+        with warnings.catch_warnings(record=True) as caught:
+            g = tracer.trace(m)
+        said = [(w.message, w.category, w.filename, w.lineno) for w in caught]
+        with open(path, "wb") as f:
+            pickle.dump((g, said), f, protocol=pickle.HIGHEST_PROTOCOL)
+        return 0
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - traced again by the planner, which reports it
+        if os.environ.get("GOBRRR_DEBUG"):
+            traceback.print_exc()
+        return 1
 
-    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-    _run_child(trace, fd)
 
-
-def _shut(server: _Server | None, jobs: dict) -> None:
+def _shut(workers: list, jobs: dict) -> None:
     for job in jobs.values():
         job.remove()
     jobs.clear()
-    if server is not None:
-        server.stop()
+    for w in workers:
+        w.stop()
 
 
 def uses_torchscript(model: torch.nn.Module) -> bool:

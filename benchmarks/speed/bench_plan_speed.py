@@ -59,8 +59,8 @@ def run_case(args: list[str], runs: int, env: dict[str, str]) -> dict:
             cwd=ROOT,
         )
         times.append(time.perf_counter() - t0)
-        if proc.returncode not in (0, 1):
-            raise SystemExit(f"gobrrr plan {' '.join(args)} failed: {proc.stderr}")
+        if proc.returncode not in (0, 1):  # refused (exit 2): recorded, not timed further
+            return {"times_s": times, "load_1min": loads, "error": proc.stderr.strip()}
         out, code = json.loads(proc.stdout), proc.returncode
     loads.append(os.getloadavg()[0])
     return {"times_s": times, "load_1min": loads, "json": out, "exit": code}
@@ -75,6 +75,10 @@ def main(argv=None) -> None:
     rows = []
     for name, args, target in COMMANDS:
         got = run_case(args, a.runs, env)
+        if "error" in got:
+            rows.append({"case": name, "args": args, "error": got["error"], "target_s": target})
+            print(f"{name:34s} refused: {got['error']}")
+            continue
         med = statistics.median(got["times_s"])
         out = got["json"]
         rows.append(

@@ -466,9 +466,9 @@ def _unpickled(data: bytes) -> Any:
 
 
 def processes_to_spare() -> int:
-    """How many traces may run ahead at once here: GOBRRR_TRACE_PROCESSES where set (0: none),
-    else the cores this process may use (it waits for its children, or costs meanwhile), 0
-    where there is one core, or no fork."""
+    """How many worker processes trace ahead: GOBRRR_TRACE_PROCESSES where set (0: none), else
+    the cores this process may use (it mostly waits for them, or costs meanwhile), at most
+    MAX_WORKERS (each holds a trace's graph); 0 where there is one core, or no fork."""
     if not hasattr(os, "fork"):
         return 0
     env = os.environ.get("GOBRRR_TRACE_PROCESSES", "").strip()
@@ -480,7 +480,12 @@ def processes_to_spare() -> int:
             )
         return int(env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) if (cores or 1) > 1 else 0
+    return min(cores or 1, MAX_WORKERS) if (cores or 1) > 1 else 0
+
+
+#: Worker processes at most by default: a plan traces 3 micro-batches per variant, and a
+#: worker holds its latest trace's graph (GBs for a 70B model at long sequences).
+MAX_WORKERS = 4
 
 
 def _cut(w: Workload, m: int) -> Workload:

@@ -240,7 +240,7 @@ class _Worker:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            pid = os.fork()
+            pid = _fork()
         except OSError:  # no memory or processes left: trace here
             for fd in (req_r, req_w, rep_r, rep_w):
                 os.close(fd)
@@ -433,7 +433,7 @@ class _Child:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            pid = os.fork()
+            pid = _fork()
         except OSError:
             os.close(fd)
             os.unlink(path)
@@ -452,6 +452,15 @@ class _Child:
         finally:
             os.unlink(self.path)
         return _unpickled(data) if status == 0 else None
+
+
+def _fork() -> int:
+    """os.fork, without Python 3.12's warning that forking a process with threads may
+    deadlock: the threads here are idle library pools (OpenBLAS), and a worker is forked
+    before autograd starts its own (see `Ahead`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 def _unpickled(data: bytes) -> Any:

@@ -54,13 +54,15 @@ def evaluate(
     *,
     compiled: bool | None = None,
     capture_s: float = 0.0,
+    memory: MemoryResult | None = None,
 ) -> Estimate:
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
     `target`. compiled: the model's forward and backward run under torch.compile; None =
     as the graph was captured (meta.compiled: `capture(compile=True)`, whose graph holds
     the compiled step's own tensors). True on an eager trace: the eager step's memory (an
-    upper bound) with the compiled time model."""
+    upper bound) with the compiled time model. memory: this graph's `step_memory` on this
+    target where the caller already replayed it (the planner replays memory first)."""
     if compiled is None:
         compiled = bool(graph.meta.compiled)
     t = Target.resolve(target)
@@ -68,7 +70,7 @@ def evaluate(
     return Estimate(
         graph=graph,
         gpu=t.gpu,
-        memory=step_memory(graph, t.gpu, t.cal),
+        memory=memory if memory is not None else step_memory(graph, t.gpu, t.cal),
         time=time,
         cal=t.cal,
         formulas=closed_forms(graph),

@@ -29,6 +29,7 @@ from gobrrr.hardware import BUILTIN_GPUS, get_gpu
 from gobrrr.kernels.bench import SCRIPTS, run_benchmarks
 from gobrrr.models.registry import model_names
 from gobrrr.plan.search import MARGIN, Planner
+from gobrrr.plan.trace import processes_to_spare
 from gobrrr.plan.verify import verify
 from gobrrr.precision import PRECISIONS
 from gobrrr.report.charts import estimate_charts, json_text, plan_charts
@@ -309,6 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
         calibration=not args.no_calibration,
         gpus=args.gpus,
         nodes=args.nodes,
+        ahead=processes_to_spare(),  # this process is gobrrr's: trace in children too
     )
     result = planner.run(progress)
     verified = _verify(args, result) if args.verify else None

@@ -69,7 +69,12 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
         raise GobrrrError(notes[-1])
     steps = _Steps(
         lambda key: Tracer(
-            source, seq=seq, precision=key[1], target=planner.target, variant=key[0]
+            source,
+            seq=seq,
+            precision=key[1],
+            target=planner.target,
+            variant=key[0],
+            ahead=planner.ahead,
         ),
         req.per_rank,
     )
@@ -276,12 +281,14 @@ class _ParallelSearch(_Search):
         if got is not None and (got.step_s is not None or not timed):
             return got
         g = self.sharded(knobs)
-        mem = step_memory(g, self.target.gpu, self.target.cal)
+        mem = self.memory.get(knobs)  # replayed already where a plan is timed after all
+        if mem is None:
+            mem = self.memory[knobs] = step_memory(g, self.target.gpu, self.target.cal)
         reserved = mem.reserved or mem.peak
         if (mem.oom_index is not None or reserved > self.req.usable) and not timed:
             plan = _untimed(knobs, g, mem.peak, reserved, self.req, self.blocks)
         else:
-            plan = _plan(knobs, evaluate(g, self.target), self.req, self.blocks)
+            plan = _plan(knobs, evaluate(g, self.target, memory=mem), self.req, self.blocks)
         self.evaluated += 1
         self.costed[knobs] = plan
         return plan

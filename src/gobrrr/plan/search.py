@@ -25,16 +25,16 @@ from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Target
-from gobrrr.memory.replay import process_budget
+from gobrrr.memory.replay import MemoryResult, process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
-from gobrrr.passes.microbatch import BatchDependentStructure, family
+from gobrrr.passes.microbatch import TRACE_AT, BatchDependentStructure, family
 from gobrrr.plan import applicable
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.probe import Probe
 from gobrrr.plan.result import Plan, PlanResult
-from gobrrr.plan.trace import Tracer
+from gobrrr.plan.trace import Ahead, Tracer, forked_map, uses_torchscript
 from gobrrr.training.offload import host_bytes
 from gobrrr.training.optim_trace import state_bytes
 
@@ -155,6 +155,7 @@ class Planner:
         calibration=True,
         gpus: int = 1,
         nodes: int = 1,
+        ahead: int = 0,
     ) -> None:
         self.t0 = time.perf_counter()
         self.precision = precision
@@ -171,6 +172,9 @@ class Planner:
         )
         if memory_budget is not None:
             _check_state_budget(self.probe.parameter_bytes // gpus, self.req)
+        # traces in other processes, forked after the probe (its imports inherited)
+        use = ahead > 0 and not uses_torchscript(self.probe.workload.model)
+        self.ahead = Ahead(ahead) if use else None
         if gpus > 1:
             from gobrrr.plan.parallel import parallel_search  # the search over several GPUs
 
@@ -179,19 +183,27 @@ class Planner:
             return
         self.steps = _Steps(
             lambda variant: Tracer(
-                source, seq=seq, precision=precision, target=self.target, variant=variant
+                source,
+                seq=seq,
+                precision=precision,
+                target=self.target,
+                variant=variant,
+                ahead=self.ahead,
             ),
             self.req.global_batch,
         )
         self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
         variants = [BASE, *self._variants(notes)]
+        for v in variants[1:]:  # the search traces each variant: start those traces now
+            self.steps.expect(v)
         blocks = list(self.base.meta.blocks or ())
         refusal = applicable.checkpoint_refusal(self.probe.workload.model, blocks)
         if refusal:  # apply could not wrap them: plan without checkpointing
             notes.append(f"checkpointing not planned: {refusal}")
             blocks = []
         self.search = _Search(self.req, self.target, self.steps, blocks, variants)
+        self.search.ahead = self.ahead
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
@@ -267,6 +279,8 @@ class Planner:
     def run(self, progress: Callable[[int, int], None] | None = None) -> PlanResult:
         plans = self.search.run(progress)
         user = self.search.user()
+        if self.ahead is not None:  # traces started that the search did not ask for
+            self.ahead.close()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -(p.units_per_s or 0.0)))
         return PlanResult(
             workload=str(self.search.workload_name if self.base is None else self.base.meta.name),
@@ -344,12 +358,25 @@ class _Steps:
         self.make_tracer, self.global_batch = make_tracer, global_batch
         self.tracers: dict[Variant, Tracer] = {}
         self._at: dict[Variant, Callable[[int], StepGraph]] = {}
+        self._last: tuple[tuple[Variant, int], StepGraph] | None = None
 
     def at(self, variant: Variant, micro_batch: int) -> StepGraph:
+        """The graph of `variant` at `micro_batch`; the last one asked for is kept (each
+        candidate at one micro-batch asks for it again, and deriving it walks every op)."""
+        key = (variant, micro_batch)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
         if variant not in self._at:
             tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
             self._at[variant] = _graphs(tracer, self.global_batch)
-        return self._at[variant](micro_batch)
+        g = self._at[variant](micro_batch)
+        self._last = (key, g)
+        return g
+
+    def expect(self, variant: Variant) -> None:
+        """The variant's traces will be asked for (see `_graphs`): start them ahead."""
+        tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
+        tracer.expect(_traced_at(self.global_batch))
 
     @property
     def traces(self) -> int:
@@ -426,6 +453,7 @@ def _notes_8bit(target: Target) -> list[str]:
 def _graphs(tracer: Tracer, global_batch: int) -> Callable[[int], StepGraph]:
     """micro-batch -> its step graph: derived from traces at two micro-batches where the
     step's structure does not depend on the batch, else traced at each."""
+    tracer.expect(_traced_at(global_batch))  # with an `Ahead`, traced by children
     if global_batch < 2:
         g = tracer(1)
         return lambda m: g
@@ -435,6 +463,13 @@ def _graphs(tracer: Tracer, global_batch: int) -> Callable[[int], StepGraph]:
         cache: dict[int, StepGraph] = {}
         return lambda m: cache.setdefault(m, tracer(m))
     return fam.at
+
+
+def _traced_at(global_batch: int) -> tuple[int, ...]:
+    """The micro-batches a variant's step is traced at, in the order `_graphs` traces them:
+    the family's two, then micro-batch 1 (where every search starts); 1 alone where the
+    global batch is 1."""
+    return (1,) if global_batch < 2 else (*TRACE_AT, 1)
 
 
 def _check_state_budget(params: int, req: Request) -> None:
@@ -468,6 +503,9 @@ class _Search:
         self.req, self.target, self.steps, self.blocks = req, target, steps, blocks
         self.variants = variants
         self.evaluated = 0
+        self.memory: dict[Knobs, MemoryResult] = {}  # each candidate's replay, for charts
+        self.ahead: Ahead | None = None  # where set, candidates are costed in children too
+        self._plain: tuple[StepGraph, Estimate] | None = None  # the last one not checkpointed
         self.notes: list[str] = []
         self._user: Plan | None = None
 
@@ -509,7 +547,7 @@ class _Search:
             every_kth(self.blocks, 1),
             every_kth(self.blocks, 2),
         ]
-        plans = [plain] + [self.cost(knobs(checkpoint=c)) for c in policies]
+        plans = [plain, *self.cost_all([knobs(checkpoint=c) for c in policies])]
         sel, full = plans[1], plans[2]
         if full.fits:
             plans.extend(self.budget_optimal(knobs, plain, sel, full))
@@ -522,8 +560,9 @@ class _Search:
         with it measured (`sel`, `full`); the saving asked for grows by what was still
         missing, a few times at most."""
         g = self.graph(knobs())
+        known = self._plain[1] if self._plain is not None and self._plain[0] is g else None
         costs = scaled(
-            block_costs(g, evaluate(g, self.target).time, self.blocks),
+            block_costs(g, (known or evaluate(g, self.target)).time, self.blocks),
             {
                 "selective": (plain.reserved_bytes - sel.reserved_bytes, sel.step_s - plain.step_s),
                 "full": (plain.reserved_bytes - full.reserved_bytes, full.step_s - plain.step_s),
@@ -547,13 +586,39 @@ class _Search:
         return self.steps.at(variant_of(knobs), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
+        plan, memory = self._costed(knobs)
+        self.evaluated += 1
+        self.memory[knobs] = memory
+        return plan
+
+    def cost_all(self, many: list[Knobs]) -> list[Plan]:
+        """`cost` of each, several at once in forked children where `ahead` allows (the
+        candidates at one micro-batch share its graph, derived once here first)."""
+        a = self.ahead
+        # a child is forked from this process: not once it has traced itself (a fork of a
+        # process with autograd's threads can hang on a lock one of them held)
+        if a is None or a.here or a.processes < 1 or len(many) < 2:
+            return [self.cost(k) for k in many]
+        for k in many:
+            self.graph(k)  # traced or derived here, not in a child (which would count it)
+        got = forked_map([functools.partial(self._costed, k) for k in many], a.processes)
+        for k, (_, memory) in zip(many, got, strict=True):
+            self.evaluated += 1
+            self.memory[k] = memory
+        return [plan for plan, _ in got]
+
+    def _costed(self, knobs: Knobs) -> tuple[Plan, MemoryResult]:
+        """The plan of `knobs` and its memory replay; nothing of the search's state changes
+        but the graph cache (`cost_all` runs it in children)."""
         g = self.graph(knobs)
+        plain = not knobs.checkpoint and knobs.accumulation == 1
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
         est = evaluate(g, self.target)
-        self.evaluated += 1
-        return _plan(knobs, est, self.req, self.blocks)
+        if plain:  # the graph `budget_optimal` reads its per-op times from
+            self._plain = (g, est)
+        return _plan(knobs, est, self.req, self.blocks), est.memory
 
 
 def _plan(knobs: Knobs, est: Estimate, req: Request, blocks: list[str]) -> Plan:

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import copy
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import tempfile
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,14 +49,30 @@ class Tracer:
         precision: str,
         target: Target,
         variant: Knobs | None = None,
+        ahead: Ahead | None = None,
     ) -> None:
         self.source, self.seq, self.precision, self.target = source, seq, precision, target
         self.variant = variant or Knobs(micro_batch=1)
         self.traces = 0
+        self.ahead = ahead
 
     def __call__(self, micro_batch: int) -> StepGraph:
-        make = self._variant(self._maker(micro_batch))
+        """The step graph at `micro_batch`: traced here, or by the process `ahead` started
+        for it (`expect`)."""
         self.traces += 1
+        if self.ahead is not None:
+            return self.ahead.get(self, micro_batch)
+        return self.trace(micro_batch)
+
+    def expect(self, micro_batches: Iterable[int]) -> None:
+        """Say which micro-batches will be asked for, in the order they will be: with an
+        `ahead` pool they are traced in other processes meanwhile."""
+        if self.ahead is not None:
+            self.ahead.expect(self, micro_batches)
+
+    def trace(self, micro_batch: int) -> StepGraph:
+        """Trace the step at `micro_batch` in this process."""
+        make = self._variant(self._maker(micro_batch))
         return capture(
             make,
             precision=self.variant.precision(self.precision),
@@ -90,6 +117,384 @@ class Tracer:
             return w
 
         return build
+
+
+class Ahead:
+    """Traces run ahead in worker processes, `processes` of them: a trace is seconds of
+    single-threaded Python over fake tensors, each independent of the others, so on a machine
+    with cores to spare the planner's traces overlap one another and its costing.
+
+    The workers are forked when the planner starts, before its first backward: autograd
+    refuses to run in a child forked after its parent ran one (its worker threads do not
+    survive a fork). Each worker traces the jobs it is given one after another, as this
+    process would (the same code; from its second trace on, with the fake-tensor caches and
+    lazily built tables of a process that has traced, as this one's later traces are), and
+    hands each StepGraph back pickled, with the warnings it raised (raised here again). A
+    trace that fails in a worker is traced again here, which raises its error where the
+    search meets it.
+
+    Not for a model whose code calls TorchScript functions (`uses_torchscript`): a process's
+    first run of those differs from its later ones (see `passes.microbatch.family`), and the
+    trace a worker makes first need not be this process's first. The workload function runs
+    in the worker: side effects it has (a counter, a print) happen there, so the Python API
+    leaves this off (`Planner(ahead=0)`) and the command line, whose process is gobrrr's own,
+    turns it on.
+    """
+
+    def __init__(self, processes: int) -> None:
+        self.queue: list[tuple[Tracer, int]] = []
+        self.jobs: dict[tuple[int, int], _Job] = {}  # (id(tracer), m) -> its job, once sent
+        self.received = 0  # traces a worker made
+        self.here = 0  # traces made in this process (its autograd threads then exist)
+        self._tracers: dict[int, Tracer] = {}  # kept alive while their ids key jobs
+        self._next = 0
+        self.workers = [w for w in (_Worker.start() for _ in range(processes)) if w]
+        self.processes = len(self.workers)
+        self._finalizer = weakref.finalize(self, _shut, self.workers, self.jobs)
+
+    def expect(self, tracer: Tracer, micro_batches: Iterable[int]) -> None:
+        for m in micro_batches:
+            if (id(tracer), m) not in self.jobs and (tracer, m) not in self.queue:
+                self._tracers[id(tracer)] = tracer
+                self.queue.append((tracer, m))
+        self._fill()
+
+    def get(self, tracer: Tracer, m: int) -> StepGraph:
+        """The graph at m: a worker's (waited for; one not yet sent goes first in the queue),
+        else, where no worker can, traced here."""
+        key = (id(tracer), m)
+        if key not in self.jobs and self.workers:
+            self.queue = [(tracer, m)] + [(t, b) for t, b in self.queue if (id(t), b) != key]
+            self._fill()
+            while (tracer, m) in self.queue and self._read(block=True):  # every worker busy
+                self._fill()
+        job = self.jobs.pop(key, None)
+        g = self._result(job) if job is not None else None
+        self.received += g is not None
+        if g is None:
+            if job is not None:  # a worker failed: the rest is traced here (see _trace_job)
+                self.close()
+            g = tracer.trace(m)
+            self.here += 1
+        self._fill()
+        return g
+
+    def _fill(self) -> None:
+        """Send queued traces to the idle workers."""
+        self._read(block=False)
+        for w in self.workers:
+            while w.job is None and self.queue:
+                tracer, m = self.queue.pop(0)
+                job = _Job.send(w, self._next, tracer, m)
+                self._next += 1
+                if job is not None:  # else (a source that cannot be pickled) traced here
+                    self.jobs[(id(tracer), m)] = job
+
+    def _read(self, block: bool) -> bool:
+        """Take in the workers' reports (waiting for one where `block`); False when no
+        worker is left."""
+        busy = [w for w in self.workers if w.job is not None]
+        if not busy:
+            return bool(self.workers)
+        ready, _, _ = select.select([w.reports for w in busy], [], [], None if block else 0)
+        for w in busy:
+            if w.reports in ready and not w.read():  # it died: its job is lost
+                self.workers.remove(w)
+                w.stop()
+        return bool(self.workers)
+
+    def _result(self, job: _Job) -> StepGraph | None:
+        while job.status is None:
+            if not job.worker.alive:
+                break
+            self._read(block=True)
+            self._fill()
+        try:
+            with open(job.path, "rb") as f:
+                data = f.read()
+        finally:
+            job.remove()
+        return _unpickled(data) if job.status == 0 else None
+
+    def close(self) -> None:
+        """Stop the workers and remove the files of traces nobody asked for."""
+        self.queue.clear()
+        self._finalizer()
+        self.workers = []
+
+
+class _Worker:
+    """A process forked before the planner's first backward that traces the jobs sent down
+    its request pipe (`_work`) and reports (job id, status) up its report pipe."""
+
+    def __init__(self, pid: int, requests: int, reports: int) -> None:
+        self.pid, self.requests, self.reports = pid, requests, reports
+        self.job: _Job | None = None  # the job it is tracing
+        self.alive = True
+        self._buf = b""
+
+    @staticmethod
+    def start() -> _Worker | None:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = _fork()
+        except OSError:  # no memory or processes left: trace here
+            for fd in (req_r, req_w, rep_r, rep_w):
+                os.close(fd)
+            return None
+        if pid == 0:
+            os.close(req_w)
+            os.close(rep_r)
+            _work(req_r, rep_w)  # never returns
+        os.close(req_r)
+        os.close(rep_w)
+        return _Worker(pid, req_w, rep_r)
+
+    def read(self) -> bool:
+        """Take in what the worker reported; False once it is gone."""
+        chunk = os.read(self.reports, 4096)
+        if not chunk:
+            if self.job is not None:
+                self.job.status = -1
+                self.job = None
+            self.alive = False
+            return False
+        self._buf += chunk
+        while len(self._buf) >= _REPORT.size:
+            job, status = _REPORT.unpack(self._buf[: _REPORT.size])
+            self._buf = self._buf[_REPORT.size :]
+            if self.job is not None and self.job.id == job:
+                self.job.status = status
+                self.job = None
+        return True
+
+    def stop(self) -> None:
+        """Close its pipes (it exits when it reads the end) and reap it."""
+        self.alive = False
+        for fd in (self.requests, self.reports):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # a trace under way is not waited for
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+_REPORT = struct.Struct("<qi")  # (job id, status: 0 traced, 1 failed)
+_LENGTH = struct.Struct("<Q")
+
+
+class _Job:
+    """One trace sent to a worker: its id, the file the worker writes, its status once done."""
+
+    def __init__(self, job: int, path: str, worker: _Worker) -> None:
+        self.id, self.path, self.worker = job, path, worker
+        self.status: int | None = None
+
+    @staticmethod
+    def send(worker: _Worker, job_id: int, tracer: Tracer, m: int) -> _Job | None:
+        spec = (tracer.source, tracer.seq, tracer.precision, tracer.target, tracer.variant, m)
+        try:
+            payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - e.g. a lambda as the source: traced here
+            return None
+        fd, path = tempfile.mkstemp(prefix="gobrrr-trace-", suffix=".pickle")
+        os.close(fd)
+        message = pickle.dumps((job_id, path, payload))
+        try:
+            os.write(worker.requests, _LENGTH.pack(len(message)) + message)
+        except OSError:  # the worker is gone
+            os.unlink(path)
+            return None
+        job = worker.job = _Job(job_id, path, worker)
+        return job
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _work(requests: int, reports: int) -> None:
+    """A worker's loop: trace each job read, write its graph to the job's file and report
+    it; exit when the planner closes the pipe."""
+    buf = b""
+    try:
+        while True:
+            chunk = os.read(requests, 1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            while len(buf) >= _LENGTH.size:
+                n = _LENGTH.unpack(buf[: _LENGTH.size])[0]
+                if len(buf) < _LENGTH.size + n:
+                    break
+                job, path, payload = pickle.loads(buf[_LENGTH.size : _LENGTH.size + n])
+                buf = buf[_LENGTH.size + n :]
+                status = _trace_job(payload, path)
+                os.write(reports, _REPORT.pack(job, status))
+    finally:
+        os._exit(0)
+
+
+def _trace_job(payload: bytes, path: str) -> int:
+    """In a worker: the trace a job asks for, pickled into `path` with its warnings; 0 when
+    it was, 1 when it raised (the planner traces it again and reports the error; and traces
+    the rest itself, since a worker forked after a backward in the planner's process, where
+    the API was called after training, say, fails every trace at its first backward)."""
+    try:
+        source, seq, precision, target, variant, m = pickle.loads(payload)
+        tracer = Tracer(source, seq=seq, precision=precision, target=target, variant=variant)
+        with warnings.catch_warnings(record=True) as caught:
+            g = tracer.trace(m)
+        said = [(w.message, w.category, w.filename, w.lineno) for w in caught]
+        with open(path, "wb") as f:
+            pickle.dump((g, said), f, protocol=pickle.HIGHEST_PROTOCOL)
+        return 0
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - traced again by the planner, which reports it
+        if os.environ.get("GOBRRR_DEBUG"):
+            traceback.print_exc()
+        return 1
+
+
+def _shut(workers: list, jobs: dict) -> None:
+    for job in jobs.values():
+        job.remove()
+    jobs.clear()
+    for w in workers:
+        w.stop()
+
+
+def uses_torchscript(model: torch.nn.Module) -> bool:
+    """Whether the model's code calls TorchScript: a scripted module, or a scripted function
+    in the globals of a module class's source (HF DeBERTa's attention helpers)."""
+    seen: set[str] = set()
+    for mod in model.modules():
+        if isinstance(mod, torch.jit.ScriptModule):
+            return True
+        name = type(mod).__module__
+        if name in seen:
+            continue
+        seen.add(name)
+        found = vars(sys.modules[name]).values() if name in sys.modules else ()
+        if any(isinstance(v, torch.jit.ScriptFunction) for v in found):
+            return True
+    return False
+
+
+def forked_map(fns: list[Callable[[], Any]], processes: int) -> list[Any]:
+    """[fn() for fn in fns], the first here and up to `processes` of the others in forked
+    children meanwhile (the rest here after it); a child that fails is run again here, which
+    raises its error here. Each fn must leave this process's state as it found it (what it
+    changes in a child is lost): its result is what counts."""
+    children = [_Child.fork(fn) for fn in fns[1 : 1 + processes]]
+    out = [fns[0]()]
+    for fn, child in zip(fns[1:], children + [None] * len(fns), strict=False):
+        got = child.result() if child is not None else None
+        out.append(fn() if got is None else got)
+    return out
+
+
+def _run_child(fn: Callable[[], Any], fd: int) -> None:
+    """In the forked child: fn(), its result and warnings written to `fd`, then exit without
+    running the parent's exit handlers or flushing its buffers (they are the parent's)."""
+    code = 1
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            value = fn()
+        said = [(w.message, w.category, w.filename, w.lineno) for w in caught]
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            pickle.dump((value, said), f, protocol=pickle.HIGHEST_PROTOCOL)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the parent runs it again and reports it
+        if os.environ.get("GOBRRR_DEBUG"):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+class _Child:
+    """One process forked from this one to run fn() (no autograd in it: see `Ahead`), its
+    result pickled into a file of its own."""
+
+    def __init__(self, pid: int, path: str) -> None:
+        self.pid, self.path = pid, path
+
+    @staticmethod
+    def fork(fn: Callable[[], Any]) -> _Child | None:
+        fd, path = tempfile.mkstemp(prefix="gobrrr-trace-", suffix=".pickle")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = _fork()
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        if pid == 0:
+            _run_child(fn, fd)  # never returns
+        os.close(fd)
+        return _Child(pid, path)
+
+    def result(self) -> Any:
+        """fn()'s result, its warnings raised here; None where the child failed."""
+        _, status = os.waitpid(self.pid, 0)
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        finally:
+            os.unlink(self.path)
+        return _unpickled(data) if status == 0 else None
+
+
+def _fork() -> int:
+    """os.fork, without Python 3.12's warning that forking a process with threads may
+    deadlock: the threads here are idle library pools (OpenBLAS), and a worker is forked
+    before autograd starts its own (see `Ahead`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
+def _unpickled(data: bytes) -> Any:
+    """What a child wrote (`_run_child`): its result, its warnings raised here (None for an
+    empty file)."""
+    if not data:
+        return None
+    value, caught = pickle.loads(data)
+    for message, category, filename, lineno in caught:
+        warnings.warn_explicit(message, category, filename, lineno)
+    return value
+
+
+def processes_to_spare() -> int:
+    """How many worker processes trace ahead: GOBRRR_TRACE_PROCESSES where set (0: none), else
+    the cores this process may use (it mostly waits for them, or costs meanwhile), at most
+    MAX_WORKERS (each holds a trace's graph); 0 where there is one core, or no fork."""
+    if not hasattr(os, "fork"):
+        return 0
+    env = os.environ.get("GOBRRR_TRACE_PROCESSES", "").strip()
+    if env:
+        if not env.isdigit():
+            raise GobrrrError(
+                f"GOBRRR_TRACE_PROCESSES={env!r}: give a whole number of processes (0: trace "
+                "in this process only)"
+            )
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(cores or 1, MAX_WORKERS) if (cores or 1) > 1 else 0
+
+
+#: Worker processes at most by default: a plan traces 3 micro-batches per variant, and a
+#: worker holds its latest trace's graph (GBs for a 70B model at long sequences).
+MAX_WORKERS = 4
 
 
 def _cut(w: Workload, m: int) -> Workload:

@@ -314,7 +314,8 @@ def _plan_memory(planner: Planner, knobs: Knobs) -> dict[str, Any]:
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
-    return memory_series(g, evaluate(g, planner.target).memory)
+    known = planner.search.memory.get(knobs)  # the search's replay of this very graph
+    return memory_series(g, known if known is not None else evaluate(g, planner.target).memory)
 
 
 def candidates(result: PlanResult) -> dict[str, Any]:

@@ -1,0 +1,116 @@
+"""Tracing and costing in forked processes (`plan.trace.Ahead`, `forked_map`): the plan is the
+one a single process makes, bit for bit; a child that fails is done again here; its warnings
+reach this process; nothing is left behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from gobrrr.models.registry import get_workload
+from gobrrr.plan.knobs import Knobs, every_kth
+from gobrrr.plan.search import Planner
+from gobrrr.plan.trace import forked_map, processes_to_spare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def tiny_gpt2(batch_size: int = 8, seq_len: int = 64):
+    return get_workload(
+        "gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=64, n_head=4,
+        vocab_size=256,
+    )  # fmt: skip
+
+
+def _leftovers(where) -> list[str]:
+    return glob.glob(os.path.join(str(where), "gobrrr-trace-*"))
+
+
+WORKLOAD = """
+import os
+from gobrrr.models.registry import get_workload
+
+def tiny(batch_size: int = 8, seq_len: int = 64):
+    with open(os.environ["BUILDS"], "a") as f:  # which process built it
+        f.write(f"{os.getpid()}\\n")
+    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=64,
+                        n_head=4, vocab_size=256)
+"""
+
+
+def _cli(tmp_path, processes: int, budget: int) -> tuple[dict, list[str]]:
+    """`gobrrr plan` of the tiny workload in a fresh process: its JSON (less took_s) and the
+    process that made each build of the workload, in order."""
+    (tmp_path / "w.py").write_text(WORKLOAD)
+    builds = tmp_path / f"builds{processes}"
+    env = dict(os.environ, GOBRRR_TRACE_PROCESSES=str(processes), BUILDS=str(builds))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(tmp_path)  # where the children's result files go
+    argv = ["plan", f"{tmp_path / 'w.py'}:tiny", "--global-batch", "8", "--seq", "64"]
+    argv += ["--memory-budget", str(budget), "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gobrrr", *argv], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    out.pop("took_s")
+    return out, builds.read_text().split()
+
+
+def test_forked_traces_and_costs_give_the_one_process_plan(tmp_path):
+    """Under a budget the step as given exceeds (every policy costed in children, the
+    knapsack run), every trace made by a child: the same JSON as one process makes, to the
+    bit, and no file left behind."""
+    free = Planner(tiny_gpt2, "h100", global_batch=8, seq=64)
+    user = free.cost(Knobs(micro_batch=8))
+    least = free.cost(Knobs(micro_batch=1, accumulation=8, checkpoint=every_kth(free.blocks, 1)))
+    budget = (user.reserved_bytes + least.reserved_bytes) // 2
+    one, one_pids = _cli(tmp_path, 0, budget)
+    many, many_pids = _cli(tmp_path, 2, budget)
+    assert any("checkpoint" in " ".join(p["changes"]) for p in one["plans"])
+    assert one["traces"] == 6  # micro-batches 1, 2 and 4, with and without the fused loss
+    # one build for the probe, then one per trace: all in one process, or in the two workers
+    assert len(one_pids) == len(many_pids) == 1 + 6
+    assert len(set(one_pids)) == 1 and len(set(many_pids)) == 3
+    assert many_pids.count(many_pids[0]) == 1  # the probe's: every trace in a worker
+    assert many == one
+    assert _leftovers(tmp_path) == []  # every child's file read and removed
+
+
+def test_a_failing_child_is_run_again_here():
+    parent = os.getpid()
+
+    def only_here() -> int:
+        if os.getpid() != parent:
+            raise RuntimeError("a child fails")
+        return 7
+
+    assert forked_map([lambda: 1, only_here, lambda: 3, only_here], processes=2) == [1, 7, 3, 7]
+
+
+def test_a_childs_warnings_are_raised_here():
+    def warns() -> str:
+        warnings.warn("said in the child", UserWarning, stacklevel=1)
+        return "done"
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert forked_map([lambda: "first", warns], processes=1) == ["first", "done"]
+    assert [str(w.message) for w in caught] == ["said in the child"]
+
+
+def test_trace_processes_can_be_set(monkeypatch):
+    monkeypatch.setenv("GOBRRR_TRACE_PROCESSES", "0")
+    assert processes_to_spare() == 0
+    monkeypatch.setenv("GOBRRR_TRACE_PROCESSES", "two")
+    with pytest.raises(Exception, match="GOBRRR_TRACE_PROCESSES='two'"):
+        processes_to_spare()

@@ -56,6 +56,9 @@ class SavedTracker:
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
         self._let_go: dict[int, int] = {}  # storage -> op after which Python let go of it
         self._site: tuple[int, ...] = ()  # the Python call the last op came from
+        # outputs of the ops of the current call: [tensor, its use count, op after which it
+        # last lost a C++ reference or None]
+        self._local: list[list[Any]] = []
 
     def on_op(self, index: int, phase: str, outs: list[torch.Tensor], sids: list[int]) -> None:
         self._clock = index
@@ -64,8 +67,10 @@ class SavedTracker:
         if phase == "forward" and not self.hooked:
             self.hooked = _hooks_active()
         site, self._site = self._site, _call_site()
-        if self._held is not None and (phase != "forward" or site != self._site):
-            self._release(index)  # (within one C++ call Python lets go of nothing)
+        if self._held is not None:
+            self._count_cpp(index)
+            if phase != "forward" or site != self._site:
+                self._release(index)  # (within one C++ call Python lets go of nothing)
         if phase == "forward":
             self._resolve(index)
             for t, sid in zip(outs, sids, strict=True):  # autograd attaches their node later
@@ -73,6 +78,7 @@ class SavedTracker:
                 self._pending.append((ref, index))
                 self._outputs.append(ref)
                 self._held.append((ref, sid))
+                self._local.append([ref, t._use_count(), None])
             self._out_sids[index] = set(sids)
         elif self.rows is None:
             self._held = None
@@ -107,21 +113,38 @@ class SavedTracker:
             for n in names
         ]
 
+    def _count_cpp(self, now: int) -> None:
+        """Note which tensors made since the call began lost a C++ reference before op `now`.
+        A C++ composite (matmul, the math attention) holds its temporaries in C++ locals and
+        drops them where its code ends their scope, well before it returns; where autograd
+        saved one, its use count falls there instead of reaching zero."""
+        for entry in self._local:
+            t = entry[0]()
+            count = -1 if t is None else t._use_count()
+            if count < entry[1]:
+                entry[2] = now - 1
+            entry[1] = count
+
     def _release(self, now: int) -> None:
         """Note the storages whose every tensor Python has let go of since the last op: the
         tensor is dead, or only C++ holds it (autograd keeps what it saved as an input, and
-        PyTorch keeps its Python object alive while it does)."""
-        keep, gone = [], []
+        PyTorch keeps its Python object alive while it does). A tensor made within the call
+        that just returned was held by C++ alone: let go of where it last lost a C++
+        reference (`_count_cpp`), which is where it would have died had autograd not saved
+        it (a real CPU step frees such temporaries there)."""
+        cpp = {id(ref): op for ref, _, op in self._local if op is not None}
+        self._local = []
+        keep, gone = [], {}
         for ref, sid in self._held:
             t = ref()
             if t is None or not _python_holds(t):
-                gone.append(sid)
+                gone[sid] = max(gone.get(sid, -1), cpp.get(id(ref), now - 1))
             else:
                 keep.append((ref, sid))
         held = {sid for _, sid in keep}  # a storage is let go of once all its views are
-        for sid in gone:
+        for sid, op in gone.items():
             if sid not in held:
-                self._let_go[sid] = now - 1
+                self._let_go[sid] = op
         self._held = keep
 
     def _resolve(self, now: int) -> None:

@@ -65,6 +65,23 @@ WORKLOADS = {
     ),
     "convnet": (lambda: get_workload("convnet", batch_size=8, width=8, image_size=64), "fp32"),
 }
+# the same Llama with as many K/V heads as query heads: fp32 grouped-query attention runs the
+# math path on CUDA (a composite of bmm and softmax), one K/V head per query head the
+# memory-efficient kernel, a single op whose recomputation the attention asserts count
+WORKLOADS["llama-mha"] = (
+    lambda: get_workload(
+        "llama3-1b",
+        batch_size=2,
+        seq_len=128,
+        n_layer=4,
+        dim=128,
+        n_head=4,
+        n_kv_head=4,
+        ffn_dim=256,
+        vocab_size=512,
+    ),
+    "fp32",
+)
 
 
 def _hf_llama():
@@ -224,13 +241,17 @@ def test_selective_runs_again_all_but_matmuls_and_attention():
     """Selective: the matmuls and the attention come from the checkpoint's cache; the norms,
     the activation and the rotary embedding run again."""
     assert _recomputed("llama", "selective", "mm") == []
-    assert _recomputed("llama", "selective", "_scaled_dot_product_efficient_attention") == []
+    efficient = "_scaled_dot_product_efficient_attention"
+    assert _recomputed("llama-mha", "selective", efficient) == []
     assert _recomputed("llama", "selective", "rsqrt") == [
         "input_layernorm",
         "post_attention_layernorm",
     ]
     assert _recomputed("llama", "selective", "silu") == ["mlp"]
-    assert len(_recomputed("llama", "full", "_scaled_dot_product_efficient_attention")) == 1
+    assert len(_recomputed("llama-mha", "full", efficient)) == 1
+    # grouped-query fp32 attention (the math path): its matmuls come from the cache too
+    assert _recomputed("llama", "selective", "bmm") == []
+    assert len(_recomputed("llama", "full", "bmm")) == 2
     assert _recomputed("gpt2", "selective", "addmm") == []
     assert _recomputed("gpt2", "selective", "gelu") == ["mlp.gelu"]
 

@@ -35,14 +35,15 @@ from torch.overrides import TorchFunctionMode
 
 from gobrrr.errors import GobrrrError
 
-TRACED = torch.device("cpu")  # where the trace's tensors live (each stands for the GPU's)
 _TO = torch.Tensor.to
 _CUDA = torch.Tensor.cuda
 
 
 class _OnTracedGpu(TorchFunctionMode):
-    """Rewrites CUDA devices in torch calls to the traced device; remembers the CUDA device
-    indices named (None: `cuda` without one, the current device)."""
+    """Takes CUDA devices out of torch calls: a move to CUDA keeps the tensor on its own
+    device, a factory given a CUDA device makes it where one given none would (the traced
+    device: the CPU in a trace, the meta device in the planner's probe). Remembers the CUDA
+    device indices named (-1: `cuda` without one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,26 +51,37 @@ class _OnTracedGpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is _CUDA:  # Tensor.cuda(device=None, non_blocking=False, memory_format=...)
-            device = args[1] if len(args) > 1 else kwargs.pop("device", None)
-            self._device(torch.device("cuda", device) if type(device) is int else device or "cuda")
-            kw = {"non_blocking": args[2]} if len(args) > 2 else {}
-            return _TO(args[0], TRACED, **kw, **kwargs)
-        if func is _TO:
-            args = (args[0], *(self._device(a, ordinal=i == 1) for i, a in enumerate(args[1:], 1)))
-        if "device" in kwargs:
-            kwargs["device"] = self._device(kwargs["device"], ordinal=True)
+        if func is _CUDA or func is _TO:
+            return self._move(func, args, kwargs)
+        if "device" in kwargs and self._cuda(kwargs["device"]):
+            del kwargs["device"]
         return func(*args, **kwargs)
 
-    def _device(self, d: Any, ordinal: bool = False) -> Any:
-        """TRACED for a CUDA device (a str, a torch.device, or an int where it is an
-        ordinal), `d` itself for anything else (a dtype, a tensor, the CPU)."""
+    def _move(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Tensor.cuda(device=None, non_blocking=False, memory_format=...) and Tensor.to(...)
+        with a CUDA device: Tensor.to the tensor's own device (a dtype or memory format it
+        asks for still applies; no copy otherwise, as on a tensor already on that GPU)."""
+        t, here = args[0], args[0].device
+        if func is _CUDA:
+            device = args[1] if len(args) > 1 else kwargs.pop("device", None)
+            self._cuda("cuda" if device is None else device)
+            if len(args) > 2:
+                kwargs["non_blocking"] = args[2]
+            return _TO(t, here, **kwargs)
+        rest = [here if self._cuda(a, ordinal=i == 0) else a for i, a in enumerate(args[1:])]
+        if "device" in kwargs and self._cuda(kwargs["device"]):
+            kwargs["device"] = here
+        return func(t, *rest, **kwargs)
+
+    def _cuda(self, d: Any, ordinal: bool = True) -> bool:
+        """Whether `d` names a CUDA device (a str, a torch.device, or an int where it is an
+        ordinal); two different indices in one workload are refused."""
         if ordinal and type(d) is int:
             d = torch.device("cuda", d)
         if isinstance(d, str) and d.startswith("cuda"):
             d = torch.device(d)
         if not isinstance(d, torch.device) or d.type != "cuda":
-            return d
+            return False
         self.named.add(d.index if d.index is not None else -1)
         if len(self.named - {-1}) > 1:
             devices = " and ".join(f"cuda:{i}" for i in sorted(self.named - {-1}))
@@ -78,7 +90,7 @@ class _OnTracedGpu(TorchFunctionMode):
                 "so keep the model and batch on one device (spread it over GPUs with "
                 "--gpus, which plans data parallelism and FSDP)"
             )
-        return TRACED
+        return True
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -145,4 +157,4 @@ def on_traced_gpu(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
             setattr(torch.cuda, name, fn)
 
 
-__all__ = ["TRACED", "on_traced_gpu"]
+__all__ = ["on_traced_gpu"]

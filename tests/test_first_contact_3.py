@@ -15,6 +15,8 @@ from gobrrr import Workload
 from gobrrr.capture import capture
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import evaluate
+from gobrrr.hardware import Target
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.microbatch import TRACE_AT, BatchDependentStructure, trace_sizes
 
@@ -162,6 +164,34 @@ def test_is_available_answers_as_the_target(gpu, capability):
     assert torch.cuda.is_available() == real()
 
 
+class Script(torch.nn.Module):
+    """Written for the GPU (`gpu`: its batch moved to CUDA, the GPU's layer taken by asking
+    torch.cuda) or not (the batch moved to its own device, the GPU's layer taken unasked)."""
+
+    def __init__(self, gpu: bool) -> None:
+        super().__init__()
+        self.cpu = torch.nn.Linear(16, 16)
+        self.gpu = torch.nn.Linear(16, 64)
+        self.asks = gpu
+
+    def forward(self, x):
+        if self.asks:
+            x = x.to("cuda", non_blocking=True)
+            return self.gpu(x) if torch.cuda.is_available() else self.cpu(x)
+        return self.gpu(x.to(x.device, non_blocking=True))
+
+
+def test_under_torch_compile_too():
+    """torch.compile traces the forward: the move, the branch and torch's own calls while
+    compiling (dynamo saves the CUDA RNG state when torch.cuda says a GPU is there)."""
+    graphs = [
+        capture(lambda gpu=gpu: Workload(Script(gpu), (torch.randn(4, 16),), _loss), compile=True)
+        for gpu in (True, False)
+    ]
+    assert graphs[0].nodes == graphs[1].nodes and graphs[0].storages == graphs[1].storages
+    assert any(n.module == "gpu" for n in graphs[0].nodes)
+
+
 def test_torch_itself_gets_the_real_answer():
     """torch's own callers (the optimizer's graph-capture check, autocast) are not told a
     GPU exists on a machine without one: they would call the driver."""
@@ -199,9 +229,14 @@ def test_accumulation_grows_memory_by_the_batch_alone():
     g = capture(lambda: _workload(None))
     per_micro_batch = 2 * 8 * 8  # the (2, 8) int64 ids, bytes
     base = accumulate(g, 2)
-    for n in (3, 10, 1000, 10**12):
+    h100 = Target.resolve("h100", None)
+    before = evaluate(accumulate(g, 4), h100).memory.at_peak
+    for n in (4, 12, 1000, 10**12):
         a = accumulate(g, n)
         grown = [s for s, b in zip(a.storages, base.storages, strict=True) if s.nbytes != b.nbytes]
         assert {s.kind for s in grown} == {"input"}
         assert sum(s.nbytes for s in a.storages if s.kind == "input") == n * per_micro_batch
         assert len(a.nodes) == len(base.nodes)  # micro-batches 2..n: one copy, repeated
+        at_peak = evaluate(a, h100).memory.at_peak
+        assert at_peak.pop("input") == n * per_micro_batch  # 512-byte blocks: 128 n, n >= 4
+        assert at_peak == {k: v for k, v in before.items() if k != "input"}

@@ -9,12 +9,15 @@ optimizer rules). A training script says where its tensors go; within `on_traced
   them) leaves the tensor where it is, as it does on a tensor already on that GPU; a dtype or
   memory-format change it asks for still happens;
 - `device="cuda"` (or a `torch.device`, or an ordinal) given to any torch function (factories
-  such as `torch.randn`, `new_zeros`, `torch.arange`) makes the tensor on the traced device;
-- `torch.cuda.is_available()` is True, `device_count()` 1, `current_device()` 0,
-  `get_device_capability()` the target GPU's and `is_bf16_supported()` what that capability
-  gives, so a model that branches on them takes the GPU's branch.
+  such as `torch.randn`, `new_zeros`, `torch.arange`) is dropped: the tensor is made where
+  one without a device would be (the traced device; the meta device in the planner's probe);
+- to the workload's own code (not torch, gobrrr or another installed library: see
+  `_workload_code`), `torch.cuda.is_available()` is True, `device_count()` 1,
+  `current_device()` 0, `get_device_capability()` the target GPU's and
+  `is_bf16_supported()` what that capability gives, so a model that branches on them takes
+  the GPU's branch.
 
-So a workload with these calls traces to the same graph as the one without them. What one
+So a workload with these calls predicts as the one without them, bit for bit. What one
 GPU's step cannot be is refused: tensors placed on two CUDA devices (`cuda:0` and `cuda:1`,
 model parallelism by hand) raise GobrrrError.
 """
@@ -82,6 +85,8 @@ class _OnTracedGpu(TorchFunctionMode):
             d = torch.device(d)
         if not isinstance(d, torch.device) or d.type != "cuda":
             return False
+        if torch.compiler.is_dynamo_compiling():  # no state: its mutation alters the graph
+            return True
         self.named.add(d.index if d.index is not None else -1)
         if len(self.named - {-1}) > 1:
             devices = " and ".join(f"cuda:{i}" for i in sorted(self.named - {-1}))
@@ -122,7 +127,11 @@ def _answer(name: str, value: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(real)
     def answer(*args: Any, **kwargs: Any) -> Any:
-        if _workload_code(sys._getframe(1).f_code.co_filename):
+        # True only where dynamo traces the model (it cannot trace the frame lookup); torch's
+        # own code run while compiling (dynamo saving the CUDA RNG state) sees False
+        if torch.compiler.is_dynamo_compiling() or _workload_code(
+            sys._getframe(1).f_code.co_filename
+        ):
             return value(*args, **kwargs)
         return real(*args, **kwargs)
 

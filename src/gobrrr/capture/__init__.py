@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from gobrrr.capture import accumulate, assume, compiled
 from gobrrr.capture.autocast import cuda_autocast_rules
+from gobrrr.capture.cuda_calls import on_traced_gpu
 from gobrrr.capture.dropout import cuda_dropout
 from gobrrr.capture.libraries import real_to_libraries
 from gobrrr.capture.recorder import Recorder, StorageTable
@@ -412,14 +413,16 @@ def capture(
     rules = cuda_autocast_rules() if precision.is_mixed else contextlib.nullcontext()
     values = assume.Values()
     regions = compiled.Regions() if compile else None
+    sdpa = sdpa or SdpaTarget()
     with (
+        on_traced_gpu(sdpa.capability),
         mode,
         assume.ValueMode(values),
         rules,
         cuda_dropout(),
         cuda_rnn(),
         as_on_cuda(),
-        cuda_sdpa(sdpa or SdpaTarget()) as chosen,
+        cuda_sdpa(sdpa) as chosen,
         compiled.compiling() if compile else contextlib.nullcontext(),
     ):
         w = _prepare(_build(source, mode, values), precision)

@@ -41,6 +41,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
 from gobrrr.graph.meta import StepMeta
 from gobrrr.passes import gc_paused
+from gobrrr.workload import Workload, iter_tensors
 
 #: The micro-batches the planner traces a workload at, to derive every other one.
 TRACE_AT = (2, 4)
@@ -351,6 +352,23 @@ def family(
         return BatchFamily(trace(b1), b1, g2, b2, trace=trace)
 
 
+def trace_sizes(source: Any) -> tuple[int, int]:
+    """The two micro-batches to trace `source` at for a family: TRACE_AT. A Workload object
+    keeps its own batch and each micro-batch is cut from it (its first samples), so only
+    its batch size and smaller can be traced: a batch under TRACE_AT[1] samples raises
+    BatchDependentStructure, and each micro-batch asked for is traced instead. (A function
+    or a built-in name builds the batch at each micro-batch: TRACE_AT.)"""
+    if isinstance(source, Workload):
+        first = next(iter(iter_tensors(source.batch)), None)
+        own = int(first.shape[0]) if first is not None and first.dim() else 1
+        if own < TRACE_AT[1]:
+            raise BatchDependentStructure(
+                f"the workload's batch is fixed at {own} samples, fewer than the "
+                f"{TRACE_AT[1]} a family is traced at: each micro-batch is traced"
+            )
+    return TRACE_AT
+
+
 def _with_pass(meta: StepMeta, b: int, traced: bool) -> StepMeta:
     """`meta` with the micro-batch set and this pass appended to meta.passes."""
     step = {"pass": "micro_batch", "micro_batch": b, **({"traced": True} if traced else {})}
@@ -499,4 +517,5 @@ __all__ = [
     "Mismatch",
     "family",
     "first_mismatch",
+    "trace_sizes",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gobrrr.capture.cuda_calls import on_traced_gpu
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
 from gobrrr.plan import applicable
@@ -25,7 +26,7 @@ class Probe:
     """
 
     def __init__(self, source: Any, seq: int | None) -> None:
-        with torch.device("meta"):
+        with torch.device("meta"), on_traced_gpu():  # .cuda() and the like: stay on meta
             self.workload = _build(source, seq)
         self._states: dict[str, str | None] = {}
 

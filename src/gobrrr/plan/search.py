@@ -28,7 +28,7 @@ from gobrrr.hardware import Target
 from gobrrr.memory.replay import MemoryResult, process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
-from gobrrr.passes.microbatch import TRACE_AT, BatchDependentStructure, family
+from gobrrr.passes.microbatch import TRACE_AT, BatchDependentStructure, family, trace_sizes
 from gobrrr.plan import applicable
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
 from gobrrr.plan.knobs import Knobs, every_kth
@@ -458,7 +458,7 @@ def _graphs(tracer: Tracer, global_batch: int) -> Callable[[int], StepGraph]:
         g = tracer(1)
         return lambda m: g
     try:
-        fam = family(tracer)
+        fam = family(tracer, *trace_sizes(tracer.source))
     except BatchDependentStructure:
         cache: dict[int, StepGraph] = {}
         return lambda m: cache.setdefault(m, tracer(m))

@@ -626,8 +626,9 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         "bf16-states (the optimizer's moments in bf16), 8bit-states (torchao's "
         "8-bit AdamW moments; gobrrr[optim] to apply), bf16-weights (pure bf16: "
         "weights, gradients and states in bf16, no autocast), compile (the model "
-        "under torch.compile, whole and per repeated block), offload (the optimizer's states and AdamW update on "
-        "the CPU, torchao's CPUOffloadOptimizer; costed from the calibration's "
+        "under torch.compile, whole and per repeated block), offload (the "
+        "optimizer's states and AdamW update on the CPU, torchao's "
+        "CPUOffloadOptimizer; costed from the calibration's "
         "offload section)",
     )
     p.add_argument(

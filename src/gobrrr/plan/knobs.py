@@ -196,4 +196,12 @@ def every_kth(blocks: list[str], k: int, policy: str = "full") -> tuple[tuple[st
     return tuple((b, policy) for i, b in enumerate(blocks) if i % k == 0)
 
 
-__all__ = ["CHECKPOINT_POLICIES", "COMPILE", "OPTIMIZER_STATES", "PARALLEL", "WEIGHTS", "Knobs", "every_kth"]
+__all__ = [
+    "CHECKPOINT_POLICIES",
+    "COMPILE",
+    "OPTIMIZER_STATES",
+    "PARALLEL",
+    "WEIGHTS",
+    "Knobs",
+    "every_kth",
+]

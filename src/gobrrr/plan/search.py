@@ -51,8 +51,9 @@ MARGIN = 0.0
 #: bf16 (the update in fp32); "8bit-states" keeps them block-wise quantised to 8 bits
 #: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
 #: in bf16, no autocast: the forward's and backward's numerics change); "compile" runs the
-#: model under torch.compile (Inductor's fused kernels round differently; each variant is
-#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd); "offload"
+#: model under torch.compile, whole ("model") and each repeated block on its own ("blocks")
+#: (Inductor's fused kernels round differently; each variant is traced compiled too, both
+#: ways, which costs seconds per trace: dynamo and AOTAutograd); "offload"
 #: keeps AdamW's states on the host and runs its update on the CPU (torchao's
 #: CPUOffloadOptimizer: the same numerics).
 ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile", "offload")

@@ -39,12 +39,12 @@ def test_compile_pays_here_and_is_chosen(free):
     """Unconstrained, the compiled step is predicted faster (fused pointwise chains, no eager
     dispatch per op) and is the best plan; its prediction is a fresh compiled trace's."""
     p, r = free
-    assert {pl.knobs.compile for pl in r.plans} == {False, True}
-    assert r.best.knobs.compile
+    assert {pl.knobs.compile for pl in r.plans} == {"none", "model", "blocks"}
+    assert r.best.knobs.compiled
     eager = p.cost(Knobs(micro_batch=1, fused_loss=r.best.knobs.fused_loss))
     assert r.best.units_per_s > eager.units_per_s
     fresh = evaluate(capture(long_gpt2, compile=True), p.target)
-    ours = p.cost(Knobs(micro_batch=1, compile=True))
+    ours = p.cost(Knobs(micro_batch=1, compile="model"))
     assert ours.peak_bytes == fresh.memory.peak and ours.step_s == fresh.time.step_s
     assert "torch.compile(model)" in describe(ours.knobs, 1, p.blocks)
 
@@ -53,18 +53,31 @@ def test_compile_is_not_chosen_where_it_does_not_fit(free):
     """A budget between the eager step with every block checkpointed and the compiled step
     (which the planner does not checkpoint): the plan checkpoints, eagerly."""
     p, _ = free
-    compiled = p.cost(Knobs(micro_batch=1, compile=True))
+    compiled = p.cost(Knobs(micro_batch=1, compile="model"))
     full = p.cost(Knobs(micro_batch=1, checkpoint=every_kth(p.blocks, 1)))
     assert full.reserved_bytes < compiled.reserved_bytes
     budget = (full.reserved_bytes + compiled.reserved_bytes) // 2
     r = Planner(
         long_gpt2, "h100", global_batch=1, seq=SEQ, memory_budget=budget, allow=["compile"]
     ).run()
-    assert r.best is not None and r.best.fits and not r.best.knobs.compile
+    assert r.best is not None and r.best.fits and not r.best.knobs.compiled
     assert r.best.knobs.checkpoint
-    assert not any(pl.fits for pl in r.plans if pl.knobs.compile)
+    assert not any(pl.fits for pl in r.plans if pl.knobs.compiled)
 
 
 def test_compile_is_planned_only_when_allowed():
     r = plan(long_gpt2, "h100", global_batch=1, seq=SEQ)
-    assert {pl.knobs.compile for pl in r.plans} == {False}
+    assert {pl.knobs.compile for pl in r.plans} == {"none"}
+
+
+def test_per_block_compile_is_costed_on_its_own_trace(free):
+    """ "blocks" is a variant of its own: its prediction is a fresh per-block compiled
+    trace's, the table names it, and its graph has one forward region per block."""
+    p, r = free
+    ours = p.cost(Knobs(micro_batch=1, compile="blocks"))
+    fresh = evaluate(capture(long_gpt2, compile="blocks"), p.target)
+    assert ours.peak_bytes == fresh.memory.peak and ours.step_s == fresh.time.step_s
+    assert "torch.compile per block" in ours.changes
+    assert "torch.compile(model)" not in ours.changes
+    forwards = [reg for reg in fresh.graph.meta.compiled_regions if reg.kind == "forward"]
+    assert len(forwards) == len(p.blocks)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gobrrr.capture import CHECKPOINTS, capture
+from gobrrr.capture.compiled import mode as compile_mode
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError, check_choice, check_count, check_flag
 from gobrrr.evaluate import Estimate, evaluate
@@ -101,7 +102,7 @@ def estimate(
     precision: str = "bf16-mixed",
     checkpoint: str = "none",
     calibration: Calibration | None | bool = True,
-    compile: bool = False,
+    compile: bool | str = False,
     gpus: int = 1,
     nodes: int = 1,
     parallel: str = "ddp",
@@ -123,7 +124,9 @@ def estimate(
     compile: the model runs under torch.compile (the optimizer stays eager): the step is
     traced as AOTAutograd partitions it, with Inductor's fusion (`gobrrr.capture.compiled`,
     `gobrrr.passes.compile`); ops between matmuls fuse into one kernel each and misaligned
-    matmuls are padded.
+    matmuls are padded. True or "model": torch.compile(model); "blocks": each repeated
+    block's forward compiled on its own, the rest eager (regional compilation), which
+    composes with checkpoint="full" (each block checkpointed around its compiled forward).
 
     calibration: True = use a saved calibration for this GPU if one exists; False/None = the
     datasheet with default efficiencies; or a Calibration to use.
@@ -136,7 +139,7 @@ def estimate(
     check_target_args(source, gpu, calibration, batch=batch, seq=seq, gpus=gpus, nodes=nodes)
     check_choice("precision", precision, PRECISIONS)
     check_choice("checkpoint", checkpoint, CHECKPOINTS)
-    check_flag("compile", compile)
+    compile = compile_mode(compile)
     check_flag("reshard_after_forward", reshard_after_forward)
     check_choice("parallel", parallel, PARALLEL)
     if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
@@ -153,7 +156,7 @@ def estimate(
             f"--parallel {parallel} models FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, "
             f"reduce_dtype=fp32), not --precision {precision}: use --precision bf16-mixed"
         )
-    if gpus > 1 and parallel in SHARDED and compile:
+    if gpus > 1 and parallel in SHARDED and compile != "none":
         raise GobrrrError(
             f"--parallel {parallel} with --compile is not modelled: the compiled step's backward "
             "is not traced unit by unit, so FSDP2's per-unit reduce-scatters cannot be placed; "

@@ -76,7 +76,8 @@ class _Driver:
         return self.backward_module if self.phase == "backward" else ""
 
     def current_phase(self) -> str:
-        if self.phase == "backward" and self.stack:
+        # a checkpoint around a compiled block runs its forward graph again, outside any call
+        if self.phase == "backward" and (self.stack or compiled.current_kind() == "forward"):
             return "recompute"
         return self.phase
 
@@ -392,7 +393,7 @@ def capture(
     checkpoint: str | Mapping[str, str] = "none",
     sdpa: SdpaTarget | None = None,
     accumulation: int = 1,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> StepGraph:
     """Trace one steady-state training step of `source` (a Workload, or a function returning
     one, called under fake tensors) and return its StepGraph. `checkpoint`: "none", "full"
@@ -402,8 +403,11 @@ def capture(
     step (the planner derives this from a one-micro-batch trace: `passes.accumulate`).
     `compile`: the model runs under torch.compile (the optimizer eager): the forward and
     backward are the graphs AOTAutograd partitions (`gobrrr.capture.compiled`), and what
-    Inductor fuses is not allocated (`gobrrr.passes.compile.inductor`)."""
+    Inductor fuses is not allocated (`gobrrr.passes.compile.inductor`). "model" (or True):
+    torch.compile(model); "blocks": each repeated block's forward compiled on its own, the
+    rest eager, a checkpointed block's checkpoint around its compiled forward."""
     precision = Precision.parse(precision)
+    how = compiled.mode(compile)
     if isinstance(checkpoint, str) and checkpoint not in CHECKPOINTS:
         raise GobrrrError(
             f"unknown checkpoint mode {checkpoint!r}: "
@@ -412,7 +416,7 @@ def capture(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     rules = cuda_autocast_rules() if precision.is_mixed else contextlib.nullcontext()
     values = assume.Values()
-    regions = compiled.Regions() if compile else None
+    regions = compiled.Regions() if how != "none" else None
     sdpa = sdpa or SdpaTarget()
     with (
         on_traced_gpu(sdpa.capability),
@@ -423,10 +427,12 @@ def capture(
         cuda_rnn(),
         as_on_cuda(),
         cuda_sdpa(sdpa) as chosen,
-        compiled.compiling() if compile else contextlib.nullcontext(),
+        compiled.compiling() if regions is not None else contextlib.nullcontext(),
     ):
         w = _prepare(_build(source, mode, values), precision)
         names = block_names(w.model)
+        if how == "blocks":  # before checkpointing, which then wraps the compiled forwards
+            _compile_blocks(w.model, names, regions)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
         with real_to_libraries(values.answerable):
@@ -437,6 +443,7 @@ def capture(
                 on_step=chosen.chosen.clear,
                 accumulation=accumulation,
                 regions=regions,
+                whole=how == "model",
             )
     meta = graph.meta.replace(
         checkpoint=checkpoint_meta(checkpointed(w.model), names),
@@ -450,6 +457,16 @@ def capture(
     if regions is None:
         return graph
     return inductor(compiled.tag(graph, regions))
+
+
+def _compile_blocks(model: torch.nn.Module, names: list[str], regions) -> None:
+    if not names:
+        raise GobrrrError(
+            "compile='blocks' found no repeated blocks (an nn.ModuleList or nn.Sequential of "
+            "two or more modules of one class) to compile in this model: compile the whole "
+            "model (compile='model', --compile)"
+        )
+    compiled.compile_blocks(model, names, regions)
 
 
 def _checkpoint(model: torch.nn.Module, checkpoint: str | Mapping[str, str]) -> list:
@@ -484,6 +501,7 @@ def _trace(
     on_step: Callable[[], None] = lambda: None,
     accumulation: int = 1,
     regions: compiled.Regions | None = None,
+    whole: bool = True,
 ) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
     with torch.enable_grad():
@@ -497,7 +515,8 @@ def _trace(
             step.driver = driver
             if regions is not None:  # under the hooks and modes: dynamo guards on them
                 with assume.HostMode(values):
-                    driver.names[id(_compiled_warm_up(step, w, regions))] = ""
+                    runner = _compiled_warm_up(step, w, regions, whole)
+                    driver.names[id(runner)] = ""
             saved = SavedTracker(table)
             rec = step.recorder = Recorder(
                 table, driver.module, driver.current_phase, on_op=saved.on_op
@@ -538,11 +557,14 @@ def _trace(
     )
 
 
-def _compiled_warm_up(step: _Step, w: Workload, regions: compiled.Regions) -> torch.nn.Module:
-    """The step's model under torch.compile as the trace runs it (`compiled.compile_model`),
-    compiled and run once, unrecorded (forward and backward of one micro-batch, its
-    gradients dropped): the recorded step is a steady-state one, as measured steps are."""
-    runner = compiled.compile_model(w.model, regions)
+def _compiled_warm_up(
+    step: _Step, w: Workload, regions: compiled.Regions, whole: bool = True
+) -> torch.nn.Module:
+    """The step's model under torch.compile as the trace runs it (`compiled.compile_model`;
+    `whole` False: its blocks were compiled in place, `compiled.compile_blocks`), compiled
+    and run once, unrecorded (forward and backward of one micro-batch, its gradients
+    dropped): the recorded step is a steady-state one, as measured steps are."""
+    runner = compiled.compile_model(w.model, regions) if whole else w.model
     step.workload = dataclasses.replace(w, model=runner)
     first = split_batch(w.batch, step.accumulation)[0]
     if w.forward_backward is not None:

@@ -15,6 +15,15 @@ partitioned. Each run of a graph is a compiled region, recorded as an op index r
 (`Regions`); what Inductor then fuses inside a region, so that it is never allocated, is
 `gobrrr.passes.compile.inductor`'s to decide.
 
+Two ways to compile (MODES): "model", torch.compile(model), the whole forward one graph (or
+a few, at graph breaks); "blocks", regional compilation: each repeated block's forward
+compiled on its own (`compile_blocks`), the rest of the model eager. The blocks share one
+forward and one backward graph (dynamo compiles a block class's code once and guards on
+its structure, not on which block), so each block's call and backward is one region of its
+own, named by the block it ran for. A block checkpointed around its compiled forward
+(checkpoint(compiled forward), `gobrrr.training.checkpointing`) runs that forward graph
+again in backward: a forward region recorded in the recompute phase.
+
 The trace's dispatch modes step aside while dynamo and AOTAutograd trace
 (`ignore_compile_internals`: `active()` is true during a compiled capture) and see the
 graphs' ops when they run.
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 import warnings
 from collections import Counter
@@ -40,6 +50,28 @@ _ACTIVE = contextvars.ContextVar("gobrrr_compiled_capture", default=False)
 _MODULE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "gobrrr_compiled_module", default=None
 )
+_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "gobrrr_compiled_kind", default=None
+)
+
+#: How the model is compiled: "none" (eager), "model" (torch.compile(model)), "blocks" (each
+#: repeated block's forward compiled on its own, the rest eager).
+MODES = ("none", "model", "blocks")
+
+
+def mode(value: object, name: str = "compile") -> str:
+    """`value` as one of MODES: False -> "none", True -> "model" (the whole model, as the
+    boolean meant before "blocks" existed); anything else is a GobrrrError naming it."""
+    if value is False or value is None:
+        return "none"
+    if value is True:
+        return "model"
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise GobrrrError(
+        f"{name}={value!r}: choose {', '.join(repr(m) for m in MODES)} "
+        "(True means 'model', False 'none')"
+    )
 
 
 def active() -> bool:
@@ -52,17 +84,25 @@ def current_module() -> str | None:
     return _MODULE.get()
 
 
+def current_kind() -> str | None:
+    """The kind of the compiled graph now running ("forward", "backward"; None: none)."""
+    return _KIND.get()
+
+
 @dataclass
 class Regions:
     """The compiled graphs of one capture and the op index ranges their runs recorded.
 
     graphs: (kind, GraphModule) in the order AOTAutograd made them ("forward", "backward",
     "inference"). runs: [kind, first op, last op] of each graph's run (ops of the trace's
-    recorder; an empty run is left out). `clock()` gives the index the next op will get."""
+    recorder; an empty run is left out). `clock()` gives the index the next op will get.
+    prefix: the module the graph now called runs for ("transformer.h.3" for a compiled
+    block; "" for the whole model), which its ops' module names are relative to."""
 
     clock: Callable[[], int] = lambda: 0
     graphs: list[tuple[str, torch.fx.GraphModule]] = field(default_factory=list)
     runs: list[list[Any]] = field(default_factory=list)
+    prefix: str = ""
 
     def meta(self) -> tuple[Region, ...]:
         return tuple(Region(*r) for r in self.runs)
@@ -76,11 +116,12 @@ class _Runner(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, regions: Regions) -> None:
         super().__init__(gm, garbage_collect_values=True)
-        self.kind, self.regions = kind, regions
+        self.kind, self.regions, self.prefix = kind, regions, ""
         self.modules = {n: module_of(n) for n in gm.graph.nodes}
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        token = _MODULE.set(self.modules.get(n) or "")
+        module = ".".join(p for p in (self.prefix, self.modules.get(n) or "") if p)
+        token = _MODULE.set(module)
         try:
             return super().run_node(n)
         finally:
@@ -88,7 +129,12 @@ class _Runner(torch.fx.Interpreter):
 
     def __call__(self, args: list) -> Any:
         first = self.regions.clock()
-        out = self.boxed_run(args)
+        self.prefix = self.regions.prefix
+        token = _KIND.set(self.kind)
+        try:
+            out = self.boxed_run(args)
+        finally:
+            _KIND.reset(token)
         self.env = {}  # the interpreter would keep the outputs referenced until its next run
         last = self.regions.clock() - 1
         if last >= first:
@@ -186,6 +232,50 @@ def compile_model(model: torch.nn.Module, regions: Regions) -> torch.nn.Module:
     return torch.compile(model, backend=recording_backend(regions))
 
 
+def compile_blocks(model: torch.nn.Module, blocks: list[str], regions: Regions) -> None:
+    """Each named block's forward compiled on its own, in place, as the trace runs it (see
+    `recording_backend`; one backend for all, so dynamo compiles the shared code once).
+    The block's own call stays eager (its hooks run), and a checkpoint wrapper applied after
+    wraps the compiled forward."""
+    backend = recording_backend(regions)
+    for name in blocks:
+        block = model.get_submodule(name)
+        block.forward = _for_block(name, torch.compile(block.forward, backend=backend), regions)
+
+
+def _for_block(name: str, fn: Callable, regions: Regions) -> Callable:
+    """`fn` (a block's compiled forward) with its graphs' runs named by the block: the
+    forward (and a checkpoint's recompute) by the call, the backward by a hook on the
+    outputs' autograd nodes, which run just before the block's compiled backward."""
+
+    def name_backward(grad_outputs):
+        regions.prefix = name
+
+    @functools.wraps(fn)
+    def forward(*args, **kwargs):
+        # restored after: a recompute runs inside the block's backward, which follows it
+        outer, regions.prefix = regions.prefix, name
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            regions.prefix = outer
+        for t in _tensors(out):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(name_backward)
+        return out
+
+    return forward
+
+
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a block's output (a tensor, or a tuple or list holding some)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+
+
 def tag(graph, regions: Regions):
     """The captured graph with its compiled regions in meta: "compiled": True,
     "compiled_regions": [[kind, first op, last op], ...], "compiled_graphs": graphs made by
@@ -233,12 +323,16 @@ def ignore_compile_internals(cls) -> bool:
 
 
 __all__ = [
+    "MODES",
     "Regions",
     "active",
+    "compile_blocks",
     "compile_model",
     "compiling",
+    "current_kind",
     "current_module",
     "ignore_compile_internals",
+    "mode",
     "module_of",
     "recording_backend",
     "tag",

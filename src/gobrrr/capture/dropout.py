@@ -40,6 +40,11 @@ def cpu_composite(op: str, kernel) -> Iterator[None]:
         yield
     finally:
         lib._destroy()
+        # the Python dispatcher (dynamo, AOTAutograd) caches each overload's kernel per key:
+        # left stale, a later real torch.compile on the CPU runs the op without autograd
+        packet = getattr(torch.ops.aten, op.split(".")[0])
+        for name in packet.overloads():
+            getattr(packet, name)._dispatch_cache.clear()
 
 
 def cuda_dropout() -> contextlib.AbstractContextManager[None]:

@@ -50,6 +50,7 @@ EXAMPLES = {
   gobrrr estimate --model llama3-8b --gpu h100 --batch 1 --seq 4096 --precision bf16-mixed
   gobrrr estimate my_train.py:workload --gpu a100-80gb --batch 32 --seq 512 --json
   gobrrr estimate --model convnet --gpu mygpu.toml --top 30
+  gobrrr estimate --model llama3-1b --batch 2 --seq 2048 --compile blocks --checkpoint full
   gobrrr estimate --model gpt2 --batch 16 --seq 1024 --gpus 8 --parallel ddp
   gobrrr estimate --model llama3-1b --batch 1 --seq 8192 --gpus 4 --parallel fsdp
   gobrrr estimate --model llama3-8b --batch 1 --seq 8192 --gpus 8 --parallel fsdp --no-reshard
@@ -234,7 +235,31 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         type=one_of("checkpoint mode", CHECKPOINTS),
         help="none | full (checkpoint every block)",
     )
-    p.add_argument("--compile", action="store_true", help="the model runs under torch.compile")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="model",
+        default="none",
+        metavar="blocks",
+        help="the model runs under torch.compile: --compile, the whole model; "
+        "--compile blocks, each repeated block on its own, the rest eager (regional "
+        "compilation: one compile for every block; combines with --checkpoint full)",
+    )
+
+
+def compile_arg(args: argparse.Namespace) -> str:
+    """--compile's mode: "none", "model" (--compile alone) or "blocks". A workload written
+    right after a bare --compile (`estimate --compile my.py:fn`) is the workload."""
+    value = args.compile
+    if value in ("none", "model", "blocks"):
+        return value
+    if args.workload is None and args.model is None and value != "none":
+        args.workload = value
+        return "model"
+    raise GobrrrError(
+        f"--compile {value!r}: give --compile alone (the whole model) or --compile blocks "
+        "(each repeated block)"
+    )
 
 
 def workload_spec(args: argparse.Namespace, default: str = "gpt2") -> str:
@@ -605,8 +630,9 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         "bf16-states (the optimizer's moments in bf16), 8bit-states (torchao's "
         "8-bit AdamW moments; gobrrr[optim] to apply), bf16-weights (pure bf16: "
         "weights, gradients and states in bf16, no autocast), compile (the model "
-        "under torch.compile), offload (the optimizer's states and AdamW update on "
-        "the CPU, torchao's CPUOffloadOptimizer; costed from the calibration's "
+        "under torch.compile, whole and per repeated block), offload (the "
+        "optimizer's states and AdamW update on the CPU, torchao's "
+        "CPUOffloadOptimizer; costed from the calibration's "
         "offload section)",
     )
     p.add_argument(
@@ -666,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, as_json: bool) -> int:
     before = _outputs(args)
     try:
+        if args.command == "estimate":  # before the checks: it may name the workload
+            args.compile = compile_arg(args)
         check_args(args)
         func: Callable[[argparse.Namespace], int] = args.func
         code = func(args)

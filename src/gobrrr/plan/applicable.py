@@ -8,6 +8,7 @@ a sentence that names the value and the fix.
     fused_loss_refusal(workload)           the fused linear + cross-entropy
     optimizer_refusal(optimizer, states)   bf16 / 8-bit optimizer states, offload
     checkpoint_refusal(model, blocks)      checkpointing the named blocks
+    compile_refusal(model, compile)        torch.compile per repeated block ("blocks")
     parallel_refusal(knobs, precision, blocks)   DDP / FSDP2 with the other knobs
     refusal(workload, knobs, precision)    all of them, for one configuration (apply's check)
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.plan.knobs import Knobs
+from gobrrr.training.checkpointing import block_names
 from gobrrr.training.fused_loss import fused_loss_refusal as model_refusal
 from gobrrr.training.optimizers import adam_hyper
 from gobrrr.workload import Batch, Workload
@@ -120,17 +122,31 @@ def checkpoint_refusal(model: nn.Module, blocks: Iterable[str]) -> str | None:
     return None
 
 
+def compile_refusal(model: nn.Module, compile: str) -> str | None:
+    """Why the model cannot be compiled as `compile` says (None: it can): "blocks" compiles
+    each repeated block (an nn.ModuleList or nn.Sequential of two or more modules of one
+    class, `gobrrr.training.checkpointing.repeated_blocks`), so the model must have some."""
+    if compile != "blocks" or block_names(model):
+        return None
+    return (
+        f"compile='blocks' compiles each repeated block, and this {type(model).__name__} has "
+        "none (an nn.ModuleList or nn.Sequential of two or more modules of one class): "
+        "compile the whole model (compile='model')"
+    )
+
+
 def parallel_refusal(knobs: Knobs, precision: str, blocks: Sequence[str]) -> str | None:
     """Why the knobs' data parallelism cannot run with the rest of them (None: it can, or
     there is none). blocks: the model's repeated blocks (FSDP2's units). DDP and FSDP2 run
-    without compile and offload (the plan costs neither under them); FSDP2 runs torchtitan's
+    without compile (whole or per block) and offload (the plan costs neither under them);
+    FSDP2 runs torchtitan's
     MixedPrecisionPolicy(param bf16, reduce fp32) over the repeated blocks."""
     if not knobs.distributed:
         return None
-    if knobs.compile or knobs.offload:
+    if knobs.compiled or knobs.offload:
         return (
             f"parallel={knobs.parallel!r} with compile or offload is not planned (the plan "
-            "costs neither under DDP or FSDP2): set compile=False and offload=False"
+            "costs neither under DDP or FSDP2): set compile='none' and offload=False"
         )
     if knobs.parallel == "fsdp" and (
         precision != "bf16-mixed" or knobs.weights != "as-is" or knobs.optimizer_states != "as-is"
@@ -158,6 +174,7 @@ def refusal(
         lambda: parallel_refusal(knobs, precision, blocks),
         lambda: knobs.fused_loss and fused_loss_refusal(workload),
         lambda: knobs.checkpoint and checkpoint_refusal(workload.model, dict(knobs.checkpoint)),
+        lambda: compile_refusal(workload.model, knobs.compile),
         lambda: _optimizer_refusal(workload, knobs),
     ]
     for check in checks:
@@ -184,6 +201,7 @@ def check(workload: Workload, knobs: Knobs, precision: str, blocks: Sequence[str
 __all__ = [
     "check",
     "checkpoint_refusal",
+    "compile_refusal",
     "fused_loss_refusal",
     "optimizer_refusal",
     "parallel_refusal",

@@ -15,15 +15,20 @@ What each knob does to the real model (in the order applied, and why that order)
        first, so the optimizer and its states are made for the weights as they will train.
     2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
        cross-entropy (gobrrr.training.fused_loss); a change of the forward, so before compile.
-    3. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
-       their policy (gobrrr.training.checkpointing.apply_checkpointing); before compile,
-       which traces through them.
-    4. optimizer_states / offload: the workload's optimizer is built, its hyper-parameters
+    3. compile "blocks": each repeated block's forward is replaced by torch.compile of it, in
+       place (regional compilation: the blocks share one compilation, the rest of the model
+       stays eager; the block's own call and its hooks stay eager too, as with
+       `block.compile()` but around its forward only); before checkpointing, so that a
+       checkpointed block is checkpoint(compiled forward) and recomputes compiled code.
+    4. checkpoint: the named blocks' forwards are wrapped in activation checkpointing with
+       their policy (gobrrr.training.checkpointing.apply_checkpointing); before compile
+       "model", which traces through them.
+    5. optimizer_states / offload: the workload's optimizer is built, its hyper-parameters
        read, and it is replaced by one keeping bf16 or 8-bit moments, on the host when
        offloaded (gobrrr.training.optimizers); it holds the parameters themselves, compiled or not.
-    5. compile: torch.compile(model), last, over the model as it will run; the optimizer
-       stays eager.
-    6. micro_batch x accumulation: inside the returned step (gobrrr.training.step.TrainStep).
+    6. compile "model": torch.compile(model), last, over the model as it will run; the
+       optimizer stays eager.
+    7. micro_batch x accumulation: inside the returned step (gobrrr.training.step.TrainStep).
 
 With parallel "ddp" or "fsdp" (inside a torchrun process; `gobrrr plan --gpus N`): the process
 joins the job first (gobrrr.training.distributed.process_group) and the model moves to the
@@ -65,7 +70,8 @@ class AppliedStep:
 
     Attributes:
         model: the user's model, changed in place as planned (checkpoint wrappers, fused
-            loss, bf16 weights); under compile, `compiled` is what runs it.
+            loss, bf16 weights, compiled block forwards); under compile "model",
+            `compiled` is what runs it (None otherwise).
         optimizer: the optimizer that steps it (the user's, or its bf16/8-bit/offloaded
             replacement).
         knobs: the configuration applied.
@@ -170,6 +176,8 @@ def apply(
         changes.append("weights in bfloat16")
     if knobs.fused_loss:
         changes.append(use_fused_loss(model))
+    if knobs.compile == "blocks":
+        changes.append(compile_blocks(model))
     if knobs.checkpoint:
         changes.append(checkpoint_blocks(model, dict(knobs.checkpoint)))
     if changes or group is not None:
@@ -183,7 +191,7 @@ def apply(
     optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states, knobs.offload)
     if knobs.optimizer_states != "as-is" or knobs.offload:
         changes.append(f"optimizer {type(optimizer).__name__}")
-    if knobs.compile:
+    if knobs.compile == "model":
         runner = torch.compile(model)
         changes.append("torch.compile(model)")
     device = group.device if group is not None else None
@@ -262,9 +270,19 @@ def checkpoint_blocks(model: nn.Module, policies: dict[str, str]) -> str:
     return "checkpoint " + ", ".join(f"{n} block(s) {p}" for p, n in sorted(counts.items()))
 
 
+def compile_blocks(model: nn.Module) -> str:
+    """Each repeated block's forward replaced by torch.compile of it (one compilation for
+    all: dynamo guards on a block's structure, not on which block it is)."""
+    names = block_names(model)
+    for name in names:
+        block = model.get_submodule(name)
+        block.forward = torch.compile(block.forward)
+    return f"torch.compile per block ({len(names)} blocks)"
+
+
 def _device_of(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
 
-__all__ = ["AppliedStep", "apply", "as_knobs", "checkpoint_blocks"]
+__all__ = ["AppliedStep", "apply", "as_knobs", "checkpoint_blocks", "compile_blocks"]

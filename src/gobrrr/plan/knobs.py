@@ -37,6 +37,13 @@ WEIGHTS = ("as-is", "bf16")
 #: `passes.fsdp` does with hosts > 1.
 PARALLEL = ("none", "ddp", "fsdp")
 
+#: torch.compile. "none": eager. "model": torch.compile(model), the whole forward one graph.
+#: "blocks": regional compilation, each repeated block's forward compiled on its own (one
+#: compilation shared by all of them: seconds, not minutes), the rest of the model eager; a
+#: checkpointed block is checkpointed around its compiled forward. The optimizer stays eager.
+#: (The JSON form of older plans says True or False: read as "model" and "none".)
+COMPILE = ("none", "model", "blocks")
+
 
 @dataclass(frozen=True)
 class Knobs:
@@ -53,7 +60,8 @@ class Knobs:
         offload: optimizer states live in host memory and the update runs on the CPU.
         fused_loss: the model's output projection and cross-entropy run as gobrrr's fused
             linear + cross-entropy kernel (no logits tensor).
-        compile: the model runs under torch.compile (the optimizer stays eager).
+        compile: one of COMPILE (True and False, as older plans wrote it, are read as
+            "model" and "none").
         weights: one of WEIGHTS.
         parallel: one of PARALLEL. Not "none": micro_batch x accumulation is one rank's
             share of the job's batch (the job's global batch / its GPUs), and gradient sync
@@ -71,7 +79,7 @@ class Knobs:
     optimizer_states: str = "as-is"
     offload: bool = False
     fused_loss: bool = False
-    compile: bool = False
+    compile: str = "none"
     weights: str = "as-is"
     parallel: str = "none"
     reshard: bool = True
@@ -83,7 +91,9 @@ class Knobs:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise GobrrrError(f"Knobs({name}={v!r}): give a whole number of {unit} >= 1")
             object.__setattr__(self, name, int(v))  # frozen: a numpy integer made an int
-        for name in ("offload", "fused_loss", "compile", "reshard", "sync_each"):
+        if isinstance(self.compile, bool):  # the JSON form of plans from before "blocks"
+            object.__setattr__(self, "compile", "model" if self.compile else "none")
+        for name in ("offload", "fused_loss", "reshard", "sync_each"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise GobrrrError(f"Knobs({name}={v!r}) is not a bool: give True or False")
@@ -96,6 +106,7 @@ class Knobs:
             ("optimizer_states", OPTIMIZER_STATES),
             ("weights", WEIGHTS),
             ("parallel", PARALLEL),
+            ("compile", COMPILE),
         ):
             v = getattr(self, name)
             if not isinstance(v, str) or v not in choices:
@@ -117,6 +128,11 @@ class Knobs:
     def policy(self, block: str) -> str:
         """The checkpoint policy of `block`: "full", "selective" or "none"."""
         return dict(self.checkpoint).get(block, "none")
+
+    @property
+    def compiled(self) -> bool:
+        """Whether any of the model runs under torch.compile."""
+        return self.compile != "none"
 
     @property
     def distributed(self) -> bool:
@@ -180,4 +196,12 @@ def every_kth(blocks: list[str], k: int, policy: str = "full") -> tuple[tuple[st
     return tuple((b, policy) for i, b in enumerate(blocks) if i % k == 0)
 
 
-__all__ = ["CHECKPOINT_POLICIES", "OPTIMIZER_STATES", "PARALLEL", "WEIGHTS", "Knobs", "every_kth"]
+__all__ = [
+    "CHECKPOINT_POLICIES",
+    "COMPILE",
+    "OPTIMIZER_STATES",
+    "PARALLEL",
+    "WEIGHTS",
+    "Knobs",
+    "every_kth",
+]

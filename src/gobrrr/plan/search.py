@@ -51,8 +51,9 @@ MARGIN = 0.0
 #: bf16 (the update in fp32); "8bit-states" keeps them block-wise quantised to 8 bits
 #: (torchao's AdamW8bit); "bf16-weights" trains in pure bf16 (weights, gradients and states
 #: in bf16, no autocast: the forward's and backward's numerics change); "compile" runs the
-#: model under torch.compile (Inductor's fused kernels round differently; each variant is
-#: traced compiled too, which costs seconds per trace: dynamo and AOTAutograd); "offload"
+#: model under torch.compile, whole ("model") and each repeated block on its own ("blocks")
+#: (Inductor's fused kernels round differently; each variant is traced compiled too, both
+#: ways, which costs seconds per trace: dynamo and AOTAutograd); "offload"
 #: keeps AdamW's states on the host and runs its update on the CPU (torchao's
 #: CPUOffloadOptimizer: the same numerics).
 ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile", "offload")
@@ -229,7 +230,7 @@ class Planner:
             out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
         out = [v for v in out if not v.fused_loss or not refusal]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
-            out += [replace(v, compile=True) for v in out]
+            out += [replace(v, compile=c) for c in self._compile_modes(notes) for v in out]
         out = [v for v in out if v != BASE]
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
@@ -240,6 +241,14 @@ class Planner:
                 f"{self.req.usable / gib:.1f} GiB budget"
             )
         return kept
+
+    def _compile_modes(self, notes: list[str]) -> list[str]:
+        """How the model may be compiled: whole ("model"), and block by block ("blocks")
+        where it has repeated blocks to compile."""
+        refusal = applicable.compile_refusal(self.probe.workload.model, "blocks")
+        if refusal:
+            notes.append(f"torch.compile per block not planned: {refusal}")
+        return ["model", *([] if refusal else ["blocks"])]
 
     def _states(self, notes: list[str]) -> list[str]:
         """The optimizer-state storages allowed and possible for the workload's optimizer."""
@@ -540,7 +549,7 @@ class _Search:
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
-        if plain.fits or not self.blocks or v.compile:  # checkpointing: eager variants only
+        if plain.fits or not self.blocks or v.compiled:  # checkpointing: eager variants only
             return [plain]
         policies = [
             every_kth(self.blocks, 1, "selective"),
@@ -690,8 +699,10 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
                 knobs.optimizer_states, f"optimizer states in {knobs.optimizer_states}"
             )
         )
-    if knobs.compile:
+    if knobs.compile == "model":
         out.append("torch.compile(model)")
+    elif knobs.compile == "blocks":
+        out.append("torch.compile per block")
     if knobs.offload:
         out.append("optimizer states and update on the CPU (offload)")
     by_policy: dict[str, int] = {}

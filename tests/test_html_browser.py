@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,35 @@ def check_numbers(b, kind: str, r: dict, charts: list[dict]) -> None:
         drawn = next(x for x in charts if x["id"].endswith("-candidates"))["traces"]
         xs = sorted(x for t in drawn if t["name"] in ("fits", "does not fit") for x in t["x"])
         assert xs == pytest.approx(sorted(v / gib for v in c["reserved_bytes"]))
+
+
+def test_charts_below_the_first_screen_draw_when_scrolled_to(pages, capsys):
+    """With the browser never idle (requestIdleCallback does nothing), the page opens with
+    its first screen's charts drawn, the rest not yet; each draws once scrolled into view."""
+    path, args = pages["estimate"]
+    result = run(args, capsys)
+    with browser.Chromium(height=700) as b:
+        b.call(
+            "Page.addScriptToEvaluateOnNewDocument",
+            session=True,
+            source="window.requestIdleCallback = function () { return 0; };",
+        )
+        page = b.load(path, until="first")
+        assert page.errors == [] and page.first_ms is not None
+        charts = page.charts
+        first = [c for c in charts if c["first"]]
+        assert first and all(c["svg"] > 0 for c in first)
+        later = [c["id"] for c in charts if not c["svg"]]
+        assert later and later[-1] == charts[-1]["id"]  # the last chart waits for a scroll
+        assert b.evaluate("document.body.dataset.rendered || null") is None
+        for div in later:
+            b.evaluate(f"document.getElementById({json.dumps(div)}).scrollIntoView()")
+            drawn = f"document.getElementById({json.dumps(div)}).querySelectorAll('.main-svg')"
+            deadline = time.monotonic() + 20
+            while not b.evaluate(f"{drawn}.length") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert b.evaluate(f"{drawn}.length") > 0, div
+        assert b.evaluate("document.body.dataset.rendered") == str(len(charts))
+        charts = json.loads(b.evaluate(browser.CHARTS_JS))
+        check_numbers(b, "estimate", result, charts)
+        assert b._errors() == []

@@ -46,14 +46,36 @@ window.gobrrrErrors.push(String(e.message));var b=document.getElementById('gobrr
 if(b){b.hidden=false;b.textContent='a chart failed: '+window.gobrrrErrors.join('; ');
 document.body.dataset.errors=String(window.gobrrrErrors.length);}});"""
 
-LOADER = """(function(){var s=document.querySelectorAll('script.gobrrr-figure'),p=[];
-document.body.dataset.scriptsMs=String(Math.round(performance.now()));
-s.forEach(function(e){var d=document.getElementById(e.dataset.target),f=JSON.parse(e.textContent);
-p.push(Plotly.newPlot(d,f.data,f.layout,{responsive:true,displaylogo:false}).then(function(g){
-d.dataset.traces=String(g.data.length);}));});
-Promise.all(p).then(function(){document.body.dataset.renderMs=String(Math.round(performance.now()));
-document.body.dataset.rendered=String(s.length);},function(e){window.dispatchEvent(
-new ErrorEvent('error',{message:String(e)}));});})();"""
+# Draws the charts. plotly.js (4.8 MB) waits in a `text/plain` script until the page's text
+# has painted, then runs; the charts on the first screen are drawn at once, the others when
+# scrolled near (IntersectionObserver) or when the browser is idle, one per idle spell, so
+# the page opens (first screen drawn, input answered) before plotly has drawn every chart.
+# Marks on <body>: data-scripts-ms (plotly.js run), data-first-ms (first screen drawn and
+# painted), data-render-ms and data-rendered=N (every chart drawn); per chart data-draw-ms.
+LOADER = """(function(){var B=document.body,W=window,all=[].slice.call(
+document.querySelectorAll('script.gobrrr-figure')),left=all.length,idle=W.requestIdleCallback||
+function(f){return setTimeout(f,30);},io=null;
+function now(){return String(Math.round(performance.now()));}
+function fail(e){W.dispatchEvent(new ErrorEvent('error',{message:String(e)}));}
+function after_paint(f){requestAnimationFrame(function(){setTimeout(f,0);});}
+function draw(e){if(e.gobrrrDrawn)return e.gobrrrDrawn;if(io)io.unobserve(e.gobrrrDiv);
+var d=e.gobrrrDiv,f=JSON.parse(e.textContent),t=performance.now();
+return e.gobrrrDrawn=Plotly.newPlot(d,f.data,f.layout,{responsive:true,displaylogo:false}).then(
+function(g){d.dataset.traces=String(g.data.length);d.dataset.drawMs=String(Math.round(
+performance.now()-t));if(--left===0){B.dataset.renderMs=now();B.dataset.rendered=String(
+all.length);}},fail);}
+function next(){var e=all.filter(function(x){return !x.gobrrrDrawn;})[0];if(e){draw(e);idle(next);}}
+function rest(){B.dataset.firstMs=now();if(W.IntersectionObserver){io=new IntersectionObserver(
+function(es){es.forEach(function(x){if(x.isIntersecting)draw(x.target.gobrrrFigure);});},
+{rootMargin:'300px'});all.forEach(function(e){if(!e.gobrrrDrawn)io.observe(e.gobrrrDiv);});}
+idle(next);}
+function start(){B.dataset.scriptsMs=now();var first=[];all.forEach(function(e){var d=e.gobrrrDiv=
+document.getElementById(e.dataset.target),r=d.getBoundingClientRect();d.gobrrrFigure=e;
+if(r.bottom>0&&r.top<innerHeight){d.dataset.first='1';first.push(draw(e));}});
+W.addEventListener('beforeprint',function(){all.forEach(draw);});
+Promise.all(first).then(function(){after_paint(rest);});}
+after_paint(function(){var s=document.createElement('script');s.text=document.getElementById(
+'gobrrr-plotly').textContent;document.head.appendChild(s);if(W.Plotly)start();});})();"""
 
 
 @dataclass
@@ -68,7 +90,9 @@ class Section:
     def figure(self, name: str, fig: Any, caption: str = "") -> None:
         div = f"fig-{self.id}-{len(self.figures)}-{name}"
         self.figures.append((div, fig))
-        self.body += f'<div class="chart" id="{div}"></div>'
+        # its height kept before it is drawn, so drawing it later moves nothing else
+        height = getattr(fig.layout, "height", None) or 450  # plotly's default, px
+        self.body += f'<div class="chart" id="{div}" style="min-height:{height}px"></div>'
         if caption:
             self.body += f'<p class="note">{caption}</p>'
 
@@ -131,11 +155,12 @@ def page(title: str, subtitle: str, sections: list[Section], result: dict) -> st
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>gobrrr: {html.escape(title)}</title><style>{STYLE}</style>"
-        f"<script>{CATCH}</script><script>{get_plotlyjs()}</script></head>"
+        f"<script>{CATCH}</script></head>"
         f"<body><header><h1>{html.escape(title)}</h1><p>{html.escape(subtitle)}</p>"
         f'<nav>{nav}</nav></header><div id="gobrrr-errors" hidden></div><main>{body}</main>'
         f'<script type="application/json" id="gobrrr-result">{safe_json(result)}</script>'
-        f"{figures}<script>{LOADER}</script></body></html>\n"
+        f'{figures}<script type="text/plain" id="gobrrr-plotly">{get_plotlyjs()}</script>'
+        f"<script>{LOADER}</script></body></html>\n"
     )
 
 

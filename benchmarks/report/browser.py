@@ -85,6 +85,10 @@ class Chromium:
             "--disable-dev-shm-usage",
             "--no-first-run",
             "--hide-scrollbars",
+            # a fresh browser preloads its own omnibox popup (a WebUI renderer running ~400
+            # modules) while the page loads: on a small machine that is CPU the page waits for
+            "--disable-features=PreloadTopChromeWebUI,WebUIOmniboxPopup,WebUIOmniboxFullPopup,"
+            "WebUIOmniboxAimPopup",
             "--remote-debugging-pipe",
             f"--user-data-dir={self.profile}",
             f"--window-size={width},{height}",

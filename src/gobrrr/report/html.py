@@ -6,9 +6,11 @@ a page made later from a saved result is the page the command would have written
 is embedded once, inline: the page opens offline and fetches nothing. The result is embedded
 too (`<script type="application/json" id="gobrrr-result">`), its `<`, `>` and `&` written as
 JSON escapes, as plotly writes its figures: no name a user controls can close the tag.
-The page marks itself when every chart has rendered (`<body data-rendered=N>`; ms to then in
-`data-render-ms`, to its scripts read in `data-scripts-ms`) and shows any script error in a
-banner (`#gobrrr-errors`).
+The page's text paints first; the charts on the first screen are drawn once plotly.js has run,
+the others when scrolled near or when the browser is idle (`LOADER`). The page marks when its
+first screen is drawn (`<body data-first-ms>`, ms from navigation) and when every chart is
+(`data-rendered=N`, `data-render-ms`; plotly.js run at `data-scripts-ms`), and shows any
+script error in a banner (`#gobrrr-errors`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,93 @@ def check_numbers(b, kind: str, r: dict, charts: list[dict]) -> None:
         drawn = next(x for x in charts if x["id"].endswith("-candidates"))["traces"]
         xs = sorted(x for t in drawn if t["name"] in ("fits", "does not fit") for x in t["x"])
         assert xs == pytest.approx(sorted(v / gib for v in c["reserved_bytes"]))
+
+
+def test_charts_below_the_first_screen_draw_when_scrolled_to(pages, capsys):
+    """With the browser never idle (requestIdleCallback does nothing), the page opens with
+    its first screen's charts drawn, the rest not yet; each draws once scrolled into view."""
+    path, args = pages["estimate"]
+    result = run(args, capsys)
+    with browser.Chromium(height=700) as b:
+        b.call(
+            "Page.addScriptToEvaluateOnNewDocument",
+            session=True,
+            source="window.requestIdleCallback = function () { return 0; };",
+        )
+        page = b.load(path, until="first")
+        assert page.errors == [] and page.first_ms is not None
+        charts = page.charts
+        first = [c for c in charts if c["first"]]
+        assert first and all(c["svg"] > 0 for c in first)
+        later = [c["id"] for c in charts if not c["svg"]]
+        assert later and later[-1] == charts[-1]["id"]  # the last chart waits for a scroll
+        assert b.evaluate("document.body.dataset.rendered || null") is None
+        for div in later:
+            b.evaluate(f"document.getElementById({json.dumps(div)}).scrollIntoView()")
+            drawn = f"document.getElementById({json.dumps(div)}).querySelectorAll('.main-svg')"
+            deadline = time.monotonic() + 20
+            while not b.evaluate(f"{drawn}.length") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert b.evaluate(f"{drawn}.length") > 0, div
+        assert b.evaluate("document.body.dataset.rendered") == str(len(charts))
+        charts = json.loads(b.evaluate(browser.CHARTS_JS))
+        check_numbers(b, "estimate", result, charts)
+        assert b._errors() == []
+
+
+NESTED = """
+import torch
+from torch import nn
+from gobrrr import Workload
+
+def make(batch_size: int = 4):
+    block = lambda: nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8))
+    return Workload(model=nn.Sequential(block(), block(), block()),
+                    batch=(torch.randn(batch_size, 8),), loss=lambda out, b: out.square().mean())
+"""
+
+
+def test_treemap_draws_its_first_view_then_the_whole_tree_on_a_click(tmp_path, capsys):
+    """The module treemap is drawn with the levels its first view shows (maxdepth 3: the
+    step, the blocks, their children); a click on a block's child draws the whole tree from
+    there, its own children (the 4th level) included."""
+    (tmp_path / "nested.py").write_text(NESTED)
+    path = tmp_path / "nested.html"
+    r = run(["estimate", f"{tmp_path / 'nested.py'}:make", "--json", "--html", str(path)], capsys)
+    tree = r["charts"]["modules"]
+    assert "1.0.0" in tree["id"]  # the 4th level exists in the JSON
+    with browser.Chromium() as b:
+        page = b.load(path)
+        assert page.errors == [] and page.rendered == len(page.charts)
+        div = "document.querySelector('[id$=\"-modules\"]')"
+        drawn = next(c for c in page.charts if c["id"].endswith("-modules"))["traces"][0]
+        shown = [i for i in tree["id"] if i.count(".") < 2]  # "", "<top>", "1", "1.0", ...
+        assert drawn["ids"] == [f"m:{i}" for i in shown]
+        assert drawn["values"] == pytest.approx(
+            [tree["time_s"][tree["id"].index(i)] for i in shown]
+        )
+        slices = f"Array.from({div}.querySelectorAll('g.slice'))"
+        b.evaluate(f"{div}.scrollIntoView()")
+        x, y = b.evaluate(
+            f"(function(){{var s={slices}.filter(function(s){{return s.__data__.data.data.id"
+            "==='m:1.0';})[0].getBoundingClientRect();return [s.left+s.width/2,s.top+s.height/2]"
+            "})()"
+        )
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            b.call(
+                "Input.dispatchMouseEvent",
+                session=True,
+                type=kind,
+                x=x,
+                y=y,
+                button="left",
+                clickCount=1,
+            )
+        ids = f"{slices}.map(function(s){{return s.__data__.data.data.id;}})"
+        deadline = time.monotonic() + 10
+        while "m:1.0.0" not in (b.evaluate(ids) or []) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {"m:1.0.0", "m:1.0.1"} <= set(b.evaluate(ids))
+        assert b.evaluate(f"{div}.data[0].ids.length") == len(tree["id"])
+        assert b.evaluate(f"{div}.data[0].level") == "m:1.0"
+        assert b._errors() == []

@@ -92,10 +92,11 @@ def test_names_a_user_controls_stay_text(evil):
     _, result, page = evil
     p = Scripts()
     p.feed(page)
-    # the script elements are the page's own: error catcher, plotly.js, the result, one per
-    # figure, the loader; no name opened one, and none made an <img>
+    # the script elements are the page's own: error catcher, plotly.js (as text, run by the
+    # loader), the result, one per figure, the loader; no name opened one, none made an <img>
     kinds = [s.get("class") or s.get("id") or "inline" for s in p.scripts]
-    assert kinds.count("inline") == 3
+    assert kinds.count("inline") == 2
+    assert kinds.count("gobrrr-plotly") == 1
     assert kinds.count("gobrrr-result") == 1
     assert kinds.count("gobrrr-figure") == len(figures(page))
     assert "img" not in p.tags

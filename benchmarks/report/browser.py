@@ -28,9 +28,17 @@ BINARIES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 # per chart: its div, whether plotly drew its SVG, and its traces' data as drawn
 CHARTS_JS = """JSON.stringify(Array.from(document.querySelectorAll('.chart')).map(function(d){
-return {id: d.id, svg: d.querySelectorAll('.main-svg').length, traces: (d.data || []).map(
+return {id: d.id, svg: d.querySelectorAll('.main-svg').length, draw_ms: d.dataset.drawMs ?
+Number(d.dataset.drawMs) : null, first: d.dataset.first === '1', traces: (d.data || []).map(
 function(t){return {name: t.name, type: t.type, x: t.x, y: t.y, values: t.values,
 ids: t.ids};})};}))"""
+
+# the page's marks on <body> (ms from navigation) and its first contentful paint
+MARKS_JS = """(function(b){if(!b)return null;var p=performance.getEntriesByName(
+'first-contentful-paint')[0],d=b.dataset;return {rendered: d.rendered || null, errors:
+d.errors || null, render_ms: d.renderMs || null, scripts_ms: d.scriptsMs || null, first:
+d.firstMs || null, first_ms: d.firstMs || null, paint_ms: p ? Math.round(p.startTime) : null
+};})(document.body)"""
 
 
 def find_chromium() -> str | None:
@@ -44,13 +52,16 @@ def find_chromium() -> str | None:
 @dataclass
 class Page:
     """What loading one page showed: script errors and console errors, requests that were
-    not file URLs, the page's own render time (ms from navigation to its last chart), the
-    number of charts the page says it drew, and each chart's data as drawn."""
+    not file URLs, the page's own marks (ms from navigation: its text first painted, plotly.js
+    run, the first screen drawn, every chart drawn), the number of charts the page says it
+    drew, and each chart's data as drawn (and its own drawing time, `draw_ms`)."""
 
     errors: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
     render_ms: float | None = None
     scripts_ms: float | None = None
+    first_ms: float | None = None
+    paint_ms: float | None = None
     rendered: int | None = None
     load_s: float = 0.0
     charts: list[dict[str, Any]] = field(default_factory=list)
@@ -74,6 +85,10 @@ class Chromium:
             "--disable-dev-shm-usage",
             "--no-first-run",
             "--hide-scrollbars",
+            # a fresh browser preloads its own omnibox popup (a WebUI renderer running ~400
+            # modules) while the page loads: on a small machine that is CPU the page waits for
+            "--disable-features=PreloadTopChromeWebUI,WebUIOmniboxPopup,WebUIOmniboxFullPopup,"
+            "WebUIOmniboxAimPopup",
             "--remote-debugging-pipe",
             f"--user-data-dir={self.profile}",
             f"--window-size={width},{height}",
@@ -153,9 +168,10 @@ class Chromium:
         return r.get("result", {}).get("value")
 
     # -- pages -----------------------------------------------------------------------------
-    def load(self, path: str | Path, timeout: float = 30) -> Page:
+    def load(self, path: str | Path, timeout: float = 30, until: str = "rendered") -> Page:
         """Open `path` as a file URL with the network off and wait until the page says its
-        charts are drawn (or a script error, or `timeout`)."""
+        charts are drawn (`until="rendered"`), or its first screen is (`until="first"`), or
+        a script error, or `timeout`."""
         self.events.clear()
         url = Path(path).resolve().as_uri()
         t0 = time.monotonic()
@@ -163,15 +179,12 @@ class Chromium:
         page = Page()
         deadline = t0 + timeout
         while time.monotonic() < deadline:
-            state = self.evaluate(
-                "document.body ? [document.body.dataset.rendered || null, "
-                "document.body.dataset.renderMs || null, document.body.dataset.errors || null,"
-                "document.body.dataset.scriptsMs || null] : null"
-            )
-            if state and (state[0] is not None or state[2] is not None):
-                page.rendered = int(state[0]) if state[0] is not None else None
-                page.render_ms = float(state[1]) if state[1] is not None else None
-                page.scripts_ms = float(state[3]) if state[3] is not None else None
+            state = self.evaluate(MARKS_JS)
+            if state and (state[until] is not None or state["errors"] is not None):
+                page.rendered = int(state["rendered"]) if state["rendered"] is not None else None
+                for key in ("render_ms", "scripts_ms", "first_ms", "paint_ms"):
+                    if state[key] is not None:
+                        setattr(page, key, float(state[key]))
                 break
             time.sleep(0.05)
         page.load_s = time.monotonic() - t0

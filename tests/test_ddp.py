@@ -198,8 +198,8 @@ def test_exposed_comm_by_hand():
 @pytest.mark.parametrize(
     ("gpus", "nodes", "parallel", "says"),
     [
-        (4, 1, "zero", "choose one of ddp, fsdp"),
-        (0, 1, "ddp", "--gpus must be at least 1"),
+        (4, 1, "zero", "parallel=.zero. is unknown: give one of .ddp., .fsdp., .hsdp."),
+        (0, 1, "ddp", "gpus=0 is out of range: give a whole number from 1"),
         (4, 3, "ddp", "--nodes 3 must divide --gpus 4"),
     ],
 )

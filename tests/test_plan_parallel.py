@@ -68,8 +68,9 @@ def test_fsdp_is_chosen_where_replicated_states_cannot_fit(tight):
 def test_plenty_of_memory_ranks_by_the_jobs_throughput(roomy):
     """Both parallelisms fit; the best is the fastest predicted, the job's throughput is one
     GPU's times the GPUs: the global batch's tokens over the step. (FSDP2 computes in bf16
-    without autocast's casts: predicted, and measured on 4 x H100 for GPT-2 at seq 8192, 126k against DDP's 113k tokens/s per GPU,
-    benchmarks/results/multigpu_steps_h100_x4.json, it is the faster here too.)"""
+    without autocast's casts: predicted, and measured on 4 x H100 for GPT-2 at seq 8192, 126k
+    against DDP's 113k tokens/s per GPU, benchmarks/results/multigpu_steps_h100_x4.json, it is
+    the faster here too.)"""
     fits = [p for p in roomy.plans if p.fits]
     assert {p.knobs.parallel for p in fits} == {"ddp", "fsdp"}
     assert roomy.best.units_per_s == max(p.units_per_s for p in fits)

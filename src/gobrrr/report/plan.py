@@ -34,8 +34,9 @@ def print_plan(r: PlanResult, top: int = 8) -> None:
     c = Console()
     c.print(_header(r))
     c.print(
-        "memory for the loop apply runs (gobrrr's step: the model's output dropped before backward; a loop keeping it holds more, see estimate --loop)"
-    )  # noqa: E501
+        "memory for the loop apply runs (gobrrr's step: the model's output dropped before "
+        "backward; a loop keeping it holds more, see estimate --loop)"
+    )
     u = r.user
     if u is not None:
         mb = r.global_batch // r.gpus

@@ -27,9 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.training.checkpointing import block_names
@@ -106,6 +103,10 @@ def data_parallel(
         raise GobrrrError(f"{hosts} hosts do not split {group.world} ranks evenly")
     if parallel == "hsdp" and hosts < 2:
         raise GobrrrError("hsdp replicates across hosts: give hosts > 1 (one host: 'fsdp')")
+    # torch.distributed.fsdp costs half a second to import: only here, where a job wraps
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
     if parallel == "ddp":
         ids = [group.device.index] if group.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
@@ -145,7 +146,10 @@ def unit_names(model: nn.Module, units: Sequence[str] | None = None) -> list[str
     return list(units)
 
 
-def _mesh(group: Group, hosts: int) -> DeviceMesh:
+def _mesh(group: Group, hosts: int):
+    """The job's DeviceMesh: one dimension, or (hosts, GPUs a host) for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     kind = group.device.type
     if hosts == 1:
         return init_device_mesh(kind, (group.world,))
@@ -160,6 +164,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield

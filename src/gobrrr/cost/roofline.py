@@ -66,6 +66,30 @@ _HOST_ALIASES = {
 }
 
 
+def _measured(
+    node: OpNode, cost: OpCost, device: float, host: float, streamed_s: float = 0.0
+) -> OpTime:
+    """The OpTime of an op whose device seconds a calibration grid measured (8-bit Adam, cuDNN
+    RNNs, the pixel-wise ops): no roofline, overhead-bound where the host takes longer."""
+    return OpTime(
+        node.index,
+        node.op,
+        node.module,
+        node.phase,
+        cost.kind,
+        cost.math,
+        cost.flops,
+        cost.bytes,
+        cost.flops / max(cost.bytes, 1.0),
+        0.0,
+        device,
+        device,
+        host,
+        "overhead" if host >= device else "memory",
+        streamed_s=streamed_s,
+    )
+
+
 def _host_op(name: str) -> str:
     """The `op_host` name of a traced op."""
     return _HOST_ALIASES.get(name, name)
@@ -100,22 +124,7 @@ def time_op(
     host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
     if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
         device, host = measured8
-        return OpTime(
-            node.index,
-            node.op,
-            node.module,
-            node.phase,
-            cost.kind,
-            cost.math,
-            cost.flops,
-            cost.bytes,
-            cost.flops / max(cost.bytes, 1.0),
-            0.0,
-            device,
-            device,
-            host,
-            "overhead" if host >= device else "memory",
-        )
+        return _measured(node, cost, device, host)
     if cost.launches == 0:
         return OpTime(
             node.index,
@@ -135,24 +144,7 @@ def time_op(
         )
     if (seconds := op_seconds(rates.cal, node)) is not None:  # a measured grid's time
         host, tail = rnn_issue(rates.cal, node) or (host, 0.0)  # cuDNN RNN: per-step launches
-        regime = "overhead" if host >= seconds else "memory"
-        return OpTime(
-            node.index,
-            node.op,
-            node.module,
-            node.phase,
-            cost.kind,
-            cost.math,
-            cost.flops,
-            cost.bytes,
-            cost.flops / max(cost.bytes, 1.0),
-            0.0,
-            seconds,
-            seconds,
-            host,
-            regime,
-            streamed_s=tail,
-        )
+        return _measured(node, cost, seconds, host, streamed_s=tail)
     conv_rate = None
     dw_bw = rates.depthwise(node, cost.bytes) if cost.kind == "conv" else None
     if dw_bw is not None:  # CUDA-core kernels bound by memory and latency: its bandwidth

@@ -133,7 +133,10 @@ def test_ctrl_c_is_one_line_and_exit_130(delay_s, tmp_path):
         (lambda: gobrrr.estimate("mlp", batch="8"), ["batch='8'", "whole number"]),
         (lambda: gobrrr.estimate("mlp", gpu=3), ["gpu=3", "gpus=N"]),
         (lambda: gobrrr.estimate("mlp", checkpoint=True), ["checkpoint=True", "'full'"]),
-        (lambda: gobrrr.estimate("mlp", compile="yes"), ["compile='yes'", "True or False"]),
+        (
+            lambda: gobrrr.estimate("mlp", compile="yes"),
+            ["compile='yes'", "choose 'none', 'model', 'blocks'"],
+        ),
         (lambda: gobrrr.estimate("mlp", seq=2.5), ["seq=2.5", "whole number"]),
         (lambda: gobrrr.estimate(3), ["source=3", "built-in model"]),
         (lambda: gobrrr.plan("mlp", global_batch="64"), ["global_batch='64'"]),

@@ -311,7 +311,11 @@ def _on_ranks(args, command: str, body: Callable[..., int]) -> int:
         ranks.leave(code)
     with dog.waiting("leaving the job"):
         _destroy()
-    return code
+    # the job's work is done and said: exit without the interpreter's teardown, as a failing
+    # rank does. A rank torn down by Python's finalization was seen to abort once in a while
+    # in CPU (gloo) jobs ("terminate called without an active exception": a C++ thread
+    # object destroyed at exit), which fails the whole torchrun job after its work was done
+    ranks.leave(code)
 
 
 def _rank_error(e: BaseException, rank: int, timeout_s: float, where: str) -> BaseException:

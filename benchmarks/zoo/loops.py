@@ -285,10 +285,24 @@ def versions() -> dict:
     return out
 
 
+def _chosen(names: str | None) -> list[tuple]:
+    """(case, batch, seq) for `--cases`: CASES by default; "zoo" for every zoo and held-out
+    case; a zoo case not in CASES runs at its own shape."""
+    from zoo.cases import CASES as ZOO
+    from zoo.cases import HOLDOUT, get_case
+
+    if not names:
+        return list(CASES)
+    if names == "zoo":
+        names = ",".join(c.name for c in (*ZOO, *HOLDOUT))
+    shapes = {c[0]: c for c in CASES}
+    return [shapes.get(n) or (get_case(n).name, None, None) for n in names.split(",")]
+
+
 def run(args) -> dict:
     from zoo.cases import get_case
 
-    chosen = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    chosen = _chosen(args.cases)
     data = {
         "version": VERSION,
         "device": _gpu(args.device) if args.device == "cuda" else "cpu",
@@ -305,26 +319,61 @@ def run(args) -> dict:
             continue
         rows = data["cases"][name] = {"batch": batch or case.batch, "seq": seq or case.seq}
         for loop in loops_for(case):
-            row = rows[loop] = {"measured": _child(args, name, loop, batch, seq)}
-            row["not_modelled"] = NOT_MODELLED.get(loop)
-            try:
-                row["predicted"] = predict(name, PREDICTED_AS[loop], batch, seq, _gpu(args.device))
-            except Exception as e:  # recorded, not fatal
-                row["predicted"] = {"error": f"{type(e).__name__}: {e}"}
+            if args.loops and loop not in args.loops.split(","):
+                continue
+            row = rows[loop] = {"not_modelled": NOT_MODELLED.get(loop)}
+            if not args.predict_only:
+                row["measured"] = _child(args, name, loop, batch, seq)
+            if not args.measure_only:
+                row["predicted"] = _predicted(name, PREDICTED_AS[loop], batch, seq, args)
             Path(args.out).write_text(json.dumps(data, indent=1))
-            print(f"{name} {loop}: {row['measured']}", file=sys.stderr)
+            print(f"{name} {loop}: {row.get('measured', row.get('predicted'))}", file=sys.stderr)
+    return data
+
+
+def _predicted(name: str, loop: str, batch, seq, args) -> dict:
+    """gobrrr's prediction of `name` under `loop` on the GPU measured (or `--gpu`)."""
+    try:
+        return predict(name, loop, batch, seq, args.gpu or _gpu(args.device))
+    except Exception as e:  # recorded, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def merge(out: str, parts: list[str]) -> dict:
+    """One result from several runs' files (measured on several GPUs, predicted elsewhere):
+    each (case, loop) row's keys joined; the first file's header kept."""
+    data = None
+    for part in parts:
+        d = json.loads(Path(part).read_text())
+        if data is None:
+            data = {**d, "cases": {}}
+        if d["device"] != "cpu":
+            data["device"] = d["device"]
+        for name, rows in d["cases"].items():
+            mine = data["cases"].setdefault(name, {})
+            for key, row in rows.items():
+                if isinstance(row, dict) and isinstance(mine.get(key), dict):
+                    mine[key] |= row
+                else:
+                    mine[key] = row
+    Path(out).write_text(json.dumps(data, indent=1))
     return data
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", nargs="?", default="loops.json")
-    p.add_argument("--cases", help="NAME,NAME of CASES (default: all)")
+    p.add_argument("--cases", help="NAME,NAME of zoo cases, or zoo (default: CASES)")
+    p.add_argument("--loops", help="LOOP,LOOP: only these of each case's loops")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help=f"every case at {TINY} (CPU dry run)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--measure-only", action="store_true", help="no predictions")
+    p.add_argument("--predict-only", action="store_true", help="no measurements (any host)")
+    p.add_argument("--gpu", help="the GPU predictions are for (default: the one measured)")
+    p.add_argument("--merge", nargs="+", metavar="PART", help="join PART files into OUT")
     p.add_argument("--one", nargs=2, metavar=("CASE", "LOOP"), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, default=0, help=argparse.SUPPRESS)
@@ -338,6 +387,9 @@ def main(argv=None) -> int:
             row = {"error": {"type": type(e).__name__, "message": str(e)[:500], "oom": oom}}
             row["error"]["traceback"] = tail
         print(json.dumps(row))
+        return 0
+    if args.merge:
+        merge(args.out, args.merge)
         return 0
     run(args)
     return 0

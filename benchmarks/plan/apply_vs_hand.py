@@ -1,7 +1,7 @@
 """`gobrrr.apply`'s step against the same configuration written by hand, on a real GPU.
 
     PYTHONUNBUFFERED=1 python benchmarks/plan/apply_vs_hand.py OUT.json [--cases NAME,NAME]
-        [--rounds 10] [--device cuda]
+
 
 For each case (a zoo workload x a knob: plain micro-batch x accumulation, every block
 checkpointed, torch.compile), in a fresh process: two copies of the model (the same seed),
@@ -15,7 +15,7 @@ around each repeated block's forward, torch.compile(model)), each with its own o
         loss.backward()
     opt.step(); opt.zero_grad(set_to_none=True)
 
-After two warm-up steps of each, `--rounds` rounds alternate one timed step of each (CUDA
+After two warm-up steps of each, ten rounds alternate one timed step of each (CUDA
 events), so both see the same clocks and the same allocator history; the figure is the
 median of each and applied / hand - 1. OUT.json is rewritten after every case.
 `APPLY_VS_HAND_DRY=1` runs every case on the CPU at tiny sizes (the logic, not the figures).
@@ -60,11 +60,18 @@ def _hand_loss(w):
 
 
 def _checkpoint_by_hand(model) -> None:
-    """torch.utils.checkpoint around each repeated block's forward, non-reentrant."""
+    """Every repeated block checkpointed as a user writes it: a Hugging Face model through its
+    own `gradient_checkpointing_enable` (non-reentrant), which also stops the layers writing a
+    KV cache (a checkpointed layer that writes one writes it again as it recomputes, and
+    attends over both copies: measured 3-9% slower on gpt2 and Llama); any other model with
+    torch.utils.checkpoint around each repeated block's forward, non-reentrant."""
     import torch.utils.checkpoint as cp
 
     from gobrrr.training.checkpointing import repeated_blocks
 
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
     for block in repeated_blocks(model):
         forward = block.forward
         block.forward = lambda *a, _f=forward, **k: cp.checkpoint(_f, *a, use_reentrant=False, **k)

@@ -305,7 +305,7 @@ def run(args) -> dict:
     chosen = _chosen(args.cases)
     data = {
         "version": VERSION,
-        "device": _gpu(args.device) if args.device == "cuda" else "cpu",
+        "device": _gpu(args.device) if args.device == "cuda" and not args.predict_only else "cpu",
         "versions": versions(),
         "tiny": args.tiny,
         "cases": {},
@@ -334,7 +334,8 @@ def run(args) -> dict:
 def _predicted(name: str, loop: str, batch, seq, args) -> dict:
     """gobrrr's prediction of `name` under `loop` on the GPU measured (or `--gpu`)."""
     try:
-        return predict(name, loop, batch, seq, args.gpu or _gpu(args.device))
+        gpu = args.gpu or ("h100" if args.predict_only else _gpu(args.device))
+        return predict(name, loop, batch, seq, gpu)
     except Exception as e:  # recorded, not fatal
         return {"error": f"{type(e).__name__}: {e}"}
 

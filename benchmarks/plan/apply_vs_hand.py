@@ -97,6 +97,12 @@ def one(name: str, rounds: int = 10) -> dict:
         mb, rounds = 2, 2
     torch.manual_seed(0)
     w = case.build(mb * acc, seq)
+    if getattr(getattr(w.model, "config", None), "use_cache", False):
+        # Both copies train without a KV cache, as Hugging Face's gradient checkpointing sets
+        # it: with the cache on (apply keeps the model's setting) and off (HF's recipe) the two
+        # steps run different ops, and without a cache transformers' mask code syncs the host
+        # once a forward (find_packed_sequence_indices' .all())
+        w.model.config.use_cache = False
     w.model.to(device)
     w.batch = map_tensors(w.batch, lambda t: t.to(device))
     hand_model = copy.deepcopy(w.model)

@@ -58,6 +58,47 @@ class OpTime:
     # last of them this long: it ends no sooner than its issue's end plus this
     streamed_s: float = 0.0
 
+    @classmethod
+    def of(
+        cls,
+        node: OpNode,
+        cost: OpCost,
+        *,
+        host_s: float,
+        regime: str,
+        flops: float | None = None,
+        bytes: float | None = None,  # noqa: A002 (the field's name)
+        intensity: float | None = None,
+        compute_s: float = 0.0,
+        memory_s: float = 0.0,
+        device_s: float = 0.0,
+        side_s: float = 0.0,
+        streamed_s: float = 0.0,
+    ) -> OpTime:
+        """The OpTime of `node`: its identity (index, op, module, phase) from the node, kind
+        and math from its cost, FLOPs and bytes from the cost unless given, the intensity
+        FLOPs / bytes unless given (infinite with no bytes)."""
+        flops = cost.flops if flops is None else flops
+        nbytes = cost.bytes if bytes is None else bytes
+        return cls(
+            node.index,
+            node.op,
+            node.module,
+            node.phase,
+            cost.kind,
+            cost.math,
+            flops,
+            nbytes,
+            intensity if intensity is not None else flops / nbytes if nbytes else math.inf,
+            compute_s,
+            memory_s,
+            device_s,
+            host_s,
+            regime,
+            side_s,
+            streamed_s,
+        )
+
 
 # the `op_host` names: the CPU trace and CUDA pick different overloads of one op
 _HOST_ALIASES = {
@@ -71,21 +112,14 @@ def _measured(
 ) -> OpTime:
     """The OpTime of an op whose device seconds a calibration grid measured (8-bit Adam, cuDNN
     RNNs, the pixel-wise ops): no roofline, overhead-bound where the host takes longer."""
-    return OpTime(
-        node.index,
-        node.op,
-        node.module,
-        node.phase,
-        cost.kind,
-        cost.math,
-        cost.flops,
-        cost.bytes,
-        cost.flops / max(cost.bytes, 1.0),
-        0.0,
-        device,
-        device,
-        host,
-        "overhead" if host >= device else "memory",
+    return OpTime.of(
+        node,
+        cost,
+        intensity=cost.flops / max(cost.bytes, 1.0),
+        memory_s=device,
+        device_s=device,
+        host_s=host,
+        regime="overhead" if host >= device else "memory",
         streamed_s=streamed_s,
     )
 
@@ -104,43 +138,16 @@ def time_op(
     checkpointing)."""
     if cost.kind in OFFLOAD_KINDS:  # the host's CPU and the host link, not the compute stream
         host, side = offload_times(node, cost, rates.cal)
-        return OpTime(
-            node.index,
-            node.op,
-            node.module,
-            node.phase,
-            cost.kind,
-            cost.math,
-            0.0,
-            cost.bytes,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            host,
-            "none",
-            side,
+        return OpTime.of(
+            node, cost, flops=0.0, intensity=0.0, host_s=host, regime="none", side_s=side
         )
     host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
     if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
         device, host = measured8
         return _measured(node, cost, device, host)
     if cost.launches == 0:
-        return OpTime(
-            node.index,
-            node.op,
-            node.module,
-            node.phase,
-            cost.kind,
-            cost.math,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            host,
-            "none",
+        return OpTime.of(
+            node, cost, flops=0.0, bytes=0.0, intensity=0.0, host_s=host, regime="none"
         )
     if (seconds := op_seconds(rates.cal, node)) is not None:  # a measured grid's time
         host, tail = rnn_issue(rates.cal, node) or (host, 0.0)  # cuDNN RNN: per-step launches
@@ -200,22 +207,14 @@ def time_op(
         regime = "overhead"
     else:
         regime = "compute" if compute >= memory else "memory"
-    intensity = cost.flops / cost.bytes if cost.bytes else math.inf
-    return OpTime(
-        node.index,
-        node.op,
-        node.module,
-        node.phase,
-        cost.kind,
-        cost.math,
-        cost.flops,
-        cost.bytes,
-        intensity,
-        compute,
-        memory,
-        device,
-        host,
-        regime,
+    return OpTime.of(
+        node,
+        cost,
+        compute_s=compute,
+        memory_s=memory,
+        device_s=device,
+        host_s=host,
+        regime=regime,
     )
 
 

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gobrrr.plan.apply import apply  # noqa: E402
 from gobrrr.plan.knobs import Knobs  # noqa: E402
+from gobrrr.profile.timing import time_steps  # noqa: E402
 from zoo.vision import torchvision_model  # noqa: E402
 
 CASTS = ("aten::to", "aten::_to_copy", "aten::copy_")
@@ -75,12 +76,7 @@ def main() -> None:
 
 
 def _timed(fn) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 1e3
+    return time_steps(fn, 1, "cuda")[0]
 
 
 def _profiled(fn) -> dict:

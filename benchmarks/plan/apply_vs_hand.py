@@ -27,7 +27,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -85,6 +84,7 @@ def one(name: str, rounds: int = 10) -> dict:
 
     from gobrrr.plan.apply import apply
     from gobrrr.plan.knobs import Knobs, every_kth
+    from gobrrr.profile.timing import time_steps
     from gobrrr.training.checkpointing import block_names
     from gobrrr.training.step import split_batch
     from gobrrr.workload import map_tensors
@@ -133,16 +133,7 @@ def one(name: str, rounds: int = 10) -> dict:
         opt.zero_grad(set_to_none=True)
 
     def timed(fn) -> float:
-        if DRY:
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) / 1e3
+        return time_steps(fn, 1, device)[0]
 
     for _ in range(2):
         hand()

@@ -19,9 +19,12 @@ its leftovers into the peak) and gathers the parts. A case:
 - warms up 3 steps, resets the peak stats (after `empty_cache`, so the model's unsharded build
   is not in the reserved figure), times 10 steps with CUDA events between barriers, then
   profiles one more step: NCCL kernels against every other kernel on each rank, their union's
-  length (communication busy) and the part of it no other kernel overlaps (exposed).
+  length (communication busy) and the part of it no other kernel overlaps (exposed); each NCCL
+  kernel split where the last rank enters that collective (the ranks swap their kernels'
+  starts): waiting for other ranks before, transfer after (`comm_wait_s`,
+  `comm_transfer_busy_s`, `comm_transfer_exposed_s`; `gobrrr.profile.comm`).
 Per rank: `max_memory_allocated`, `max_memory_reserved`, step times; the job's figures are the
-max over ranks (memory) and the slowest rank's median (time).
+max over ranks (memory, communication) and the slowest rank's median (time).
 """
 
 from __future__ import annotations
@@ -217,10 +220,12 @@ def _load_comm():
 comm = _load_comm()
 
 
-def communication(step) -> dict:
+def communication(step, exchange) -> dict:
     """One profiled step: NCCL kernels' busy time, the part of it no other kernel overlaps,
     the compute kernels' busy time and the kernels' span (seconds), and the same per
-    collective (`gobrrr.profile.comm.communication`)."""
+    collective, the NCCL kernels split into waiting for other ranks and transfer against every
+    rank's (`exchange`: this rank's starts -> every rank's, an all-gather;
+    `gobrrr.profile.comm.rank_communication`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -232,7 +237,39 @@ def communication(step) -> dict:
         for ev in prof.events()
         if ev.device_type == torch.autograd.DeviceType.CUDA
     ]
-    return comm.communication(kernels)
+    # the events count from this rank's trace start; the ranks' clocks are the host's
+    clock_ns = prof.profiler.kineto_results.trace_start_ns()
+    return comm.rank_communication(kernels, exchange, clock_ns)
+
+
+def all_gather(payload) -> list:
+    """Every rank's `payload`, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, payload)
+    return out
+
+
+def job(ranks: list[dict], tokens: int) -> dict:
+    """A case's measured figures from every rank's: the slowest rank's median step, the max
+    over ranks of memory and communication (waiting for other ranks and the exposed transfer
+    None where the ranks' NCCL kernels were not matched; `comm_split` says why)."""
+    slow = max(ranks, key=lambda r: r["median_s"])
+    out = {
+        "step_s": slow["median_s"],
+        "tokens_per_s": tokens / slow["median_s"],
+        "tokens_per_s_per_gpu": tokens / slow["median_s"] / len(ranks),
+        "peak_allocated": max(r["peak_allocated"] for r in ranks),
+        "peak_reserved": max(r["peak_reserved"] for r in ranks),
+        "comm_exposed_s": max(r["comm_exposed_s"] for r in ranks),
+        "comm_busy_s": max(r["comm_busy_s"] for r in ranks),
+        "comm_split": ranks[0].get("comm_split"),
+    }
+    for key in ("comm_wait_s", "comm_transfer_exposed_s"):
+        xs = [r.get(key) for r in ranks]
+        out[key] = None if None in xs else max(xs)
+    return out
 
 
 def run_one(name: str) -> dict | None:
@@ -271,14 +308,13 @@ def run_one(name: str) -> dict | None:
         "median_s": statistics.median(times),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
-        **communication(step),
+        **communication(step, all_gather),
     }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, rank)
     dist.destroy_process_group()
     if rank["rank"] != 0:
         return None
-    slow = max(ranks, key=lambda r: r["median_s"])
     tokens = case["batch"] * case["seq"] * case["accumulation"] * len(ranks)
     return {
         "name": name,
@@ -288,15 +324,7 @@ def run_one(name: str) -> dict | None:
         "loop": "torchtitan: logits dropped before backward",
         "precision": "bf16-mixed (DDP: autocast; FSDP2: param bf16, reduce fp32)",
         "optimizer": "AdamW foreach",
-        "measured": {
-            "step_s": slow["median_s"],
-            "tokens_per_s": tokens / slow["median_s"],
-            "tokens_per_s_per_gpu": tokens / slow["median_s"] / len(ranks),
-            "peak_allocated": max(r["peak_allocated"] for r in ranks),
-            "peak_reserved": max(r["peak_reserved"] for r in ranks),
-            "comm_exposed_s": max(r["comm_exposed_s"] for r in ranks),
-            "comm_busy_s": max(r["comm_busy_s"] for r in ranks),
-        },
+        "measured": job(ranks, tokens),
         "ranks": ranks,
     }
 
@@ -377,6 +405,7 @@ def parent(args) -> int:
                 f"{m['step_s'] * 1e3:.1f} ms, "
                 f"{m['peak_allocated'] / 2**30:.2f} / {m['peak_reserved'] / 2**30:.2f} GiB, "
                 f"comm exposed {m['comm_exposed_s'] * 1e3:.2f} of {m['comm_busy_s'] * 1e3:.2f} ms"
+                + _split_line(m)
                 if m
                 else f"FAILED {row['error']}"
             )
@@ -384,6 +413,16 @@ def parent(args) -> int:
             flush=True,
         )
     return 0
+
+
+def _split_line(m: dict) -> str:
+    """The progress line's split (max over ranks), or nothing where not split."""
+    if m.get("comm_transfer_exposed_s") is None:
+        return ""
+    return (
+        f" (transfer exposed {m['comm_transfer_exposed_s'] * 1e3:.2f} ms, waiting for other "
+        f"ranks {m['comm_wait_s'] * 1e3:.2f} ms)"
+    )
 
 
 def main() -> int:

@@ -6,10 +6,13 @@ On each rank: the workload moved to the rank's device, wrapped for DDP or FSDP2
 runs without autocast), the optimizer built after wrapping; `warmup` steps, then the cache
 emptied and the peak statistics reset (the unsharded build is not in the reserved peak), then
 `steps` steps each timed after a barrier (the ranks start together), then one step under
-torch.profiler: its NCCL kernels against every other kernel (`profile.comm`). Rank 0 gathers
-every rank's figures; the job's step is the slowest rank's median, its memory the largest
-rank's peaks, and the communication the min / median / max over ranks (a rank that reaches a
-collective first waits inside the NCCL kernel for the others, so ranks differ a lot).
+torch.profiler: its NCCL kernels against every other kernel (`profile.comm`), each split where
+the last rank arrives (the ranks swap their NCCL kernels' starts, a few hundred numbers; each
+rank sets them against its own kernels): waiting for other ranks, then transfer. Rank 0
+gathers every rank's figures; the job's step is the slowest rank's median, its memory the
+largest rank's peaks, and the communication the min / median / max over ranks (a rank that
+reaches a collective first waits inside the NCCL kernel for the others, so its exposed time
+differs a lot between ranks; the transfer's much less).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from gobrrr.estimate import shard, traced_precision
 from gobrrr.evaluate import evaluate
 from gobrrr.hardware import Target
 from gobrrr.passes.fsdp import fsdp
-from gobrrr.profile.comm import communication
+from gobrrr.profile.comm import rank_communication
 from gobrrr.profile.ranks import Watchdog
 from gobrrr.profile.runner import _cpu_name, matmul_precision, prepare
 from gobrrr.profile.timing import sync, time_steps
@@ -116,7 +119,7 @@ def measure_rank(step: Callable[[], object], group: Group, run: ParallelRun, dog
             else (None, None)
         )
         with dog.waiting("the profiled step"):
-            comm = profiled_communication(step) if cuda else None
+            comm = profiled_communication(step, exchange) if cuda else None
     return {
         "rank": group.rank,
         "device": torch.cuda.get_device_name() if cuda else _cpu_name(),
@@ -128,8 +131,10 @@ def measure_rank(step: Callable[[], object], group: Group, run: ParallelRun, dog
     }
 
 
-def profiled_communication(step: Callable[[], object]) -> dict:
-    """One step under torch.profiler (GPU kernels only), summarised by `profile.comm`."""
+def profiled_communication(step: Callable[[], object], swap: Callable[[dict], list]) -> dict:
+    """One step under torch.profiler (GPU kernels only), summarised by `profile.comm`, its
+    NCCL kernels split into waiting and transfer against every rank's (`swap`: this rank's
+    starts -> every rank's; a collective, every rank calls it once)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -140,7 +145,16 @@ def profiled_communication(step: Callable[[], object]) -> dict:
         for ev in prof.events()
         if ev.device_type == torch.autograd.DeviceType.CUDA
     ]
-    return communication(kernels)
+    # the events count from this rank's trace start; the ranks' clocks are the host's
+    clock_ns = prof.profiler.kineto_results.trace_start_ns()
+    return rank_communication(kernels, swap, clock_ns)
+
+
+def exchange(payload: object) -> list:
+    """Every rank's `payload`, in rank order, on every rank (an all-gather)."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, payload)
+    return out
 
 
 def gather(rank: dict, group: Group, dog: Watchdog) -> list[dict] | None:
@@ -164,6 +178,7 @@ def summarize(ranks: list[dict], run: ParallelRun, workload: str) -> dict:
     if cuda:
         for key in ("comm_busy_s", "comm_exposed_s"):
             measured[key] = spread([r["comm"][key] for r in ranks])
+        measured.update(split_spread(ranks))
     else:
         measured["comm"] = NO_NCCL_ON_CPU
     return {
@@ -187,6 +202,19 @@ def summarize(ranks: list[dict], run: ParallelRun, workload: str) -> dict:
 def spread(xs: list[float]) -> dict[str, float]:
     """{"min", "median", "max"} of a figure over the ranks."""
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def split_spread(ranks: list[dict]) -> dict:
+    """The job's waiting for other ranks and exposed transfer (`comm_wait_s`,
+    `comm_transfer_exposed_s`: min / median / max over ranks, None where the ranks' NCCL
+    kernels could not be matched) and `comm_split`, what the matching said."""
+    comms = [r["comm"] for r in ranks]
+    split = all(c.get("comm_transfer_exposed_s") is not None for c in comms)
+    # every rank matched the same starts, so every rank's note is the same
+    out: dict = {"comm_split": comms[0].get("comm_split", "not split")}
+    for key in ("comm_wait_s", "comm_transfer_exposed_s"):
+        out[key] = spread([c[key] for c in comms]) if split else None
+    return out
 
 
 def predict(make: Callable[[], Workload], target: Target, run: ParallelRun, world: int) -> dict:
@@ -217,13 +245,22 @@ def predict(make: Callable[[], Workload], target: Target, run: ParallelRun, worl
 
 def errors(measured: dict, predicted: dict) -> dict:
     """predicted / measured - 1 for memory and step; exposed communication as predicted -
-    measured seconds against the ranks' min (the rank that waits least inside NCCL's kernels
-    is the one nearest the prediction's ranks in lockstep; a few ms, where a ratio says
-    little). A figure not measured (the CPU's memory, NCCL) has no error."""
+    measured seconds (a few ms, where a ratio says little) against the median rank's exposed
+    transfer (the prediction's ranks run in lockstep: it predicts the transfer, not the
+    waiting for other ranks), or, where the ranks' NCCL kernels were not matched, against the
+    ranks' min exposed (the rank that waits least); `comm_exposed_against` says which. A
+    figure not measured (the CPU's memory, NCCL) has no error."""
     out: dict = {}
     for k in ("peak_allocated", "peak_reserved", "step_s"):
         m = measured.get(k)
         out[k] = predicted[k] / m - 1 if m else None
-    exposed = measured.get("comm_exposed_s")
-    out["comm_exposed_s"] = predicted["comm_exposed_s"] - exposed["min"] if exposed else None
+    transfer, exposed = measured.get("comm_transfer_exposed_s"), measured.get("comm_exposed_s")
+    if transfer:
+        out["comm_exposed_s"] = predicted["comm_exposed_s"] - transfer["median"]
+        out["comm_exposed_against"] = "comm_transfer_exposed_s median"
+    elif exposed:
+        out["comm_exposed_s"] = predicted["comm_exposed_s"] - exposed["min"]
+        out["comm_exposed_against"] = "comm_exposed_s min"
+    else:
+        out["comm_exposed_s"] = None
     return out

@@ -174,7 +174,7 @@ def _bytes(n: int | None) -> str:
 
 
 def _comm(comm: dict | None, key: str) -> str:
-    return "-" if comm is None else _t(comm[key])
+    return "-" if comm is None else _t(comm.get(key))
 
 
 def print_parallel(out: dict, console: Console | None = None) -> None:
@@ -188,7 +188,7 @@ def print_parallel(out: dict, console: Console | None = None) -> None:
         f" on {out['world']} x {out['device']} ({out['precision']})"
     )
     for col in ("rank", "step (median)", "peak allocated", "peak reserved", "comm busy",
-                "comm exposed"):  # fmt: skip
+                "comm exposed", "waiting for other ranks", "transfer exposed"):  # fmt: skip
         t.add_column(col)
     for r in out["ranks"]:
         t.add_row(
@@ -196,8 +196,8 @@ def print_parallel(out: dict, console: Console | None = None) -> None:
             _t(r["median_s"]),
             _bytes(r["peak_allocated"]),
             _bytes(r["peak_reserved"]),
-            _comm(r["comm"], "comm_busy_s"),
-            _comm(r["comm"], "comm_exposed_s"),
+            *(_comm(r["comm"], k) for k in ("comm_busy_s", "comm_exposed_s")),
+            *(_comm(r["comm"], k) for k in ("comm_wait_s", "comm_transfer_exposed_s")),
         )
     c.print(t)
     m, p, err = out["measured"], out.get("predicted"), out.get("error", {})
@@ -211,14 +211,44 @@ def print_parallel(out: dict, console: Console | None = None) -> None:
         t.add_column(col)
     for label, key, fmt in rows:
         t.add_row(label, fmt(m[key]), *((fmt(p[key]), _pct(err.get(key))) if p else ()))
-    for label, key in (("comm busy", "comm_busy_s"), ("comm exposed", "comm_exposed_s")):
+    for label, key, predicted in _comm_rows(m, err):
         s = m.get(key)
         spread = f"{_t(s['min'])} / {_t(s['median'])} / {_t(s['max'])}" if s else "-"
         extra = ()
-        if p:
-            diff = err.get(key)
-            extra = (_t(p[key]), "-" if diff is None else f"{diff * 1e3:+.2f} ms vs min")
+        if p and predicted:
+            against, stat = _against(err).split()
+            diff = err.get("comm_exposed_s") if key == against else None
+            extra = (_t(p[predicted]), "-" if diff is None else f"{diff * 1e3:+.2f} ms vs {stat}")
+        elif p:  # the exposed time, once split, is the transfer row's and the waiting's
+            extra = ("not predicted" if key == "comm_wait_s" else "-", "")
         t.add_row(f"{label} (min / median / max over ranks)", spread, *extra)
     c.print(t)
     if "comm" in m:
         c.print(m["comm"])
+    elif m.get("comm_split"):
+        c.print(f"NCCL kernels split where the last rank arrives: {m['comm_split']}")
+
+
+def _against(err: dict) -> str:
+    """The measured figure the predicted exposed communication was set against, and which
+    of its spread: "comm_transfer_exposed_s median" or "comm_exposed_s min" (older results
+    say nothing: the min of exposed)."""
+    return err.get("comm_exposed_against", "comm_exposed_s min")
+
+
+def _comm_rows(m: dict, err: dict) -> list[tuple[str, str, str | None]]:
+    """(label, measured key, predicted key beside it or None) of the job's communication:
+    the prediction (ranks in lockstep) beside the exposed transfer where the NCCL kernels
+    were split, beside the exposed time where not; the waiting for other ranks is never
+    predicted."""
+    split = m.get("comm_transfer_exposed_s") is not None
+    rows = [
+        ("comm busy", "comm_busy_s", "comm_busy_s"),
+        ("comm exposed", "comm_exposed_s", None if split else "comm_exposed_s"),
+    ]
+    if split:
+        rows += [
+            ("comm transfer exposed", "comm_transfer_exposed_s", "comm_exposed_s"),
+            ("comm waiting for other ranks", "comm_wait_s", None),
+        ]
+    return rows

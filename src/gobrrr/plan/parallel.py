@@ -146,7 +146,10 @@ class _ParallelSearch(_Search):
         super().__init__(req, target, steps, blocks, [])
         self.by, self.precision = by, precision
         self.costed: dict[Knobs, Plan] = {}
-        self._graph: tuple[tuple, StepGraph] | None = None  # the last candidate's, unsharded
+        self._graph: tuple[Knobs, StepGraph] | None = None  # the last candidate's, unsharded
+        # FSDP2 candidates with reshard that fit: their graphs before sharding, until
+        # `_no_reshard` costs them again without it (then popped)
+        self._unsharded: dict[Knobs, StepGraph] = {}
         self._at: tuple[tuple, StepGraph] | None = None  # the last traced or derived graph
         self.workload_name = ""
         self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
@@ -246,12 +249,15 @@ class _ParallelSearch(_Search):
         return self._no_reshard(out)
 
     def _no_reshard(self, plans: list[Plan]) -> list[Plan]:
-        """FSDP2's plans that fit, costed again with reshard_after_forward off."""
+        """FSDP2's plans that fit, costed again with reshard_after_forward off (each from
+        the graph its reshard candidate was sharded from: checkpointing and accumulation
+        do not depend on it)."""
         more = [
             self.cost(replace(p.knobs, reshard=False))
             for p in plans
             if p.fits and p.knobs.parallel == "fsdp" and p.knobs.reshard
         ]
+        self._unsharded.clear()
         return plans + more
 
     def user(self) -> Plan | None:
@@ -288,7 +294,10 @@ class _ParallelSearch(_Search):
         if (mem.oom_index is not None or reserved > self.req.usable) and not timed:
             plan = _untimed(knobs, g, mem.peak, reserved, self.req, self.blocks)
         else:
-            plan = _plan(knobs, evaluate(g, self.target, memory=mem), self.req, self.blocks)
+            est = evaluate(g, self.target, memory=mem, memo=self.memo)
+            plan = _plan(knobs, est, self.req, self.blocks)
+        if plan.fits and knobs.parallel == "fsdp" and knobs.reshard and self._graph:
+            self._unsharded[knobs] = self._graph[1]  # `_no_reshard` shards it again
         self.evaluated += 1
         self.costed[knobs] = plan
         return plan
@@ -296,8 +305,10 @@ class _ParallelSearch(_Search):
     def sharded(self, knobs: Knobs) -> StepGraph:
         """The candidate's one-rank graph: checkpointed, accumulated, then sharded; the
         graph before sharding kept for the next candidate that differs only in reshard."""
-        key = (replace(knobs, reshard=True),)
-        if self._graph is None or self._graph[0] != key:
+        key = replace(knobs, reshard=True)
+        if key in self._unsharded:
+            self._graph = (key, self._unsharded.pop(key))
+        elif self._graph is None or self._graph[0] != key:
             g = self.graph(knobs)
             if knobs.checkpoint:
                 g = checkpoint_pass(g, dict(knobs.checkpoint))

@@ -193,9 +193,14 @@ class Planner:
             ),
             self.req.global_batch,
         )
-        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
-        variants = [BASE, *self._variants(notes)]
+        wanted = self._variants(notes)  # before the memory filter, which needs the base trace
+        self.steps.expect(BASE)
+        if self.ahead is not None and _small(self.probe, self.req):
+            for v in wanted:  # traced ahead while the base trace runs (see `_small`)
+                self.steps.expect(v)
+        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
+        variants = [BASE, *self._kept(wanted, notes)]
         for v in variants[1:]:  # the search traces each variant: start those traces now
             self.steps.expect(v)
         blocks = list(self.base.meta.blocks or ())
@@ -208,9 +213,9 @@ class Planner:
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
-        """The variants worth tracing: the fused loss where the model takes it, bf16
-        optimizer states and weights where allowed, each compiled too where allowed; none
-        whose parameters, gradients and optimizer states alone exceed the budget."""
+        """The variants worth tracing but the base: the fused loss where the model takes it,
+        bf16 optimizer states and weights where allowed, each compiled too where allowed
+        (`_kept` then drops those whose persistent bytes alone exceed the budget)."""
         refusal = self.probe.fused_loss_refusal
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
@@ -231,7 +236,11 @@ class Planner:
         out = [v for v in out if not v.fused_loss or not refusal]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
             out += [replace(v, compile=c) for c in self._compile_modes(notes) for v in out]
-        out = [v for v in out if v != BASE]
+        return [v for v in out if v != BASE]
+
+    def _kept(self, out: list[Variant], notes: list[str]) -> list[Variant]:
+        """The variants whose parameters, gradients and optimizer states (read off the base
+        trace) fit the budget; a note where some or the base's do not."""
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
@@ -408,6 +417,15 @@ def _offload_allowed(target: Target, probe: Probe, notes: list[str]) -> bool:
     return not refusal
 
 
+def _small(probe: Probe, req: Request) -> bool:
+    """Whether every variant is all but sure to pass `_kept` before the base trace says:
+    the parameters, gradients and two fp32 states of each (4x the parameters' bytes, Adam's
+    and what every variant's bound is under) take at most half the budget. Only where they
+    do are the variants traced ahead of the base trace; a wrong guess costs a worker's time
+    on a trace nobody asks for, never a different plan."""
+    return 8 * probe.parameter_bytes <= req.usable
+
+
 def _persistent(g: StepGraph, variant: Variant) -> int:
     """Bytes of parameters, gradients and optimizer states of `variant`, from the base
     graph `g` (bf16 states: fp32 ones halved; 8-bit: torchao's layout for each parameter's
@@ -513,6 +531,7 @@ class _Search:
         self.variants = variants
         self.evaluated = 0
         self.memory: dict[Knobs, MemoryResult] = {}  # each candidate's replay, for charts
+        self.memo: dict = {}  # each distinct op's cost and time on the target (`evaluate`)
         self.ahead: Ahead | None = None  # where set, candidates are costed in children too
         self._plain: tuple[StepGraph, Estimate] | None = None  # the last one not checkpointed
         self.notes: list[str] = []
@@ -571,7 +590,7 @@ class _Search:
         g = self.graph(knobs())
         known = self._plain[1] if self._plain is not None and self._plain[0] is g else None
         costs = scaled(
-            block_costs(g, (known or evaluate(g, self.target)).time, self.blocks),
+            block_costs(g, (known or evaluate(g, self.target, memo=self.memo)).time, self.blocks),
             {
                 "selective": (plain.reserved_bytes - sel.reserved_bytes, sel.step_s - plain.step_s),
                 "full": (plain.reserved_bytes - full.reserved_bytes, full.step_s - plain.step_s),
@@ -624,7 +643,7 @@ class _Search:
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
-        est = evaluate(g, self.target)
+        est = evaluate(g, self.target, memo=self.memo)
         if plain:  # the graph `budget_optimal` reads its per-op times from
             self._plain = (g, est)
         return _plan(knobs, est, self.req, self.blocks), est.memory

@@ -199,12 +199,13 @@ class _Run:
         self, ops: tuple[OpTime, ...], streams: Sequence[str], waits: tuple[Wait, ...]
     ) -> None:
         self.ops, self.streams, self.waits = ops, streams, waits
-        self.before: dict[int, list[Wait]] = defaultdict(list)  # the host's, before issuing
-        self.on_device: dict[int, list[Wait]] = defaultdict(list)
-        self.after: dict[int, list[Wait]] = defaultdict(list)
+        # op -> its waits (most ops have none: looked up with .get, no empty list each)
+        self.before: dict[int, list[Wait]] = {}  # the host's, before issuing
+        self.on_device: dict[int, list[Wait]] = {}
+        self.after: dict[int, list[Wait]] = {}
         for w in waits:
             where = self.after if w.after else self.before if w.stream == HOST else self.on_device
-            where[w.op].append(w)
+            where.setdefault(w.op, []).append(w)
         self.host = 0.0
         self.free: dict[str, float] = defaultdict(float)  # resource -> when it is free
         self.tail: dict[str, float] = defaultdict(float)  # stream -> its last op's end
@@ -217,7 +218,9 @@ class _Run:
             return self.host if event.stream == HOST else self.tail[event.stream]
         return self.ended.get(event.op)
 
-    def _wait(self, t: float, waits: list[Wait]) -> float:
+    def _wait(self, t: float, waits: list[Wait] | None) -> float:
+        if not waits:
+            return t
         for w in waits:
             if (at := self._at(w.event)) is not None:
                 t = max(t, at)
@@ -226,7 +229,7 @@ class _Run:
     def op(self, i: int) -> OpSpan:
         """Issue op i and run it on its stream."""
         o, stream = self.ops[i], self.streams[i]
-        self.host = self._wait(self.host, self.before[i])
+        self.host = self._wait(self.host, self.before.get(i))
         issue_start = self.host
         self.host += o.host_s
         issue_end, start, end = self.host, None, None
@@ -234,16 +237,16 @@ class _Run:
         # op without device time is no kernel (a view, an op fused into another)
         if stream in COPY_STREAMS or (stream != HOST and o.device_s > 0):
             resource = RESOURCE[stream]
-            start = self._wait(max(self.free[resource], self.host), self.on_device[i])
+            start = self._wait(max(self.free[resource], self.host), self.on_device.get(i))
             end = start + (o.side_s if stream in COPY_STREAMS else o.device_s)
             if o.streamed_s > 0:  # its kernels run as they are issued (cuDNN's RNN)
-                start = self._wait(max(self.free[resource], issue_start), self.on_device[i])
+                start = self._wait(max(self.free[resource], issue_start), self.on_device.get(i))
                 end = max(start + o.device_s, issue_end + o.streamed_s)
             self.free[resource] = self.tail[stream] = self.ended[i] = end
             self.clock[i] = resource
         else:
             self.ended[i], self.clock[i] = issue_end, HOST
-        self.host = self._wait(self.host, self.after[i])
+        self.host = self._wait(self.host, self.after.get(i))
         return OpSpan(i, stream, issue_start, issue_end, start, end)
 
     def part(self, lo: int, hi: int) -> list[OpSpan]:

@@ -221,18 +221,29 @@ def replay(
     The replay within the budget runs first: until a segment is refused it is the unlimited
     one, op for op. Where none was refused, the two are one. Where one was and the step
     still ran, the unlimited replay's reserved memory passed the budget there and never came
-    down (it releases nothing, but before a multi-GPU step's measured step): the answer is
-    the limited one. Only then, and where it failed, does the unlimited replay run."""
+    down (it releases nothing; a multi-GPU step's does, `_replay_free_first`): the answer
+    is the limited one. Only where it failed does the unlimited replay run too."""
     if budget is None:
         return _Process(graph, workspace, scratch or {}, None).run(steps)
+    if graph.meta.parallel is not None:  # the measured step starts from an emptied cache
+        return _replay_free_first(graph, workspace, scratch or {}, budget, steps)
     limited = _Process(graph, workspace, scratch or {}, budget).run(steps)
-    if limited.oom_index is None and (
-        limited.stats.alloc_retries == 0 or graph.meta.parallel is None
-    ):
+    if limited.oom_index is None:
         return limited
     free = _Process(graph, workspace, scratch or {}, None).run(steps)
+    return dataclasses.replace(free, oom_index=limited.oom_index)
+
+
+def _replay_free_first(
+    graph: StepGraph, workspace: Workspaces, scratch: Scratch, budget: int, steps: int
+) -> Replayed:
+    """`replay` of a multi-GPU step, whose cache is released before the measured step: its
+    warm-ups may pass the budget where the measured step does not (the unlimited replay is
+    then the answer), which the limited replay alone cannot tell."""
+    free = _Process(graph, workspace, scratch, None).run(steps)
     if free.stats.reserved_peak <= budget:
         return free
+    limited = _Process(graph, workspace, scratch, budget).run(steps)
     if limited.oom_index is None:
         return limited
     return dataclasses.replace(free, oom_index=limited.oom_index)
@@ -289,16 +300,13 @@ class _Process:
         """Per op: (index, its allocations as (storage, bytes, outlives the step), its
         stream, its scratch requests, its frees)."""
         st, survivors, scratch = self.graph.storages, self.survivors, self.scratch
-        return [
-            (
-                n.index,
-                tuple((sid, st[sid].nbytes, sid in survivors) for sid in n.allocs),
-                n.stream,
-                tuple(b for b in _blocks(scratch.get(n.index, 0)) if b > 0),
-                n.frees,
-            )
-            for n in self.graph.nodes
-        ]
+        out = []
+        for n in self.graph.nodes:
+            allocs = tuple((s, st[s].nbytes, s in survivors) for s in n.allocs) if n.allocs else ()
+            blocks = scratch.get(n.index)
+            blocks = tuple(b for b in _blocks(blocks) if b > 0) if blocks else ()
+            out.append((n.index, allocs, n.stream, blocks, n.frees))
+        return out
 
     def run(self, steps: int) -> Replayed:
         at, timeline, scratch = -1, [], {}

@@ -227,10 +227,11 @@ def replay(
         return _Process(graph, workspace, scratch or {}, None).run(steps)
     if graph.meta.parallel is not None:  # the measured step starts from an emptied cache
         return _replay_free_first(graph, workspace, scratch or {}, budget, steps)
-    limited = _Process(graph, workspace, scratch or {}, budget).run(steps)
+    first = _Process(graph, workspace, scratch or {}, budget)
+    limited = first.run(steps)
     if limited.oom_index is None:
         return limited
-    free = _Process(graph, workspace, scratch or {}, None).run(steps)
+    free = _Process(graph, workspace, scratch or {}, None, first.ops).run(steps)
     return dataclasses.replace(free, oom_index=limited.oom_index)
 
 
@@ -240,10 +241,11 @@ def _replay_free_first(
     """`replay` of a multi-GPU step, whose cache is released before the measured step: its
     warm-ups may pass the budget where the measured step does not (the unlimited replay is
     then the answer), which the limited replay alone cannot tell."""
-    free = _Process(graph, workspace, scratch, None).run(steps)
+    first = _Process(graph, workspace, scratch, None)
+    free = first.run(steps)
     if free.stats.reserved_peak <= budget:
         return free
-    limited = _Process(graph, workspace, scratch, budget).run(steps)
+    limited = _Process(graph, workspace, scratch, budget, first.ops).run(steps)
     if limited.oom_index is None:
         return limited
     return dataclasses.replace(free, oom_index=limited.oom_index)
@@ -268,9 +270,15 @@ class _Process:
     times, and the planner replays every candidate, so the loop over ops is the hot one."""
 
     def __init__(
-        self, graph: StepGraph, workspace: Workspaces, scratch: Scratch, budget: int | None
+        self,
+        graph: StepGraph,
+        workspace: Workspaces,
+        scratch: Scratch,
+        budget: int | None,
+        ops: list[tuple] | None = None,
     ) -> None:
         self.graph, self.scratch = graph, scratch
+        self.ops = ops  # `_ops`, where another replay of the graph read them
         # workspaces made up front, and those made when an op first asks for them (step 1)
         self.workspace = [w for w in workspace if isinstance(w, int)]
         self.ws_at: dict[int, list[int]] = {}
@@ -312,7 +320,9 @@ class _Process:
         at, timeline, scratch = -1, [], {}
         alloc, handles, sizes = self.alloc, self.handles, self.sizes
         malloc, free, block_size = alloc.malloc, alloc.free, alloc.block_size
-        ops, watch = self._ops(), self.watch
+        if self.ops is None:
+            self.ops = self._ops()
+        ops, watch = self.ops, self.watch
         nodes = {n.index: n for n in self.graph.nodes} if watch is not None else {}
         try:
             for sid in self.start:

@@ -159,6 +159,10 @@ class _ParallelSearch(_Search):
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
         self._progress, self._done = progress, 0
         self._total = sum(len(v) for v in self.by.values())
+        for parallel, variants in self.by.items():  # the traces the search will ask for
+            fused = [v for v in variants if v.fused_loss]
+            for v in fused or variants:
+                self.steps.expect(self._trace_key(replace(v, parallel=parallel)))
         for parallel, variants in self.by.items():
             try:
                 self.parallel(parallel, variants)
@@ -266,14 +270,19 @@ class _ParallelSearch(_Search):
         first = next(p for p, vs in self.by.items() if vs)
         return self.costed.get(Knobs(micro_batch=self.req.per_rank, parallel=first))
 
-    def graph(self, knobs: Knobs) -> StepGraph:
-        """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
-        the parallelism runs in (before checkpointing and sharding)."""
+    def _trace_key(self, knobs: Knobs) -> tuple[Knobs, str]:
+        """The trace family knobs' graph comes from: the variant, in the precision the
+        parallelism runs in."""
         precision = traced_precision(knobs.precision(self.precision), 2, knobs.parallel)
-        key = (
+        return (
             replace(variant_of(knobs), parallel="none", reshard=True, sync_each=False),
             precision,
         )
+
+    def graph(self, knobs: Knobs) -> StepGraph:
+        """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
+        the parallelism runs in (before checkpointing and sharding)."""
+        key = self._trace_key(knobs)
         if self._at is None or self._at[0] != (key, knobs.micro_batch):
             g = self.steps.at(key, knobs.micro_batch)
             self._at = ((key, knobs.micro_batch), g)
@@ -286,6 +295,17 @@ class _ParallelSearch(_Search):
         got = self.costed.get(knobs)
         if got is not None and (got.step_s is not None or not timed):
             return got
+        with self.collected():
+            plan = self._one(knobs, timed)
+        self.evaluated += 1
+        if plan.fits and not self._fitted(knobs.parallel):  # the user's head and loss next
+            for v in (v for v in self.by[knobs.parallel] if not v.fused_loss):
+                self.steps.expect(self._trace_key(replace(v, parallel=knobs.parallel)))
+        self.costed[knobs] = plan
+        return plan
+
+    def _one(self, knobs: Knobs, timed: bool) -> Plan:
+        """`cost` of a candidate not costed yet."""
         g = self.sharded(knobs)
         mem = self.memory.get(knobs)  # replayed already where a plan is timed after all
         if mem is None:
@@ -298,8 +318,6 @@ class _ParallelSearch(_Search):
             plan = _plan(knobs, est, self.req, self.blocks)
         if plan.fits and knobs.parallel == "fsdp" and knobs.reshard and self._graph:
             self._unsharded[knobs] = self._graph[1]  # `_no_reshard` shards it again
-        self.evaluated += 1
-        self.costed[knobs] = plan
         return plan
 
     def sharded(self, knobs: Knobs) -> StepGraph:

@@ -15,9 +15,11 @@ activation bytes the budget asks for, then checked by evaluating the pass it cho
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from gobrrr.cost.offload import NOT_CALIBRATED
@@ -295,8 +297,16 @@ class Planner:
         return self.search.cost(knobs)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> PlanResult:
-        plans = self.search.run(progress)
-        user = self.search.user()
+        # the cycle collector walks each candidate's objects once (`_Search.collected`),
+        # unless the process keeps it off or froze objects of its own
+        self.search.freeze = gc.isenabled() and gc.get_freeze_count() == 0
+        try:
+            plans = self.search.run(progress)
+            user = self.search.user()
+        finally:
+            if self.search.freeze:
+                self.search.freeze = False
+                gc.unfreeze()
         if self.ahead is not None:  # traces started that the search did not ask for
             self.ahead.close()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -(p.units_per_s or 0.0)))
@@ -392,7 +402,10 @@ class _Steps:
         return g
 
     def expect(self, variant: Variant) -> None:
-        """The variant's traces will be asked for (see `_graphs`): start them ahead."""
+        """The variant's traces will be asked for (see `_graphs`): start them ahead (not
+        again once they have been)."""
+        if variant in self._at:
+            return
         tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
         tracer.expect(_traced_at(self.global_batch))
 
@@ -536,6 +549,27 @@ class _Search:
         self._plain: tuple[StepGraph, Estimate] | None = None  # the last one not checkpointed
         self.notes: list[str] = []
         self._user: Plan | None = None
+        self.freeze = False  # see `collected` (set by Planner.run)
+
+    @contextmanager
+    def collected(self) -> Iterator[None]:
+        """One candidate's costing, the cycle collector off while it runs, then run once
+        over what the candidate made (its cycles: a trace's, the allocator replay's
+        blocks), and what is left alive moved into its permanent generation: a candidate
+        makes millions of objects, and each full collection they set off walked the whole
+        heap, the traces' too (40% of a 70B plan's time). Frozen objects still die by
+        reference count; a cycle among them waits for `gc.unfreeze` (Planner.run's end).
+        Only where `freeze` is set: the collector was on and nothing frozen."""
+        if not self.freeze:
+            yield
+            return
+        gc.disable()
+        try:
+            yield
+        finally:
+            gc.collect(0)  # everything made since it was turned off is in the youngest
+            gc.freeze()
+            gc.enable()
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         out: list[Plan] = []
@@ -614,7 +648,8 @@ class _Search:
         return self.steps.at(variant_of(knobs), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
-        plan, memory = self._costed(knobs)
+        with self.collected():
+            plan, memory = self._costed(knobs)
         self.evaluated += 1
         self.memory[knobs] = memory
         return plan
@@ -629,7 +664,8 @@ class _Search:
             return [self.cost(k) for k in many]
         for k in many:
             self.graph(k)  # traced or derived here, not in a child (which would count it)
-        got = forked_map([functools.partial(self._costed, k) for k in many], a.processes)
+        with self.collected():
+            got = forked_map([functools.partial(self._costed, k) for k in many], a.processes)
         for k, (_, memory) in zip(many, got, strict=True):
             self.evaluated += 1
             self.memory[k] = memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 import select
@@ -330,6 +331,7 @@ class _Job:
 def _work(requests: int, reports: int) -> None:
     """A worker's loop: trace each job read, write its graph to the job's file and report
     it; exit when the planner closes the pipe."""
+    gc.freeze()  # the heap inherited from the planner: never walked by the collector here
     buf = b""
     try:
         while True:
@@ -415,6 +417,7 @@ def _run_child(fn: Callable[[], Any], fd: int) -> None:
     """In the forked child: fn(), its result and warnings written to `fd`, then exit without
     running the parent's exit handlers or flushing its buffers (they are the parent's)."""
     code = 1
+    gc.freeze()  # the heap inherited from the parent: never walked by the collector here
     try:
         with warnings.catch_warnings(record=True) as caught:
             value = fn()

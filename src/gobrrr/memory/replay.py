@@ -172,10 +172,16 @@ def rounded_peak(
         sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0)
     )
     peak = live
-    for node in graph.nodes:
-        live += sum(sizes[sid] for sid in node.allocs)
-        peak = max(peak, live + sum(round_alloc(b) for b in _blocks(scratch.get(node.index, 0))))
-        live -= sum(sizes[sid] for sid in node.frees)
+    for node in graph.nodes:  # (most ops allocate, free and scratch nothing)
+        if node.allocs:
+            live += sum(sizes[sid] for sid in node.allocs)
+        extra = scratch.get(node.index)
+        if extra:
+            peak = max(peak, live + sum(round_alloc(b) for b in _blocks(extra)))
+        elif live > peak:
+            peak = live
+        if node.frees:
+            live -= sum(sizes[sid] for sid in node.frees)
     return peak
 
 
@@ -487,12 +493,11 @@ def blas_workspace_ops(
     lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else gpu.blaslt_workspace
     first: dict[str, int] = {}
     for n in graph.nodes:
+        name = n.name
+        if name not in _MATMULS:
+            continue
         main = n.phase in ("forward", "optimizer")
-        for key, hit in (
-            ("main", main and n.name in _MATMULS),
-            ("engine", not main and n.name in _MATMULS),
-            ("lt", n.name == "addmm"),
-        ):
+        for key, hit in (("main", main), ("engine", not main), ("lt", name == "addmm")):
             if hit:
                 first.setdefault(key, n.index)
     size = {"main": blas, "engine": blas, "lt": lt}

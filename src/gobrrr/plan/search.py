@@ -306,7 +306,11 @@ class Planner:
         finally:
             if self.search.freeze:
                 self.search.freeze = False
-                gc.unfreeze()
+                if self.ahead is None:
+                    gc.unfreeze()
+                # else the process is gobrrr's own (the command line), about to exit: left
+                # frozen, the heap is not walked by the interpreter's last collection (a
+                # second of a gpt2 plan's 9)
         if self.ahead is not None:  # traces started that the search did not ask for
             self.ahead.close()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -(p.units_per_s or 0.0)))

@@ -765,8 +765,12 @@ def _moved(plan: _Plan, n: OpNode, index: int) -> OpNode:
     """`n` at `index`, reading what the pass remapped, freeing what it moved here (built
     field by field: dataclasses.replace costs several times more, on every op of the step)."""
     m = plan.remap.get(n.index)
-    frees = [s for s in n.frees if s not in plan.drop_frees]
-    frees += plan.extra_frees.get(n.index, ())
+    frees, extra = n.frees, plan.extra_frees.get(n.index)
+    if frees or extra:
+        kept = [s for s in frees if s not in plan.drop_frees]
+        frees = tuple(dict.fromkeys(kept + extra if extra else kept))
+    else:
+        frees = ()
     ins, outs = n.inputs, n.outputs
     if m:
 
@@ -789,7 +793,7 @@ def _moved(plan: _Plan, n: OpNode, index: int) -> OpNode:
         n.args,
         n.kwargs,
         n.allocs,
-        tuple(dict.fromkeys(frees)),
+        frees,
         n.stream,
     )
 

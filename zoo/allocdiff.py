@@ -178,15 +178,13 @@ def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
 
     proc.alloc = RecordingAllocator(label)
     cuts = []
-    orig = proc._op
 
     def op(node):
         if node.index == 0:
             cuts.append(len(proc.alloc.events))
         where["node"] = node
-        return orig(node)
 
-    proc._op = op
+    proc.watch = op
     proc.run(steps)
     bounds = [0, *cuts, len(proc.alloc.events)]
     names = ["build"] + [f"step{i + 1}" for i in range(len(cuts))]

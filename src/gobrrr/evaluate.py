@@ -17,6 +17,7 @@ Rendering an `Estimate` (JSON) is `gobrrr.report.estimate`; what it advises,
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,7 @@ def evaluate(
     compiled: bool | None = None,
     capture_s: float = 0.0,
     memory: MemoryResult | None = None,
+    memo: dict | None = None,
 ) -> Estimate:
     """The step's memory (allocation replay through the caching allocator, against the
     memory CUDA leaves the process) and time (per-op roofline and the host/GPU schedule) on
@@ -62,11 +64,14 @@ def evaluate(
     as the graph was captured (meta.compiled: `capture(compile=True)`, whose graph holds
     the compiled step's own tensors). True on an eager trace: the eager step's memory (an
     upper bound) with the compiled time model. memory: this graph's `step_memory` on this
-    target where the caller already replayed it (the planner replays memory first)."""
+    target where the caller already replayed it (the planner replays memory first). memo: a
+    dict the caller keeps for graphs it evaluates on this one target (the planner's
+    candidates, made by passes from a few traces): each distinct op is costed once in it
+    (`_per_op`)."""
     if compiled is None:
         compiled = bool(graph.meta.compiled)
     t = Target.resolve(target)
-    time = predict(graph, t.gpu, t.cal, compiled=compiled)
+    time = predict(graph, t.gpu, t.cal, compiled=compiled, memo=memo)
     return Estimate(
         graph=graph,
         gpu=t.gpu,
@@ -80,14 +85,22 @@ def evaluate(
 
 
 def predict(
-    graph: StepGraph, gpu: GpuSpec, calibration: Calibration | None = None, compiled: bool = False
+    graph: StepGraph,
+    gpu: GpuSpec,
+    calibration: Calibration | None = None,
+    compiled: bool = False,
+    memo: dict | None = None,
 ) -> Prediction:
     """The step's time on `gpu`: the stages costs -> times -> schedule -> power. `compiled`:
     the model runs under torch.compile (forward and backward fused by Inductor; the
-    optimizer stays eager)."""
+    optimizer stays eager). `memo`: see `evaluate`."""
     rates = Rates(gpu, calibration)
-    costs = op_costs(graph)
-    ops = op_times(graph, costs, rates, compiled)
+    if memo is None:
+        costs = op_costs(graph)
+        ops = op_times(graph, costs, rates, compiled)
+    else:
+        costs, ops = _per_op(graph, rates, memo)
+        ops = _step_times(graph, costs, ops, rates, compiled)
     ops, fraction, timeline = power_limited(ops, graph.weights(), rates, step_schedule(graph, ops))
     return prediction(graph, costs, ops, timeline, gpu, calibration, fraction)
 
@@ -108,9 +121,65 @@ def op_times(
         time_op(n, c, rates, host_phase=host_key(n, under, selective))
         for n, c in zip(graph.nodes, costs, strict=True)
     )
+    return _step_times(graph, costs, ops, rates, compiled)
+
+
+def _step_times(
+    graph: StepGraph,
+    costs: list[OpCost],
+    ops: tuple[OpTime, ...],
+    rates: Rates,
+    compiled: bool,
+) -> tuple[OpTime, ...]:
+    """What the step as a whole changes in its ops' own times (`op_times`)."""
     if compiled:
         ops = compiled_times(graph, costs, ops, rates)
     return comm_times(graph, optimizer_host(graph, ops, rates), rates)
+
+
+def _per_op(graph: StepGraph, rates: Rates, memo: dict) -> tuple[list[OpCost], tuple[OpTime, ...]]:
+    """`op_costs` and the per-op `time_op` of `op_times`, each worked out once per distinct
+    op in `memo` (kept by the caller for one target). The planner evaluates many graphs
+    made by passes from a few traces: an accumulated step's later micro-batch repeats its
+    first, every block runs the same ops, checkpointing or sharding changes a few ops of
+    thousands. An op's cost and time read nothing of it but what `_op_key` holds (its index
+    and module only go into OpTime's, its module into the host-cost key too, its storages
+    only matter where two of its tensors share one, e.g. an in-place op), so equal keys give
+    equal results."""
+    tf32 = tf32_of(graph.meta)
+    under, selective = checkpointed_modules(graph), selective_modules(graph)
+    costs, ops = [], []
+    for n in graph.nodes:
+        phase = host_key(n, under, selective)
+        k = (tf32, _op_key(n, phase))
+        got = memo.get(k)
+        if got is None:
+            c = op_cost(n, tf32)
+            got = memo[k] = (c, time_op(n, c, rates, host_phase=phase))
+        c, t = got
+        if t.index != n.index or t.module != n.module:
+            t = copy.copy(t)  # the same time, of this op
+            object.__setattr__(t, "index", n.index)
+            object.__setattr__(t, "module", n.module)
+        costs.append(c)
+        ops.append(t)
+    return costs, tuple(ops)
+
+
+def _op_key(n, host_phase: str | None) -> tuple:
+    """What an op's cost and time depend on: the op, its phase and host-cost key, its
+    tensors but for which storage each is in (only which of them share one), its arguments
+    (as repr: 1, 1.0 and True differ)."""
+    ids: dict[int, int] = {}
+    ins = tuple(
+        (t.shape, t.stride, t.dtype, t.offset, ids.setdefault(t.storage, len(ids)))
+        for t in n.inputs
+    )
+    outs = tuple(
+        (t.shape, t.stride, t.dtype, t.offset, ids.setdefault(t.storage, len(ids)))
+        for t in n.outputs
+    )
+    return (n.op, n.phase, host_phase, ins, outs, repr(n.args), repr(n.kwargs))
 
 
 def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:

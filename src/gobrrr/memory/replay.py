@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_optim import adam8bit_scratch
-from gobrrr.graph.ir import StepGraph
+from gobrrr.graph.ir import OpNode, StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.memory.allocator import AllocatorStats, CachingAllocator, OutOfMemory
 from gobrrr.memory.scratch import attention as attention_scratch
@@ -172,10 +172,16 @@ def rounded_peak(
         sizes[s.id] for s in graph.storages if s.created < 0 and (s.freed is None or s.freed >= 0)
     )
     peak = live
-    for node in graph.nodes:
-        live += sum(sizes[sid] for sid in node.allocs)
-        peak = max(peak, live + sum(round_alloc(b) for b in _blocks(scratch.get(node.index, 0))))
-        live -= sum(sizes[sid] for sid in node.frees)
+    for node in graph.nodes:  # (most ops allocate, free and scratch nothing)
+        if node.allocs:
+            live += sum(sizes[sid] for sid in node.allocs)
+        extra = scratch.get(node.index)
+        if extra:
+            peak = max(peak, live + sum(round_alloc(b) for b in _blocks(extra)))
+        elif live > peak:
+            peak = live
+        if node.frees:
+            live -= sum(sizes[sid] for sid in node.frees)
     return peak
 
 
@@ -216,11 +222,36 @@ def replay(
     """Replay the process through the caching allocator (see the module docstring). Where the
     unlimited replay stays within `budget`, that is the answer; otherwise the replay runs
     again within it, as the allocator would (releasing cached segments, then failing): if it
-    fails, the unlimited replay is returned (what the step needs) with the failing op."""
-    free = _Process(graph, workspace, scratch or {}, None).run(steps)
-    if budget is None or free.stats.reserved_peak <= budget:
+    fails, the unlimited replay is returned (what the step needs) with the failing op.
+
+    The replay within the budget runs first: until a segment is refused it is the unlimited
+    one, op for op. Where none was refused, the two are one. Where one was and the step
+    still ran, the unlimited replay's reserved memory passed the budget there and never came
+    down (it releases nothing; a multi-GPU step's does, `_replay_free_first`): the answer
+    is the limited one. Only where it failed does the unlimited replay run too."""
+    if budget is None:
+        return _Process(graph, workspace, scratch or {}, None).run(steps)
+    if graph.meta.parallel is not None:  # the measured step starts from an emptied cache
+        return _replay_free_first(graph, workspace, scratch or {}, budget, steps)
+    first = _Process(graph, workspace, scratch or {}, budget)
+    limited = first.run(steps)
+    if limited.oom_index is None:
+        return limited
+    free = _Process(graph, workspace, scratch or {}, None, first.ops).run(steps)
+    return dataclasses.replace(free, oom_index=limited.oom_index)
+
+
+def _replay_free_first(
+    graph: StepGraph, workspace: Workspaces, scratch: Scratch, budget: int, steps: int
+) -> Replayed:
+    """`replay` of a multi-GPU step, whose cache is released before the measured step: its
+    warm-ups may pass the budget where the measured step does not (the unlimited replay is
+    then the answer), which the limited replay alone cannot tell."""
+    first = _Process(graph, workspace, scratch, None)
+    free = first.run(steps)
+    if free.stats.reserved_peak <= budget:
         return free
-    limited = _Process(graph, workspace, scratch or {}, budget).run(steps)
+    limited = _Process(graph, workspace, scratch, budget, first.ops).run(steps)
     if limited.oom_index is None:
         return limited
     return dataclasses.replace(free, oom_index=limited.oom_index)
@@ -239,19 +270,28 @@ def replay_reserved(
 
 
 class _Process:
-    """A training process as the allocator sees it: the state, the workspaces, then steps."""
+    """A training process as the allocator sees it: the state, the workspaces, then steps.
+
+    Each op's work is read off the graph once (`_ops`): a replay runs the step `STEPS`
+    times, and the planner replays every candidate, so the loop over ops is the hot one."""
 
     def __init__(
-        self, graph: StepGraph, workspace: Workspaces, scratch: Scratch, budget: int | None
+        self,
+        graph: StepGraph,
+        workspace: Workspaces,
+        scratch: Scratch,
+        budget: int | None,
+        ops: list[tuple] | None = None,
     ) -> None:
         self.graph, self.scratch = graph, scratch
+        self.ops = ops  # `_ops`, where another replay of the graph read them
         # workspaces made up front, and those made when an op first asks for them (step 1)
         self.workspace = [w for w in workspace if isinstance(w, int)]
         self.ws_at: dict[int, list[int]] = {}
         for w in workspace:
             if not isinstance(w, int):
                 self.ws_at.setdefault(w[1], []).append(w[0])
-        self.ws_bytes, self.first_step = 0, False
+        self.ws_bytes = 0
         self.alloc = CachingAllocator(budget)
         self.handles: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
@@ -266,65 +306,86 @@ class _Process:
         )
         # what a step creates and keeps is replaced by the next step's
         self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
+        # called with each op, before its allocations (zoo/allocdiff.py labels the
+        # allocator's events with it)
+        self.watch: Callable[[OpNode], None] | None = None
+
+    def _ops(self) -> list[tuple]:
+        """Per op: (index, its allocations as (storage, bytes, outlives the step), its
+        stream, its scratch requests, its frees)."""
+        st, survivors, scratch = self.graph.storages, self.survivors, self.scratch
+        out = []
+        for n in self.graph.nodes:
+            allocs = tuple((s, st[s].nbytes, s in survivors) for s in n.allocs) if n.allocs else ()
+            blocks = scratch.get(n.index)
+            blocks = tuple(b for b in _blocks(blocks) if b > 0) if blocks else ()
+            out.append((n.index, allocs, n.stream, blocks, n.frees))
+        return out
 
     def run(self, steps: int) -> Replayed:
         at, timeline, scratch = -1, [], {}
+        alloc, handles, sizes = self.alloc, self.handles, self.sizes
+        malloc, free, block_size = alloc.malloc, alloc.free, alloc.block_size
+        if self.ops is None:
+            self.ops = self._ops()
+        ops, watch = self.ops, self.watch
+        nodes = {n.index: n for n in self.graph.nodes} if watch is not None else {}
         try:
             for sid in self.start:
                 if sid not in self.lazy:
                     self._malloc(sid)
-            self.ws_bytes = sum(self.alloc.block_size(self.alloc.malloc(b)) for b in self.workspace)
+            self.ws_bytes = sum(block_size(malloc(b)) for b in self.workspace)
             for step in range(steps):
-                self.first_step = step == 0
+                first = step == 0
                 last = step == steps - 1
                 if last and self.graph.meta.parallel is not None:
                     # the multi-GPU protocol (benchmarks/multigpu/steps.py) releases the cache
                     # after the warm-ups: what building the unsharded model left cached
-                    self.alloc.empty_cache()
+                    alloc.empty_cache()
                 if last:
-                    self.alloc.reset_peaks()
-                for node in self.graph.nodes:
-                    at = node.index
-                    if step == 0 and node.index == self.first_opt:
+                    alloc.reset_peaks()
+                for at, allocs, stream, blocks, frees in ops:
+                    if first and at == self.first_opt:
                         for sid in self.lazy:
                             self._malloc(sid)
-                    during, scratch[at] = self._op(node)
+                    if watch is not None:
+                        watch(nodes[at])
+                    # an op's allocations (a storage that outlived the previous step is
+                    # replaced by this step's), in the pool of the stream that allocates it
+                    for sid, nbytes, survives in allocs:
+                        if survives and sid in handles:
+                            free(handles.pop(sid))
+                        if nbytes > 0:
+                            h = handles[sid] = malloc(nbytes, stream)
+                            sizes[sid] = block_size(h)
+                    if first and at in self.ws_at:  # a BLAS handle's workspace, kept
+                        for b in self.ws_at[at]:
+                            self.ws_bytes += block_size(malloc(b))
+                    if blocks:  # its scratch, allocated and freed while it runs
+                        got = [malloc(b) for b in blocks]
+                        during = alloc.allocated
+                        scratch[at] = sum(block_size(h) for h in got)
+                        for h in got:
+                            free(h)
+                    else:
+                        during = alloc.allocated
+                        scratch[at] = 0
+                    for sid in frees:
+                        if sid in handles:
+                            free(handles.pop(sid))
                     if last:
                         timeline.append(during)
         except OutOfMemory:
-            return Replayed(self.alloc.stats(), (), oom_index=at)
+            return Replayed(alloc.stats(), (), oom_index=at)
         peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
-        if peak_index >= 0 and timeline[peak_index] < self.alloc.allocated_peak:
+        if peak_index >= 0 and timeline[peak_index] < alloc.allocated_peak:
             peak_index = -1  # the step never tops what it started with
-        return Replayed(
-            self.alloc.stats(), tuple(timeline), peak_index, self.sizes, self.ws_bytes, scratch
-        )
+        return Replayed(alloc.stats(), tuple(timeline), peak_index, sizes, self.ws_bytes, scratch)
 
     def _malloc(self, sid: int, stream: str = "compute") -> None:
         if self.graph.storages[sid].nbytes > 0:
             h = self.handles[sid] = self.alloc.malloc(self.graph.storages[sid].nbytes, stream)
             self.sizes[sid] = self.alloc.block_size(h)
-
-    def _op(self, node) -> tuple[int, int]:
-        """One op: its allocations (a storage that outlived the previous step is replaced by
-        this step's), its scratch allocated and freed, then its frees. Returns the bytes
-        allocated while it runs and its scratch blocks' bytes."""
-        for sid in node.allocs:
-            if sid in self.survivors and sid in self.handles:
-                self.alloc.free(self.handles.pop(sid))
-            self._malloc(sid, node.stream)  # in the pool of the stream that allocates it
-        if self.first_step:  # a BLAS handle's workspace, made by its first matmul, kept
-            for b in self.ws_at.get(node.index, ()):
-                self.ws_bytes += self.alloc.block_size(self.alloc.malloc(b))
-        scratch = [self.alloc.malloc(b) for b in _blocks(self.scratch.get(node.index, 0)) if b > 0]
-        during = self.alloc.allocated
-        scratch_bytes = sum(self.alloc.block_size(h) for h in scratch)
-        for h in scratch:
-            self.alloc.free(h)
-        for sid in node.frees:
-            if sid in self.handles:
-                self.alloc.free(self.handles.pop(sid))
-        return during, scratch_bytes
 
 
 def process_budget(gpu: GpuSpec, cal: Calibration | None = None) -> int:
@@ -432,12 +493,11 @@ def blas_workspace_ops(
     lt = cal.blaslt_workspace if cal and cal.blaslt_workspace is not None else gpu.blaslt_workspace
     first: dict[str, int] = {}
     for n in graph.nodes:
+        name = n.name
+        if name not in _MATMULS:
+            continue
         main = n.phase in ("forward", "optimizer")
-        for key, hit in (
-            ("main", main and n.name in _MATMULS),
-            ("engine", not main and n.name in _MATMULS),
-            ("lt", n.name == "addmm"),
-        ):
+        for key, hit in (("main", main), ("engine", not main), ("lt", name == "addmm")):
             if hit:
                 first.setdefault(key, n.index)
     size = {"main": blas, "engine": blas, "lt": lt}

@@ -78,7 +78,8 @@ def _second_storages(graph: StepGraph, split: int, storages: list[StorageInfo]) 
             continue
         remap[s.id] = len(storages)
         kind = "temporary" if s.kind == "gradient" else s.kind
-        storages.append(dataclasses.replace(s, id=len(storages), kind=kind, label=""))
+        new = StorageInfo(len(storages), s.nbytes, kind, s.created, s.freed, "", s.module)
+        storages.append(new)
     return remap
 
 
@@ -96,20 +97,31 @@ def _last_refs(nodes: tuple[OpNode, ...], grads: set[int]) -> dict[int, list[int
 
 
 def _moved(node: OpNode, index: int, remap: dict[int, int]) -> OpNode:
+    """`node` at `index`, on the storages `remap` gives (built field by field: the pass
+    copies every op of the step, and dataclasses.replace costs several times more)."""
+    n = node
     if not remap:
-        return dataclasses.replace(node, index=index)
+        return OpNode(
+            index, n.op, n.phase, n.module, n.inputs, n.outputs, n.args, n.kwargs, n.allocs,
+            n.frees, n.stream,
+        )  # fmt: skip
 
     def t(x: TensorInfo) -> TensorInfo:
         sid = remap.get(x.storage)
-        return x if sid is None else dataclasses.replace(x, storage=sid)
+        return x if sid is None else TensorInfo(x.shape, x.stride, x.dtype, sid, x.offset)
 
-    return dataclasses.replace(
-        node,
-        index=index,
-        inputs=tuple(t(x) for x in node.inputs),
-        outputs=tuple(t(x) for x in node.outputs),
-        allocs=tuple(remap.get(s, s) for s in node.allocs),
-        frees=tuple(remap.get(s, s) for s in node.frees),
+    return OpNode(
+        index,
+        n.op,
+        n.phase,
+        n.module,
+        tuple(t(x) for x in n.inputs),
+        tuple(t(x) for x in n.outputs),
+        n.args,
+        n.kwargs,
+        tuple(remap.get(s, s) for s in n.allocs),
+        tuple(remap.get(s, s) for s in n.frees),
+        n.stream,
     )
 
 
@@ -135,7 +147,9 @@ def _placed(s: StorageInfo, split: int, shift: int, n: int) -> StorageInfo:
     c = s.created + shift if s.created >= split else s.created
     f = s.freed + shift if s.freed is not None and s.freed >= split else s.freed
     nbytes = s.nbytes * n if s.kind == "input" else s.nbytes
-    return dataclasses.replace(s, created=c, freed=f, nbytes=nbytes)
+    if (c, f, nbytes) == (s.created, s.freed, s.nbytes):
+        return s
+    return StorageInfo(s.id, nbytes, s.kind, c, f, s.label, s.module)
 
 
 def _copied(
@@ -144,4 +158,4 @@ def _copied(
     """Micro-batch 2's copy of `orig`: the same lifetime, one micro-batch later; a gradient's
     temporary dies at its add_."""
     freed = added.get(s.id, pos.get(orig.freed) if orig.freed is not None else None)
-    return dataclasses.replace(s, created=pos[orig.created], freed=freed)
+    return StorageInfo(s.id, s.nbytes, s.kind, pos[orig.created], freed, s.label, s.module)

@@ -357,8 +357,11 @@ def _positions(g: StepGraph, lo: int, hi: int, by_unit, grads) -> list[Unit]:
     root = units.get(ROOT) or Unit(ROOT, [])
     units[ROOT] = root
     blocks = [u for u in units.values() if u.name != ROOT]
+    owners: dict[str, Unit | None] = {}  # module -> its unit (thousands of ops a module)
     for n in g.nodes[lo:hi]:
-        u = _owner(n.module, blocks)
+        u = owners.get(n.module, _NONE)
+        if u is _NONE:
+            u = owners[n.module] = _owner(n.module, blocks)
         if n.phase == "forward":
             if n.module and root.fwd_first < 0:
                 root.fwd_first = n.index
@@ -385,6 +388,9 @@ def _positions(g: StepGraph, lo: int, hi: int, by_unit, grads) -> list[Unit]:
                 "name units from the graph's meta.blocks"
             )
     return [root, *sorted(blocks, key=lambda u: u.fwd_first)]
+
+
+_NONE = Unit("", [])  # not looked up yet (None: no unit holds the module)
 
 
 def _owner(module: str, blocks: list[Unit]) -> Unit | None:
@@ -716,12 +722,12 @@ def _assemble(
         first[n.index] = len(nodes)
         phase = "forward" if n.phase == "forward" else "backward"
         for x in plan.before.get(n.index, ()):
-            nodes.append(dataclasses.replace(x, index=len(nodes), phase=phase))
+            nodes.append(_placed(x, len(nodes), phase))
         at[n.index] = len(nodes)
         if n.index not in plan.dropped:
             nodes.append(_moved(plan, n, len(nodes)))
         for x in plan.after.get(n.index, ()):
-            nodes.append(dataclasses.replace(x, index=len(nodes), phase=phase))
+            nodes.append(_placed(x, len(nodes), phase))
     first[len(g.nodes)] = len(nodes)
     made = {sid: x.index for x in nodes for sid in x.allocs}
     died = {sid: x.index for x in nodes for sid in x.frees}
@@ -731,7 +737,8 @@ def _assemble(
         f = died.get(s.id, at[s.freed] if s.freed is not None and s.freed >= 0 else s.freed)
         if s.id in plan.drop_frees and s.id not in died:
             f = None
-        storages.append(dataclasses.replace(s, created=c, freed=f))
+        same = c == s.created and f == s.freed
+        storages.append(s if same else StorageInfo(s.id, s.nbytes, s.kind, c, f, s.label, s.module))
     meta = g.meta.with_ops_moved(lambda i: at[i])
     repeat = g.meta.repeat
     if repeat is not None:
@@ -755,22 +762,56 @@ def _assemble(
 
 
 def _moved(plan: _Plan, n: OpNode, index: int) -> OpNode:
-    m = plan.remap.get(n.index, {})
-    frees = [s for s in n.frees if s not in plan.drop_frees]
-    frees += plan.extra_frees.get(n.index, [])
+    """`n` at `index`, reading what the pass remapped, freeing what it moved here (built
+    field by field: dataclasses.replace costs several times more, on every op of the step)."""
+    m = plan.remap.get(n.index)
+    frees, extra = n.frees, plan.extra_frees.get(n.index)
+    if frees or extra:
+        kept = [s for s in frees if s not in plan.drop_frees]
+        frees = tuple(dict.fromkeys(kept + extra if extra else kept))
+    else:
+        frees = ()
+    ins, outs = n.inputs, n.outputs
+    if m:
 
-    def t(x: TensorInfo) -> TensorInfo:
-        r = m.get(x.storage)
-        if r is None:
-            return x
-        return r if isinstance(r, TensorInfo) else dataclasses.replace(x, storage=r)
+        def t(x: TensorInfo) -> TensorInfo:
+            r = m.get(x.storage)
+            if r is None:
+                return x
+            if isinstance(r, TensorInfo):
+                return r
+            return TensorInfo(x.shape, x.stride, x.dtype, r, x.offset)
 
-    return dataclasses.replace(
-        n,
-        index=index,
-        inputs=tuple(t(x) for x in n.inputs),
-        outputs=tuple(t(x) for x in n.outputs),
-        frees=tuple(dict.fromkeys(frees)),
+        ins, outs = tuple(t(x) for x in ins), tuple(t(x) for x in outs)
+    return OpNode(
+        index,
+        n.op,
+        n.phase,
+        n.module,
+        ins,
+        outs,
+        n.args,
+        n.kwargs,
+        n.allocs,
+        frees,
+        n.stream,
+    )
+
+
+def _placed(x: OpNode, index: int, phase: str) -> OpNode:
+    """An op the pass inserts, at `index` in `phase`."""
+    return OpNode(
+        index,
+        x.op,
+        phase,
+        x.module,
+        x.inputs,
+        x.outputs,
+        x.args,
+        x.kwargs,
+        x.allocs,
+        x.frees,
+        x.stream,
     )
 
 

@@ -146,7 +146,10 @@ class _ParallelSearch(_Search):
         super().__init__(req, target, steps, blocks, [])
         self.by, self.precision = by, precision
         self.costed: dict[Knobs, Plan] = {}
-        self._graph: tuple[tuple, StepGraph] | None = None  # the last candidate's, unsharded
+        self._graph: tuple[Knobs, StepGraph] | None = None  # the last candidate's, unsharded
+        # FSDP2 candidates with reshard that fit: their graphs before sharding, until
+        # `_no_reshard` costs them again without it (then popped)
+        self._unsharded: dict[Knobs, StepGraph] = {}
         self._at: tuple[tuple, StepGraph] | None = None  # the last traced or derived graph
         self.workload_name = ""
         self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
@@ -156,6 +159,10 @@ class _ParallelSearch(_Search):
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
         self._progress, self._done = progress, 0
         self._total = sum(len(v) for v in self.by.values())
+        for parallel, variants in self.by.items():  # the traces the search will ask for
+            fused = [v for v in variants if v.fused_loss]
+            for v in fused or variants:
+                self.steps.expect(self._trace_key(replace(v, parallel=parallel)))
         for parallel, variants in self.by.items():
             try:
                 self.parallel(parallel, variants)
@@ -246,12 +253,15 @@ class _ParallelSearch(_Search):
         return self._no_reshard(out)
 
     def _no_reshard(self, plans: list[Plan]) -> list[Plan]:
-        """FSDP2's plans that fit, costed again with reshard_after_forward off."""
+        """FSDP2's plans that fit, costed again with reshard_after_forward off (each from
+        the graph its reshard candidate was sharded from: checkpointing and accumulation
+        do not depend on it)."""
         more = [
             self.cost(replace(p.knobs, reshard=False))
             for p in plans
             if p.fits and p.knobs.parallel == "fsdp" and p.knobs.reshard
         ]
+        self._unsharded.clear()
         return plans + more
 
     def user(self) -> Plan | None:
@@ -260,14 +270,19 @@ class _ParallelSearch(_Search):
         first = next(p for p, vs in self.by.items() if vs)
         return self.costed.get(Knobs(micro_batch=self.req.per_rank, parallel=first))
 
-    def graph(self, knobs: Knobs) -> StepGraph:
-        """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
-        the parallelism runs in (before checkpointing and sharding)."""
+    def _trace_key(self, knobs: Knobs) -> tuple[Knobs, str]:
+        """The trace family knobs' graph comes from: the variant, in the precision the
+        parallelism runs in."""
         precision = traced_precision(knobs.precision(self.precision), 2, knobs.parallel)
-        key = (
+        return (
             replace(variant_of(knobs), parallel="none", reshard=True, sync_each=False),
             precision,
         )
+
+    def graph(self, knobs: Knobs) -> StepGraph:
+        """One rank's graph of knobs' variant at knobs' micro-batch, traced in the precision
+        the parallelism runs in (before checkpointing and sharding)."""
+        key = self._trace_key(knobs)
         if self._at is None or self._at[0] != (key, knobs.micro_batch):
             g = self.steps.at(key, knobs.micro_batch)
             self._at = ((key, knobs.micro_batch), g)
@@ -280,6 +295,17 @@ class _ParallelSearch(_Search):
         got = self.costed.get(knobs)
         if got is not None and (got.step_s is not None or not timed):
             return got
+        with self.collected():
+            plan = self._one(knobs, timed)
+        self.evaluated += 1
+        if plan.fits and not self._fitted(knobs.parallel):  # the user's head and loss next
+            for v in (v for v in self.by[knobs.parallel] if not v.fused_loss):
+                self.steps.expect(self._trace_key(replace(v, parallel=knobs.parallel)))
+        self.costed[knobs] = plan
+        return plan
+
+    def _one(self, knobs: Knobs, timed: bool) -> Plan:
+        """`cost` of a candidate not costed yet."""
         g = self.sharded(knobs)
         mem = self.memory.get(knobs)  # replayed already where a plan is timed after all
         if mem is None:
@@ -288,16 +314,19 @@ class _ParallelSearch(_Search):
         if (mem.oom_index is not None or reserved > self.req.usable) and not timed:
             plan = _untimed(knobs, g, mem.peak, reserved, self.req, self.blocks)
         else:
-            plan = _plan(knobs, evaluate(g, self.target, memory=mem), self.req, self.blocks)
-        self.evaluated += 1
-        self.costed[knobs] = plan
+            est = evaluate(g, self.target, memory=mem, memo=self.memo)
+            plan = _plan(knobs, est, self.req, self.blocks)
+        if plan.fits and knobs.parallel == "fsdp" and knobs.reshard and self._graph:
+            self._unsharded[knobs] = self._graph[1]  # `_no_reshard` shards it again
         return plan
 
     def sharded(self, knobs: Knobs) -> StepGraph:
         """The candidate's one-rank graph: checkpointed, accumulated, then sharded; the
         graph before sharding kept for the next candidate that differs only in reshard."""
-        key = (replace(knobs, reshard=True),)
-        if self._graph is None or self._graph[0] != key:
+        key = replace(knobs, reshard=True)
+        if key in self._unsharded:
+            self._graph = (key, self._unsharded.pop(key))
+        elif self._graph is None or self._graph[0] != key:
             g = self.graph(knobs)
             if knobs.checkpoint:
                 g = checkpoint_pass(g, dict(knobs.checkpoint))

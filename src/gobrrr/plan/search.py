@@ -15,9 +15,11 @@ activation bytes the budget asks for, then checked by evaluating the pass it cho
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from gobrrr.cost.offload import NOT_CALIBRATED
@@ -193,9 +195,14 @@ class Planner:
             ),
             self.req.global_batch,
         )
-        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
         notes: list[str] = []
-        variants = [BASE, *self._variants(notes)]
+        wanted = self._variants(notes)  # before the memory filter, which needs the base trace
+        self.steps.expect(BASE)
+        if self.ahead is not None and _small(self.probe, self.req):
+            for v in wanted:  # traced ahead while the base trace runs (see `_small`)
+                self.steps.expect(v)
+        self.base = self.steps.at(BASE, 1 if self.req.global_batch == 1 else 2)
+        variants = [BASE, *self._kept(wanted, notes)]
         for v in variants[1:]:  # the search traces each variant: start those traces now
             self.steps.expect(v)
         blocks = list(self.base.meta.blocks or ())
@@ -208,9 +215,9 @@ class Planner:
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
-        """The variants worth tracing: the fused loss where the model takes it, bf16
-        optimizer states and weights where allowed, each compiled too where allowed; none
-        whose parameters, gradients and optimizer states alone exceed the budget."""
+        """The variants worth tracing but the base: the fused loss where the model takes it,
+        bf16 optimizer states and weights where allowed, each compiled too where allowed
+        (`_kept` then drops those whose persistent bytes alone exceed the budget)."""
         refusal = self.probe.fused_loss_refusal
         if refusal:
             notes.append(f"fused linear + cross-entropy not planned: {refusal}")
@@ -231,7 +238,11 @@ class Planner:
         out = [v for v in out if not v.fused_loss or not refusal]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
             out += [replace(v, compile=c) for c in self._compile_modes(notes) for v in out]
-        out = [v for v in out if v != BASE]
+        return [v for v in out if v != BASE]
+
+    def _kept(self, out: list[Variant], notes: list[str]) -> list[Variant]:
+        """The variants whose parameters, gradients and optimizer states (read off the base
+        trace) fit the budget; a note where some or the base's do not."""
         kept = [v for v in out if _persistent(self.base, v) <= self.req.usable]
         if len(kept) < len(out) or _persistent(self.base, BASE) > self.req.usable:
             gib = 2**30
@@ -286,8 +297,20 @@ class Planner:
         return self.search.cost(knobs)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> PlanResult:
-        plans = self.search.run(progress)
-        user = self.search.user()
+        # the cycle collector walks each candidate's objects once (`_Search.collected`),
+        # unless the process keeps it off or froze objects of its own
+        self.search.freeze = gc.isenabled() and gc.get_freeze_count() == 0
+        try:
+            plans = self.search.run(progress)
+            user = self.search.user()
+        finally:
+            if self.search.freeze:
+                self.search.freeze = False
+                if self.ahead is None:
+                    gc.unfreeze()
+                # else the process is gobrrr's own (the command line), about to exit: left
+                # frozen, the heap is not walked by the interpreter's last collection (a
+                # second of a gpt2 plan's 9)
         if self.ahead is not None:  # traces started that the search did not ask for
             self.ahead.close()
         ranked = sorted(_distinct(plans), key=lambda p: (not p.fits, -(p.units_per_s or 0.0)))
@@ -383,7 +406,10 @@ class _Steps:
         return g
 
     def expect(self, variant: Variant) -> None:
-        """The variant's traces will be asked for (see `_graphs`): start them ahead."""
+        """The variant's traces will be asked for (see `_graphs`): start them ahead (not
+        again once they have been)."""
+        if variant in self._at:
+            return
         tracer = self.tracers.setdefault(variant, self.make_tracer(variant))
         tracer.expect(_traced_at(self.global_batch))
 
@@ -406,6 +432,15 @@ def _offload_allowed(target: Target, probe: Probe, notes: list[str]) -> bool:
     if refusal:
         notes.append(f"offload not planned: {refusal}")
     return not refusal
+
+
+def _small(probe: Probe, req: Request) -> bool:
+    """Whether every variant is all but sure to pass `_kept` before the base trace says:
+    the parameters, gradients and two fp32 states of each (4x the parameters' bytes, Adam's
+    and what every variant's bound is under) take at most half the budget. Only where they
+    do are the variants traced ahead of the base trace; a wrong guess costs a worker's time
+    on a trace nobody asks for, never a different plan."""
+    return 8 * probe.parameter_bytes <= req.usable
 
 
 def _persistent(g: StepGraph, variant: Variant) -> int:
@@ -513,10 +548,32 @@ class _Search:
         self.variants = variants
         self.evaluated = 0
         self.memory: dict[Knobs, MemoryResult] = {}  # each candidate's replay, for charts
+        self.memo: dict = {}  # each distinct op's cost and time on the target (`evaluate`)
         self.ahead: Ahead | None = None  # where set, candidates are costed in children too
         self._plain: tuple[StepGraph, Estimate] | None = None  # the last one not checkpointed
         self.notes: list[str] = []
         self._user: Plan | None = None
+        self.freeze = False  # see `collected` (set by Planner.run)
+
+    @contextmanager
+    def collected(self) -> Iterator[None]:
+        """One candidate's costing, the cycle collector off while it runs, then run once
+        over what the candidate made (its cycles: a trace's, the allocator replay's
+        blocks), and what is left alive moved into its permanent generation: a candidate
+        makes millions of objects, and each full collection they set off walked the whole
+        heap, the traces' too (40% of a 70B plan's time). Frozen objects still die by
+        reference count; a cycle among them waits for `gc.unfreeze` (Planner.run's end).
+        Only where `freeze` is set: the collector was on and nothing frozen."""
+        if not self.freeze:
+            yield
+            return
+        gc.disable()
+        try:
+            yield
+        finally:
+            gc.collect(0)  # everything made since it was turned off is in the youngest
+            gc.freeze()
+            gc.enable()
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         out: list[Plan] = []
@@ -571,7 +628,7 @@ class _Search:
         g = self.graph(knobs())
         known = self._plain[1] if self._plain is not None and self._plain[0] is g else None
         costs = scaled(
-            block_costs(g, (known or evaluate(g, self.target)).time, self.blocks),
+            block_costs(g, (known or evaluate(g, self.target, memo=self.memo)).time, self.blocks),
             {
                 "selective": (plain.reserved_bytes - sel.reserved_bytes, sel.step_s - plain.step_s),
                 "full": (plain.reserved_bytes - full.reserved_bytes, full.step_s - plain.step_s),
@@ -595,7 +652,8 @@ class _Search:
         return self.steps.at(variant_of(knobs), knobs.micro_batch)
 
     def cost(self, knobs: Knobs) -> Plan:
-        plan, memory = self._costed(knobs)
+        with self.collected():
+            plan, memory = self._costed(knobs)
         self.evaluated += 1
         self.memory[knobs] = memory
         return plan
@@ -610,7 +668,8 @@ class _Search:
             return [self.cost(k) for k in many]
         for k in many:
             self.graph(k)  # traced or derived here, not in a child (which would count it)
-        got = forked_map([functools.partial(self._costed, k) for k in many], a.processes)
+        with self.collected():
+            got = forked_map([functools.partial(self._costed, k) for k in many], a.processes)
         for k, (_, memory) in zip(many, got, strict=True):
             self.evaluated += 1
             self.memory[k] = memory
@@ -624,7 +683,7 @@ class _Search:
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
-        est = evaluate(g, self.target)
+        est = evaluate(g, self.target, memo=self.memo)
         if plain:  # the graph `budget_optimal` reads its per-op times from
             self._plain = (g, est)
         return _plan(knobs, est, self.req, self.blocks), est.memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 import select
@@ -180,20 +181,23 @@ class Ahead:
         return g
 
     def _fill(self) -> None:
-        """Send queued traces to the idle workers."""
+        """Send queued traces to the workers, each its next one besides the one it traces
+        (`_BACKLOG`): a worker goes on to it without waiting for this process to come back
+        from costing. Breadth first: every worker's first before any worker's second."""
         self._read(block=False)
-        for w in self.workers:
-            while w.job is None and self.queue:
-                tracer, m = self.queue.pop(0)
-                job = _Job.send(w, self._next, tracer, m)
-                self._next += 1
-                if job is not None:  # else (a source that cannot be pickled) traced here
-                    self.jobs[(id(tracer), m)] = job
+        for depth in range(_BACKLOG):
+            for w in self.workers:
+                if len(w.jobs) <= depth and self.queue:
+                    tracer, m = self.queue.pop(0)
+                    job = _Job.send(w, self._next, tracer, m)
+                    self._next += 1
+                    if job is not None:  # else (a source that cannot be pickled) traced here
+                        self.jobs[(id(tracer), m)] = job
 
     def _read(self, block: bool) -> bool:
         """Take in the workers' reports (waiting for one where `block`); False when no
         worker is left."""
-        busy = [w for w in self.workers if w.job is not None]
+        busy = [w for w in self.workers if w.jobs]
         if not busy:
             return bool(self.workers)
         ready, _, _ = select.select([w.reports for w in busy], [], [], None if block else 0)
@@ -229,7 +233,7 @@ class _Worker:
 
     def __init__(self, pid: int, requests: int, reports: int) -> None:
         self.pid, self.requests, self.reports = pid, requests, reports
-        self.job: _Job | None = None  # the job it is tracing
+        self.jobs: list[_Job] = []  # the job it is tracing, then those sent after it
         self.alive = True
         self._buf = b""
 
@@ -257,18 +261,17 @@ class _Worker:
         """Take in what the worker reported; False once it is gone."""
         chunk = os.read(self.reports, 4096)
         if not chunk:
-            if self.job is not None:
-                self.job.status = -1
-                self.job = None
+            for job in self.jobs:
+                job.status = -1
+            self.jobs.clear()
             self.alive = False
             return False
         self._buf += chunk
         while len(self._buf) >= _REPORT.size:
             job, status = _REPORT.unpack(self._buf[: _REPORT.size])
             self._buf = self._buf[_REPORT.size :]
-            if self.job is not None and self.job.id == job:
-                self.job.status = status
-                self.job = None
+            if self.jobs and self.jobs[0].id == job:
+                self.jobs.pop(0).status = status
         return True
 
     def stop(self) -> None:
@@ -285,6 +288,9 @@ class _Worker:
         except (ProcessLookupError, ChildProcessError):
             pass
 
+
+#: traces sent to a worker at once: the one it traces and the next
+_BACKLOG = 2
 
 _REPORT = struct.Struct("<qi")  # (job id, status: 0 traced, 1 failed)
 _LENGTH = struct.Struct("<Q")
@@ -305,14 +311,16 @@ class _Job:
         except Exception:  # noqa: BLE001 - e.g. a lambda as the source: traced here
             return None
         fd, path = tempfile.mkstemp(prefix="gobrrr-trace-", suffix=".pickle")
-        os.close(fd)
-        message = pickle.dumps((job_id, path, payload))
+        with os.fdopen(fd, "wb") as f:  # the spec (a calibration: more than a pipe holds)
+            f.write(payload)
+        message = pickle.dumps((job_id, path))
         try:
             os.write(worker.requests, _LENGTH.pack(len(message)) + message)
         except OSError:  # the worker is gone
             os.unlink(path)
             return None
-        job = worker.job = _Job(job_id, path, worker)
+        job = _Job(job_id, path, worker)
+        worker.jobs.append(job)
         return job
 
     def remove(self) -> None:
@@ -323,6 +331,7 @@ class _Job:
 def _work(requests: int, reports: int) -> None:
     """A worker's loop: trace each job read, write its graph to the job's file and report
     it; exit when the planner closes the pipe."""
+    gc.freeze()  # the heap inherited from the planner: never walked by the collector here
     buf = b""
     try:
         while True:
@@ -334,8 +343,10 @@ def _work(requests: int, reports: int) -> None:
                 n = _LENGTH.unpack(buf[: _LENGTH.size])[0]
                 if len(buf) < _LENGTH.size + n:
                     break
-                job, path, payload = pickle.loads(buf[_LENGTH.size : _LENGTH.size + n])
+                job, path = pickle.loads(buf[_LENGTH.size : _LENGTH.size + n])
                 buf = buf[_LENGTH.size + n :]
+                with open(path, "rb") as f:
+                    payload = f.read()
                 status = _trace_job(payload, path)
                 os.write(reports, _REPORT.pack(job, status))
     finally:
@@ -406,6 +417,7 @@ def _run_child(fn: Callable[[], Any], fd: int) -> None:
     """In the forked child: fn(), its result and warnings written to `fd`, then exit without
     running the parent's exit handlers or flushing its buffers (they are the parent's)."""
     code = 1
+    gc.freeze()  # the heap inherited from the parent: never walked by the collector here
     try:
         with warnings.catch_warnings(record=True) as caught:
             value = fn()

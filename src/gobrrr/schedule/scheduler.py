@@ -199,12 +199,13 @@ class _Run:
         self, ops: tuple[OpTime, ...], streams: Sequence[str], waits: tuple[Wait, ...]
     ) -> None:
         self.ops, self.streams, self.waits = ops, streams, waits
-        self.before: dict[int, list[Wait]] = defaultdict(list)  # the host's, before issuing
-        self.on_device: dict[int, list[Wait]] = defaultdict(list)
-        self.after: dict[int, list[Wait]] = defaultdict(list)
+        # op -> its waits (most ops have none: looked up with .get, no empty list each)
+        self.before: dict[int, list[Wait]] = {}  # the host's, before issuing
+        self.on_device: dict[int, list[Wait]] = {}
+        self.after: dict[int, list[Wait]] = {}
         for w in waits:
             where = self.after if w.after else self.before if w.stream == HOST else self.on_device
-            where[w.op].append(w)
+            where.setdefault(w.op, []).append(w)
         self.host = 0.0
         self.free: dict[str, float] = defaultdict(float)  # resource -> when it is free
         self.tail: dict[str, float] = defaultdict(float)  # stream -> its last op's end
@@ -217,37 +218,60 @@ class _Run:
             return self.host if event.stream == HOST else self.tail[event.stream]
         return self.ended.get(event.op)
 
-    def _wait(self, t: float, waits: list[Wait]) -> float:
+    def _wait(self, t: float, waits: list[Wait] | None) -> float:
+        if not waits:
+            return t
         for w in waits:
             if (at := self._at(w.event)) is not None:
                 t = max(t, at)
         return t
 
-    def op(self, i: int) -> OpSpan:
-        """Issue op i and run it on its stream."""
-        o, stream = self.ops[i], self.streams[i]
-        self.host = self._wait(self.host, self.before[i])
-        issue_start = self.host
-        self.host += o.host_s
-        issue_end, start, end = self.host, None, None
-        # a copy always occupies the link (its time is never 0: a copy's latency); a compute
-        # op without device time is no kernel (a view, an op fused into another)
-        if stream in COPY_STREAMS or (stream != HOST and o.device_s > 0):
-            resource = RESOURCE[stream]
-            start = self._wait(max(self.free[resource], self.host), self.on_device[i])
-            end = start + (o.side_s if stream in COPY_STREAMS else o.device_s)
-            if o.streamed_s > 0:  # its kernels run as they are issued (cuDNN's RNN)
-                start = self._wait(max(self.free[resource], issue_start), self.on_device[i])
-                end = max(start + o.device_s, issue_end + o.streamed_s)
-            self.free[resource] = self.tail[stream] = self.ended[i] = end
-            self.clock[i] = resource
-        else:
-            self.ended[i], self.clock[i] = issue_end, HOST
-        self.host = self._wait(self.host, self.after[i])
-        return OpSpan(i, stream, issue_start, issue_end, start, end)
-
     def part(self, lo: int, hi: int) -> list[OpSpan]:
-        return [self.op(i) for i in range(lo, hi)]
+        """Issue ops lo..hi-1 in turn, each run on its stream once issued: the host's clock
+        moves on by its host time (after the waits before it), a device op starts when its
+        resource is free and its waits are met. The hot loop of every evaluation (several
+        schedules of every op, for the power limit): the clocks are kept in locals, waits
+        looked up only for the few ops that have them (`_at` reads `self.host`: set first)."""
+        ops, streams, wait = self.ops, self.streams, self._wait
+        before, on_device, after = self.before, self.on_device, self.after
+        free, tail, ended, clock = self.free, self.tail, self.ended, self.clock
+        out: list[OpSpan] = []
+        host = self.host
+        for i in range(lo, hi):
+            o, stream = ops[i], streams[i]
+            if (w := before.get(i)) is not None:
+                self.host = host
+                host = wait(host, w)
+            issue_start = host
+            host += o.host_s
+            issue_end, start, end = host, None, None
+            # a copy always occupies the link (its time is never 0: a copy's latency); a
+            # compute op without device time is no kernel (a view, an op fused into another)
+            copy = stream in COPY_STREAMS
+            if copy or (stream != HOST and o.device_s > 0):
+                resource = RESOURCE[stream]
+                w = on_device.get(i)
+                start = max(free[resource], host)
+                if w is not None:
+                    self.host = host
+                    start = wait(start, w)
+                end = start + (o.side_s if copy else o.device_s)
+                if o.streamed_s > 0:  # its kernels run as they are issued (cuDNN's RNN)
+                    start = max(free[resource], issue_start)
+                    if w is not None:
+                        self.host = host
+                        start = wait(start, w)
+                    end = max(start + o.device_s, issue_end + o.streamed_s)
+                free[resource] = tail[stream] = ended[i] = end
+                clock[i] = resource
+            else:
+                ended[i], clock[i] = issue_end, HOST
+            if (w := after.get(i)) is not None:
+                self.host = host
+                host = wait(host, w)
+            out.append(OpSpan(i, stream, issue_start, issue_end, start, end))
+        self.host = host
+        return out
 
     def shift(self, before: dict[str, float], times: int) -> dict[str, float]:
         """Move every clock on by (times - 2) x what the last run added to it: the runs of the

@@ -296,6 +296,7 @@ def _hf(name: str) -> gobrrr.Workload:
     forward from `labels`) and, for Llama, a KV cache. Llama has as many KV heads as query
     heads: with fewer, the CPU's attention saves the un-repeated keys for backward while the
     trace takes Hopper's backends, which do not (a kernel difference, not the loop's)."""
+    pytest.importorskip("transformers")
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -226,3 +226,26 @@ def test_the_fused_loss_on_a_frozen_head_makes_no_head_gradient():
     assert op.outputs[1].numel > 0 and op.outputs[2].numel == 0
     split = gobrrr.evaluate(g, "h100").trainable
     assert split.what == "LoRA adapters" and split.trained_elements == 2 * R * (32 + 24)
+
+
+def test_an_adapted_head_leaves_the_fused_loss_out_saying_why():
+    """LoRA on lm_head too: the head is peft's LoRA layer, not an nn.Linear the fused loss can
+    take over; the refusal names the wrapped model, and apply refuses with the same words."""
+    from peft import LoraConfig, get_peft_model
+
+    from gobrrr.errors import GobrrrError
+    from gobrrr.plan import applicable
+
+    lora = LoraConfig(r=R, target_modules=["q_proj", "v_proj", "lm_head"])
+    model = get_peft_model(LlamaForCausalLM(LlamaConfig(**CONFIG)), lora)
+    ids = torch.randint(0, V, (G, 8))
+    wl = Workload(model, {"input_ids": ids, "labels": ids}, loss=lambda out, b: out.loss)
+    why = applicable.fused_loss_refusal(wl)
+    assert why == (
+        "fused_loss needs a model whose output head feeds a cross-entropy gobrrr can take "
+        f"over, and LlamaForCausalLM (in peft's {type(model).__name__}) has no nn.Linear "
+        "lm_head: set fused_loss=False"
+    )
+    with pytest.raises(GobrrrError) as e:
+        apply(wl, Knobs(micro_batch=G, fused_loss=True))
+    assert str(e.value) == why

@@ -115,8 +115,8 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
         return None
     inner = peft_base(model)
     if inner is not model:
-        why = fused_loss_refusal(inner)
-        return why and why.replace(" and ", f" and the {type(model).__name__}'s model ", 1)
+        why, name = fused_loss_refusal(inner), type(inner).__name__
+        return why and why.replace(f"{name} ", f"{name} (in peft's {type(model).__name__}) ", 1)
     why = _hf_refusal(model)
     if why is None:
         return None

@@ -202,8 +202,8 @@ def state_line(state: dict) -> str:
 
 
 def trainable_line(split: Trainable) -> str:
-    """ "trains 1.70M parameters (0.14%: LoRA adapters, 6.49 MiB fp32) + their gradients
-    6.49 MiB + AdamW states 12.98 MiB; frozen 1.24G (2.30 GiB bf16)"."""
+    """ "trains 1.70M parameters (0.14%: LoRA adapters, 6.50 MiB fp32) + their gradients
+    6.50 MiB + AdamW states 13.00 MiB; frozen 1.24G (2.30 GiB bf16)" (`Estimate.trainable`)."""
     states = f"{split.optimizer} states" if split.optimizer else "optimizer states"
     return (
         f"trains {human_count(split.trained_elements)} parameters ({split.trained_share:.2%}: "

@@ -44,6 +44,7 @@ from gobrrr.cost.shapes import checkpointed_modules, host_key, selective_modules
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
+from gobrrr.memory.trainable import Trainable, trainable
 from gobrrr.schedule.power import power_limited
 from gobrrr.schedule.scheduler import Timeline, exposed_comm, schedule
 from gobrrr.schedule.streams import COMM, stream_of
@@ -402,6 +403,12 @@ class Estimate:
         """The step runs on the GPU: the caching allocator's reserved peak stays within the
         memory CUDA leaves to the process (`gobrrr.memory.replay.process_budget`)."""
         return self.memory.fits()
+
+    @property
+    def trainable(self) -> Trainable:
+        """The parameters the optimizer steps and those frozen (elements and bytes by
+        dtype), and the gradients and optimizer states only the trained ones have (bytes)."""
+        return trainable(self.graph)
 
     def throughput(self) -> dict[str, Any]:
         """Units per second in the workload's unit: tokens for sequences, samples otherwise."""

@@ -198,3 +198,37 @@ def test_fake_tensor_trace(recorder):
             linear_cross_entropy(h, w, t, b).backward()
     ops = dict(rec.ops)
     assert ops["gobrrr::linear_cross_entropy"] == [(), (16, 48), (300, 48), (300,)]
+
+
+@pytest.mark.parametrize("frozen", ["weight", "weight+bias", "hidden"])
+def test_a_frozen_input_gets_no_gradient_and_the_rest_are_unchanged(close, frozen):
+    """A frozen head (LoRA: lm_head.weight.requires_grad False) makes no dweight: the op
+    returns an empty one and autograd leaves weight.grad None; the gradients that are taken
+    equal the fp32 reference's."""
+    torch.manual_seed(0)
+    h, w, t, b = make_inputs((2, 9), 24, 70, True, True, True, torch.float32)
+    leaves = [x.detach().clone().requires_grad_(name not in frozen) for name, x in
+              (("hidden", h), ("weight", w), ("bias", b))]  # fmt: skip
+    lh, lw, lb = leaves
+    loss = linear_cross_entropy(lh, lw, t, lb, chunk_size=7)
+    (3.0 * loss).backward()
+    rh, rw, rb = (x.detach().clone().requires_grad_() for x in (h, w, b))
+    (3.0 * ref_loss(rh, rw, t, rb, -100, "mean", 0.0)).backward()
+    close(loss.detach(), ref_loss(h, w, t, b, -100, "mean", 0.0), TOLS[torch.float32], "loss")
+    for name, got, want in (("hidden", lh, rh), ("weight", lw, rw), ("bias", lb, rb)):
+        if name in frozen:
+            assert got.grad is None, name
+        else:
+            close(got.grad, want.grad, TOLS[torch.float32], name)
+
+
+def test_a_frozen_weight_makes_no_vocab_sized_gradient(recorder):
+    """Traced on fake tensors as gobrrr traces a LoRA step: the op's dweight is (0,), so the
+    step's memory holds no (V, d) gradient of the frozen head."""
+    with FakeTensorMode():
+        h = torch.randn(2, 8, 48, requires_grad=True)
+        w = torch.randn(300, 48)  # frozen
+        t = torch.randint(0, 300, (2, 8))
+        with recorder() as rec:
+            linear_cross_entropy(h, w, t).backward()
+    assert dict(rec.ops)["gobrrr::linear_cross_entropy"] == [(), (16, 48), (0,), (0,)]

@@ -12,9 +12,12 @@ dW accumulates in the weight's dtype (cuBLAS adds in fp32 and rounds once per ch
 bf16 weight sees one bf16 rounding per chunk: one reason chunks are not made tiny.
 
 Op: gobrrr::linear_cross_entropy(hidden, weight, targets, bias?, ignore_index, reduction,
-label_smoothing, chunk_size) -> (loss, dhidden, dweight, dbias). A single op: the cost model
-sees the whole fused computation (3 matmuls of 2*N*d*V FLOPs each plus one pass over the logits)
-as one node. dbias is an empty (0,) tensor when bias is None (an op cannot return None).
+label_smoothing, chunk_size, hidden_grad, weight_grad, bias_grad) -> (loss, dhidden, dweight,
+dbias). A single op: the cost model sees the whole fused computation (3 matmuls of 2*N*d*V FLOPs
+each plus one pass over the logits) as one node. A gradient is an empty (0,) tensor when its
+input has none to take (an op cannot return None): dbias without a bias, and dweight, dbias or
+dhidden where that input does not require grad (a frozen head under LoRA: no (V, d) dweight is
+made, and its matmul is not run).
 """
 
 from __future__ import annotations
@@ -142,18 +145,23 @@ def linear_cross_entropy_op(
     reduction: int,
     label_smoothing: float,
     chunk_size: int,
+    hidden_grad: bool = True,
+    weight_grad: bool = True,
+    bias_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, d), weight (V, d), targets (N,), bias (V,) or None; reduction 0=mean, 1=sum;
-    chunk_size 0 = default_chunk. Returns (loss fp32 scalar, dhidden (N, d), dweight (V, d),
-    dbias (V,) or (0,)): the gradients of loss, for grad_output = 1."""
+    chunk_size 0 = default_chunk; *_grad: that gradient is wanted. Returns (loss fp32 scalar,
+    dhidden (N, d), dweight (V, d), dbias (V,)): the gradients of loss, for grad_output = 1,
+    each (0,) where not wanted (dbias also without a bias)."""
     n, d = hidden.shape
     v = weight.shape[0]
     _check_targets(targets, v, ignore_index)
     chunk = chunk_size or default_chunk(n, d, v)
     dev = hidden.device
-    dh = torch.empty((n, d), dtype=hidden.dtype, device=dev)
-    dw = torch.empty((v, d), dtype=weight.dtype, device=dev)
-    db = torch.zeros(v if bias is not None else 0, dtype=torch.float32, device=dev)
+    bias_grad = bias_grad and bias is not None
+    dh = torch.empty((n, d) if hidden_grad else 0, dtype=hidden.dtype, device=dev)
+    dw = torch.empty((v, d) if weight_grad else 0, dtype=weight.dtype, device=dev)
+    db = torch.zeros(v if bias_grad else 0, dtype=torch.float32, device=dev)
     n_valid = (targets != ignore_index).sum().to(torch.float32)  # stays on device: no sync
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     logits_buf = torch.empty((min(chunk, n), v), dtype=hidden.dtype, device=dev)
@@ -177,27 +185,42 @@ def linear_cross_entropy_op(
             reduction == 0,
         )
         loss += loss_rows[:c].sum()
-        torch.mm(logits, weight, out=dh[start : start + c])  # (C, d)
-        if start == 0:
+        if hidden_grad:
+            torch.mm(logits, weight, out=dh[start : start + c])  # (C, d)
+        if weight_grad and start == 0:
             torch.mm(logits.t(), h, out=dw)  # (V, d)
-        else:
+        elif weight_grad:
             dw.addmm_(logits.t(), h)
-        if bias is not None:
+        if bias_grad:
             db += logits.sum(0, dtype=torch.float32)
     if reduction == 0:
         loss = loss / n_valid
-    return loss, dh, dw, db.to(bias.dtype) if bias is not None else hidden.new_empty(0)
+    return loss, dh, dw, db.to(bias.dtype) if bias_grad else hidden.new_empty(0)
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, targets, bias, ignore_index, reduction, label_smoothing, chunk_size):
+def _(
+    hidden,
+    weight,
+    targets,
+    bias,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    chunk_size,
+    hidden_grad=True,
+    weight_grad=True,
+    bias_grad=True,
+):
     loss = hidden.new_empty((), dtype=torch.float32)
-    db = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty(0)
-    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+    db = bias.new_empty(bias.shape) if bias is not None and bias_grad else hidden.new_empty(0)
+    dh = hidden.new_empty(hidden.shape if hidden_grad else 0)
+    return loss, dh, weight.new_empty(weight.shape if weight_grad else 0), db
 
 
 def _setup(ctx, inputs, output):
-    ctx.has_bias = inputs[3] is not None
+    # which gradients the op made (an empty one stands for none)
+    ctx.made = [t.numel() > 0 for t in output[1:]]
     _, dh, dw, db = output
     # Without these, autograd would hand backward a zero tensor per unused output: a (V, d)
     # zeros for dweight, as large as the gradient itself.
@@ -210,12 +233,10 @@ def _backward(ctx, g_loss, _g_dh, _g_dw, _g_db):
     # Scale in place: a fresh copy of dW would add V*d elements to the peak, and autograd can
     # adopt these tensors as .grad without a copy once the graph releases them.
     if g_loss is None:
-        return (None,) * 8
-    dh, dw, db = ctx.saved_tensors
-    dh.mul_(g_loss)
-    dw.mul_(g_loss)
-    db = db.mul_(g_loss) if ctx.has_bias else None
-    return dh, dw, None, db, None, None, None, None
+        return (None,) * 11
+    saved = zip(ctx.saved_tensors, ctx.made, strict=True)
+    dh, dw, db = (g.mul_(g_loss) if made else None for g, made in saved)
+    return dh, dw, None, db, *(None,) * 7
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
@@ -289,5 +310,14 @@ def linear_cross_entropy(
         _REDUCTIONS[reduction],
         float(label_smoothing),
         int(chunk_size),
+        *_wanted(hidden, weight, bias),
     )
     return out[0]
+
+
+def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:
+    """Which of (dhidden, dweight, dbias) autograd will take: none where grad mode is off,
+    and none for an input that does not require grad (a frozen head: its (V, d) dweight would
+    be made in the forward, held to the backward, then thrown away)."""
+    on = torch.is_grad_enabled()
+    return tuple(on and x is not None and x.requires_grad for x in (hidden, weight, bias))

@@ -33,6 +33,7 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
             "recomputed_ops": recomputed,
         },
         "assumptions": list(est.graph.meta.assumptions or []),
+        "trainable": est.trainable.to_dict(),
         "loop": loop_dict(est),
         "gpu": {
             "name": est.gpu.name,

@@ -15,6 +15,7 @@ from rich.text import Text
 from gobrrr.evaluate import Estimate, checkpointing, throughput_unit
 from gobrrr.hardware import BUILTIN_GPUS, GiB
 from gobrrr.memory.replay import module_rollup
+from gobrrr.memory.trainable import SHORT, Params, Trainable
 from gobrrr.report.advice import hints
 from gobrrr.report.estimate import loop_line, per_rank_state
 
@@ -76,6 +77,8 @@ def print_estimate(est: Estimate, console: Console | None = None, top: int = 12)
     for line in summary_lines(est):
         c.print(line)
     c.print(Text(loop_line(est)))
+    if est.trainable.frozen:
+        c.print(Text(trainable_line(est.trainable)))
     c.print(_memory_table(est))
     rollup = module_rollup(est.memory.by_module)
     if rollup:
@@ -196,6 +199,27 @@ def state_line(state: dict) -> str:
         f"per rank: parameters {_size(got[0])}, gradients {_size(got[1])}, optimizer states "
         f"{_size(got[2])} ({rule} = {forms})"
     )
+
+
+def trainable_line(split: Trainable) -> str:
+    """ "trains 1.70M parameters (0.14%: LoRA adapters, 6.50 MiB fp32) + their gradients
+    6.50 MiB + AdamW states 13.00 MiB; frozen 1.24G (2.30 GiB bf16)" (`Estimate.trainable`)."""
+    states = f"{split.optimizer} states" if split.optimizer else "optimizer states"
+    return (
+        f"trains {human_count(split.trained_elements)} parameters ({split.trained_share:.2%}: "
+        f"{split.what}, {_by_dtype(split.trained) or '0 bytes'}) + their gradients "
+        f"{_bytes(split.gradients_bytes)} + {states} {_bytes(split.optimizer_states_bytes)}; "
+        f"frozen {human_count(split.frozen_elements)} ({_by_dtype(split.frozen)})"
+    )
+
+
+def _by_dtype(params: tuple[Params, ...]) -> str:
+    return ", ".join(f"{_bytes(p.bytes)} {SHORT.get(p.dtype, p.dtype)}" for p in params)
+
+
+def _bytes(n: float) -> str:
+    """GiB, MiB or KiB: an adapter's figures are often under a MiB."""
+    return _size(n) if n >= 2**20 else f"{n / 2**10:,.2f} KiB"
 
 
 def _size(n: float) -> str:

@@ -1,6 +1,7 @@
 """The fused linear + cross-entropy in place of a model's output head and loss.
 
-    use_fused_loss(model)      # gobrrr's GPT2/Llama, or a Hugging Face causal LM
+    use_fused_loss(model)      # gobrrr's GPT2/Llama, or a Hugging Face causal LM (also one
+                               # inside a peft PeftModel: a LoRA fine-tune)
 
 The model then never makes its (tokens, vocab) logits when it computes a loss: its final
 hidden states, the head's weight and the targets go to gobrrr's fused kernel
@@ -17,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import sys
 import textwrap
 from collections.abc import Iterator
 from typing import Any
@@ -84,12 +86,18 @@ def use_fused_loss(model: nn.Module) -> str:
     changed, in words. Takes gobrrr's built-in GPT2 and Llama (their `head_loss`) and
     Hugging Face causal LMs whose forward hands `lm_head`'s output straight to the standard
     causal-LM loss (e.g. LlamaForCausalLM, GPT2LMHeadModel); any other model is a
-    GobrrrError saying why."""
+    GobrrrError saying why. A peft PeftModel (LoRA) is changed in the model it wraps: its
+    head is usually frozen, and the fused loss then makes no gradient for it."""
     if getattr(model, "_gobrrr_fused_loss", False):
         return "already fused"
     why = fused_loss_refusal(model)
     if why:
         raise GobrrrError(why)
+    inner = peft_base(model)
+    if inner is not model:
+        what = use_fused_loss(inner)
+        model._gobrrr_fused_loss = True
+        return f"peft {type(model).__name__} over {what}"
     if isinstance(model, (GPT2, Llama)):
         norm = model.transformer.ln_f if isinstance(model, GPT2) else model.norm
         model.head_loss = functools.partial(_head_loss, norm, model.lm_head)
@@ -105,6 +113,10 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
     (None: it can)."""
     if getattr(model, "_gobrrr_fused_loss", False) or isinstance(model, (GPT2, Llama)):
         return None
+    inner = peft_base(model)
+    if inner is not model:
+        why, name = fused_loss_refusal(inner), type(inner).__name__
+        return why and why.replace(f"{name} ", f"{name} (in peft's {type(model).__name__}) ", 1)
     why = _hf_refusal(model)
     if why is None:
         return None
@@ -112,6 +124,16 @@ def fused_loss_refusal(model: nn.Module) -> str | None:
         f"fused_loss needs a model whose output head feeds a cross-entropy gobrrr can take "
         f"over, and {type(model).__name__} {why}: set fused_loss=False"
     )
+
+
+def peft_base(model: nn.Module) -> nn.Module:
+    """The model a peft PeftModel wraps (LoRA layers in place of its targets, the rest as it
+    was), or `model` itself. peft is looked up only where it is already imported: a model
+    cannot be a PeftModel otherwise."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    return model.get_base_model()
 
 
 def _head_loss(
@@ -260,4 +282,4 @@ def _given(args: tuple, kwargs: dict, labels_at: int | None) -> bool:
     return labels_at is not None and len(args) > labels_at and args[labels_at] is not None
 
 
-__all__ = ["fused_linear_cross_entropy", "fused_loss_refusal", "use_fused_loss"]
+__all__ = ["fused_linear_cross_entropy", "fused_loss_refusal", "peft_base", "use_fused_loss"]

@@ -47,22 +47,41 @@ def tiny(batch_size: int = 8, seq_len: int = 64):
 """
 
 
-def _cli(tmp_path, processes: int, budget: int) -> tuple[dict, list[str]]:
+HANGS = """
+import os, time
+from gobrrr.models.registry import get_workload
+
+def tiny(batch_size: int = 8, seq_len: int = 64):
+    with open(os.environ["BUILDS"], "a+") as f:  # the first build is the planner's (the probe)
+        f.seek(0)
+        first = f.read().split()
+        f.write(f"{os.getpid()}\\n")
+    if first and first[0] != str(os.getpid()):
+        time.sleep(3600)  # a worker's build never returns
+    return get_workload("gpt2", batch_size=batch_size, seq_len=seq_len, n_layer=2, n_embd=64,
+                        n_head=4, vocab_size=256)
+"""
+
+
+def _cli(tmp_path, processes: int, budget: int, source: str = WORKLOAD, **env_extra: str):
     """`gobrrr plan` of the tiny workload in a fresh process: its JSON (less took_s) and the
     process that made each build of the workload, in order."""
-    (tmp_path / "w.py").write_text(WORKLOAD)
+    (tmp_path / "w.py").write_text(source)
     builds = tmp_path / f"builds{processes}"
     env = dict(os.environ, GOBRRR_TRACE_PROCESSES=str(processes), BUILDS=str(builds))
+    env |= env_extra
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env["TMPDIR"] = str(tmp_path)  # where the children's result files go
     argv = ["plan", f"{tmp_path / 'w.py'}:tiny", "--global-batch", "8", "--seq", "64"]
     argv += ["--memory-budget", str(budget), "--json"]
     proc = subprocess.run(
-        [sys.executable, "-m", "gobrrr", *argv], capture_output=True, text=True, env=env
-    )
+        [sys.executable, "-m", "gobrrr", *argv], capture_output=True, text=True, env=env,
+        timeout=180,  # a planner stuck on its workers fails here instead of hanging the suite
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     out.pop("took_s")
+    _cli.stderr = proc.stderr
     return out, builds.read_text().split()
 
 
@@ -114,3 +133,25 @@ def test_trace_processes_can_be_set(monkeypatch):
     monkeypatch.setenv("GOBRRR_TRACE_PROCESSES", "two")
     with pytest.raises(Exception, match="GOBRRR_TRACE_PROCESSES='two'"):
         processes_to_spare()
+
+
+def test_stuck_workers_are_given_up_and_the_traces_made_here(tmp_path):
+    """Workers whose trace never returns: after GOBRRR_TRACE_TIMEOUT seconds without a word
+    the planner stops them, says so in one warning, and traces here: the plan is the one a
+    single process makes, and no file is left behind."""
+    one, _ = _cli(tmp_path, 0, 10**12)
+    stuck, pids = _cli(tmp_path, 2, 10**12, source=HANGS, GOBRRR_TRACE_TIMEOUT="3")
+    assert stuck == one
+    assert "no trace worker reported in 3 s; tracing in this process" in _cli.stderr
+    assert len(set(pids)) == 3  # the planner's builds, and one stuck build in each worker
+    assert _leftovers(tmp_path) == []
+
+
+def test_trace_timeout_must_be_a_positive_number(monkeypatch):
+    from gobrrr.plan.trace import stall_limit_s
+
+    monkeypatch.setenv("GOBRRR_TRACE_TIMEOUT", "0")
+    with pytest.raises(Exception, match="GOBRRR_TRACE_TIMEOUT='0': give the seconds"):
+        stall_limit_s()
+    monkeypatch.setenv("GOBRRR_TRACE_TIMEOUT", "2.5")
+    assert stall_limit_s() == 2.5

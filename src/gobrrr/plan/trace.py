@@ -143,6 +143,7 @@ class Ahead:
     """
 
     def __init__(self, processes: int) -> None:
+        stall_limit_s()  # a bad GOBRRR_TRACE_TIMEOUT is refused before any work
         self.queue: list[tuple[Tracer, int]] = []
         self.jobs: dict[tuple[int, int], _Job] = {}  # (id(tracer), m) -> its job, once sent
         self.received = 0  # traces a worker made
@@ -200,7 +201,22 @@ class Ahead:
         busy = [w for w in self.workers if w.jobs]
         if not busy:
             return bool(self.workers)
-        ready, _, _ = select.select([w.reports for w in busy], [], [], None if block else 0)
+        limit = stall_limit_s() if block else 0
+        ready, _, _ = select.select([w.reports for w in busy], [], [], limit)
+        if block and not ready:  # no worker has reported for the whole limit: stuck
+            warnings.warn(
+                f"gobrrr: no trace worker reported in {limit:g} s; tracing in this process "
+                f"instead ({STALL_ENV} sets the limit)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            for w in busy:  # their jobs fail, and are traced here (`get`)
+                for job in w.jobs:
+                    job.status = -1
+                w.jobs.clear()
+                self.workers.remove(w)
+                w.stop()
+            return bool(self.workers)
         for w in busy:
             if w.reports in ready and not w.read():  # it died: its job is lost
                 self.workers.remove(w)
@@ -483,6 +499,29 @@ def _unpickled(data: bytes) -> Any:
     value, caught = pickle.loads(data)
     for message, category, filename, lineno in caught:
         warnings.warn_explicit(message, category, filename, lineno)
+    return value
+
+
+#: seconds the planner waits for a trace worker to report before it gives up on it
+STALL_ENV = "GOBRRR_TRACE_TIMEOUT"
+DEFAULT_STALL_S = 900.0
+
+
+def stall_limit_s() -> float:
+    """How long a blocked planner waits without a word from any busy trace worker (a trace
+    takes seconds, a 70B one ~15 s on 2 cores): GOBRRR_TRACE_TIMEOUT where set, else 900."""
+    env = os.environ.get(STALL_ENV, "").strip()
+    if not env:
+        return DEFAULT_STALL_S
+    try:
+        value = float(env)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise GobrrrError(
+            f"{STALL_ENV}={env!r}: give the seconds the planner waits for a trace worker, a "
+            "positive number (unset: 900)"
+        )
     return value
 
 

@@ -17,7 +17,6 @@ Rendering an `Estimate` (JSON) is `gobrrr.report.estimate`; what it advises,
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,7 +40,7 @@ from gobrrr.cost.roofline import (
     time_op,
 )
 from gobrrr.cost.shapes import checkpointed_modules, host_key, selective_modules
-from gobrrr.graph.ir import StepGraph
+from gobrrr.graph.ir import StepGraph, evolve
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
 from gobrrr.memory.trainable import Trainable, trainable
@@ -159,9 +158,7 @@ def _per_op(graph: StepGraph, rates: Rates, memo: dict) -> tuple[list[OpCost], t
             got = memo[k] = (c, time_op(n, c, rates, host_phase=phase))
         c, t = got
         if t.index != n.index or t.module != n.module:
-            t = copy.copy(t)  # the same time, of this op
-            object.__setattr__(t, "index", n.index)
-            object.__setattr__(t, "module", n.module)
+            t = evolve(t, index=n.index, module=n.module)  # the same time, of this op
         costs.append(c)
         ops.append(t)
     return costs, tuple(ops)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gobrrr.errors import GobrrrError
 from gobrrr.graph.meta import StepMeta
@@ -59,6 +59,21 @@ _ITEMSIZE = {
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named as in `str(torch.float32)` without the prefix."""
     return _ITEMSIZE.get(dtype, 4)
+
+
+R = TypeVar("R")
+
+
+def evolve(record: R, **changes: Any) -> R:
+    """`record` with `changes` to its fields: `dataclasses.replace` for the step graph's frozen
+    records (TensorInfo, StorageInfo, OpNode; `gobrrr.cost.roofline.OpTime`), which have no
+    `__post_init__` to run, without its walk over the fields and call of `__init__` (several
+    times the cost; the passes and the power limit copy every op of a step, and the planner
+    does that for every candidate). `changes` must name fields of the record."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, evolve
 
 SHARED = ("parameter", "buffer", "optimizer_state", "input")  # the same tensors every micro-batch
 
@@ -78,8 +78,7 @@ def _second_storages(graph: StepGraph, split: int, storages: list[StorageInfo]) 
             continue
         remap[s.id] = len(storages)
         kind = "temporary" if s.kind == "gradient" else s.kind
-        new = StorageInfo(len(storages), s.nbytes, kind, s.created, s.freed, "", s.module)
-        storages.append(new)
+        storages.append(evolve(s, id=len(storages), kind=kind, label=""))
     return remap
 
 
@@ -97,31 +96,22 @@ def _last_refs(nodes: tuple[OpNode, ...], grads: set[int]) -> dict[int, list[int
 
 
 def _moved(node: OpNode, index: int, remap: dict[int, int]) -> OpNode:
-    """`node` at `index`, on the storages `remap` gives (built field by field: the pass
-    copies every op of the step, and dataclasses.replace costs several times more)."""
-    n = node
+    """`node` at `index`, on the storages `remap` gives (`evolve`: the pass copies every op
+    of the step)."""
     if not remap:
-        return OpNode(
-            index, n.op, n.phase, n.module, n.inputs, n.outputs, n.args, n.kwargs, n.allocs,
-            n.frees, n.stream,
-        )  # fmt: skip
+        return evolve(node, index=index)
 
     def t(x: TensorInfo) -> TensorInfo:
         sid = remap.get(x.storage)
-        return x if sid is None else TensorInfo(x.shape, x.stride, x.dtype, sid, x.offset)
+        return x if sid is None else evolve(x, storage=sid)
 
-    return OpNode(
-        index,
-        n.op,
-        n.phase,
-        n.module,
-        tuple(t(x) for x in n.inputs),
-        tuple(t(x) for x in n.outputs),
-        n.args,
-        n.kwargs,
-        tuple(remap.get(s, s) for s in n.allocs),
-        tuple(remap.get(s, s) for s in n.frees),
-        n.stream,
+    return evolve(
+        node,
+        index=index,
+        inputs=tuple(t(x) for x in node.inputs),
+        outputs=tuple(t(x) for x in node.outputs),
+        allocs=tuple(remap.get(s, s) for s in node.allocs),
+        frees=tuple(remap.get(s, s) for s in node.frees),
     )
 
 
@@ -149,7 +139,7 @@ def _placed(s: StorageInfo, split: int, shift: int, n: int) -> StorageInfo:
     nbytes = s.nbytes * n if s.kind == "input" else s.nbytes
     if (c, f, nbytes) == (s.created, s.freed, s.nbytes):
         return s
-    return StorageInfo(s.id, nbytes, s.kind, c, f, s.label, s.module)
+    return evolve(s, created=c, freed=f, nbytes=nbytes)
 
 
 def _copied(
@@ -158,4 +148,4 @@ def _copied(
     """Micro-batch 2's copy of `orig`: the same lifetime, one micro-batch later; a gradient's
     temporary dies at its add_."""
     freed = added.get(s.id, pos.get(orig.freed) if orig.freed is not None else None)
-    return StorageInfo(s.id, s.nbytes, s.kind, pos[orig.created], freed, s.label, s.module)
+    return evolve(s, created=pos[orig.created], freed=freed)

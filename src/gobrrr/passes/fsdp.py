@@ -65,7 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.errors import GobrrrError, did_you_mean
-from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, itemsize
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, evolve, itemsize
 from gobrrr.graph.meta import Parallel, Repeat
 from gobrrr.passes import gc_paused
 
@@ -722,12 +722,12 @@ def _assemble(
         first[n.index] = len(nodes)
         phase = "forward" if n.phase == "forward" else "backward"
         for x in plan.before.get(n.index, ()):
-            nodes.append(_placed(x, len(nodes), phase))
+            nodes.append(evolve(x, index=len(nodes), phase=phase))
         at[n.index] = len(nodes)
         if n.index not in plan.dropped:
             nodes.append(_moved(plan, n, len(nodes)))
         for x in plan.after.get(n.index, ()):
-            nodes.append(_placed(x, len(nodes), phase))
+            nodes.append(evolve(x, index=len(nodes), phase=phase))
     first[len(g.nodes)] = len(nodes)
     made = {sid: x.index for x in nodes for sid in x.allocs}
     died = {sid: x.index for x in nodes for sid in x.frees}
@@ -738,7 +738,7 @@ def _assemble(
         if s.id in plan.drop_frees and s.id not in died:
             f = None
         same = c == s.created and f == s.freed
-        storages.append(s if same else StorageInfo(s.id, s.nbytes, s.kind, c, f, s.label, s.module))
+        storages.append(s if same else evolve(s, created=c, freed=f))
     meta = g.meta.with_ops_moved(lambda i: at[i])
     repeat = g.meta.repeat
     if repeat is not None:
@@ -762,8 +762,8 @@ def _assemble(
 
 
 def _moved(plan: _Plan, n: OpNode, index: int) -> OpNode:
-    """`n` at `index`, reading what the pass remapped, freeing what it moved here (built
-    field by field: dataclasses.replace costs several times more, on every op of the step)."""
+    """`n` at `index`, reading what the pass remapped, freeing what it moved here (`evolve`:
+    the pass copies every op of the step)."""
     m = plan.remap.get(n.index)
     frees, extra = n.frees, plan.extra_frees.get(n.index)
     if frees or extra:
@@ -780,39 +780,10 @@ def _moved(plan: _Plan, n: OpNode, index: int) -> OpNode:
                 return x
             if isinstance(r, TensorInfo):
                 return r
-            return TensorInfo(x.shape, x.stride, x.dtype, r, x.offset)
+            return evolve(x, storage=r)
 
         ins, outs = tuple(t(x) for x in ins), tuple(t(x) for x in outs)
-    return OpNode(
-        index,
-        n.op,
-        n.phase,
-        n.module,
-        ins,
-        outs,
-        n.args,
-        n.kwargs,
-        n.allocs,
-        frees,
-        n.stream,
-    )
-
-
-def _placed(x: OpNode, index: int, phase: str) -> OpNode:
-    """An op the pass inserts, at `index` in `phase`."""
-    return OpNode(
-        index,
-        x.op,
-        phase,
-        x.module,
-        x.inputs,
-        x.outputs,
-        x.args,
-        x.kwargs,
-        x.allocs,
-        x.frees,
-        x.stream,
-    )
+    return evolve(n, index=index, inputs=ins, outputs=outs, frees=frees)
 
 
 def _node(op, module, inputs, outputs, allocs=(), frees=(), stream="compute", args=()):

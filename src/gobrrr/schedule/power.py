@@ -3,12 +3,12 @@ scheduler (the step's duty sets the clock, the clock the kernels' times, those t
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 
 from gobrrr.cost.curves import interp
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import OpTime
+from gobrrr.graph.ir import evolve
 from gobrrr.schedule.scheduler import Timeline
 
 #: math modes whose compute-bound kernels run on the tensor cores (the power limit's hold on
@@ -72,9 +72,6 @@ def slowed(ops: tuple[OpTime, ...], hot: list[int], fraction: float) -> tuple[Op
         compute = o.compute_s / fraction
         rest = o.device_s - max(o.compute_s, o.memory_s)  # launch latency, layout copies
         device = max(compute, o.memory_s) + rest
-        # dataclasses.replace, at a fraction of its cost (every matmul, each round)
-        o = out[i] = copy.copy(o)
-        object.__setattr__(o, "compute_s", compute)
-        object.__setattr__(o, "device_s", device)
-        object.__setattr__(o, "regime", "overhead" if o.host_s >= device else "compute")
+        regime = "overhead" if o.host_s >= device else "compute"
+        out[i] = evolve(o, compute_s=compute, device_s=device, regime=regime)
     return tuple(out)

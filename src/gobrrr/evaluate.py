@@ -17,6 +17,7 @@ Rendering an `Estimate` (JSON) is `gobrrr.report.estimate`; what it advises,
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -401,10 +402,11 @@ class Estimate:
         memory CUDA leaves to the process (`gobrrr.memory.replay.process_budget`)."""
         return self.memory.fits()
 
-    @property
+    @functools.cached_property
     def trainable(self) -> Trainable:
         """The parameters the optimizer steps and those frozen (elements and bytes by
-        dtype), and the gradients and optimizer states only the trained ones have (bytes)."""
+        dtype), and the gradients and optimizer states only the trained ones have (bytes);
+        read off the graph once (the terminal and the JSON each ask)."""
         return trainable(self.graph)
 
     def throughput(self) -> dict[str, Any]:

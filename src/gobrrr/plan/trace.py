@@ -204,11 +204,12 @@ class Ahead:
         limit = stall_limit_s() if block else 0
         ready, _, _ = select.select([w.reports for w in busy], [], [], limit)
         if block and not ready:  # no worker has reported for the whole limit: stuck
-            warnings.warn(
+            # one line beside the command line's progress (the workers are its machinery)
+            print(
                 f"gobrrr: no trace worker reported in {limit:g} s; tracing in this process "
                 f"instead ({STALL_ENV} sets the limit)",
-                RuntimeWarning,
-                stacklevel=2,
+                file=sys.stderr,
+                flush=True,
             )
             for w in busy:  # their jobs fail, and are traced here (`get`)
                 for job in w.jobs:

@@ -190,33 +190,58 @@ def sources() -> list[Path]:
     return sorted(RESULTS.glob("multigpu_steps_*.json"))
 
 
+def latest(files: list[Path]) -> tuple[list[tuple[Path, dict, str, dict]], list[dict]]:
+    """The cases to compare: of a case measured more than once on one GPU kind (same key:
+    name and world size), the latest run by its file's date stands (a re-run with the
+    wait/transfer split supersedes one without); the others are listed as superseded.
+    Returns ([(file, its data, key, case)] in results-file order, [superseded: where, when])."""
+    runs = []
+    for src in files:
+        data = json.loads(src.read_text())
+        for key, case in data["cases"].items():
+            if "measured" in case:
+                runs.append((src, data, key, case))
+    newest: dict[tuple[str, str], str] = {}
+    for _src, data, key, _ in runs:
+        k = (gpu_of(data["meta"]), key)
+        newest[k] = max(newest.get(k, ""), data["meta"]["date"])
+    kept, superseded = [], []
+    for run_ in runs:
+        src, data, key, _ = run_
+        if data["meta"]["date"] == newest[(gpu_of(data["meta"]), key)]:
+            kept.append(run_)
+        else:
+            superseded.append({"key": key, "source": src.name, "date": data["meta"]["date"]})
+    return kept, superseded
+
+
 def run(keys: list[str] | None) -> dict:
-    """Every case's prediction, measurement and error, grouped in results-file order."""
+    """Every case's prediction, measurement and error (the latest run of each), grouped in
+    results-file order."""
     cal = find_calibration(get_gpu(CALIBRATION_GPU))
     rows = []
-    for src in sources():
-        data = json.loads(src.read_text())
+    kept, superseded = latest(sources())
+    for src, data, key, case in kept:
         gpu = gpu_of(data["meta"])
         target = Target.resolve(gpu, cal)
-        for key, case in data["cases"].items():
-            if keys and key not in keys and case["name"] not in keys:
-                continue
-            p = predict(case, target)
-            m = measured(case)
-            rows.append(
-                {
-                    "key": key,
-                    "source": src.name,
-                    "gpu": gpu,
-                    "device": data["meta"]["device"],
-                    "case": {k: v for k, v in case.items() if k not in ("ranks", "measured")},
-                    "measured": m,
-                    "predicted": p,
-                    "error": errors(m, p),
-                }
-            )
-            print(line(rows[-1]), flush=True)
-    return {"cases": rows, "summary": summary(rows)}
+        if keys and key not in keys and case["name"] not in keys:
+            continue
+        p = predict(case, target)
+        m = measured(case)
+        rows.append(
+            {
+                "key": key,
+                "source": src.name,
+                "gpu": gpu,
+                "device": data["meta"]["device"],
+                "case": {k: v for k, v in case.items() if k not in ("ranks", "measured")},
+                "measured": m,
+                "predicted": p,
+                "error": errors(m, p),
+            }
+        )
+        print(line(rows[-1]), flush=True)
+    return {"cases": rows, "summary": summary(rows), "superseded": superseded}
 
 
 def summary(rows: list[dict]) -> dict:

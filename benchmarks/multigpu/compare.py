@@ -199,7 +199,7 @@ def latest(files: list[Path]) -> tuple[list[tuple[Path, dict, str, dict]], list[
     for src in files:
         data = json.loads(src.read_text())
         for key, case in data["cases"].items():
-            if "measured" in case:
+            if "measured" in case and case["world"] > 1:  # one rank: a baseline, not a case
                 runs.append((src, data, key, case))
     newest: dict[tuple[str, str], str] = {}
     for _src, data, key, _ in runs:

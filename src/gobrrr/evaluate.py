@@ -29,6 +29,7 @@ from gobrrr.cost._ops_comm import KIND as COMM_KIND
 from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.collectives import parallel_time
+from gobrrr.cost.contention import Contention
 from gobrrr.cost.dp_host import hook_host_s
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
@@ -45,6 +46,7 @@ from gobrrr.graph.ir import StepGraph, evolve
 from gobrrr.hardware import Calibration, GpuSpec, Target
 from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
 from gobrrr.memory.trainable import Trainable, trainable
+from gobrrr.schedule.contention import contended
 from gobrrr.schedule.power import power_limited
 from gobrrr.schedule.scheduler import Timeline, exposed_comm, schedule
 from gobrrr.schedule.streams import COMM, stream_of
@@ -102,8 +104,50 @@ def predict(
     else:
         costs, ops = _per_op(graph, rates, memo)
         ops = _step_times(graph, costs, ops, rates, compiled)
-    ops, fraction, timeline = power_limited(ops, graph.weights(), rates, step_schedule(graph, ops))
+    sched = step_schedule(graph, ops)
+    ops, fraction, timeline = power_limited(ops, graph.weights(), rates, sched)
+    ops, timeline = _contended(graph, ops, timeline, sched, rates)
     return prediction(graph, costs, ops, timeline, gpu, calibration, fraction)
+
+
+def _contended(
+    graph: StepGraph,
+    ops: tuple[OpTime, ...],
+    timeline: Timeline,
+    sched: Callable[[tuple[OpTime, ...]], Timeline],
+    rates: Rates,
+) -> tuple[tuple[OpTime, ...], Timeline]:
+    """The step with its collectives and the compute beside them slowing each other
+    (`schedule.contention`), where it has collectives and the calibration measured the
+    contention grid; the collectives' stretch only within one host (the grid ran over
+    NVLink; a collective across hosts waits on the network)."""
+    if not rates.cal or not rates.cal.contention:
+        return ops, timeline
+    colls = {
+        o.index: (COLLECTIVE_OF[graph.nodes[o.index].op][0], o.bytes)
+        for o in ops
+        if o.kind == COMM_KIND and o.device_s > 0
+    }
+    if not colls:
+        return ops, timeline
+    table = _contention_table(rates.cal)
+    par = graph.meta.parallel
+    if par is not None and par.hosts > 1:
+        table = table.compute_only()
+    return contended(ops, timeline, sched, colls, table)
+
+
+def _contention_table(cal: Calibration) -> Contention:
+    """The calibration's contention grid, read once per calibration object."""
+    key = id(cal.contention)
+    hit = _CONTENTION.get(key)
+    if hit is None or hit[0] is not cal.contention:
+        hit = (cal.contention, Contention.from_points(cal.contention))
+        _CONTENTION[key] = hit
+    return hit[1]
+
+
+_CONTENTION: dict[int, tuple[list, Contention]] = {}
 
 
 def op_costs(graph: StepGraph) -> list[OpCost]:

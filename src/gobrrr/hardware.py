@@ -453,6 +453,11 @@ class Calibration:
     "phase": "forward" | "backward", "params" (the unit's parameter tensors), "seconds"},
     ...], "meta"} (`gobrrr.calibrate.sections.dp_host`; read by `cost.dp_host`). Empty: not
     measured (the hooks cost the host nothing beyond the ops they run).
+    `contention`: what a resident NCCL collective and the compute kernels beside it cost each
+    other, a list of points {"op", "dtype", "bytes", "ranks", "kernel", "class": "matmul" |
+    "memory" | "attention", "kernel_alone_s", "kernel_beside_s", "collective_alone_s",
+    "collective_beside_s"} (`gobrrr.calibrate.sections.contention`; read by
+    `cost.contention`). Empty: not measured (each costed as if alone).
     `rnn_grid`: cuDNN's fused LSTM / GRU, forward and backward, keyed by the dtype cuDNN ran
     ("fp16" for an fp32 module under autocast, which PyTorch's RNN autocast always runs in
     fp16; "bf16"; "fp32") and, where it measured them, the host's issue time and whether the
@@ -502,6 +507,7 @@ class Calibration:
     power_duty: dict[str, list[list[float]]] = field(default_factory=dict)
     collectives: list[dict[str, Any]] = field(default_factory=list)
     dp_host: dict[str, Any] = field(default_factory=dict)
+    contention: list[dict[str, Any]] = field(default_factory=list)
     rnn_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     pixel_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)

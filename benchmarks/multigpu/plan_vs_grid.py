@@ -121,7 +121,10 @@ def planned(args, shape: str) -> dict:
     import gobrrr
 
     if args.plan_json:
-        return json.loads(Path(args.plan_json).read_text())["best"]["knobs"]
+        doc = json.loads(Path(args.plan_json).read_text())
+        if "predicted" in doc.get("best", {}):  # written by --plan-only
+            PREDICTED[shape] = doc["best"]["predicted"]
+        return doc["best"]["knobs"]
     r = gobrrr.plan(
         lambda batch_size=1, seq_len=args.seq: workload(shape, args.tiny, seq_len, batch_size),
         gpu=args.gpu,
@@ -346,6 +349,12 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="shrunk shapes (for the CPU)")
     ap.add_argument("--plan-json", help="a `gobrrr plan --json` output to apply instead")
+    ap.add_argument(
+        "--plan-only",
+        metavar="FILE",
+        help="plan the first shape here and write its knobs and prediction to FILE (for "
+        "--plan-json on the GPU machine), then stop",
+    )
     ap.add_argument("--port", type=int, default=29511)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -354,6 +363,12 @@ def main() -> int:
         row = run_one(json.loads(args.one))
         if row is not None:
             Path(args.out).write_text(json.dumps(row))
+        return 0
+    if args.plan_only:
+        shape = args.shapes[0]
+        knobs = planned(args, shape)
+        doc = {"shape": shape, "best": {"knobs": knobs, "predicted": PREDICTED[shape]}}
+        Path(args.plan_only).write_text(json.dumps(doc, indent=1) + "\n")
         return 0
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU in every rank

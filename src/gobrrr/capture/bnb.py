@@ -122,6 +122,16 @@ def _gemm_4bit(
     return F.linear(A, weight, bias)
 
 
+def _real(fn: Callable) -> Callable:
+    """`fn` run on real tensors: an 8-bit code book, a constant whose making reads values."""
+
+    def real(*args, **kwargs):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return real
+
+
 def _after_last_op(values: Values | None) -> None:
     """The host waits for the GPU after the last op recorded (none: not recording)."""
     _, _, n = values.where() if values is not None else ("", "", None)
@@ -132,16 +142,21 @@ def _after_last_op(values: Values | None) -> None:
 @contextlib.contextmanager
 def cuda_4bit(values: Values | None = None) -> Iterator[None]:
     """Within this context bitsandbytes' 4-bit layers run as on CUDA (module docstring) and
-    its optimizers step as there: the host waits for the GPU after each parameter's update
-    (`torch.cuda.synchronize`, noted in `values.syncs`), and the paged ones keep their states
-    in plain tensors (as bitsandbytes does on the CPU) without warning. Nothing changes where
+    its optimizers step as there: their code books made real (constants whose making reads
+    values), the host waiting for the GPU after each parameter's update
+    (`torch.cuda.synchronize`, noted in `values.syncs`), the paged ones keeping their states in
+    plain tensors (as bitsandbytes does on the CPU) without warning. Nothing changes where
     bitsandbytes was not imported."""
     modules = sys.modules.get("bitsandbytes.nn.modules")
     if modules is None or not hasattr(torch.ops.bitsandbytes, "gemm_4bit"):
         yield
         return
     optim = sys.modules.get("bitsandbytes.optim.optimizer")
-    saved = [(modules, "fix_4bit_weight_quant_state_from_module", _state_on_weight)]
+    functional = sys.modules["bitsandbytes.functional"]
+    saved = [
+        (modules, "fix_4bit_weight_quant_state_from_module", _state_on_weight),
+        (functional, "create_dynamic_map", _real(functional.create_dynamic_map)),
+    ]
     if optim is not None and hasattr(optim, "sync_gpu"):
         saved.append((optim, "sync_gpu", lambda t: _after_last_op(values)))
     originals = [getattr(m, name) for m, name, _ in saved]

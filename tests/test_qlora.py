@@ -139,6 +139,23 @@ def _layout(model: nn.Module) -> list:
     return out
 
 
+def test_a_built_model_traces_as_the_function(graph):
+    """A QLoRA workload built on real tensors (the user's Params4bit weights) traces as the
+    function building it under fake tensors does, and is left as it was: its real step still
+    runs after the trace (bitsandbytes' own functions back in place)."""
+    w = qlora(batch=1, seq=16)
+    g = capture(w, precision="bf16-mixed")
+    f = capture(functools.partial(qlora, batch=1, seq=16), precision="bf16-mixed")
+    assert _counts(g) == _counts(f) and trainable(g) == trainable(f)
+    layer = w.model.base_model.model.model.layers[0].self_attn.k_proj
+    assert isinstance(layer.weight, bnb.nn.Params4bit)
+    w.model(**w.batch).loss.backward()
+    assert (
+        w.model.base_model.model.model.layers[1].self_attn.q_proj.lora_A.default.weight.grad
+        is not None
+    )
+
+
 def test_four_bit_storage_is_the_closed_form(graph):
     """The base model's 4-bit weights: parameter storage of exactly the closed form, counted
     as nf4 with two elements a byte in the trainable split and its line."""

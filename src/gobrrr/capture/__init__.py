@@ -593,7 +593,8 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precis
             frees.setdefault(r.freed, []).append(r.id)
     nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in rec.nodes)
     params = list(w.model.parameters())
-    n_params = sum(p.numel() for p in params)
+    packed = bnb.elements(w.model)  # a 4-bit weight: two elements a byte
+    n_params = sum(packed.get(id(p), p.numel()) for p in params)
     meta = StepMeta(
         name=w.name,
         precision=precision,

@@ -23,6 +23,8 @@ forward, where bitsandbytes would wrap it in a `Params4bit`, which a fake tensor
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,6 +44,17 @@ FUSED_MAX_M = 1536
 NESTED_BLOCK = 256
 #: the quantization state's tensors, as attribute paths of a QuantState
 FIELDS = (("absmax",), ("code",), ("offset",), ("state2", "absmax"), ("state2", "code"))
+
+
+class _CpuKernelNotice(logging.Filter):
+    """Drops bitsandbytes' notice, at import on CPUs with AVX512-BF16, that its optional CPU
+    4-bit kernel is not installed: the trace runs CUDA's ops, never that kernel."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_CpuKernelNotice())
 
 
 def _states(model: torch.nn.Module) -> list[tuple[str, Any]]:
@@ -67,6 +80,16 @@ def _fields(state: Any) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
         t = getattr(owner, path[-1], None) if owner is not None else None
         if isinstance(t, torch.Tensor):
             yield ".".join(path), owner, path[-1], t
+
+
+def elements(model: torch.nn.Module) -> dict[int, int]:
+    """id(weight) -> the elements a 4-bit weight stands for (its packed tensor holds two a
+    byte), for every 4-bit layer of `model`."""
+    out = {}
+    for name, state in _states(model):
+        layer = model.get_submodule(name)
+        out[id(layer.weight)] = math.prod(state.shape)
+    return out
 
 
 def quant_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

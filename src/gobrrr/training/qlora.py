@@ -14,9 +14,10 @@ quantized as loading quantizes it: packed 4-bit codes (uint8, numel/2 bytes) and
 8 bits, one fp32 scale per 256 of them, and their mean as an offset).
 
 On real tensors the weight is bitsandbytes' `Params4bit`, as loading makes it. A fake tensor
-(gobrrr's trace) cannot be wrapped in a `Params4bit`, so there the weight is a plain frozen
-parameter holding the same packed codes, with the same quantization state on it and on its
-layer (`gobrrr.capture.bnb` runs the layer as on the GPU).
+(gobrrr's trace) cannot be wrapped in a `Params4bit`, so there (and on the meta device, where
+`Params4bit` would not quantize) the weight is a plain frozen parameter holding the same packed
+codes, with the same quantization state on it and on its layer (`gobrrr.capture.bnb` runs the
+layer as on the GPU).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _load(bnb: Any, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     """Quantize `weight` into `layer` (a meta Linear4bit), as loading a checkpoint does."""
     w = weight.detach()
     attrs = dict(layer.weight.__dict__)  # blocksize, quant_type, compress_statistics, ...
-    if isinstance(w, torch._subclasses.FakeTensor):
+    if isinstance(w, torch._subclasses.FakeTensor) or w.is_meta:  # a trace, the planner's probe
         layer.weight = nn.Parameter(_fake_4bit(bnb, w, attrs, layer), requires_grad=False)
         layer.weight.__dict__.update(attrs, quant_state=layer.quant_state, bnb_quantized=True)
     else:
@@ -115,5 +116,5 @@ def _real_qmap(bnb: Any) -> None:
     model (real or traced under another fake mode) would then be handed. Make it real first."""
     qmaps = bnb.functional.name2qmap
     if "dynamic" not in qmaps:
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.device("cpu"):
             qmaps["dynamic"] = bnb.functional.create_dynamic_map()

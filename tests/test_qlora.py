@@ -70,16 +70,23 @@ def base_model(config: dict = CONFIG) -> nn.Module:
 
 
 def qlora(
-    batch: int = 1, seq: int = SEQ, gc: bool = False, optimizer=None, config: dict = CONFIG
+    batch: int = 1,
+    seq: int = SEQ,
+    gc: bool = False,
+    optimizer=None,
+    config: dict = CONFIG,
+    random_b: bool = False,
 ) -> Workload:
     """A tiny Llama in NF4 under LoRA on q_proj and v_proj, prepared as peft prepares a
-    k-bit model."""
+    k-bit model. random_b: the adapters' B random (peft starts it at zero: A has no
+    gradient)."""
     model = prepare_model_for_kbit_training(
         load_in_4bit(base_model(config)),
         use_gradient_checkpointing=gc,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
-    model = get_peft_model(model, LoraConfig(r=R, target_modules=["q_proj", "v_proj"]))
+    lora = LoraConfig(r=R, target_modules=["q_proj", "v_proj"], init_lora_weights=not random_b)
+    model = get_peft_model(model, lora)
     ids = torch.randint(0, V, (batch, seq))
     return Workload(
         model, {"input_ids": ids, "labels": ids}, loss=lambda o, b: o.loss, optimizer=optimizer
@@ -270,6 +277,32 @@ def test_paged_8bit_optimizer_states():
     updates = [n.index for n in g.nodes if n.op.startswith("bitsandbytes.optimizer_update")]
     assert len(updates) == len(adapters)
     assert set(updates) <= set(g.meta.syncs)
+
+
+def test_a_plan_applies_to_the_4bit_model():
+    """Micro-batches, accumulation, checkpointing every layer and the fused loss applied to a
+    real QLoRA model step it on the CPU, its adapters' gradients those of the plain step."""
+    from gobrrr.plan.apply import apply
+    from gobrrr.plan.knobs import Knobs
+
+    def grads(model) -> dict:
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    torch.manual_seed(0)
+    ref = qlora(batch=2, seq=32, random_b=True)
+    ref.model(**ref.batch).loss.backward()
+    want = grads(ref.model)
+    torch.manual_seed(0)
+    wl = qlora(batch=2, seq=32, random_b=True)
+    layers = [f"base_model.model.model.layers.{i}" for i in range(LAYERS)]
+    knobs = Knobs(1, 2, checkpoint=tuple((b, "full") for b in layers), fused_loss=True)
+    step = apply(wl, knobs, "fp32")
+    got = {}
+    step.optimizer.register_step_pre_hook(lambda *_: got.update(grads(wl.model)))
+    step()
+    assert len(want) == 8 and got.keys() == want.keys()
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
 IN_FUNCTION = """

@@ -10,7 +10,8 @@ On CUDA (bitsandbytes 0.50, `backends/cuda/ops.py`) gemm_4bit with more than FUS
 rows, or an inner dimension the block size does not divide, is not one kernel: the 8-bit
 absmax are dequantized (`dequantize_blockwise`) and the offset added, the weight dequantized
 to the compute dtype (`dequantize_4bit`, a temporary of the weight's full size) and
-`F.linear` run on it. Fewer rows take the fused kernel (one op, the weight read packed).
+`F.linear` run on it. Fewer rows take the fused kernel (one op, the weight read packed) where
+bitsandbytes' per-GPU heuristic picks it; the trace always does.
 Within `cuda_4bit()` the trace does the same: gemm_4bit on CPU tensors runs those ops, each
 recorded with its own tensors.
 
@@ -134,11 +135,12 @@ def _gemm_4bit(
                 A, B, shapeB, absmax, blocksize, quant_type, bias=bias, absmax_8bit=absmax_8bit,
                 absmax_code=absmax_code, absmax_offset=absmax_offset,
             )  # fmt: skip
+    absmax_dq = None  # as in bitsandbytes' _dequant_linear_fallback: alive until it returns
     if absmax_8bit is not None:  # double quantization: the absmax first
-        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
+        absmax_dq = torch.ops.bitsandbytes.dequantize_blockwise.default(
             absmax_8bit, absmax, absmax_code, NESTED_BLOCK, torch.float32
         )
-        absmax = absmax + absmax_offset
+        absmax = absmax_dq + absmax_offset
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(
         B, absmax, blocksize, quant_type, list(shapeB), A.dtype
     )

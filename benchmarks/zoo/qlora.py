@@ -18,11 +18,14 @@ peaks reset, 10 timed steps (CUDA events, median), `max_memory_allocated` and
 the model built in memory (`gobrrr.training.qlora.load_in_4bit` in place of the checkpoint).
 Each case runs in a fresh process (`--one NAME`); OUT.json is rewritten after every case.
 
-The GPU machine has no network: bitsandbytes, peft, accelerate and psutil come as wheels,
-downloaded beside the repository with
+The GPU machine has no network: bitsandbytes, peft and what peft needs beyond transformers
+(accelerate, psutil) come as wheels, downloaded beside the repository with
     pip download bitsandbytes==0.50.2 peft==0.21.2 accelerate==1.15.0 --no-deps -d .whl
-    (bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl: CUDA 11.8 to 13.2 kernels)
-and installed there with `pip install --no-deps .whl/*.whl`.
+    pip download psutil==7.2.2 --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+        --python-version 311 -d .whl
+(bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl carries CUDA 11.8 to 13.2 kernels) and
+installed there with `pip install --no-deps` on those four files. Eight cases, each a CPU trace
+(under a minute) and a measured step: a few minutes in all; `--cases` splits the run.
 """
 
 from __future__ import annotations
@@ -124,8 +127,9 @@ def base_from_checkpoint(family: str, four_bit: bool, tiny: bool, folder: Path, 
             path
         )
     extra = {"quantization_config": bnb_config()} if four_bit else {}
+    place = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, device_map={"": device}, **extra
+        path, dtype=torch.bfloat16, device_map={"": place}, **extra
     )
 
 

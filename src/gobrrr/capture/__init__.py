@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from gobrrr.capture import accumulate, assume, compiled
+from gobrrr.capture import accumulate, assume, bnb, compiled
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.cuda_calls import on_traced_gpu
 from gobrrr.capture.dropout import cuda_dropout
@@ -43,6 +43,7 @@ from gobrrr.training.checkpointing import (
 )
 from gobrrr.training.fused_loss import as_on_cuda
 from gobrrr.training.optimizers import LARGE_TENSOR_BYTES, optimizer_key
+from gobrrr.training.qlora import INSTALL, missing
 from gobrrr.training.step import TrainStep, make_scaler, split_batch
 from gobrrr.workload import Workload, embedding_only_params, iter_tensors, map_tensors
 
@@ -162,7 +163,8 @@ def _to_fake(workload: Workload, mode: FakeTensorMode, values: assume.Values) ->
     fake = _faker(mode, values)
     convert = _converter(fake, memo)
     with unset_fake_temporarily():
-        for t in [*workload.model.parameters(), *workload.model.buffers()]:
+        quant = [t for _, t in bnb.quant_tensors(workload.model)]
+        for t in [*workload.model.parameters(), *workload.model.buffers(), *quant]:
             if isinstance(t, torch._subclasses.FakeTensor):
                 memo[id(t)] = t  # already fake: shared, not copied
             else:
@@ -212,6 +214,10 @@ def _build(source: WorkloadSource, mode: FakeTensorMode, values: assume.Values) 
             w = source()
     except GobrrrError:
         raise
+    except ModuleNotFoundError as e:
+        if e.name in INSTALL:  # peft, bitsandbytes: a library the workload's model needs
+            raise missing(e.name, "the workload") from e
+        raise GobrrrError(f"building the workload raised {type(e).__name__}: {e}") from e
     except Exception as e:
         raise GobrrrError(f"building the workload raised {type(e).__name__}: {e}") from e
     if not isinstance(w, Workload):
@@ -235,6 +241,7 @@ def _fake_rest(w: Workload, mode: FakeTensorMode, values: assume.Values, made) -
                 _faker(mode, values),
                 only=lambda t: not isinstance(t, torch._subclasses.FakeTensor),
             )
+        bnb.fake_quant_states(w.model, _faker(mode, values))
         return dataclasses.replace(w, batch=map_tensors(w.batch, _faker(mode, values)))
 
 
@@ -358,6 +365,8 @@ def _register_state(table: StorageTable, w: Workload, opt: torch.optim.Optimizer
         table.register(p, "parameter", label=n)
     for n, b in w.model.named_buffers():
         table.register(b, "buffer", label=n)
+    for n, t in bnb.quant_tensors(w.model):  # a 4-bit weight's scales: part of the weight
+        table.register(t, "parameter", label=n)
     for p, state in opt.state.items():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
@@ -435,7 +444,7 @@ def capture(
             _compile_blocks(w.model, names, regions)
         blocks = _checkpoint(w.model, checkpoint)
         chosen.chosen.clear()  # the recorded step's calls only, not the warm-up's
-        with real_to_libraries(values.answerable):
+        with real_to_libraries(values.answerable), bnb.cuda_4bit(values):
             graph = _trace(
                 w,
                 precision,
@@ -584,7 +593,8 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precis
             frees.setdefault(r.freed, []).append(r.id)
     nodes = tuple(dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in rec.nodes)
     params = list(w.model.parameters())
-    n_params = sum(p.numel() for p in params)
+    packed = bnb.elements(w.model)  # a 4-bit weight: two elements a byte
+    n_params = sum(packed.get(id(p), p.numel()) for p in params)
     meta = StepMeta(
         name=w.name,
         precision=precision,

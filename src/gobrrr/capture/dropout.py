@@ -28,11 +28,11 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def cpu_composite(op: str, kernel) -> Iterator[None]:
-    """Within this context the composite ATen op `op` runs `kernel` on CPU tensors (its
-    AutogradCPU kernel replaced: after autocast, wherever it is called from, recomputation
-    included); restored on exit."""
-    lib = torch.library.Library("aten", "IMPL")
+def cpu_composite(op: str, kernel, ns: str = "aten") -> Iterator[None]:
+    """Within this context the composite ATen op `op` (an op of library `ns`) runs `kernel` on
+    CPU tensors (its AutogradCPU kernel replaced: after autocast, wherever it is called from,
+    recomputation included); restored on exit."""
+    lib = torch.library.Library(ns, "IMPL")
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
             warnings.simplefilter("ignore")
@@ -42,7 +42,7 @@ def cpu_composite(op: str, kernel) -> Iterator[None]:
         lib._destroy()
         # the Python dispatcher (dynamo, AOTAutograd) caches each overload's kernel per key:
         # left stale, a later real torch.compile on the CPU runs the op without autograd
-        packet = getattr(torch.ops.aten, op.split(".")[0])
+        packet = getattr(getattr(torch.ops, ns), op.split(".")[0])
         for name in packet.overloads():
             getattr(packet, name)._dispatch_cache.clear()
 

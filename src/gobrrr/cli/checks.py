@@ -19,6 +19,7 @@ from gobrrr.errors import GobrrrError, GobrrrWarning, did_you_mean
 from gobrrr.estimate import not_a_directory
 from gobrrr.hardware import get_gpu
 from gobrrr.models.registry import describe, model_names
+from gobrrr.training.qlora import INSTALL, missing
 
 # argparse attribute -> the option that set it, for output files
 OUTPUT_FILES = {
@@ -216,6 +217,9 @@ def explain(e: BaseException) -> tuple[str, str | None]:
     if not isinstance(e, GobrrrError):
         return f"{type(e).__name__}: {e}", "GOBRRR_DEBUG=1 shows the traceback"
     cause = e.__cause__
+    if isinstance(cause, ModuleNotFoundError) and cause.name in INSTALL:  # peft, bitsandbytes
+        where = e.message.split(" raised ", 1)[0].split(": importing ", 1)[0]
+        return missing(cause.name, where).message, INSTALL[cause.name]
     if isinstance(cause, GobrrrError) and " raised GobrrrError" in e.message:
         where = e.message.split(" raised GobrrrError", 1)[0]
         return f"{where}: {cause.message}", cause.hint

@@ -9,7 +9,8 @@ launches. Conventions are documented next to each family:
   pointwise, reductions, copies and views: _ops_pointwise,
   norms, softmax, embedding, losses, scatter: _ops_norm,
   optimizer (foreach and fused): _ops_optim,  gobrrr's kernels: _ops_gobrrr,
-  CPU offload's copies and CPU steps: _ops_offload,  c10d's collectives: _ops_comm.
+  CPU offload's copies and CPU steps: _ops_offload,  c10d's collectives: _ops_comm,
+  bitsandbytes' dequantization, 4-bit matmul and optimizers: _ops_bnb.
 An op nobody knows gets a conservative pointwise-like default and its name lands in
 UNKNOWN_OPS, so reports can list what was guessed.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from gobrrr.cost import (
     _ops_attention,
+    _ops_bnb,
     _ops_comm,
     _ops_gobrrr,
     _ops_matmul,
@@ -45,6 +47,7 @@ for _module in (
     _ops_offload,
     _ops_comm,
     _ops_rnn,
+    _ops_bnb,
 ):
     _REGISTRY.update(_module.COSTS)
 

@@ -8,6 +8,11 @@ graph holds them (tied parameters once; one rank's shards after a sharding pass)
 are those the optimizer steps, states every optimizer-state storage (host-side step counters
 hold no device bytes).
 
+A 4-bit weight (QLoRA's base model through bitsandbytes) is counted in its format ("nf4" or
+"fp4", as the ops that dequantize it say): two elements a byte of packed codes, its bytes
+those codes and its quantization state (block absmax, their scales and code books, labelled
+"<weight>.quant_state.<field>" by the capture).
+
     split = trainable(graph)     # or Estimate.trainable
     split.trained_elements, split.frozen_bytes, split.gradients_bytes, split.to_dict()
 """
@@ -22,6 +27,13 @@ from gobrrr.graph.ir import StepGraph, itemsize
 
 #: the dtypes as the output names them
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+#: bitsandbytes' ops that read a packed 4-bit weight: (its argument position and name, the
+#: position and name of its format)
+FOUR_BIT_OPS = {
+    "bitsandbytes.dequantize_4bit": ((0, "A"), (3, "quant_type")),
+    "bitsandbytes.gemm_4bit": ((1, "B"), (5, "quant_type")),
+}
+STATE = ".quant_state."  # in the label of a 4-bit weight's quantization state
 
 
 @dataclass(frozen=True)
@@ -110,9 +122,20 @@ def trainable(graph: StepGraph) -> Trainable:
             elif n.phase == "optimizer" and t.storage in grads:
                 stepped_grads.add(t.storage)
     unread = str(graph.meta.precision.param_dtype).removeprefix("torch.")
-    sides: dict[bool, dict[str, list[int]]] = {True: defaultdict(list), False: defaultdict(list)}
+    packed = four_bit(graph)
+    formats = {params[sid].label: fmt for sid, fmt in packed.items() if sid in params}
+    sides: dict[bool, dict[str, list[tuple[int, int]]]] = {
+        True: defaultdict(list),
+        False: defaultdict(list),
+    }
     for sid, s in params.items():
-        sides[sid in stepped][dtypes.get(sid, unread)].append(s.nbytes)
+        weight, is_state, _ = s.label.partition(STATE)
+        if sid in packed or is_state:  # 4-bit codes: 2 a byte; their state: 0 elements
+            fmt = packed.get(sid) or formats.get(weight, "4-bit")
+            sides[sid in stepped][fmt].append((s.nbytes, 0 if is_state else 2 * s.nbytes))
+            continue
+        dtype = dtypes.get(sid, unread)
+        sides[sid in stepped][dtype].append((s.nbytes, s.nbytes // itemsize(dtype)))
     opt = graph.meta.optimizer
     return Trainable(
         trained=_by_dtype(sides[True]),
@@ -124,9 +147,28 @@ def trainable(graph: StepGraph) -> Trainable:
     )
 
 
-def _by_dtype(sizes: dict[str, list[int]]) -> tuple[Params, ...]:
-    out = [Params(d, len(b), sum(b) // itemsize(d), sum(b)) for d, b in sizes.items()]
+def _by_dtype(sizes: dict[str, list[tuple[int, int]]]) -> tuple[Params, ...]:
+    """Params per dtype from (bytes, elements) per storage; a storage of no elements (a 4-bit
+    weight's quantization state) adds bytes but is no tensor of its own."""
+    out = [
+        Params(d, sum(1 for _, e in b if e), sum(e for _, e in b), sum(n for n, _ in b))
+        for d, b in sizes.items()
+    ]
     return tuple(sorted(out, key=lambda p: -p.bytes))
+
+
+def four_bit(graph: StepGraph) -> dict[int, str]:
+    """Storage id -> format ("nf4", "fp4") of each packed 4-bit weight the step reads, from
+    the bitsandbytes ops that read it."""
+    out: dict[int, str] = {}
+    for n in graph.nodes:
+        where = FOUR_BIT_OPS.get(".".join(n.op.split(".")[:2]))
+        if where is not None:
+            (i, name), (j, fmt) = where
+            t = n.tensor(n.arg(i, name))
+            if t is not None:
+                out[t.storage] = str(n.arg(j, fmt))
+    return out
 
 
 def _what(labels: list[str], everything: bool, shown: int = 3) -> str:

@@ -65,6 +65,12 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
     @property
+    def fp8_tensor_cores(self) -> bool:
+        """Whether the GPU has FP8 tensor cores (Ada, Hopper, Blackwell: L4, L40S, RTX 4090,
+        H100, H200, B200), i.e. an FP8 dense peak in its spec; A100, V100 and T4 have none."""
+        return "fp8" in self.peak_flops
+
+    @property
     def ridge_point(self) -> float:
         """FLOP/byte above which a bf16 tensor-core op is compute-bound."""
         return self.peak_flops["bf16"] / self.bandwidth

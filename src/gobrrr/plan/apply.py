@@ -75,8 +75,8 @@ class AppliedStep:
 
     Attributes:
         model: the user's model, changed in place as planned (checkpoint wrappers, fused
-            loss, bf16 weights, Float8Linear layers, compiled block forwards); under compile "model",
-            `compiled` is what runs it (None otherwise).
+            loss, bf16 weights, Float8Linear layers, compiled block forwards); under
+            compile "model", `compiled` is what runs it (None otherwise).
         optimizer: the optimizer that steps it (the user's, or its bf16/8-bit/offloaded
             replacement).
         knobs: the configuration applied.

@@ -390,7 +390,8 @@ class Calibration:
     mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype;
     `attention_curve`: the same over sequence lengths, [[S, FLOP/s], ...] per dtype.
     `matmul_grid`: achieved FLOP/s over output size and depth, [[m·n, k, FLOP/s], ...] per
-    math mode (replaces `matmul_curve` where present).
+    math mode (replaces `matmul_curve` where present); "fp8": torch._scaled_mm with tensorwise
+    scales (`calibrate.sections.fp8`), on GPUs with FP8 tensor cores.
     `op_overhead`: host seconds per ATen op inside an eager training step, per phase
     ("recompute": a recomputed op; "checkpointed": a forward op inside a checkpointed block;
     both carry the checkpoint machinery and fall back to the forward's when absent).

@@ -65,6 +65,12 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
     @property
+    def fp8_tensor_cores(self) -> bool:
+        """Whether the GPU has FP8 tensor cores (Ada, Hopper, Blackwell: L4, L40S, RTX 4090,
+        H100, H200, B200), i.e. an FP8 dense peak in its spec; A100, V100 and T4 have none."""
+        return "fp8" in self.peak_flops
+
+    @property
     def ridge_point(self) -> float:
         """FLOP/byte above which a bf16 tensor-core op is compute-bound."""
         return self.peak_flops["bf16"] / self.bandwidth
@@ -384,7 +390,8 @@ class Calibration:
     mode. `attention_flops`: fwd+bwd FLOP/s of the default SDPA backend per dtype;
     `attention_curve`: the same over sequence lengths, [[S, FLOP/s], ...] per dtype.
     `matmul_grid`: achieved FLOP/s over output size and depth, [[m·n, k, FLOP/s], ...] per
-    math mode (replaces `matmul_curve` where present).
+    math mode (replaces `matmul_curve` where present); "fp8": torch._scaled_mm with tensorwise
+    scales (`calibrate.sections.fp8`), on GPUs with FP8 tensor cores.
     `op_overhead`: host seconds per ATen op inside an eager training step, per phase
     ("recompute": a recomputed op; "checkpointed": a forward op inside a checkpointed block;
     both carry the checkpoint machinery and fall back to the forward's when absent).

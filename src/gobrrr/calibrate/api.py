@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from gobrrr.calibrate.sections import conv as cc
+from gobrrr.calibrate.sections import fp8 as cf8
 from gobrrr.calibrate.sections import host as ch
 from gobrrr.calibrate.sections import offload as co
 from gobrrr.calibrate.sections import paths as cpa
@@ -144,7 +145,8 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
             "attention_curve": {**cs.attention_rate(d), **cs.attention_variants(d)}
         },
         "op_bandwidth": lambda d: {"op_bandwidth": cs.op_bandwidths(d)},
-        "matmul_grid": lambda d: {"matmul_grid": cs.matmul_grid(d)},
+        # the fp8 grid (torch._scaled_mm) beside bf16's, on GPUs with FP8 tensor cores
+        "matmul_grid": lambda d: {"matmul_grid": {**cs.matmul_grid(d), **cf8.fp8_matmul_grid(d)}},
         "op_host": lambda d: {"op_host": ch.op_host_costs(d)},
         "optimizer_host": lambda d: {"optimizer_host": ch.optimizer_host(d)},
         "kernel_host": lambda d: {"kernel_host": kernel_host_costs(d)},

@@ -8,6 +8,7 @@ the real step would have.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from dataclasses import dataclass
@@ -33,6 +34,16 @@ _SKIP = {
     "aten.is_same_size",
     "aten._local_scalar_dense",
 }
+
+# Tensor subclasses whose own __torch_dispatch__ runs beneath the recorder, so that what is
+# recorded is what it runs on plain tensors: torchao's float8 training tensor, whose `mm` is the
+# `_scaled_mm` a GPU runs (the op on the subclass itself would be a bf16 `mm`).
+SEE_THROUGH = frozenset({"torchao.float8.float8_training_tensor.Float8TrainingTensor"})
+
+
+@functools.cache
+def _see_through(cls: type) -> bool:
+    return f"{cls.__module__}.{cls.__qualname__}" in SEE_THROUGH
 
 
 @dataclass
@@ -168,6 +179,8 @@ class Recorder(TorchDispatchMode):
                 self.outputs.append(ModelOutput(len(self.nodes) - 1, sid, path, shape, dtype))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(_see_through(t) for t in types):
+            return NotImplemented  # the subclass runs it; its ops come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = self._names.get(func)

@@ -633,7 +633,8 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         "under torch.compile, whole and per repeated block), offload (the "
         "optimizer's states and AdamW update on the CPU, torchao's "
         "CPUOffloadOptimizer; costed from the calibration's "
-        "offload section)",
+        "offload section), fp8 (the linear layers in FP8, torchao's float8 "
+        "recipe; GPUs with FP8 tensor cores only)",
     )
     p.add_argument(
         "--no-calibration",

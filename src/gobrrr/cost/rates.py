@@ -60,6 +60,10 @@ class Rates:
             # the same tensor cores: bf16's shape dependence, at fp16's measured rate
             scale = self.cal.matmul_flops.get("fp16", 1.0) / self.cal.matmul_flops.get("bf16", 1.0)
             return grid(self.cal.matmul_grid["bf16"], *dims) * scale
+        if self.cal and dims and math_mode == "fp8" and self.cal.matmul_grid.get("bf16"):
+            # no fp8 grid measured: the datasheet fp8 peak at the bf16 grid's efficiency there
+            scale = self.gpu.peak("fp8") / self.gpu.peak("bf16")
+            return grid(self.cal.matmul_grid["bf16"], *dims) * scale
         if self.cal and math_mode in self.cal.matmul_flops:
             rate = self.cal.matmul_flops[math_mode]
             return rate * curve(self.cal.matmul_curve.get(math_mode), flops)

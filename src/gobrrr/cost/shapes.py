@@ -68,7 +68,7 @@ def gemm_dims(node: OpNode) -> tuple[float, float] | None:
     """(output elements, reduction depth) of a matmul or convolution (as an implicit GEMM:
     N·Ho·Wo·Cout outputs, Cin/groups·kh·kw depth), or None."""
     name = node.name
-    if name in ("mm", "addmm", "bmm", "baddbmm") and node.outputs:
+    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm") and node.outputs:
         out = node.outputs[0]
         a = (
             node.inputs[1]
@@ -229,7 +229,7 @@ def conv_directions(node: OpNode, flops: float) -> dict[str, float]:
 
 def wave_efficiency(node: OpNode, sms: int, tile: int = 128) -> float:
     """Fraction of the chip a matmul keeps busy: output tiles over full waves of SMs."""
-    if node.name not in ("mm", "addmm", "bmm", "baddbmm") or not node.outputs:
+    if node.name not in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm") or not node.outputs:
         return 1.0
     shape = node.outputs[0].shape
     batch = shape[0] if len(shape) == 3 else 1

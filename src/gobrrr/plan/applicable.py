@@ -10,12 +10,14 @@ a sentence that names the value and the fix.
     checkpoint_refusal(model, blocks)      checkpointing the named blocks
     compile_refusal(model, compile)        torch.compile per repeated block ("blocks")
     parallel_refusal(knobs, precision, blocks)   DDP / FSDP2 with the other knobs
+    fp8_refusal(model)                     FP8 training of the linear layers
     refusal(workload, knobs, precision)    all of them, for one configuration (apply's check)
 
 What the planner leaves out for its own reasons (offload costed for AdamW only, compile and
 checkpointing not costed together) are limits of the costing, not of apply, and stay in the
 planner. What depends on the machine apply runs on, not on the workload (offload needs CUDA,
-8-bit states need torchao, compile on a CPU needs a C compiler), is checked where it runs.
+8-bit states and FP8 need torchao, FP8 needs FP8 tensor cores, compile on a CPU needs a C
+compiler), is checked where it runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.plan.knobs import Knobs
 from gobrrr.training.checkpointing import block_names
+from gobrrr.training.fp8 import fp8_refusal
 from gobrrr.training.fused_loss import fused_loss_refusal as model_refusal
 from gobrrr.training.optimizers import adam_hyper
 from gobrrr.workload import Batch, Workload
@@ -148,6 +151,11 @@ def parallel_refusal(knobs: Knobs, precision: str, blocks: Sequence[str]) -> str
             f"parallel={knobs.parallel!r} with compile or offload is not planned (the plan "
             "costs neither under DDP or FSDP2): set compile='none' and offload=False"
         )
+    if knobs.fp8:
+        return (
+            f"parallel={knobs.parallel!r} with fp8 is not planned (the plan costs FP8 "
+            "training on one GPU): set fp8=False"
+        )
     if knobs.parallel == "fsdp" and (
         precision != "bf16-mixed" or knobs.weights != "as-is" or knobs.optimizer_states != "as-is"
     ):
@@ -175,6 +183,7 @@ def refusal(
         lambda: knobs.fused_loss and fused_loss_refusal(workload),
         lambda: knobs.checkpoint and checkpoint_refusal(workload.model, dict(knobs.checkpoint)),
         lambda: compile_refusal(workload.model, knobs.compile),
+        lambda: knobs.fp8 and fp8_refusal(workload.model),
         lambda: _optimizer_refusal(workload, knobs),
     ]
     for check in checks:
@@ -202,6 +211,7 @@ __all__ = [
     "check",
     "checkpoint_refusal",
     "compile_refusal",
+    "fp8_refusal",
     "fused_loss_refusal",
     "optimizer_refusal",
     "parallel_refusal",

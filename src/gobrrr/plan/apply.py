@@ -15,6 +15,10 @@ What each knob does to the real model (in the order applied, and why that order)
        first, so the optimizer and its states are made for the weights as they will train.
     2. fused_loss: the model's output head and cross-entropy become gobrrr's fused linear +
        cross-entropy (gobrrr.training.fused_loss); a change of the forward, so before compile.
+    2b. fp8: each linear layer but the output head (dims multiples of 16) becomes torchao's
+       Float8Linear (gobrrr.training.fp8.use_fp8); after the fused loss, which keeps the
+       head it takes as it is, and before compile and checkpointing, which then compile and
+       recompute the converted layers (torchtitan's order).
     3. compile "blocks": each repeated block's forward is replaced by torch.compile of it, in
        place (regional compilation: the blocks share one compilation, the rest of the model
        stays eager; the block's own call and its hooks stay eager too, as with
@@ -57,6 +61,7 @@ from gobrrr.plan import applicable
 from gobrrr.plan.knobs import Knobs
 from gobrrr.precision import Precision, check_precision
 from gobrrr.training.checkpointing import apply_checkpointing, block_names
+from gobrrr.training.fp8 import device_refusal, torchao_float8_refusal, use_fp8
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.optimizers import states_optimizer
 from gobrrr.training.step import TrainStep, batch_size, cast_batch, make_scaler
@@ -70,8 +75,8 @@ class AppliedStep:
 
     Attributes:
         model: the user's model, changed in place as planned (checkpoint wrappers, fused
-            loss, bf16 weights, compiled block forwards); under compile "model",
-            `compiled` is what runs it (None otherwise).
+            loss, bf16 weights, Float8Linear layers, compiled block forwards); under
+            compile "model", `compiled` is what runs it (None otherwise).
         optimizer: the optimizer that steps it (the user's, or its bf16/8-bit/offloaded
             replacement).
         knobs: the configuration applied.
@@ -166,6 +171,8 @@ def apply(
     # every knob checked before anything changes: a refused plan leaves the model as it was
     blocks = block_names(model) if knobs.parallel == "fsdp" else ()
     applicable.check(workload, knobs, precision, blocks)
+    if knobs.fp8:  # what depends on this machine: torchao, and FP8 tensor cores
+        _check_fp8(model)
     group = _join() if knobs.distributed else None  # not torchrun: one clear error
     precision = Precision.parse(knobs.precision(precision))
     changes = []
@@ -176,6 +183,8 @@ def apply(
         changes.append("weights in bfloat16")
     if knobs.fused_loss:
         changes.append(use_fused_loss(model))
+    if knobs.fp8:
+        changes.append(use_fp8(model))
     if knobs.compile == "blocks":
         changes.append(compile_blocks(model))
     if knobs.checkpoint:
@@ -209,6 +218,14 @@ def _check_fresh(model: nn.Module) -> None:
             f"this {type(model).__name__} was already changed by apply({earlier}): build a "
             "fresh model and workload for each plan"
         )
+
+
+def _check_fp8(model: nn.Module) -> None:
+    """FP8 training needs torchao's float8 recipe here and FP8 tensor cores where the model
+    is (the CPU runs torch._scaled_mm's reference kernel)."""
+    why = torchao_float8_refusal() or device_refusal(_device_of(model))
+    if why:
+        raise GobrrrError(why)
 
 
 def _join():

@@ -71,6 +71,11 @@ class Knobs:
         sync_each: FSDP2's gradients reduce-scattered on every micro-batch and accumulated
             as shards (torchtitan's accumulation), instead of held unsharded in fp32 to the
             last; with parallel "fsdp" only.
+        fp8: FP8 training: each linear layer but the output head (and those whose dims
+            are not multiples of 16) runs its matmuls in float8, torchao's float8 recipe
+            with tensorwise scales (gobrrr.training.fp8); the step's precision stays as it
+            is around them (autocast, or bf16 weights). A change of numerics, planned only
+            when allowed, on GPUs with FP8 tensor cores.
     """
 
     micro_batch: int
@@ -84,6 +89,7 @@ class Knobs:
     parallel: str = "none"
     reshard: bool = True
     sync_each: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         for name, unit in (("micro_batch", "samples"), ("accumulation", "micro-batches")):
@@ -93,7 +99,7 @@ class Knobs:
             object.__setattr__(self, name, int(v))  # frozen: a numpy integer made an int
         if isinstance(self.compile, bool):  # the JSON form of plans from before "blocks"
             object.__setattr__(self, "compile", "model" if self.compile else "none")
-        for name in ("offload", "fused_loss", "reshard", "sync_each"):
+        for name in ("offload", "fused_loss", "reshard", "sync_each", "fp8"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise GobrrrError(f"Knobs({name}={v!r}) is not a bool: give True or False")
@@ -148,6 +154,8 @@ class Knobs:
             del d["parallel"], d["reshard"]
         if not self.sync_each:
             del d["sync_each"]
+        if not self.fp8:  # as plans wrote it before FP8 was a knob
+            del d["fp8"]
         return d
 
     @staticmethod

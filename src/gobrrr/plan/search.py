@@ -37,6 +37,7 @@ from gobrrr.plan.knobs import Knobs, every_kth
 from gobrrr.plan.probe import Probe
 from gobrrr.plan.result import Plan, PlanResult
 from gobrrr.plan.trace import Ahead, Tracer, forked_map, uses_torchscript
+from gobrrr.training.fp8 import torchao_float8_refusal
 from gobrrr.training.offload import host_bytes
 from gobrrr.training.optim_trace import state_bytes
 
@@ -57,8 +58,16 @@ MARGIN = 0.0
 #: (Inductor's fused kernels round differently; each variant is traced compiled too, both
 #: ways, which costs seconds per trace: dynamo and AOTAutograd); "offload"
 #: keeps AdamW's states on the host and runs its update on the CPU (torchao's
-#: CPUOffloadOptimizer: the same numerics).
-ALLOW: tuple[str, ...] = ("bf16-states", "8bit-states", "bf16-weights", "compile", "offload")
+#: CPUOffloadOptimizer: the same numerics); "fp8" trains the linear layers in FP8 (torchao's
+#: float8 recipe, tensorwise scales: `Knobs.fp8`), on GPUs with FP8 tensor cores only.
+ALLOW: tuple[str, ...] = (
+    "bf16-states",
+    "8bit-states",
+    "bf16-weights",
+    "compile",
+    "offload",
+    "fp8",
+)
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
 #: ops, not only what is kept): the Knobs at micro-batch 1 with no accumulation and no
@@ -236,6 +245,8 @@ class Planner:
         if "offload" in self.req.allow and _offload_allowed(self.target, self.probe, notes):
             out += [replace(BASE, fused_loss=fused, offload=True) for fused in (False, True)]
         out = [v for v in out if not v.fused_loss or not refusal]
+        if "fp8" in self.req.allow and self._fp8(notes):  # each variant with FP8 linears too
+            out += [replace(v, fp8=True) for v in out]
         if "compile" in self.req.allow:  # each variant compiled too: a trace of its own
             out += [replace(v, compile=c) for c in self._compile_modes(notes) for v in out]
         return [v for v in out if v != BASE]
@@ -252,6 +263,16 @@ class Planner:
                 f"{self.req.usable / gib:.1f} GiB budget"
             )
         return kept
+
+    def _fp8(self, notes: list[str]) -> bool:
+        """Whether FP8 training is planned (the GPU and torchao were checked with the request):
+        the model must have linears it converts; notes on how its matmuls are costed."""
+        refusal = applicable.fp8_refusal(self.probe.workload.model)
+        if refusal:
+            notes.append(f"fp8 not planned: {refusal}")
+            return False
+        notes.extend(fp8_notes(self.target))
+        return True
 
     def _compile_modes(self, notes: list[str]) -> list[str]:
         """How the model may be compiled: whole ("model"), and block by block ("blocks")
@@ -364,7 +385,41 @@ def _request(
     if not 0 <= margin < 1:
         raise GobrrrError(f"--margin must be a fraction of the budget in [0, 1), got {margin}")
     _check_gpus(global_batch, gpus, nodes)
+    if "fp8" in allowed:
+        _check_fp8(target)
     return Request(global_batch, cap, allowed, margin, gpus, nodes)
+
+
+def _check_fp8(target: Target) -> None:
+    """--allow fp8 needs a GPU with FP8 tensor cores and torchao's float8 recipe (checked
+    before anything is traced: the user asked for it, so its absence is an error)."""
+    gpu = target.gpu
+    if not gpu.fp8_tensor_cores:
+        raise GobrrrError(
+            f"--allow fp8 on {gpu.name}: it has no FP8 tensor cores (FP8 training needs an "
+            "L4, L40S, RTX 4090, H100, H200 or B200, or a GPU spec with fp8_tflops): drop "
+            "fp8 from --allow"
+        )
+    why = torchao_float8_refusal()
+    if why:
+        raise GobrrrError(f"--allow fp8: {why}")
+
+
+def fp8_notes(target: Target) -> list[str]:
+    """How FP8 matmuls are costed on `target` where no FP8 grid was measured."""
+    if target.cal is not None and target.cal.matmul_grid.get("fp8"):
+        return []
+    gpu = target.gpu
+    how = (
+        "the bf16 grid's measured efficiency at each shape"
+        if target.cal is not None and target.cal.matmul_grid.get("bf16")
+        else f"the default efficiency {gpu.matmul_efficiency:.0%}"
+    )
+    return [
+        f"fp8 matmuls (torch._scaled_mm) costed at {gpu.name}'s datasheet FP8 dense peak "
+        f"({gpu.peak('fp8') / 1e12:.0f} TFLOP/s) x {how}: no measured fp8 grid in its "
+        "calibration (measure it: benchmarks/plan/fp8.py --grid)"
+    ]
 
 
 def _check_gpus(global_batch: int, gpus: int, nodes: int) -> None:
@@ -764,6 +819,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
         out.append("torch.compile per block")
     if knobs.offload:
         out.append("optimizer states and update on the CPU (offload)")
+    if knobs.fp8:
+        out.append("fp8 linear layers (torchao float8)")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

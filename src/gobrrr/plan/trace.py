@@ -27,6 +27,7 @@ from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Target
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.probe import samples
+from gobrrr.training.fp8 import traced_fp8
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.offload import stand_in
 from gobrrr.training.optim_trace import traced_states_optimizer
@@ -96,9 +97,10 @@ class Tracer:
         """The workload as `gobrrr.apply` will run it: the fused loss in place of the head
         and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
         one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
-        traced as gobrrr.training.offload's stand-in)."""
+        traced as gobrrr.training.offload's stand-in); the linears converted to torchao's
+        Float8Linear for FP8 training (traced as they run: `fp8.traced_fp8`)."""
         v = self.variant
-        if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload:
+        if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload and not v.fp8:
             return make
         if v.offload and v.optimizer_states != "as-is":
             raise GobrrrError(
@@ -110,6 +112,8 @@ class Tracer:
             w = make()
             if v.fused_loss:
                 use_fused_loss(w.model)
+            if v.fp8:
+                traced_fp8(w.model)
             user = w.optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
             if v.offload:
                 w.optimizer = lambda ps: stand_in(user(ps))

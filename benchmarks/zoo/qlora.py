@@ -10,11 +10,14 @@ double quantization, bf16 compute) x gradient checkpointing off or on; LoRA rank
 linear layer of the decoder, AdamW, bf16 autocast, loss read off the model's output.
 
 Measured as users build it: the random model saved once as a checkpoint, loaded with
-`from_pretrained` (with `BitsAndBytesConfig` for QLoRA, which quantizes on load), then peft's
+`from_pretrained` (with `BitsAndBytesConfig` for QLoRA, which quantizes on load), put in train
+mode (`from_pretrained` returns it in eval mode, where HF skips checkpointing), then peft's
 `prepare_model_for_kbit_training` (QLoRA) or `gradient_checkpointing_enable` +
 `enable_input_require_grads` (LoRA with checkpointing), `get_peft_model`; 3 warm-up steps,
 peaks reset, 10 timed steps (CUDA events, median), `max_memory_allocated` and
-`max_memory_reserved` over them. Predicted: the same workload function under `gobrrr.estimate`,
+`max_memory_reserved` over them, gobrrr's own step (which drops the model's output before
+backward, as HF's Trainer does). Predicted: the same workload function under `gobrrr.estimate`
+for that loop (`loop="drops-output"`),
 the model built in memory (`gobrrr.training.qlora.load_in_4bit` in place of the checkpoint).
 Each case runs in a fresh process (`--one NAME`); OUT.json is rewritten after every case.
 
@@ -128,9 +131,12 @@ def base_from_checkpoint(family: str, four_bit: bool, tiny: bool, folder: Path, 
         )
     extra = {"quantization_config": bnb_config()} if four_bit else {}
     place = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, device_map={"": place}, **extra
     )
+    # from_pretrained hands the model back in eval mode, where HF's layers skip gradient
+    # checkpointing; a fine-tune (and HF's Trainer) trains it in train mode
+    return model.train()
 
 
 def adapt(model, four_bit: bool, gc: bool):
@@ -174,7 +180,9 @@ def predict(name: str, args) -> dict:
                         vocab, args.batch, args.seq)  # fmt: skip
 
     t = time.perf_counter()
-    est = gobrrr.estimate(build, gpu=args.gpu, precision="bf16-mixed")
+    # measured with gobrrr's own step, which drops the model's output before backward (as HF's
+    # Trainer does): predicted for that loop
+    est = gobrrr.estimate(build, gpu=args.gpu, precision="bf16-mixed", loop="drops-output")
     split = est.trainable
     return {
         "peak_allocated": est.memory.peak,

@@ -154,8 +154,16 @@ def _time(node: OpNode, rates: Rates):
 
 
 def test_scaled_mm_runs_at_the_bf16_grids_efficiency_times_the_fp8_peak():
-    target = Target.resolve("h100")  # the shipped calibration: a bf16 grid, no fp8 one
-    assert target.cal.matmul_grid.get("bf16") and not target.cal.matmul_grid.get("fp8")
+    shipped = Target.resolve("h100")  # the shipped calibration: bf16 and fp8 grids
+    assert shipped.cal.matmul_grid.get("bf16") and shipped.cal.matmul_grid.get("fp8")
+    # a grid point of the shipped fp8 grid is read as measured
+    m2, k, rate = shipped.cal.matmul_grid["fp8"][-1]
+    assert Rates(shipped.gpu, shipped.cal).matmul("fp8", 2.0 * m2 * k, (m2, k)) == pytest.approx(
+        rate
+    )
+    # without an fp8 grid: the bf16 grid's efficiency at that shape times the fp8 peak
+    bf16_only = {k: v for k, v in shipped.cal.matmul_grid.items() if k != "fp8"}
+    target = Target(shipped.gpu, _with_grid(shipped.cal, bf16_only))
     rates = Rates(target.gpu, target.cal)
     for m, k, n in ((4096, 4096, 4096), (512, 8192, 512), (16384, 2048, 2048)):
         r16 = rates.matmul("bf16", 2.0 * m * k * n, (m * n, k))
@@ -183,7 +191,10 @@ def test_plan_allow_fp8_costs_fp8_plans_and_says_how():
     r = plan(tiny_llama, "h100", global_batch=2, seq=64, allow=["fp8"])
     ours = [p for p in r.plans if p.knobs.fp8]
     assert ours and all("fp8 linear layers (torchao float8)" in p.changes for p in ours)
-    assert any("datasheet FP8 dense peak (1979 TFLOP/s)" in n for n in r.notes)
+    # the shipped H100 calibration measured its fp8 grid: no datasheet note
+    assert not any("datasheet FP8 dense peak" in n for n in r.notes)
+    uncalibrated = plan(tiny_llama, "l40s", global_batch=2, seq=64, allow=["fp8"])
+    assert any("datasheet FP8 dense peak" in n for n in uncalibrated.notes)
     without = plan(tiny_llama, "h100", global_batch=2, seq=64)
     assert not any(p.knobs.fp8 for p in without.plans)  # a change of numerics: asked for only
 

@@ -164,13 +164,23 @@ def test_schedule_orders_comm():
 
 
 def test_accumulated_reduces_once():
-    """no_sync: an accumulated step all-reduces each bucket once, after the repeated
-    micro-batches (never inside the segment standing for several runs)."""
+    """no_sync: an accumulated step all-reduces each bucket once, never inside the segment
+    standing for several runs: in the first micro-batch's backward, where the last one's
+    hooks fall (each after its gradients are ready there), so they overlap one backward as
+    in PyTorch; the copies back into the gradients after every micro-batch."""
     g = accumulate(_graph(), 3)
     d = ddp(g, 2, bucket_cap_mb=1)
     start, end, times = d.repeat
     reduces = [n.index for n in d.nodes if n.op == ALL_REDUCE]
-    assert len(reduces) == 3 and all(i >= end for i in reduces)
+    assert len(reduces) == 3 and all(i < start for i in reduces)
+    assert all(d.nodes[i].phase == "backward" for i in reduces)
+    backward_after = [
+        any(m.phase == "backward" and m.stream == COMPUTE for m in d.nodes[i + 1 : start])
+        for i in reduces
+    ]
+    assert backward_after[0]  # the first bucket's all-reduce overlaps backward compute
+    outs = [n.index for n in d.nodes if n.op == "aten.copy_.default" and n.index >= end]
+    assert len(outs) == len(gradients(g))
     assert times == 2 and d.nodes[start].op == g.nodes[g.repeat[0]].op
 
 

@@ -55,6 +55,27 @@ def test_merge_replaces_only_the_points_of_the_same_rank_count(tmp_path):
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left
 
 
+def test_merge_contention_replaces_the_grid_and_the_file_loads_and_reads_it(tmp_path):
+    from gobrrr.cost.contention import Contention
+
+    path = tmp_path / "h100-sxm.json"
+    shutil.copy(SHIPPED, path)
+    point = {
+        "op": "all_reduce", "dtype": "fp32", "bytes": 2**25, "ranks": 4, "kernel": "mm",
+        "class": "matmul", "kernel_flops": 1, "kernel_alone_s": 1e-3, "kernel_beside_s": 1.5e-3,
+        "collective_alone_s": 2e-4, "collective_beside_s": 6e-4,
+    }  # fmt: skip
+    grid = {"meta": {"device": "NVIDIA H100 80GB HBM3", "world_size": 4}, "points": [point]}
+    cal = merge.base_calibration("NVIDIA H100 80GB HBM3", path)
+    merge.write_calibration(merge.merge_contention(cal, grid, "test"), path)
+    after = Calibration.load(path)
+    assert after.contention == [{k: v for k, v in point.items() if k != "kernel_flops"}]
+    assert after.meta["contention"]["from"] == "test"
+    c = Contention.from_points(after.contention)
+    assert c.compute_slowdown("all_reduce", 2**25, "matmul") == pytest.approx(0.5)
+    assert c.collective_stretch("all_reduce", 2**25) == pytest.approx(3.0)
+
+
 def test_base_is_the_shipped_calibration_when_the_user_has_none(tmp_path):
     cal = merge.base_calibration("NVIDIA H100 80GB HBM3", tmp_path / "none.json")
     assert cal["matmul_flops"] == json.loads(SHIPPED.read_text())["matmul_flops"]

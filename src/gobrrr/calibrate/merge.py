@@ -81,6 +81,29 @@ def merge_collectives(cal: dict[str, Any], measured: dict[str, Any], source: str
     return out
 
 
+#: the fields of a contention point kept in a calibration (`sections.contention`)
+CONTENTION_KEEP = (
+    "op", "dtype", "bytes", "ranks", "kernel", "class", "kernel_alone_s", "kernel_beside_s",
+    "collective_alone_s", "collective_beside_s",
+)  # fmt: skip
+
+
+def merge_contention(cal: dict[str, Any], measured: dict[str, Any], source: str) -> dict:
+    """`cal` with its `contention` section replaced by `measured`'s points (a
+    `sections.contention` result); `source` names where they came from."""
+    meta = measured.get("meta", {})
+    out = dict(cal)
+    out["contention"] = [{k: p[k] for k in CONTENTION_KEEP if k in p} for p in measured["points"]]
+    out["meta"] = {
+        **out.get("meta", {}),
+        "contention": {
+            "from": source,
+            **{k: meta.get(k) for k in ("date", "device", "torch", "nccl", "world_size")},
+        },
+    }
+    return out
+
+
 def write_calibration(cal: dict[str, Any], path: Path) -> None:
     """Write `cal` to `path` atomically, after checking it loads as a Calibration."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -429,12 +429,13 @@ def _profile_parallel(args, group, dog) -> int:
 
 
 def _calibrate_collectives(args, group, dog) -> int:
-    """Every rank: NCCL's collectives measured; rank 0 merges them into the GPU's
-    calibration (unless --no-save) and prints."""
+    """Every rank: NCCL's collectives measured, then (without --quick) the contention grid;
+    rank 0 merges them into the GPU's calibration (unless --no-save) and prints."""
     import torch
 
     from gobrrr.calibrate import merge
     from gobrrr.calibrate.sections import collectives as cs
+    from gobrrr.calibrate.sections import contention as ct
     from gobrrr.profile.ranks import agreed
 
     def setup():  # no collective inside: a failure on any rank is agreed on, then reported
@@ -463,11 +464,17 @@ def _calibrate_collectives(args, group, dog) -> int:
         max_iters=20 if args.quick else 100,
         waiting=dog.waiting,
     )
+    grid = None
+    if not args.quick:  # what the collectives and the compute beside them cost each other
+        with dog.waiting("the contention grid"):
+            grid = ct.measure_all()
     if not group.is_first:
         return 0
     if where is not None:
         path, base = where
         merged = merge.merge_collectives(base, result, "gobrrr calibrate --collectives")
+        if grid is not None:
+            merged = merge.merge_contention(merged, grid, "gobrrr calibrate --collectives")
         merge.write_calibration(merged, path)
     saved = str(where[0]) if where is not None else None
     if args.json:

@@ -263,6 +263,24 @@ def summary_lines(result: dict) -> list[str]:
     ]
 
 
+def join_torchrun(section: str, out: str) -> bool:
+    """This rank in the job's NCCL process group, on its local GPU; False (and one line on
+    stderr saying how to run it) outside torchrun."""
+    if "RANK" not in os.environ:
+        print(
+            "error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
+            f"gobrrr.calibrate.sections.{section} --out {out}",
+            file=sys.stderr,
+        )
+        return False
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group(
+        "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=120)
+    )
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
@@ -270,18 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-bytes", type=int, default=2**30)
     ap.add_argument("--dtypes", default="bf16,fp32")
     args = ap.parse_args(argv)
-    if "RANK" not in os.environ:
-        print(
-            "error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
-            "gobrrr.calibrate.sections.collectives --out coll.json",
-            file=sys.stderr,
-        )
+    if not join_torchrun("collectives", "coll.json"):
         return 2
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group(
-        "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=120)
-    )
     sizes = [s for s in SIZES if s <= args.max_bytes]
     result = measure_all(sizes, args.dtypes.split(","), args.rounds)
     if dist.get_rank() == 0:

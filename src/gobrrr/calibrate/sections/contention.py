@@ -19,8 +19,8 @@ an elementwise kernel of 64 MiB and 1 GiB, a softmax, a causal attention forward
 - the collective's slowdown: the collective's loop while a chain of the kernel, queued first,
   keeps the compute stream busy throughout; seconds per call, against the loop alone.
 
-Each figure is the median over rounds, the slowest rank's. Only torch is imported, so the
-module runs on any machine with CUDA and NCCL, whatever version of gobrrr is installed there.
+Each figure is the median over rounds, the slowest rank's. Beside torch it imports only the
+collectives section (its torchrun set-up and slowest-rank reduction).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from gobrrr.calibrate.sections.collectives import _slowest, join_torchrun
 
 MIB = 2**20
 #: (collective, dtype) as DDP and FSDP2 issue them
@@ -162,12 +164,6 @@ def _beside(first, n_first, second, n_second, s_first, s_second, rounds: int) ->
     return statistics.median(out)
 
 
-def _slowest(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def measure_all(rounds: int = 5, span_s: float = 0.02) -> dict:
     """Every (collective, size, kernel) point on every rank of the NCCL process group."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
@@ -227,18 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    if "RANK" not in os.environ:
-        print(
-            "error: run under torchrun, e.g. torchrun --nproc-per-node 4 -m "
-            "gobrrr.calibrate.sections.contention --out contention.json",
-            file=sys.stderr,
-        )
+    if not join_torchrun("contention", "contention.json"):
         return 2
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group(
-        "nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=120)
-    )
     result = measure_all(args.rounds)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

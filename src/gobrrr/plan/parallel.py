@@ -33,7 +33,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.estimate import traced_precision
 from gobrrr.evaluate import evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
-from gobrrr.memory.replay import step_memory
+from gobrrr.memory.replay import MemoryResult, step_memory
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.ddp import ddp
@@ -53,7 +53,7 @@ from gobrrr.plan.search import (
     parallelism,
     variant_of,
 )
-from gobrrr.plan.trace import Tracer
+from gobrrr.plan.trace import Tracer, forked_map
 
 GIB = 2**30
 
@@ -79,6 +79,7 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
         req.per_rank,
     )
     search = _ParallelSearch(req, planner.target, steps, list(probe.blocks), by, precision)
+    search.ahead = planner.ahead  # candidates costed in children too, where it allows
     search.notes.extend(notes)
     search.trainable = sum(p.numel() for p in probe.workload.model.parameters() if p.requires_grad)
     return search
@@ -247,8 +248,13 @@ class _ParallelSearch(_Search):
         plain = self.cost(knobs(), timed=True)
         out = [plain, full]
         if not plain.fits:
-            sel = self.cost(knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True)
-            out += [sel, self.cost(knobs(checkpoint=every_kth(self.blocks, 2)))]
+            sel, half = self.cost_each(
+                [
+                    (knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True),
+                    (knobs(checkpoint=every_kth(self.blocks, 2)), False),
+                ]
+            )
+            out += [sel, half]
             out += self.budget_optimal(knobs, plain, sel, full)
         return self._no_reshard(out)
 
@@ -292,17 +298,48 @@ class _ParallelSearch(_Search):
     def cost(self, knobs: Knobs, timed: bool = False) -> Plan:
         """The predicted step of `knobs` on one rank: its memory, and its time where it fits
         (or `timed`: the knapsack reads the times of plans that do not fit)."""
-        got = self.costed.get(knobs)
-        if got is not None and (got.step_s is not None or not timed):
-            return got
+        if not self._wanted(knobs, timed):
+            return self.costed[knobs]
         with self.collected():
             plan = self._one(knobs, timed)
+        self._record(knobs, plan)
+        return plan
+
+    def _record(self, knobs: Knobs, plan: Plan) -> None:
+        """Count a candidate costed, and keep its plan."""
         self.evaluated += 1
         if plan.fits and not self._fitted(knobs.parallel):  # the user's head and loss next
             for v in (v for v in self.by[knobs.parallel] if not v.fused_loss):
                 self.steps.expect(self._trace_key(replace(v, parallel=knobs.parallel)))
         self.costed[knobs] = plan
-        return plan
+
+    def cost_each(self, wanted: list[tuple[Knobs, bool]]) -> list[Plan]:
+        """`cost(knobs, timed)` of each, the first here and the others in forked children
+        meanwhile where the trace workers allow it (`forked_map`, as `_Search.cost_all`): the
+        same plans, in the same order, as one after another here. What a child works out
+        on the way (a graph before sharding, the per-op memo) is worked out here again where
+        a later candidate needs it."""
+        a = self.ahead
+        todo = [(k, t) for k, t in dict(wanted).items() if self._wanted(k, t)]
+        if a is None or a.here or a.processes < 1 or len(todo) < 2:
+            return [self.cost(k, t) for k, t in wanted]
+        self.graph(todo[0][0])  # the micro-batch's graph, derived here (children share it)
+        with self.collected():
+            got = forked_map([functools.partial(self._costed, k, t) for k, t in todo], a.processes)
+        for (k, _), (plan, mem) in zip(todo, got, strict=True):
+            self.memory[k] = mem
+            self._record(k, plan)
+        return [self.costed[k] for k, _ in wanted]
+
+    def _wanted(self, knobs: Knobs, timed: bool) -> bool:
+        """Whether `cost(knobs, timed)` has work to do (else it returns what it costed)."""
+        got = self.costed.get(knobs)
+        return got is None or (got.step_s is None and timed)
+
+    def _costed(self, knobs: Knobs, timed: bool) -> tuple[Plan, MemoryResult]:
+        """`_one` and the replay it made (what a forked child hands back)."""
+        plan = self._one(knobs, timed)
+        return plan, self.memory[knobs]
 
     def _one(self, knobs: Knobs, timed: bool) -> Plan:
         """`cost` of a candidate not costed yet."""

@@ -160,9 +160,12 @@ class _ParallelSearch(_Search):
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
         self._progress, self._done = progress, 0
         self._total = sum(len(v) for v in self.by.values())
-        for parallel, variants in self.by.items():  # the traces the search will ask for
-            fused = [v for v in variants if v.fused_loss]
-            for v in fused or variants:
+        # the traces the search will ask for, in its order: the user's head and loss are
+        # costed only where a plan with the fused loss fits, but their traces start now (a
+        # worker would otherwise wait idle for the first fit; one nobody asks for costs a
+        # worker's time, never a different plan)
+        for parallel, variants in self.by.items():
+            for v in sorted(variants, key=lambda v: not v.fused_loss):
                 self.steps.expect(self._trace_key(replace(v, parallel=parallel)))
         for parallel, variants in self.by.items():
             try:

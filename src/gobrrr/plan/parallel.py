@@ -155,6 +155,9 @@ class _ParallelSearch(_Search):
         self.workload_name = ""
         self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
         self._grads: int | None = None
+        # the fastest plan that fits so far, with its graph: the chosen plan's memory chart
+        # (`report.charts`) asks for that graph again once the search is done
+        self._best: tuple[Knobs, Plan, StepGraph] | None = None
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
@@ -358,11 +361,16 @@ class _ParallelSearch(_Search):
             plan = _plan(knobs, est, self.req, self.blocks)
         if plan.fits and knobs.parallel == "fsdp" and knobs.reshard and self._graph:
             self._unsharded[knobs] = self._graph[1]  # `_no_reshard` shards it again
+        if plan.fits and (self._best is None or plan.units_per_s > self._best[1].units_per_s):
+            self._best = (knobs, plan, g)
         return plan
 
     def sharded(self, knobs: Knobs) -> StepGraph:
         """The candidate's one-rank graph: checkpointed, accumulated, then sharded; the
-        graph before sharding kept for the next candidate that differs only in reshard."""
+        graph before sharding kept for the next candidate that differs only in reshard, the
+        sharded graph of the fastest plan that fits so far until a faster one fits."""
+        if self._best is not None and self._best[0] == knobs:
+            return self._best[2]
         key = replace(knobs, reshard=True)
         if key in self._unsharded:
             self._graph = (key, self._unsharded.pop(key))

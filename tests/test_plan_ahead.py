@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,15 @@ def tiny(batch_size: int = 8, seq_len: int = 64):
 """
 
 
-def _cli(tmp_path, processes: int, budget: int, source: str = WORKLOAD, **env_extra: str):
+def _cli(
+    tmp_path,
+    processes: int,
+    budget: int,
+    source: str = WORKLOAD,
+    gpus: int = 1,
+    seq: int = 64,
+    **env_extra: str,
+):
     """`gobrrr plan` of the tiny workload in a fresh process: its JSON (less took_s) and the
     process that made each build of the workload, in order."""
     (tmp_path / "w.py").write_text(source)
@@ -72,8 +81,9 @@ def _cli(tmp_path, processes: int, budget: int, source: str = WORKLOAD, **env_ex
     env |= env_extra
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env["TMPDIR"] = str(tmp_path)  # where the children's result files go
-    argv = ["plan", f"{tmp_path / 'w.py'}:tiny", "--global-batch", "8", "--seq", "64"]
+    argv = ["plan", f"{tmp_path / 'w.py'}:tiny", "--global-batch", "8", "--seq", str(seq)]
     argv += ["--memory-budget", str(budget), "--json"]
+    argv += ["--gpus", str(gpus), "--top", "100"] if gpus > 1 else []
     proc = subprocess.run(
         [sys.executable, "-m", "gobrrr", *argv], capture_output=True, text=True, env=env,
         timeout=180,  # a planner stuck on its workers fails here instead of hanging the suite
@@ -103,6 +113,24 @@ def test_forked_traces_and_costs_give_the_one_process_plan(tmp_path):
     assert many_pids.count(many_pids[0]) == 1  # the probe's: every trace in a worker
     assert many == one
     assert _leftovers(tmp_path) == []  # every child's file read and removed
+
+
+def test_forked_fsdp_candidates_give_the_one_process_plan(tmp_path):
+    """Over 2 GPUs, under a budget that checkpointing every block meets at micro-batch 1 and
+    the plain step does not (the selective and every-other-block candidates then costed in
+    a child): the same JSON as one process makes, to the bit."""
+    free = Planner(tiny_gpt2, "h100", global_batch=8, seq=1024, gpus=2)
+    knobs = Knobs(micro_batch=1, accumulation=4, parallel="fsdp", sync_each=True)
+    plain = free.cost(knobs)
+    full = free.cost(replace(knobs, checkpoint=every_kth(free.blocks, 1)))
+    assert full.reserved_bytes < plain.reserved_bytes  # the premise
+    budget = (plain.reserved_bytes + full.reserved_bytes) // 2
+    one, _ = _cli(tmp_path, 0, budget, gpus=2, seq=1024)
+    many, _ = _cli(tmp_path, 2, budget, gpus=2, seq=1024)
+    changes = [" ".join(p["changes"]) for p in one["plans"]]
+    assert any("(selective)" in c for c in changes) and any("1 of 2 blocks" in c for c in changes)
+    assert many == one
+    assert _leftovers(tmp_path) == []
 
 
 def test_a_failing_child_is_run_again_here():

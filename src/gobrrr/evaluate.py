@@ -71,10 +71,10 @@ def evaluate(
     dict the caller keeps for graphs it evaluates on this one target (the planner's
     candidates, made by passes from a few traces): each distinct op is costed once in it
     (`_per_op`)."""
+    t = Target.resolve(target)
+    time = step_time(graph, t, compiled=compiled, memo=memo)
     if compiled is None:
         compiled = bool(graph.meta.compiled)
-    t = Target.resolve(target)
-    time = predict(graph, t.gpu, t.cal, compiled=compiled, memo=memo)
     return Estimate(
         graph=graph,
         gpu=t.gpu,
@@ -85,6 +85,21 @@ def evaluate(
         capture_s=capture_s,
         compiled=compiled,
     )
+
+
+def step_time(
+    graph: StepGraph,
+    target: str | GpuSpec | Target = "h100",
+    *,
+    compiled: bool | None = None,
+    memo: dict | None = None,
+) -> Prediction:
+    """`evaluate`'s time alone, without its memory replay (seconds; the same Prediction):
+    for a caller that reads only the ops' times (the planner's per-block recompute costs)."""
+    if compiled is None:
+        compiled = bool(graph.meta.compiled)
+    t = Target.resolve(target)
+    return predict(graph, t.gpu, t.cal, compiled=compiled, memo=memo)
 
 
 def predict(

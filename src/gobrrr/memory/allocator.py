@@ -93,26 +93,34 @@ class _Block:
 
 
 class _Pool:
-    """Free blocks ordered by (size, address), like the allocator's std::set of blocks."""
+    """Free blocks ordered by (size, address), like the allocator's std::set of blocks. Each
+    key is the pair packed into one int, size << 64 | address (addresses are 64-bit), so the
+    order is the pair's and comparing keys is one int comparison."""
 
     def __init__(self) -> None:
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[tuple[int, int], _Block] = {}
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
 
     def add(self, b: _Block) -> None:
-        key = (b.size, b.addr)
+        key = b.size << 64 | b.addr
         insort(self.keys, key)
         self.blocks[key] = b
 
     def remove(self, b: _Block) -> None:
-        key = (b.size, b.addr)
+        key = b.size << 64 | b.addr
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 
     def best_fit(self, size: int) -> _Block | None:
         """The smallest free block of at least `size` bytes (lowest address first)."""
-        i = bisect_left(self.keys, (size, -1))
+        i = bisect_left(self.keys, size << 64)
         return self.blocks[self.keys[i]] if i < len(self.keys) else None
+
+    def take(self, size: int) -> _Block | None:
+        """`best_fit`, taken out of the pool."""
+        keys = self.keys
+        i = bisect_left(keys, size << 64)
+        return self.blocks.pop(keys.pop(i)) if i < len(keys) else None
 
 
 @dataclass(frozen=True)
@@ -174,10 +182,8 @@ class CachingAllocator:
             raise GobrrrError(f"a request of {nbytes} bytes: the allocator serves sizes > 0")
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._pools[stream, small].best_fit(size)
-        if block is not None:
-            self._pools[stream, small].remove(block)
-        else:
+        block = self._pools[stream, small].take(size)
+        if block is None:
             block = self._new_segment(segment_size(size), small, stream)
         if block is None:  # cudaMalloc failed: release what is wholly free, then retry once
             self.empty_cache()
@@ -186,13 +192,16 @@ class CachingAllocator:
         if block is None:
             self.ooms += 1
             raise OutOfMemory(nbytes, self.allocated, self.reserved, self.budget or 0)
-        block = self._split(block, size)
+        if block.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):  # worth keeping
+            block = self._split(block, size)
         block.allocated = True
-        self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
-        if self.reserved == self.reserved_peak:
-            self._allocated_at_reserved_peak = max(self._allocated_at_reserved_peak, self.allocated)
-        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        allocated = self.allocated = self.allocated + block.size
+        if allocated > self.allocated_peak:
+            self.allocated_peak = allocated
+        if self.reserved == self.reserved_peak and allocated > self._allocated_at_reserved_peak:
+            self._allocated_at_reserved_peak = allocated
+        handle = self._next_handle
+        self._next_handle = handle + 1
         self._live[handle] = block
         return handle
 
@@ -246,11 +255,10 @@ class CachingAllocator:
         return block
 
     def _split(self, block: _Block, size: int) -> _Block:
-        """Cut `size` bytes off the front of `block` when the remainder is worth keeping;
-        the remainder goes back to the pool."""
+        """Cut `size` bytes off the front of `block` (the remainder is worth keeping: in the
+        small pool at least MIN_BLOCK bytes, in the large one more than SMALL_SIZE); the
+        remainder goes back to the pool."""
         remaining = block.size - size
-        if not (remaining >= MIN_BLOCK if block.small else remaining > SMALL_SIZE):
-            return block
         front = _Block(block.addr, size, block.small, block.segment, block.stream)
         front.prev, front.next = block.prev, block
         if block.prev is not None:

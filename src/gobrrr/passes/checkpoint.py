@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from gobrrr.errors import GobrrrError
-from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo
+from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, evolve
 from gobrrr.graph.meta import AUTOGRAD_VERSION, StepMeta
 from gobrrr.passes import gc_paused
 from gobrrr.passes._blocks import DETACH, Block, Facts, make_block, python_death
@@ -402,9 +402,7 @@ class _Builder:
             storages.append(StorageInfo(s.id, s.nbytes, kind, created, freed, s.label, s.module))
             if freed is not None and freed >= 0:
                 frees.setdefault(freed, []).append(s.id)
-        nodes = tuple(
-            dataclasses.replace(n, frees=tuple(frees.get(n.index, ()))) for n in self.nodes
-        )
+        nodes = tuple(evolve(n, frees=tuple(frees.get(n.index, ()))) for n in self.nodes)
         return StepGraph(nodes=nodes, storages=tuple(storages), meta=self._meta())
 
     def _meta(self) -> StepMeta:

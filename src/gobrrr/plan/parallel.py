@@ -33,7 +33,7 @@ from gobrrr.errors import GobrrrError
 from gobrrr.estimate import traced_precision
 from gobrrr.evaluate import evaluate, throughput_unit
 from gobrrr.graph.ir import StepGraph
-from gobrrr.memory.replay import step_memory
+from gobrrr.memory.replay import MemoryResult, step_memory
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.passes.ddp import ddp
@@ -53,7 +53,7 @@ from gobrrr.plan.search import (
     parallelism,
     variant_of,
 )
-from gobrrr.plan.trace import Tracer
+from gobrrr.plan.trace import Tracer, forked_map
 
 GIB = 2**30
 
@@ -81,6 +81,7 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
         req.per_rank,
     )
     search = _ParallelSearch(req, planner.target, steps, list(probe.blocks), by, precision)
+    search.ahead = planner.ahead  # candidates costed in children too, where it allows
     search.notes.extend(notes)
     search.trainable = sum(p.numel() for p in probe.workload.model.parameters() if p.requires_grad)
     return search
@@ -156,14 +157,20 @@ class _ParallelSearch(_Search):
         self.workload_name = ""
         self.trainable = 0  # parameters the optimizer steps (set by parallel_search)
         self._grads: int | None = None
+        # the fastest plan that fits so far, with its graph: the chosen plan's memory chart
+        # (`report.charts`) asks for that graph again once the search is done
+        self._best: tuple[Knobs, Plan, StepGraph] | None = None
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
         self._progress, self._done = progress, 0
         self._total = sum(len(v) for v in self.by.values())
-        for parallel, variants in self.by.items():  # the traces the search will ask for
-            fused = [v for v in variants if v.fused_loss]
-            for v in fused or variants:
+        # the traces the search will ask for, in its order: the user's head and loss are
+        # costed only where a plan with the fused loss fits, but their traces start now (a
+        # worker would otherwise wait idle for the first fit; one nobody asks for costs a
+        # worker's time, never a different plan)
+        for parallel, variants in self.by.items():
+            for v in sorted(variants, key=lambda v: not v.fused_loss):
                 self.steps.expect(self._trace_key(replace(v, parallel=parallel)))
         for parallel, variants in self.by.items():
             try:
@@ -249,8 +256,13 @@ class _ParallelSearch(_Search):
         plain = self.cost(knobs(), timed=True)
         out = [plain, full]
         if not plain.fits:
-            sel = self.cost(knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True)
-            out += [sel, self.cost(knobs(checkpoint=every_kth(self.blocks, 2)))]
+            sel, half = self.cost_each(
+                [
+                    (knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True),
+                    (knobs(checkpoint=every_kth(self.blocks, 2)), False),
+                ]
+            )
+            out += [sel, half]
             out += self.budget_optimal(knobs, plain, sel, full)
         return self._no_reshard(out)
 
@@ -294,17 +306,48 @@ class _ParallelSearch(_Search):
     def cost(self, knobs: Knobs, timed: bool = False) -> Plan:
         """The predicted step of `knobs` on one rank: its memory, and its time where it fits
         (or `timed`: the knapsack reads the times of plans that do not fit)."""
-        got = self.costed.get(knobs)
-        if got is not None and (got.step_s is not None or not timed):
-            return got
+        if not self._wanted(knobs, timed):
+            return self.costed[knobs]
         with self.collected():
             plan = self._one(knobs, timed)
+        self._record(knobs, plan)
+        return plan
+
+    def _record(self, knobs: Knobs, plan: Plan) -> None:
+        """Count a candidate costed, and keep its plan."""
         self.evaluated += 1
         if plan.fits and not self._fitted(knobs.parallel):  # the user's head and loss next
             for v in (v for v in self.by[knobs.parallel] if not v.fused_loss):
                 self.steps.expect(self._trace_key(replace(v, parallel=knobs.parallel)))
         self.costed[knobs] = plan
-        return plan
+
+    def cost_each(self, wanted: list[tuple[Knobs, bool]]) -> list[Plan]:
+        """`cost(knobs, timed)` of each, the first here and the others in forked children
+        meanwhile where the trace workers allow it (`forked_map`, as `_Search.cost_all`): the
+        same plans, in the same order, as one after another here. What a child works out
+        on the way (a graph before sharding, the per-op memo) is worked out here again where
+        a later candidate needs it."""
+        a = self.ahead
+        todo = [(k, t) for k, t in dict(wanted).items() if self._wanted(k, t)]
+        if a is None or a.here or a.processes < 1 or len(todo) < 2:
+            return [self.cost(k, t) for k, t in wanted]
+        self.graph(todo[0][0])  # the micro-batch's graph, derived here (children share it)
+        with self.collected():
+            got = forked_map([functools.partial(self._costed, k, t) for k, t in todo], a.processes)
+        for (k, _), (plan, mem) in zip(todo, got, strict=True):
+            self.memory[k] = mem
+            self._record(k, plan)
+        return [self.costed[k] for k, _ in wanted]
+
+    def _wanted(self, knobs: Knobs, timed: bool) -> bool:
+        """Whether `cost(knobs, timed)` has work to do (else it returns what it costed)."""
+        got = self.costed.get(knobs)
+        return got is None or (got.step_s is None and timed)
+
+    def _costed(self, knobs: Knobs, timed: bool) -> tuple[Plan, MemoryResult]:
+        """`_one` and the replay it made (what a forked child hands back)."""
+        plan = self._one(knobs, timed)
+        return plan, self.memory[knobs]
 
     def _one(self, knobs: Knobs, timed: bool) -> Plan:
         """`cost` of a candidate not costed yet."""
@@ -320,11 +363,16 @@ class _ParallelSearch(_Search):
             plan = _plan(knobs, est, self.req, self.blocks)
         if plan.fits and knobs.parallel == "fsdp" and knobs.reshard and self._graph:
             self._unsharded[knobs] = self._graph[1]  # `_no_reshard` shards it again
+        if plan.fits and (self._best is None or plan.units_per_s > self._best[1].units_per_s):
+            self._best = (knobs, plan, g)
         return plan
 
     def sharded(self, knobs: Knobs) -> StepGraph:
         """The candidate's one-rank graph: checkpointed, accumulated, then sharded; the
-        graph before sharding kept for the next candidate that differs only in reshard."""
+        graph before sharding kept for the next candidate that differs only in reshard, the
+        sharded graph of the fastest plan that fits so far until a faster one fits."""
+        if self._best is not None and self._best[0] == knobs:
+            return self._best[2]
         key = replace(knobs, reshard=True)
         if key in self._unsharded:
             self._graph = (key, self._unsharded.pop(key))

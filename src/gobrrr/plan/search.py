@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from gobrrr.cost.offload import NOT_CALIBRATED
 from gobrrr.errors import GobrrrError
-from gobrrr.evaluate import Estimate, evaluate, throughput_unit
+from gobrrr.evaluate import Estimate, evaluate, step_time, throughput_unit
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Target
 from gobrrr.memory.replay import MemoryResult, process_budget
@@ -681,9 +681,9 @@ class _Search:
         with it measured (`sel`, `full`); the saving asked for grows by what was still
         missing, a few times at most."""
         g = self.graph(knobs())
-        known = self._plain[1] if self._plain is not None and self._plain[0] is g else None
+        known = self._plain[1].time if self._plain is not None and self._plain[0] is g else None
         costs = scaled(
-            block_costs(g, (known or evaluate(g, self.target, memo=self.memo)).time, self.blocks),
+            block_costs(g, known or step_time(g, self.target, memo=self.memo), self.blocks),
             {
                 "selective": (plain.reserved_bytes - sel.reserved_bytes, sel.step_s - plain.step_s),
                 "full": (plain.reserved_bytes - full.reserved_bytes, full.step_s - plain.step_s),

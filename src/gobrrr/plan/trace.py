@@ -313,6 +313,11 @@ class _Worker:
 #: traces sent to a worker at once: the one it traces and the next
 _BACKLOG = 2
 
+#: How much lower a trace worker's CPU priority is than the planner's (os.nice): where the
+#: cores are all busy, the planner's costing (which the answer waits on) runs first and the
+#: workers trace on what it leaves; an idle planner (waiting for a trace) leaves them all.
+WORKER_NICE = 5
+
 _REPORT = struct.Struct("<qi")  # (job id, status: 0 traced, 1 failed)
 _LENGTH = struct.Struct("<Q")
 
@@ -353,6 +358,10 @@ def _work(requests: int, reports: int) -> None:
     """A worker's loop: trace each job read, write its graph to the job's file and report
     it; exit when the planner closes the pipe."""
     gc.freeze()  # the heap inherited from the planner: never walked by the collector here
+    try:  # the planner's costing waits on nothing but its own work: it goes first
+        os.nice(WORKER_NICE)
+    except OSError:
+        pass
     buf = b""
     try:
         while True:

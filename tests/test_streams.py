@@ -3,6 +3,7 @@ noise that is not the user's business dropped, gobrrr's warnings one line each."
 
 import json
 import logging
+import os
 import textwrap
 import warnings
 from pathlib import Path
@@ -83,6 +84,15 @@ def test_transformers_loss_type_notice_is_dropped(capfd, tmp_path, monkeypatch):
     # the notice is real: outside gobrrr's command it is printed
     import importlib.util
 
+    # transformers' handler writes to the sys.stderr of the moment it was made (pytest's own
+    # capture, when another test module imported transformers first): point it at file
+    # descriptor 2, which capfd reads, for this test
+    from transformers.utils import logging as hf_logging
+
+    fd2 = os.fdopen(os.dup(2), "w", buffering=1)
+    for h in hf_logging._get_library_root_logger().handlers:
+        if type(h) is logging.StreamHandler:  # transformers' own, not pytest's capture
+            monkeypatch.setattr(h, "stream", fd2)
     spec = importlib.util.spec_from_file_location("hf_direct", tmp_path / "hf.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -302,7 +302,12 @@ def test_a_plan_applies_to_the_4bit_model():
     step()
     assert len(want) == 8 and got.keys() == want.keys()
     for n, g in want.items():
-        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=n)
+        # the 4-bit layers compute in bf16: split into micro-batches, their matmuls round
+        # differently (bf16 has 8 bits of mantissa); a wrong gradient is off by far more
+        torch.testing.assert_close(
+            got[n], g, rtol=2e-2, atol=1e-4,
+            msg=lambda m, n=n: f"{n}: {m}",
+        )  # fmt: skip
 
 
 IN_FUNCTION = """

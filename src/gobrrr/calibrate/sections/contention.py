@@ -26,9 +26,7 @@ collectives section (its torchrun set-up and slowest-rank reduction).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 
@@ -36,7 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gobrrr.calibrate.sections.collectives import _slowest, join_torchrun
+from gobrrr.calibrate.sections.collectives import (
+    _buffers,
+    _call,
+    _slowest,
+    _timed,
+    join_torchrun,
+)
+from gobrrr.calibrate.sections.collectives import environment as collectives_environment
 
 MIB = 2**20
 #: (collective, dtype) as DDP and FSDP2 issue them
@@ -114,18 +119,9 @@ def kernels() -> list[dict]:
 
 
 def _collective(op: str, dtype: torch.dtype, nbytes: int):
-    n = dist.get_world_size()
-    numel = nbytes // torch.tensor([], dtype=dtype).element_size() // n * n
-    if op == "all_reduce":
-        t = torch.randn(numel, dtype=dtype, device="cuda")
-        return lambda: dist.all_reduce(t)
-    if op == "all_gather":
-        i = torch.randn(numel // n, dtype=dtype, device="cuda")
-        o = torch.empty(numel, dtype=dtype, device="cuda")
-        return lambda: dist.all_gather_into_tensor(o, i)
-    i = torch.randn(numel, dtype=dtype, device="cuda")
-    o = torch.empty(numel // n, dtype=dtype, device="cuda")
-    return lambda: dist.reduce_scatter_tensor(o, i)
+    """One call of `op` over a whole buffer of `nbytes`, as the collectives section makes it."""
+    inp, out = _buffers(op, nbytes, dtype, dist.get_world_size(), torch.device("cuda"))
+    return lambda: _call(op, inp, out)
 
 
 def _loop(fn, count: int, stream) -> tuple:
@@ -140,14 +136,8 @@ def _loop(fn, count: int, stream) -> tuple:
 
 
 def _per_call(fn, count: int, stream, rounds: int) -> float:
-    out = []
-    for _ in range(rounds):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = _loop(fn, count, stream)
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / count)
-    return statistics.median(out)
+    """Median seconds per call of `fn` queued `count` times on `stream` (collectives' timer)."""
+    return statistics.median(_timed(fn, count, rounds, stream))
 
 
 def _beside(first, n_first, second, n_second, s_first, s_second, rounds: int) -> float:
@@ -206,15 +196,10 @@ def measure_all(rounds: int = 5, span_s: float = 0.02) -> dict:
 
 
 def environment() -> dict:
+    """The collectives section's environment, and the SMs the kernels share."""
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "world_size": dist.get_world_size(),
+        **collectives_environment(),
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO")},
     }
 
 

@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import pytest
+import torch
 
 from gobrrr.hardware import Calibration
 
@@ -24,3 +25,13 @@ def make_cal():
         return Calibration(**base)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny steps: torch's intra-op threads cost more than they share (10x on 2 busy cores).
+    A module takes it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -46,13 +46,7 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny steps: torch's intra-op threads cost more than they share."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def lora_llama(batch_size: int = G, random_b: bool = False) -> Workload:

@@ -34,13 +34,7 @@ V = 64  # the language models' vocabulary
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny steps: torch's intra-op threads cost more than they share (10x on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _gpt2(batch_size: int = G, seq_len: int = 8) -> Workload:

@@ -56,12 +56,7 @@ CONFIG = dict(
 SEQ = 2048  # 2048 rows: CUDA dequantizes, then F.linear (more than capture.bnb.FUSED_MAX_M)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def base_model(config: dict = CONFIG) -> nn.Module:

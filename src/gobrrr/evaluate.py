@@ -145,24 +145,11 @@ def _contended(
     }
     if not colls:
         return ops, timeline
-    table = _contention_table(rates.cal)
+    table = Contention.from_points(rates.cal.contention)  # ~70 us: read each time
     par = graph.meta.parallel
     if par is not None and par.hosts > 1:
         table = table.compute_only()
     return contended(ops, timeline, sched, colls, table)
-
-
-def _contention_table(cal: Calibration) -> Contention:
-    """The calibration's contention grid, read once per calibration object."""
-    key = id(cal.contention)
-    hit = _CONTENTION.get(key)
-    if hit is None or hit[0] is not cal.contention:
-        hit = (cal.contention, Contention.from_points(cal.contention))
-        _CONTENTION[key] = hit
-    return hit[1]
-
-
-_CONTENTION: dict[int, tuple[list, Contention]] = {}
 
 
 def op_costs(graph: StepGraph) -> list[OpCost]:

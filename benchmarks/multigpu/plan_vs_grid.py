@@ -289,6 +289,9 @@ def parent(args) -> int:
             for case in series:
                 rows.append(launch(args, {**base, **case}))
                 _say(rows[-1])
+                # written after every job: a run cut short keeps what it measured
+                result["shapes"][shape] = {"rows": rows, "summary": summary(rows)}
+                out.write_text(json.dumps(result, indent=1) + "\n")
                 if rows[-1].get("oom"):
                     break  # a larger micro-batch needs more memory still
         result["shapes"][shape] = {"rows": rows, "summary": summary(rows)}

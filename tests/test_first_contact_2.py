@@ -126,6 +126,58 @@ def test_ctrl_c_is_one_line_and_exit_130(delay_s, tmp_path):
     assert not out.exists()
 
 
+def _python_m(code: str, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`code` run as `python -m` runs gobrrr (and torchrun runs it): the exit goes back
+    through Py_RunMain, which is where CPython checks for an unhandled Ctrl-C."""
+    (tmp_path / "as_module.py").write_text(code)
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "as_module", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_caught_ctrl_c_inside_eval_still_exits_130(tmp_path):
+    # CPython remembers a KeyboardInterrupt that went through eval/exec of a string (torch
+    # evaluates annotations so while gobrrr traces) and kills itself by SIGINT at exit
+    code = """if True:
+        import sys
+        from gobrrr.cli import interrupt
+        def boom():
+            raise KeyboardInterrupt
+        try:
+            eval("boom()")
+        except KeyboardInterrupt:
+            pass
+        if "--forget" in sys.argv:
+            interrupt.forget_unhandled()
+        sys.exit(130)
+    """
+    assert _python_m(code, tmp_path).returncode == -signal.SIGINT  # as the command ended
+    assert _python_m(code, tmp_path, "--forget").returncode == 130
+
+
+def test_ctrl_c_after_the_output_is_committed_is_ignored(tmp_path):
+    code = """if True:
+        import os, signal, sys
+        sys.argv[0] = "gobrrr"  # as the console script runs
+        from gobrrr.cli import interrupt
+        with interrupt.handling():
+            interrupt.commit()
+            os.kill(os.getpid(), signal.SIGINT)
+            print("written whole", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # in the teardown
+        print("and the teardown too")
+    """
+    done = _python_m(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["written whole", "and the teardown too"]
+
+
 # 3. the Python API checks its arguments where they enter
 @pytest.mark.parametrize(
     "call, words",

@@ -3,6 +3,8 @@
     python benchmarks/zoo/qlora.py OUT.json [--gpu h100] [--cases NAME,NAME] [--batch 4]
         [--seq 2048]                        # on the GPU machine: every case, one process each
     python benchmarks/zoo/qlora.py /tmp/dry.json --dry-run    # tiny models on the CPU
+    python benchmarks/zoo/qlora.py OUT.json --repredict RUN.json --gpu h200
+        # RUN.json's measurements, predicted again on this CPU for another GPU (the one it ran on)
 
 Cases: two decoder families (Llama-3.2-1B's and Qwen2-0.5B's shapes, from transformers
 configs, random weights, nothing downloaded) x a bf16 base model (LoRA) or an NF4 one (QLoRA:
@@ -236,12 +238,16 @@ def run_one(name: str, args) -> dict:
                 "oom": "out of memory" in str(e),
                 "traceback": traceback.format_exc().splitlines()[-12:],
             }
+    _set_errors(row)
+    return row
+
+
+def _set_errors(row: dict) -> None:
+    """predicted / measured - 1 of the peaks and the step, in %, where both are there."""
     p, m = row.get("predicted"), row.get("measured")
     if p and m and m["peak_allocated"]:
-        row["error_pct"] = {
-            k: 100.0 * (p[k] - m[k]) / m[k] for k in ("peak_allocated", "peak_reserved", "step_s")
-        }
-    return row
+        keys = ("peak_allocated", "peak_reserved", "step_s")
+        row["error_pct"] = {k: 100.0 * (p[k] - m[k]) / m[k] for k in keys}
 
 
 def run_all(args) -> None:
@@ -258,6 +264,18 @@ def run_all(args) -> None:
         except (IndexError, json.JSONDecodeError):
             row = {"name": name, "child_error": done.stderr[-3000:], "returncode": done.returncode}
         doc["cases"].append(row)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(summary(row), flush=True)
+
+
+def repredict(args) -> None:
+    """RUN.json's measured cases with their predictions made again for `args.gpu`."""
+    doc = json.loads(Path(args.repredict).read_text())
+    doc.update(gpu=args.gpu, repredicted_from=str(args.repredict))
+    for row in doc["cases"]:
+        args.batch, args.seq = row["batch"], row["seq"]
+        row["predicted"] = predict(row["name"], args)
+        _set_errors(row)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
         print(summary(row), flush=True)
 
@@ -309,6 +327,11 @@ def parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="tiny models (2 layers, hidden 64) on the CPU, 1 warm-up and 2 steps: the logic",
     )
+    ap.add_argument(
+        "--repredict",
+        metavar="RUN.json",
+        help="predict RUN.json's cases again for --gpu, keep its measurements, write OUT.json",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -320,6 +343,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.one:
         print(json.dumps(run_one(args.one, args)))
+        return 0
+    if args.repredict:
+        repredict(args)
         return 0
     run_all(args)
     return 0

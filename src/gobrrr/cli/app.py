@@ -305,6 +305,7 @@ def _emit(args: argparse.Namespace, data: dict, charts: Callable[[], dict]) -> b
     if args.json or args.html:
         data["charts"] = charts()
     data["warnings"] = args.warnings
+    interrupt.commit()  # from here the output is written whole
     if args.html:
         write_html(data, args.html)
     if args.json:

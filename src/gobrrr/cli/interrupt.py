@@ -8,11 +8,17 @@ the process at once. Once `main` runs, `handling` raises KeyboardInterrupt as Py
 also remembers the signal: a KeyboardInterrupt that library code catches and drops (a bare
 `except BaseException`, a finalizer) still ends the command as interrupted (`check`), before
 any output is printed.
+
+Once the command starts writing its output (`commit`) a Ctrl-C is ignored: the output is
+written whole, and the process's own teardown (torch's takes a few hundred milliseconds, with
+Python's default SIGINT handler back in place) is not cut short, which would end the process
+by the signal after its result was out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -56,7 +62,9 @@ def _raise(signum, frame) -> None:
 @contextlib.contextmanager
 def handling() -> Iterator[None]:
     """While a command runs: Ctrl-C raises KeyboardInterrupt and is remembered (`check`).
-    Outside the main thread (a test calling `main` from a thread) signals are not ours."""
+    Outside the main thread (a test calling `main` from a thread) signals are not ours.
+    Afterwards the handler before it comes back; in the `gobrrr` command Ctrl-C is ignored
+    instead until the process is gone."""
     _hit.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -65,7 +73,33 @@ def handling() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # the command's output (or its one error line) is out: nothing is left to interrupt
+        signal.signal(signal.SIGINT, signal.SIG_IGN if is_command() else previous)
+        if _hit.is_set():
+            forget_unhandled()
+
+
+def commit() -> None:
+    """The command is about to write its output: a Ctrl-C that came during the work ends it
+    here (`check`); one that comes from now on is ignored, so the output is written whole."""
+    check()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def forget_unhandled() -> None:
+    """Clear CPython's record of a KeyboardInterrupt that went through code run from a string
+    (`eval` or `exec` of a string: torch evaluates schemas' type annotations so while it
+    traces, and dataclasses define their methods so): the record outlives our catching the
+    exception, and at exit CPython then ends its own process by SIGINT (a parent sees -2, not
+    our 130). Running an empty string down the same path (`PyRun_StringFlags`) clears it: the
+    record is reset before every such evaluation."""
+    if sys.implementation.name != "cpython":
+        return
+    with contextlib.suppress(AttributeError, OSError):
+        run = ctypes.pythonapi.PyRun_SimpleStringFlags
+        run.argtypes, run.restype = [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int
+        run(b"", None)
 
 
 def check() -> None:

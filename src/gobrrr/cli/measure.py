@@ -199,7 +199,7 @@ def run_profile(args) -> int:
             make, batch, args.device, args.precision, args.steps, args.warmup, compile=args.compile
         )
         out["scaling"] = scaling.to_dict()
-    interrupt.check()  # a Ctrl-C swallowed during the work: no output at all
+    interrupt.commit()  # a Ctrl-C swallowed during the work: no output at all; then all of it
     if args.html:
         write_html(out, args.html)
     if args.json:
@@ -274,7 +274,7 @@ def run_calibrate(args) -> int:
         raise GobrrrError("--quick sets the grid of --collectives", hint="add --collectives")
     save = False if args.no_save else (args.output or True)
     cal = calibrate(args.device, save=save)
-    interrupt.check()
+    interrupt.commit()
     if args.json:
         print(json.dumps(cal.to_dict(), indent=1))
     else:

@@ -18,7 +18,10 @@ around each repeated block's forward, torch.compile(model)), each with its own o
 After two warm-up steps of each, ten rounds alternate one timed step of each (CUDA
 events), so both see the same clocks and the same allocator history; the figure is the
 median of each and applied / hand - 1. OUT.json is rewritten after every case.
-`APPLY_VS_HAND_DRY=1` runs every case on the CPU at tiny sizes (the logic, not the figures).
+`APPLY_VS_HAND_DRY=1` runs every case on the CPU at tiny sizes (the logic, not the figures);
+`APPLY_VS_HAND_ROUNDS=N` times N rounds in place of ten; `APPLY_VS_HAND_SWAP=1` applies the
+plan to the deep copy and runs the hand loop on the original model (which of the two models
+came first in memory, held apart from which of the two steps runs it).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _checkpoint_by_hand(model) -> None:
 DRY = os.environ.get("APPLY_VS_HAND_DRY") == "1"
 
 
-def one(name: str, rounds: int = 10) -> dict:
+def one(name: str, rounds: int | None = None) -> dict:
     import torch
 
     from gobrrr.plan.apply import apply
@@ -90,6 +93,8 @@ def one(name: str, rounds: int = 10) -> dict:
     from gobrrr.workload import map_tensors
     from zoo.cases import get_case
 
+    rounds = rounds or int(os.environ.get("APPLY_VS_HAND_ROUNDS", "10"))
+    swap = os.environ.get("APPLY_VS_HAND_SWAP") == "1"
     case_name, mb, acc, knob = CASES[name]
     case = get_case(case_name)
     device, seq = ("cpu", case.seq and 32) if DRY else ("cuda", case.seq)
@@ -106,6 +111,8 @@ def one(name: str, rounds: int = 10) -> dict:
     w.model.to(device)
     w.batch = map_tensors(w.batch, lambda t: t.to(device))
     hand_model = copy.deepcopy(w.model)
+    if swap:  # the plan applied to the copy, the hand loop on the original
+        w.model, hand_model = hand_model, w.model
     blocks = block_names(w.model)
     knobs = Knobs(
         micro_batch=mb,
@@ -150,6 +157,8 @@ def one(name: str, rounds: int = 10) -> dict:
     return {
         "case": case_name,
         "knob": knob,
+        "rounds": rounds,
+        "applied_to": "the copy" if swap else "the original",
         "micro_batch": mb,
         "accumulation": acc,
         "precision": case.precision,

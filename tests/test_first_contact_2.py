@@ -62,11 +62,16 @@ def one_error_line(err: str, *words: str) -> None:
         assert w.lower() in lines[0].lower(), (w, lines[0])
 
 
-def gobrrr_process(*argv: str, cwd: Path, **kw) -> subprocess.Popen:
+def _env() -> dict[str, str]:
+    """This environment with the source tree first and gobrrr's debug mode off."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("GOBRRR_DEBUG", None)
+    return env
+
+
+def gobrrr_process(*argv: str, cwd: Path, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "gobrrr", *argv], cwd=cwd, env=env, text=True, **kw
+        [sys.executable, "-m", "gobrrr", *argv], cwd=cwd, env=_env(), text=True, **kw
     )
 
 
@@ -130,11 +135,10 @@ def _python_m(code: str, tmp_path: Path, *argv: str) -> subprocess.CompletedProc
     """`code` run as `python -m` runs gobrrr (and torchrun runs it): the exit goes back
     through Py_RunMain, which is where CPython checks for an unhandled Ctrl-C."""
     (tmp_path / "as_module.py").write_text(code)
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-m", "as_module", *argv],
         cwd=tmp_path,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=60,

@@ -279,24 +279,27 @@ def parent(args) -> int:
     result = {"version": 1, "meta": environment(args), "shapes": {}}
     for shape in args.shapes:
         base = dict(shape=shape, seq=args.seq, global_batch=args.global_batch, tiny=args.tiny)
-        rows = []
+        rows: list[dict] = []
         knobs = planned(args, shape)
-        rows.append(launch(args, {**base, "kind": "plan", "name": f"{shape}-plan", "knobs": knobs}))
+        plan = launch(args, {**base, "kind": "plan", "name": f"{shape}-plan", "knobs": knobs})
         if shape in PREDICTED:
-            rows[-1]["predicted"] = PREDICTED[shape]
-        _say(rows[-1])
+            plan["predicted"] = PREDICTED[shape]
+        _record(out, result, shape, rows, plan)
         for series in grid(args, shape):
             for case in series:
-                rows.append(launch(args, {**base, **case}))
-                _say(rows[-1])
-                # written after every job: a run cut short keeps what it measured
-                result["shapes"][shape] = {"rows": rows, "summary": summary(rows)}
-                out.write_text(json.dumps(result, indent=1) + "\n")
+                _record(out, result, shape, rows, launch(args, {**base, **case}))
                 if rows[-1].get("oom"):
                     break  # a larger micro-batch needs more memory still
-        result["shapes"][shape] = {"rows": rows, "summary": summary(rows)}
-        out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _record(out: Path, result: dict, shape: str, rows: list[dict], row: dict) -> None:
+    """`row` added to `shape`'s rows, said, and the result written: a run cut short keeps what
+    it measured."""
+    rows.append(row)
+    _say(row)
+    result["shapes"][shape] = {"rows": rows, "summary": summary(rows)}
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def summary(rows: list[dict]) -> dict:

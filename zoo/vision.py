@@ -60,6 +60,25 @@ def torchvision_model(
     return _workload(model, arch, batch, channels_last, optimizer, label_smoothing)
 
 
+def inception_v3(batch: int, seq: int | None, *, aux_weight: float = 0.4) -> gobrrr.Workload:
+    """torchvision's Inception-v3 (weights=None, aux logits on) on (batch, 3, 299, 299), the
+    loss as torchvision's reference recipe trains it: CE(logits) + aux_weight * CE(aux)."""
+    models = require("torchvision.models")
+    model = models.inception_v3(weights=None, aux_logits=True, init_weights=False).train()
+    images = torch.randn(batch, 3, 299, 299)
+    labels = torch.randint(0, 1000, (batch,))
+
+    def step(m, b):
+        out = m(b[0])
+        return F.cross_entropy(out.logits, b[1]) + aux_weight * F.cross_entropy(
+            out.aux_logits, b[1]
+        )
+
+    return gobrrr.Workload(
+        model=model, batch=(images, labels), step=step, tokens=batch, name="inception_v3"
+    )
+
+
 def timm_model(
     batch: int,
     seq: int | None,

@@ -538,6 +538,8 @@ class Calibration:
         """The file's JSON object: every known field, then the unknown sections as read."""
         out = asdict(self)
         extra = out.pop("unknown_sections")
+        if not out["cudagraph"]:  # as files wrote it before the section existed
+            del out["cudagraph"]
         return {**out, **{k: v for k, v in extra.items() if k not in out}}
 
     def save(self, path: str | Path) -> None:

@@ -8,7 +8,6 @@ import functools
 
 import pytest
 import torch
-from torch import nn
 
 from gobrrr.capture import capture
 from gobrrr.cost.flops import op_cost

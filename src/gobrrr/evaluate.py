@@ -30,6 +30,7 @@ from gobrrr.cost._ops_common import tf32_of
 from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.collectives import parallel_time
 from gobrrr.cost.contention import Contention
+from gobrrr.cost.cudagraph import graphed_times
 from gobrrr.cost.dp_host import hook_host_s
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
@@ -181,7 +182,10 @@ def _step_times(
     """What the step as a whole changes in its ops' own times (`op_times`)."""
     if compiled:
         ops = compiled_times(graph, costs, ops, rates)
-    return comm_times(graph, optimizer_host(graph, ops, rates), rates)
+    ops = comm_times(graph, optimizer_host(graph, ops, rates), rates)
+    if graph.meta.cuda_graph is not None:  # replayed: one launch, not an issue per op
+        ops = graphed_times(graph, costs, ops, rates)
+    return ops
 
 
 def _per_op(graph: StepGraph, rates: Rates, memo: dict) -> tuple[list[OpCost], tuple[OpTime, ...]]:

@@ -476,7 +476,12 @@ class Calibration:
     roofline at one step's GEMM).
     `pixel_grid`: bilinear upsampling and its atomicAdd backward, log-softmax over the
     channels of (N, C, H, W) and nll_loss2d, {"<op>:<bf16|fp32>": [[size, second coordinate,
-    size per second], ...]} (`gobrrr.calibrate.sections.pixels`). Empty: not measured."""
+    size per second], ...]} (`gobrrr.calibrate.sections.pixels`). Empty: not measured.
+    `cudagraph`: a CUDA graph's replay, fitted over chains of N captured kernels
+    (`gobrrr.calibrate.sections.cudagraph`): "launch_host_s" + "node_host_s" x N, host
+    seconds of one `graph.replay()`; "node_device_s", device seconds each captured kernel
+    costs beyond its own work (in place of `kernel_latency`), "launch_device_s" once per
+    replay; "points", the measured chains. Empty: not measured (CUDA graphs not planned)."""
 
     gpu: str
     device_name: str
@@ -517,6 +522,7 @@ class Calibration:
     contention: list[dict[str, Any]] = field(default_factory=list)
     rnn_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     pixel_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    cudagraph: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
     #: sections this gobrrr does not know (a newer one wrote them): kept as read and written
@@ -532,6 +538,8 @@ class Calibration:
         """The file's JSON object: every known field, then the unknown sections as read."""
         out = asdict(self)
         extra = out.pop("unknown_sections")
+        if not out["cudagraph"]:  # as files wrote it before the section existed
+            del out["cudagraph"]
         return {**out, **{k: v for k, v in extra.items() if k not in out}}
 
     def save(self, path: str | Path) -> None:

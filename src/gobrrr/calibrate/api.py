@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from gobrrr.calibrate.sections import conv as cc
+from gobrrr.calibrate.sections import cudagraph as ccg
 from gobrrr.calibrate.sections import fp8 as cf8
 from gobrrr.calibrate.sections import host as ch
 from gobrrr.calibrate.sections import offload as co
@@ -156,6 +157,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "offload": co.offload_section,
         "rnn_grid": lambda d: {"rnn_grid": crnn.rnn_grid(d)},
         "pixel_grid": lambda d: {"pixel_grid": cpx.pixel_grid(d)},
+        "cudagraph_grid": lambda d: {"cudagraph": ccg.cudagraph_section(d)},
     }
 
 

@@ -635,7 +635,9 @@ def _add_plan_parser(sub, fmt, models: list[str]) -> None:
         "optimizer's states and AdamW update on the CPU, torchao's "
         "CPUOffloadOptimizer; costed from the calibration's "
         "offload section), fp8 (the linear layers in FP8, torchao's float8 "
-        "recipe; GPUs with FP8 tensor cores only)",
+        "recipe; GPUs with FP8 tensor cores only), cudagraphs (the whole step "
+        "captured as one CUDA graph and replayed: the same numerics, for host-bound "
+        "steps; costed from the calibration's cudagraph section)",
     )
     p.add_argument(
         "--no-calibration",

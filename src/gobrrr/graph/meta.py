@@ -145,6 +145,14 @@ class Repeat(NamedTuple):
     times: int
 
 
+class Captured(NamedTuple):
+    """nodes[start:] run as `graphs` captured CUDA graphs, replayed (`passes.cudagraph`): the
+    host launches each graph once instead of issuing those ops one by one."""
+
+    start: int
+    graphs: int
+
+
 class ModelOutput(NamedTuple):
     """One tensor the model's forward returned (`gobrrr.capture.recorder.Recorder.outputs`):
     `returned`, the op after which that forward call returned; the storage it lives in; where
@@ -209,6 +217,7 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
         lambda d: Repeat(int(d["start"]), int(d["end"]), int(d["times"])),
     ),
     "passes": (list, tuple),
+    "cuda_graph": (lambda c: c._asdict(), lambda d: Captured(int(d["start"]), int(d["graphs"]))),
     "outputs": (
         lambda os: [[*o[:3], list(o.shape), o.dtype] for o in os],
         lambda os: tuple(ModelOutput(a, b, c, tuple(d), e) for a, b, c, d, e in os),
@@ -293,6 +302,8 @@ class StepMeta:
     parallel: Parallel | None = None
     """The data-parallel recipe a shard pass applied (`passes.ddp`, `passes.fsdp`); None: one
     GPU. The graph is then one rank's step."""
+    cuda_graph: Captured | None = None
+    """The ops replayed as captured CUDA graphs (`passes.cudagraph`); None: issued eagerly."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Keys of a file this version does not know, kept to be written back."""
 

@@ -38,6 +38,7 @@ from gobrrr.memory.scratch import norm as norm_scratch
 from gobrrr.memory.scratch import reduce as reduce_scratch
 
 BLOCK = 512  # the caching allocator's allocation granularity (kMinBlockSize)
+CUDA_GRAPH_POOL = "cuda_graph"  # the captured step's private pool (as a stream of its own)
 STEPS = 4  # steps replayed: the measured protocol's 3 warm-ups + the measured step
 # Device memory a training process holds outside the caching allocator: the CUDA context with
 # the kernels of cuBLAS and cuDNN loaded (lazily, on first use). Measured on an H100 80GB HBM3
@@ -306,6 +307,9 @@ class _Process:
         )
         # what a step creates and keeps is replaced by the next step's
         self.survivors = {s.id for s in st if s.created >= 0 and s.freed is None}
+        # the first op captured into a CUDA graph's private pool (None: eager)
+        c = graph.meta.cuda_graph
+        self.captured = c.start if c is not None else None
         # called with each op, before its allocations (zoo/allocdiff.py labels the
         # allocator's events with it)
         self.watch: Callable[[OpNode], None] | None = None
@@ -342,9 +346,17 @@ class _Process:
                     # the multi-GPU protocol (benchmarks/multigpu/steps.py) releases the cache
                     # after the warm-ups: what building the unsharded model left cached
                     alloc.empty_cache()
+                # captured as a CUDA graph (`passes.cudagraph`): the warm-ups' cache emptied,
+                # then the measured step is the capture, its allocations in the graph's pool
+                pool = self.captured if last else None
+                if pool is not None:
+                    alloc.empty_cache()
                 if last:
                     alloc.reset_peaks()
                 for at, allocs, stream, blocks, frees in ops:
+                    inside = "compute"  # the pool of what an op allocates inside itself
+                    if pool is not None and at >= pool:
+                        stream = inside = CUDA_GRAPH_POOL
                     if first and at == self.first_opt:
                         for sid in self.lazy:
                             self._malloc(sid)
@@ -362,7 +374,7 @@ class _Process:
                         for b in self.ws_at[at]:
                             self.ws_bytes += block_size(malloc(b))
                     if blocks:  # its scratch, allocated and freed while it runs
-                        got = [malloc(b) for b in blocks]
+                        got = [malloc(b, inside) for b in blocks]
                         during = alloc.allocated
                         scratch[at] = sum(block_size(h) for h in got)
                         for h in got:

@@ -11,13 +11,14 @@ a sentence that names the value and the fix.
     compile_refusal(model, compile)        torch.compile per repeated block ("blocks")
     parallel_refusal(knobs, precision, blocks)   DDP / FSDP2 with the other knobs
     fp8_refusal(model)                     FP8 training of the linear layers
+    cuda_graph_refusal(workload, knobs, precision, syncs)   the step captured as a CUDA graph
     refusal(workload, knobs, precision)    all of them, for one configuration (apply's check)
 
 What the planner leaves out for its own reasons (offload costed for AdamW only, compile and
 checkpointing not costed together) are limits of the costing, not of apply, and stay in the
 planner. What depends on the machine apply runs on, not on the workload (offload needs CUDA,
 8-bit states and FP8 need torchao, FP8 needs FP8 tensor cores, compile on a CPU needs a C
-compiler), is checked where it runs.
+compiler, CUDA graphs need the model on a CUDA GPU), is checked where it runs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from torch import nn
 
 from gobrrr.errors import GobrrrError, did_you_mean
 from gobrrr.plan.knobs import Knobs
+from gobrrr.precision import Precision
 from gobrrr.training.checkpointing import block_names
+from gobrrr.training.cudagraph import optimizer_capture_refusal
 from gobrrr.training.fp8 import fp8_refusal
 from gobrrr.training.fused_loss import fused_loss_refusal as model_refusal
 from gobrrr.training.optimizers import adam_hyper
@@ -151,6 +154,12 @@ def parallel_refusal(knobs: Knobs, precision: str, blocks: Sequence[str]) -> str
             f"parallel={knobs.parallel!r} with compile or offload is not planned (the plan "
             "costs neither under DDP or FSDP2): set compile='none' and offload=False"
         )
+    if knobs.cuda_graph:
+        return (
+            f"parallel={knobs.parallel!r} with cuda_graph is not planned (gradient sync "
+            "hooks and collectives are not captured here; the plan costs CUDA graphs on one "
+            "GPU): set cuda_graph=False"
+        )
     if knobs.fp8:
         return (
             f"parallel={knobs.parallel!r} with fp8 is not planned (the plan costs FP8 "
@@ -185,6 +194,7 @@ def refusal(
         lambda: compile_refusal(workload.model, knobs.compile),
         lambda: knobs.fp8 and fp8_refusal(workload.model),
         lambda: _optimizer_refusal(workload, knobs),
+        lambda: cuda_graph_refusal(workload, knobs, precision),
     ]
     for check in checks:
         why = check()
@@ -200,6 +210,52 @@ def _optimizer_refusal(workload: Workload, knobs: Knobs) -> str | None:
     return optimizer_refusal(workload.make_optimizer(), knobs.optimizer_states, knobs.offload)
 
 
+def cuda_graph_refusal(
+    workload: Workload, knobs: Knobs, precision: str, syncs: Sequence[str] = ()
+) -> str | None:
+    """Why the step cannot be captured as one CUDA graph and replayed (None: it can, or
+    knobs.cuda_graph is off). syncs: the ops after which the traced step waits for the GPU
+    (the planner passes its trace's; apply has no trace, and a sync it meets while capturing
+    is one GobrrrError line naming the step's line: `training.cudagraph.capture_error`).
+    Captured: the whole step on one GPU, the user's numerics (no GradScaler, which reads
+    found_inf on the host), an optimizer that steps on the GPU alone (capturable=True, or
+    SGD), no offload, and none of the knobs not costed with it (compile, FP8, checkpointing,
+    bf16 / 8-bit states)."""
+    if not knobs.cuda_graph:
+        return None
+    if knobs.distributed:
+        return parallel_refusal(knobs, precision, ())
+    if knobs.offload or knobs.optimizer_states != "as-is":
+        return (
+            "cuda_graph with offload or bf16/8-bit optimizer states is not planned (their "
+            "optimizers step on the host or are not capturable): set "
+            "optimizer_states='as-is' and offload=False, or cuda_graph=False"
+        )
+    others = [k for k, on in (("compile", knobs.compiled), ("fp8", knobs.fp8)) if on]
+    if knobs.checkpoint:  # checkpoint saves and restores the RNG state, not while capturing
+        others.append("checkpoint")
+    if others:
+        return (
+            f"cuda_graph with {' and '.join(others)} is not planned (not costed together; "
+            "torch.compile's mode='reduce-overhead' captures graphs of its own): drop "
+            f"{', '.join(others)} or set cuda_graph=False"
+        )
+    if Precision.parse(knobs.precision(precision)).needs_scaler:
+        return (
+            f"cuda_graph with precision {precision!r}: its GradScaler reads found_inf on the "
+            "host every step (a sync a CUDA graph cannot capture): use bf16-mixed, or set "
+            "cuda_graph=False"
+        )
+    if syncs:
+        return (
+            f"the step waits for the GPU after {syncs[0]} (a host sync: .item(), .cpu(), a "
+            "data-dependent shape such as nonzero), which a CUDA graph cannot capture: "
+            "remove it from the step, or set cuda_graph=False"
+        )
+    # built to be asked (its class and defaults), then dropped
+    return optimizer_capture_refusal(workload.make_optimizer())
+
+
 def check(workload: Workload, knobs: Knobs, precision: str, blocks: Sequence[str] = ()) -> None:
     """Raise the reason `refusal` finds as one GobrrrError line."""
     why = refusal(workload, knobs, precision, blocks)
@@ -211,6 +267,7 @@ __all__ = [
     "check",
     "checkpoint_refusal",
     "compile_refusal",
+    "cuda_graph_refusal",
     "fp8_refusal",
     "fused_loss_refusal",
     "optimizer_refusal",

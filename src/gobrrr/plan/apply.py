@@ -33,6 +33,11 @@ What each knob does to the real model (in the order applied, and why that order)
     6. compile "model": torch.compile(model), last, over the model as it will run; the
        optimizer stays eager.
     7. micro_batch x accumulation: inside the returned step (gobrrr.training.step.TrainStep).
+    8. cuda_graph: the optimizer made capturable (before its first step, so its state is made
+       on the GPU), and the whole step (every micro-batch and the optimizer) captured as one
+       CUDA graph on the first call, after a warm-up whose updates are undone, then
+       replayed (gobrrr.training.cudagraph.CapturedStep); the loss returned is the graph's
+       static tensor, overwritten by the next step.
 
 With parallel "ddp" or "fsdp" (inside a torchrun process; `gobrrr plan --gpus N`): the process
 joins the job first (gobrrr.training.distributed.process_group) and the model moves to the
@@ -61,6 +66,7 @@ from gobrrr.plan import applicable
 from gobrrr.plan.knobs import Knobs
 from gobrrr.precision import Precision, check_precision
 from gobrrr.training.checkpointing import apply_checkpointing, block_names
+from gobrrr.training.cudagraph import CapturedStep, make_capturable
 from gobrrr.training.fp8 import device_refusal, torchao_float8_refusal, use_fp8
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.optimizers import states_optimizer
@@ -114,6 +120,8 @@ class AppliedStep:
             # FSDP2 syncing each micro-batch (sync_each) is fully_shard's default: no hook
             sync=_sync(runner) if knobs.distributed and not knobs.sync_each else None,
         )
+        if knobs.cuda_graph:  # captured on the first call, replayed after (training.cudagraph)
+            self._step = CapturedStep(self._step, model, optimizer)
         self._batch = workload.batch
         self._own: Batch | None = None  # the workload's batch as the step runs it, made once
 
@@ -173,6 +181,12 @@ def apply(
     applicable.check(workload, knobs, precision, blocks)
     if knobs.fp8:  # what depends on this machine: torchao, and FP8 tensor cores
         _check_fp8(model)
+    if knobs.cuda_graph and _device_of(model).type != "cuda":
+        raise GobrrrError(
+            f"cuda_graph captures the step on a CUDA GPU, and the model is on "
+            f"{_device_of(model)}: move it with model.cuda() before apply, or set "
+            "cuda_graph=False"
+        )
     group = _join() if knobs.distributed else None  # not torchrun: one clear error
     precision = Precision.parse(knobs.precision(precision))
     changes = []
@@ -200,6 +214,9 @@ def apply(
     optimizer = states_optimizer(workload.make_optimizer(), knobs.optimizer_states, knobs.offload)
     if knobs.optimizer_states != "as-is" or knobs.offload:
         changes.append(f"optimizer {type(optimizer).__name__}")
+    if knobs.cuda_graph:
+        make_capturable(optimizer)
+        changes.append("the whole step captured as one CUDA graph, replayed each step")
     if knobs.compile == "model":
         runner = torch.compile(model)
         changes.append("torch.compile(model)")

@@ -76,6 +76,11 @@ class Knobs:
             with tensorwise scales (gobrrr.training.fp8); the step's precision stays as it
             is around them (autocast, or bf16 weights). A change of numerics, planned only
             when allowed, on GPUs with FP8 tensor cores.
+        cuda_graph: the whole optimizer step (every micro-batch's forward and backward,
+            then the optimizer, as gobrrr.training.step runs it) captured once as one CUDA
+            graph and replayed each step (gobrrr.training.cudagraph): the host issues one
+            graph launch instead of every op. Same numerics; planned only where allowed and
+            predicted faster, for steps that can be captured (plan.applicable).
     """
 
     micro_batch: int
@@ -90,6 +95,7 @@ class Knobs:
     reshard: bool = True
     sync_each: bool = False
     fp8: bool = False
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         for name, unit in (("micro_batch", "samples"), ("accumulation", "micro-batches")):
@@ -99,7 +105,7 @@ class Knobs:
             object.__setattr__(self, name, int(v))  # frozen: a numpy integer made an int
         if isinstance(self.compile, bool):  # the JSON form of plans from before "blocks"
             object.__setattr__(self, "compile", "model" if self.compile else "none")
-        for name in ("offload", "fused_loss", "reshard", "sync_each", "fp8"):
+        for name in ("offload", "fused_loss", "reshard", "sync_each", "fp8", "cuda_graph"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise GobrrrError(f"Knobs({name}={v!r}) is not a bool: give True or False")
@@ -156,6 +162,8 @@ class Knobs:
             del d["sync_each"]
         if not self.fp8:  # as plans wrote it before FP8 was a knob
             del d["fp8"]
+        if not self.cuda_graph:  # as plans wrote it before CUDA graphs were a knob
+            del d["cuda_graph"]
         return d
 
     @staticmethod

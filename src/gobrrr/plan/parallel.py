@@ -66,6 +66,8 @@ def parallel_search(planner, source, seq: int | None) -> _ParallelSearch:
     states = planner._states(notes)  # allowed, and possible for the workload's optimizer
     if "fp8" in req.allow:
         notes.append("fp8 not planned: FP8 training is costed on one GPU only")
+    if "cudagraphs" in req.allow:
+        notes.append("CUDA graphs not planned: a captured step is costed on one GPU only")
     by = {p: _variants(planner, p, states, notes) for p in ("ddp", "fsdp")}
     if not by["ddp"] and not by["fsdp"]:
         raise GobrrrError(notes[-1])

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from gobrrr.cost.cudagraph import NOT_CALIBRATED as GRAPHS_NOT_CALIBRATED
+from gobrrr.cost.cudagraph import GraphRates
 from gobrrr.cost.offload import NOT_CALIBRATED
 from gobrrr.errors import GobrrrError
 from gobrrr.evaluate import Estimate, evaluate, step_time, throughput_unit
@@ -30,6 +32,7 @@ from gobrrr.hardware import Target
 from gobrrr.memory.replay import MemoryResult, process_budget
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
+from gobrrr.passes.cudagraph import cuda_graph as cuda_graph_pass
 from gobrrr.passes.microbatch import TRACE_AT, BatchDependentStructure, family, trace_sizes
 from gobrrr.plan import applicable
 from gobrrr.plan.blocks import BlockCosts, block_costs, knapsack, scaled
@@ -59,7 +62,10 @@ MARGIN = 0.0
 #: ways, which costs seconds per trace: dynamo and AOTAutograd); "offload"
 #: keeps AdamW's states on the host and runs its update on the CPU (torchao's
 #: CPUOffloadOptimizer: the same numerics); "fp8" trains the linear layers in FP8 (torchao's
-#: float8 recipe, tensorwise scales: `Knobs.fp8`), on GPUs with FP8 tensor cores only.
+#: float8 recipe, tensorwise scales: `Knobs.fp8`), on GPUs with FP8 tensor cores only;
+#: "cudagraphs" captures the whole step as one CUDA graph and replays it (`Knobs.cuda_graph`:
+#: the same numerics), costed beside each eager configuration that can be captured and kept
+#: where it is predicted faster, on a GPU whose calibration measured graph replays.
 ALLOW: tuple[str, ...] = (
     "bf16-states",
     "8bit-states",
@@ -67,6 +73,7 @@ ALLOW: tuple[str, ...] = (
     "compile",
     "offload",
     "fp8",
+    "cudagraphs",
 )
 
 #: A variant of the step that is traced apart (it changes the forward or the optimizer's
@@ -78,7 +85,7 @@ BASE: Variant = Knobs(micro_batch=1)
 
 def variant_of(knobs: Knobs) -> Variant:
     """The traced variant a configuration is derived from."""
-    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=())
+    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=(), cuda_graph=False)
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,8 @@ class Planner:
             blocks = []
         self.search = _Search(self.req, self.target, self.steps, blocks, variants)
         self.search.ahead = self.ahead
+        if "cudagraphs" in self.req.allow:
+            self.search.graphed = self._graphed(variants, notes)
         self.search.notes.extend(notes)
 
     def _variants(self, notes: list[str]) -> list[Variant]:
@@ -263,6 +272,26 @@ class Planner:
                 f"{self.req.usable / gib:.1f} GiB budget"
             )
         return kept
+
+    def _graphed(self, variants: list[Variant], notes: list[str]) -> frozenset[Variant]:
+        """The variants whose step may also be costed captured as a CUDA graph: the target's
+        calibration measured graph replays, and apply can capture the variant
+        (`applicable.cuda_graph_refusal`, with the host syncs the base trace saw); a note
+        where none can be, saying why."""
+        section = self.target.cal.cudagraph if self.target.cal else {}
+        if GraphRates.of(section) is None:
+            what = f"{self.target.gpu.name}'s calibration"
+            notes.append("CUDA graphs not planned: " + GRAPHS_NOT_CALIBRATED.format(what=what))
+            return frozenset()
+        syncs = [self.base.nodes[i].op for i in self.base.meta.syncs or ()]
+        w = self.probe.workload
+        why = {
+            v: applicable.cuda_graph_refusal(w, replace(v, cuda_graph=True), self.precision, syncs)
+            for v in variants
+        }
+        if why[BASE]:
+            notes.append(f"CUDA graphs not planned: {why[BASE]}")
+        return frozenset(v for v, r in why.items() if not r)
 
     def _fp8(self, notes: list[str]) -> bool:
         """Whether FP8 training is planned (the GPU and torchao were checked with the request):
@@ -608,6 +637,7 @@ class _Search:
         self._plain: tuple[StepGraph, Estimate] | None = None  # the last one not checkpointed
         self.notes: list[str] = []
         self._user: Plan | None = None
+        self.graphed: frozenset[Variant] = frozenset()  # also costed as a CUDA graph
         self.freeze = False  # see `collected` (set by Planner.run)
 
     @contextmanager
@@ -661,8 +691,9 @@ class _Search:
         plain = self.cost(knobs())
         if m == self.req.global_batch and v == BASE:
             self._user = plain
+        graphed = self.graphed_plan(knobs, plain) if v in self.graphed else []
         if plain.fits or not self.blocks or v.compiled:  # checkpointing: eager variants only
-            return [plain]
+            return [plain, *graphed]
         policies = [
             every_kth(self.blocks, 1, "selective"),
             every_kth(self.blocks, 1),
@@ -672,7 +703,13 @@ class _Search:
         sel, full = plans[1], plans[2]
         if full.fits:
             plans.extend(self.budget_optimal(knobs, plain, sel, full))
-        return plans
+        return [*plans, *graphed]
+
+    def graphed_plan(self, knobs, plain: Plan) -> list[Plan]:
+        """The step of `knobs()` captured as a CUDA graph, where it is predicted faster than
+        `plain`, the same step eager (none otherwise: it is never chosen for its own sake)."""
+        p = self.cost(knobs(cuda_graph=True))
+        return [p] if p.step_s < plain.step_s else []
 
     def budget_optimal(self, knobs, plain: Plan, sel: Plan, full: Plan) -> list[Plan]:
         """The mix of policies that saves just enough memory at the least recompute time,
@@ -734,10 +771,12 @@ class _Search:
         """The plan of `knobs` and its memory replay; nothing of the search's state changes
         but the graph cache (`cost_all` runs it in children)."""
         g = self.graph(knobs)
-        plain = not knobs.checkpoint and knobs.accumulation == 1
+        plain = not knobs.checkpoint and knobs.accumulation == 1 and not knobs.cuda_graph
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
+        if knobs.cuda_graph:  # the last pass: captured as apply captures it
+            g = cuda_graph_pass(g)
         est = evaluate(g, self.target, memo=self.memo)
         if plain:  # the graph `budget_optimal` reads its per-op times from
             self._plain = (g, est)
@@ -821,6 +860,8 @@ def describe(knobs: Knobs, global_batch: int, blocks: list[str]) -> list[str]:
         out.append("optimizer states and update on the CPU (offload)")
     if knobs.fp8:
         out.append("fp8 linear layers (torchao float8)")
+    if knobs.cuda_graph:
+        out.append("the whole step as one CUDA graph (replayed)")
     by_policy: dict[str, int] = {}
     for _, policy in knobs.checkpoint:
         by_policy[policy] = by_policy.get(policy, 0) + 1

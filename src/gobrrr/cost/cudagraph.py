@@ -1,0 +1,86 @@
+"""A step replayed as captured CUDA graphs: what the host and the GPU spend on it.
+
+Eagerly, the host issues every op (dispatch, then a launch per kernel: `Rates.host`) and the
+GPU runs each kernel for its work plus the kernel latency (`Rates.latency`). Replayed, the
+host issues one `graph.replay()` per captured graph, which costs a launch plus a little per
+kernel node (the driver submits the nodes), and the GPU runs the captured kernels back to
+back, each for its work plus the gap between graph nodes. The four figures come from the
+calibration's `cudagraph` section (`gobrrr.calibrate.sections.cudagraph`: chains of N
+captured kernels, host time around replay and device time between events, fitted in N);
+without it nothing here guesses them: the step is not costed replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gobrrr.cost.flops import OpCost
+from gobrrr.cost.rates import Rates
+from gobrrr.cost.roofline import OpTime
+from gobrrr.errors import GobrrrError
+from gobrrr.graph.ir import StepGraph, evolve
+
+NOT_CALIBRATED = (
+    "{what} has no measured cudagraph section (a CUDA graph's launch and per-node costs): "
+    "measure it with benchmarks/calibration/calibrate_sections.py --sections cudagraph_grid"
+)
+
+
+@dataclass(frozen=True)
+class GraphRates:
+    """One GPU's CUDA graph replay, measured (seconds): the host's `replay()` takes
+    launch_host_s + node_host_s x kernels; each captured kernel costs the GPU its work plus
+    node_device_s (in place of the eager kernel latency), each replay launch_device_s more."""
+
+    launch_host_s: float
+    node_host_s: float
+    node_device_s: float
+    launch_device_s: float = 0.0
+
+    @staticmethod
+    def of(section: dict | None) -> GraphRates | None:
+        """The rates of a calibration's `cudagraph` section; None where it was not measured."""
+        keys = ("launch_host_s", "node_host_s", "node_device_s")
+        if not section or any(not isinstance(section.get(k), (int, float)) for k in keys):
+            return None
+        return GraphRates(*(float(section[k]) for k in keys), section.get("launch_device_s", 0.0))
+
+    def host_s(self, kernels: int, graphs: int = 1) -> float:
+        """Host seconds to replay `graphs` graphs holding `kernels` kernel nodes in all."""
+        return graphs * self.launch_host_s + kernels * self.node_host_s
+
+
+def graphed_times(
+    graph: StepGraph, costs: list[OpCost], ops: tuple[OpTime, ...], rates: Rates
+) -> tuple[OpTime, ...]:
+    """The ops' times with nodes[meta.cuda_graph.start:] replayed as captured graphs: those
+    ops cost the host nothing but the replay, charged to the first of them (kernels counted
+    as often as they run, `StepGraph.weights`); on the GPU each kernel's latency becomes the
+    graph node's. Ops before the captured ones (the batch's copies into the static inputs)
+    stay eager. A GobrrrError where the calibration has no cudagraph section."""
+    captured = graph.meta.cuda_graph
+    g = GraphRates.of(rates.cal.cudagraph if rates.cal else None)
+    if g is None:
+        name = (
+            f"{rates.gpu.name}'s calibration" if rates.cal else f"{rates.gpu.name} (no calibration)"
+        )
+        raise GobrrrError(NOT_CALIBRATED.format(what=name))
+    weights = graph.weights()
+    out = list(ops)
+    kernels = 0
+    for o in ops[captured.start :]:
+        launches = costs[o.index].launches if o.device_s > 0 else 0
+        kernels += launches * weights[o.index]
+        device = o.device_s + (g.node_device_s - rates.latency) * launches
+        out[o.index] = evolve(o, host_s=0.0, device_s=max(device, 0.0), streamed_s=0.0)
+    if captured.start < len(out):
+        first = out[captured.start]
+        out[captured.start] = evolve(
+            first,
+            host_s=g.host_s(kernels, captured.graphs),
+            device_s=first.device_s + g.launch_device_s * captured.graphs,
+        )
+    return tuple(out)
+
+
+__all__ = ["NOT_CALIBRATED", "GraphRates", "graphed_times"]

@@ -1,0 +1,190 @@
+"""CUDA graphs as a knob: the JSON, the one predicate, the pass against hand-derived times and
+bytes, the planner's choice, and apply's capture (CUDA only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from gobrrr.capture import capture
+from gobrrr.cost.flops import op_cost
+from gobrrr.errors import GobrrrError
+from gobrrr.evaluate import evaluate
+from gobrrr.hardware import Target
+from gobrrr.memory.replay import round_alloc
+from gobrrr.models.mlp import DeepMLP, MLPConfig
+from gobrrr.passes.accumulate import accumulate
+from gobrrr.passes.cudagraph import cuda_graph
+from gobrrr.plan import applicable
+from gobrrr.plan.apply import apply
+from gobrrr.plan.knobs import Knobs
+from gobrrr.plan.search import plan
+from gobrrr.workload import Workload
+
+H100 = Target.resolve("h100")
+# a test calibration's graph replay: 4 us per launch, 10 ns per node on the host; each node
+# as long on the GPU as an eager kernel's latency (a graph saves host time only)
+RATES = {
+    "launch_host_s": 4e-6,
+    "node_host_s": 1e-8,
+    "node_device_s": H100.cal.kernel_latency,
+    "launch_device_s": 0.0,
+}
+GRAPHED = Target(H100.gpu, dataclasses.replace(H100.cal, cudagraph=RATES))
+
+
+def mlp(batch_size: int = 8, width: int = 64, layers: int = 4, optimizer=None) -> Workload:
+    x, y = torch.randn(batch_size, width), torch.randn(batch_size, width)
+    return Workload(
+        model=DeepMLP(MLPConfig(layers, width)), batch=(x, y), optimizer=optimizer, name="mlp"
+    )
+
+
+@functools.cache
+def traced(batch_size: int = 8, width: int = 64):
+    return capture(functools.partial(mlp, batch_size, width), precision="bf16-mixed")
+
+
+# -- the knob ---------------------------------------------------------------------------------
+def test_knob_json_round_trips_and_old_plans_read_false():
+    k = Knobs(micro_batch=4, accumulation=2, cuda_graph=True)
+    assert k.to_dict()["cuda_graph"] is True
+    assert Knobs.from_dict(k.to_dict()) == k
+    assert "cuda_graph" not in Knobs(micro_batch=4).to_dict()  # as plans wrote it before
+    assert Knobs.from_dict({"micro_batch": 4}).cuda_graph is False
+    with pytest.raises(GobrrrError, match="cuda_graph=1"):
+        Knobs(micro_batch=1, cuda_graph=1)
+
+
+# -- the predicate ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "precision", "words"),
+    [
+        ({"parallel": "ddp"}, "bf16-mixed", "parallel='ddp' with cuda_graph"),
+        ({"offload": True}, "bf16-mixed", "offload"),
+        ({"optimizer_states": "8bit"}, "bf16-mixed", "8-bit optimizer states"),
+        ({"compile": "model"}, "bf16-mixed", "cuda_graph with compile"),
+        ({"checkpoint": (("layers.0", "full"),)}, "bf16-mixed", "with checkpoint"),
+        ({}, "fp16-mixed", "GradScaler reads found_inf"),
+    ],
+)
+def test_refusals_name_the_reason(changes, precision, words):
+    knobs = Knobs(micro_batch=8, cuda_graph=True, **changes)
+    why = applicable.refusal(mlp(), knobs, precision)
+    assert why is not None and words in why and "cuda_graph" in why
+
+
+def test_refuses_a_sync_and_an_optimizer_without_capturable():
+    knobs = Knobs(micro_batch=8, cuda_graph=True)
+    why = applicable.cuda_graph_refusal(mlp(), knobs, "bf16-mixed", ["aten._local_scalar_dense"])
+    assert "after aten._local_scalar_dense" in why
+    adagrad = mlp(optimizer=lambda ps: torch.optim.Adagrad(ps))
+    assert "Adagrad has no capturable=True" in applicable.refusal(adagrad, knobs, "bf16-mixed")
+
+
+@pytest.mark.parametrize("optimizer", [None, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)])
+def test_adamw_and_sgd_steps_are_capturable(optimizer):
+    knobs = Knobs(micro_batch=8, cuda_graph=True)
+    assert applicable.refusal(mlp(optimizer=optimizer), knobs, "bf16-mixed") is None
+
+
+def test_apply_refuses_before_changing_anything():
+    w = mlp()
+    with pytest.raises(GobrrrError, match="GradScaler"):
+        apply(w, Knobs(micro_batch=8, cuda_graph=True), "fp16-mixed")
+    with pytest.raises(GobrrrError, match="on a CUDA GPU"):  # the model is on the CPU
+        apply(w, Knobs(micro_batch=8, cuda_graph=True), "bf16-mixed")
+    assert not hasattr(w.model, "_gobrrr_applied")
+
+
+# -- the pass ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 3])
+def test_replayed_step_against_hand_derived_times(n):
+    """Eagerly every op's host time is paid; replayed, the host pays the batch's two copies
+    (eager ops) and one launch (4 us + 10 ns per kernel run), then the GPU runs every captured
+    kernel back to back: the step is that host time plus their device time."""
+    g = accumulate(traced(), n)
+    eager = evaluate(g, GRAPHED)
+    c = cuda_graph(g)
+    got = evaluate(c, GRAPHED).time
+    assert (
+        c.meta.cuda_graph.start == 2 and [x.op for x in c.nodes[:2]] == ["aten.copy_.default"] * 2
+    )
+    copies = got.ops[:2]
+    weights = c.weights()
+    captured = [(o, w) for o, w in zip(got.ops, weights, strict=True)][2:]
+    kernels = sum(op_cost(c.nodes[o.index]).launches * w for o, w in captured if o.device_s > 0)
+    host = sum(o.host_s for o in copies) + RATES["launch_host_s"] + RATES["node_host_s"] * kernels
+    device = sum(o.device_s * w for o, w in captured)
+    assert all(o.host_s == 0 for o, _ in captured[1:])
+    assert got.step_s == pytest.approx(host + device, rel=1e-9)
+    # the same kernels' device time as eager (node cost = kernel latency in this calibration),
+    # but for the power limit: back to back, the matmuls take a larger share of the GPU's time
+    assert device == pytest.approx(eager.time.device_s, rel=1e-2)
+    assert got.step_s < eager.time.step_s  # this tiny step is host-bound eagerly
+
+
+def test_replayed_memory_holds_the_static_inputs_and_a_pool_of_its_own():
+    g = traced()
+    eager, c = evaluate(g, GRAPHED).memory, evaluate(cuda_graph(g), GRAPHED).memory
+    batch = sum(round_alloc(s.nbytes) for s in g.storages if s.kind == "input")
+    assert c.peak - eager.peak == batch  # the batch as given, beside the static copy
+    assert c.reserved > eager.reserved  # the capture's segments are the graph's own
+
+
+def test_no_section_no_replayed_time():
+    with pytest.raises(GobrrrError, match="cudagraph_grid"):
+        evaluate(cuda_graph(traced()), H100)
+
+
+# -- the planner ------------------------------------------------------------------------------
+def test_planner_chooses_graphs_where_host_bound_only():
+    small = plan(functools.partial(mlp, width=64), GRAPHED, global_batch=8, allow=["cudagraphs"])
+    assert small.plans[0].knobs.cuda_graph
+    assert "the whole step as one CUDA graph (replayed)" in small.plans[0].changes
+    big = plan(
+        functools.partial(mlp, width=8192, layers=2),  # 6.6 TFLOP a step: the GPU's time
+        GRAPHED,
+        global_batch=4096,
+        allow=["cudagraphs"],
+    )
+    assert not any(p.knobs.cuda_graph for p in big.plans)  # no faster where the GPU is busy
+    assert big.plans
+
+
+def test_planner_without_the_section_says_so():
+    r = plan(functools.partial(mlp, width=64), H100, global_batch=8, allow=["cudagraphs"])
+    assert not any(p.knobs.cuda_graph for p in r.plans)
+    assert any("CUDA graphs not planned" in n and "cudagraph_grid" in n for n in r.notes)
+
+
+# -- apply's capture (CUDA only) --------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures on a CUDA GPU")
+def test_captured_step_trains_as_eager():
+    torch.manual_seed(0)
+    a, b = mlp(), mlp()
+    b.model.load_state_dict(a.model.state_dict())
+    for w in (a, b):
+        w.model.cuda()
+        w.batch = tuple(t.cuda() for t in w.batch)
+    eager = apply(a, Knobs(micro_batch=4, accumulation=2), "fp32")
+    graphed = apply(b, Knobs(micro_batch=4, accumulation=2, cuda_graph=True), "fp32")
+    for _ in range(3):
+        le, lg = eager(), graphed()
+        torch.testing.assert_close(lg, le)
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures on a CUDA GPU")
+def test_a_sync_in_the_step_is_one_line():
+    w = mlp()
+    w.model.cuda()
+    w.batch = tuple(t.cuda() for t in w.batch)
+    w.step = lambda model, batch: model(*batch) * (1 + 0 * model(*batch).item())
+    step = apply(w, Knobs(micro_batch=8, cuda_graph=True), "fp32")
+    with pytest.raises(GobrrrError, match="cannot be captured as a CUDA graph at .*test_cudagraph"):
+        step()

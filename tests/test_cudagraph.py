@@ -34,6 +34,8 @@ RATES = {
     "launch_device_s": 0.0,
 }
 GRAPHED = Target(H100.gpu, dataclasses.replace(H100.cal, cudagraph=RATES))
+# a calibration measured before the section existed
+BARE = Target(H100.gpu, dataclasses.replace(H100.cal, cudagraph=None))
 
 
 def mlp(batch_size: int = 8, width: int = 64, layers: int = 4, optimizer=None) -> Workload:
@@ -137,7 +139,7 @@ def test_replayed_memory_holds_the_static_inputs_and_a_pool_of_its_own():
 
 def test_no_section_no_replayed_time():
     with pytest.raises(GobrrrError, match="cudagraph_grid"):
-        evaluate(cuda_graph(traced()), H100)
+        evaluate(cuda_graph(traced()), BARE)
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def test_planner_chooses_graphs_where_host_bound_only():
 
 
 def test_planner_without_the_section_says_so():
-    r = plan(functools.partial(mlp, width=64), H100, global_batch=8, allow=["cudagraphs"])
+    r = plan(functools.partial(mlp, width=64), BARE, global_batch=8, allow=["cudagraphs"])
     assert not any(p.knobs.cuda_graph for p in r.plans)
     assert any("CUDA graphs not planned" in n and "cudagraph_grid" in n for n in r.notes)
 
@@ -167,6 +169,7 @@ def test_captured_step_trains_as_eager():
     torch.manual_seed(0)
     a, b = mlp(), mlp()
     b.model.load_state_dict(a.model.state_dict())
+    b.batch = tuple(t.clone() for t in a.batch)  # the same samples: the same losses
     for w in (a, b):
         w.model.cuda()
         w.batch = tuple(t.cuda() for t in w.batch)

@@ -175,9 +175,11 @@ def wrap(model, blocks, case: dict):
     return model
 
 
-def step_fn(model, opt, case: dict, vocab: int, device="cuda"):
+def step_fn(model, opt, case: dict, vocab: int, device="cuda", marks: list | None = None):
     """One optimizer step (all its micro-batches of case["batch"] sequences) of torchtitan's
-    loop on `device`."""
+    loop on `device`. `marks`: where given, the host's clock (perf_counter) is appended after
+    each micro-batch's forward and loss ("forward"), its backward ("backward") and the
+    optimizer step and zero_grad ("optimizer"), for `host_phases`."""
     import torch
     import torch.nn.functional as F
 
@@ -200,11 +202,49 @@ def step_fn(model, opt, case: dict, vocab: int, device="cuda"):
                     logits = model(input_ids=x).logits
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / n
                 del logits
+                mark("forward")
                 loss.backward()
+                mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+    def mark(what: str) -> None:
+        if marks is not None:
+            marks.append((what, time.perf_counter()))
 
     return step
+
+
+def host_phases(step, marks: list, steps: int = 5) -> dict:
+    """The host's issue time of the step, per phase, against the step's device time: each of
+    `steps` steps starts after a barrier with the GPU idle (every rank at once); the host's
+    seconds from the step's start to each mark (forward, backward, optimizer, summed over
+    micro-batches), to the step's return (`issue_s`) and the CUDA events' step (`step_s`),
+    medians over the steps. A host that issues the step in about its device time sets the
+    pace; one far under it runs ahead of the GPU."""
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        marks.clear()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        step()
+        issue = time.perf_counter() - t0
+        b.record()
+        b.synchronize()
+        row = {"issue_s": issue, "step_s": a.elapsed_time(b) / 1e3}
+        last = t0
+        for what, t in marks:
+            row[what] = row.get(what, 0.0) + (t - last)
+            last = t
+        rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 def _load_comm():
@@ -302,12 +342,16 @@ def run_one(name: str) -> dict | None:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    marks: list = []
+    host = host_phases(step_fn(model, opt, case, vocab, marks=marks), marks)
     rank = {
         "rank": dist.get_rank(),
+        "host": host,
         "step_s": times,
         "median_s": statistics.median(times),
-        "peak_allocated": torch.cuda.max_memory_allocated(),
-        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "peak_allocated": peaks[0],
+        "peak_reserved": peaks[1],
         **communication(step, all_gather),
     }
     ranks = [None] * dist.get_world_size()

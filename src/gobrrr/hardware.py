@@ -477,6 +477,10 @@ class Calibration:
     `pixel_grid`: bilinear upsampling and its atomicAdd backward, log-softmax over the
     channels of (N, C, H, W) and nll_loss2d, {"<op>:<bf16|fp32>": [[size, second coordinate,
     size per second], ...]} (`gobrrr.calibrate.sections.pixels`). Empty: not measured.
+    `pool_grid`: avg_pool2d, max_pool2d_with_indices and their backwards per window, dtype and
+    layout, {"<op>:k<kernel>s<stride>p<padding>:<bf16|fp32>:<layout>": [[map bytes, map
+    bytes per second, side, channels, batch], ...]} (`gobrrr.calibrate.sections.pools`; read
+    by `cost.measured_ops`). Empty: not measured (bytes at the reduction bandwidth).
     `cudagraph`: a CUDA graph's replay, fitted over chains of N captured kernels
     (`gobrrr.calibrate.sections.cudagraph`): "launch_host_s" + "node_host_s" x N, host
     seconds of one `graph.replay()`; "node_device_s", device seconds each captured kernel
@@ -522,6 +526,7 @@ class Calibration:
     contention: list[dict[str, Any]] = field(default_factory=list)
     rnn_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     pixel_grid: dict[str, list[list[float]]] = field(default_factory=dict)
+    pool_grid: dict[str, list[list[float]]] = field(default_factory=dict)
     cudagraph: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
@@ -540,6 +545,8 @@ class Calibration:
         extra = out.pop("unknown_sections")
         if not out["cudagraph"]:  # as files wrote it before the section existed
             del out["cudagraph"]
+        if not out["pool_grid"]:
+            del out["pool_grid"]
         return {**out, **{k: v for k, v in extra.items() if k not in out}}
 
     def save(self, path: str | Path) -> None:

@@ -28,6 +28,7 @@ from gobrrr.calibrate.sections import host as ch
 from gobrrr.calibrate.sections import offload as co
 from gobrrr.calibrate.sections import paths as cpa
 from gobrrr.calibrate.sections import pixels as cpx
+from gobrrr.calibrate.sections import pools as cpo
 from gobrrr.calibrate.sections import power as cpw
 from gobrrr.calibrate.sections import rnn as crnn
 from gobrrr.calibrate.sections import shapes as csh
@@ -157,6 +158,7 @@ def gpu_sections() -> dict[str, Callable[[torch.device], dict]]:
         "offload": co.offload_section,
         "rnn_grid": lambda d: {"rnn_grid": crnn.rnn_grid(d)},
         "pixel_grid": lambda d: {"pixel_grid": cpx.pixel_grid(d)},
+        "pool_grid": lambda d: {"pool_grid": cpo.pool_grid(d)},
         "cudagraph_grid": lambda d: {"cudagraph": ccg.cudagraph_section(d)},
     }
 

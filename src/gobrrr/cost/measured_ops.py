@@ -1,7 +1,7 @@
 """Device times of ops whose time their bytes and FLOPs do not tell, read from grids the
-calibration measured on the GPU: cuDNN's fused RNN (`rnn_grid`) and the pixel-wise ops of a
-segmentation head (`pixel_grid`). None where the calibration lacks the grid (the op is then
-costed by its roofline, as before the grids existed).
+calibration measured on the GPU: cuDNN's fused RNN (`rnn_grid`), the pixel-wise ops of a
+segmentation head (`pixel_grid`) and windowed pooling (`pool_grid`). None where the calibration
+lacks the grid (the op is then costed by its roofline, as before the grids existed).
 
 - `_cudnn_rnn` / `_cudnn_rnn_backward`: the recurrence is a chain of one small GEMM per step
   and layer, each waiting on the last: the time grows with layers x steps at a rate set by the
@@ -18,6 +18,12 @@ costed by its roofline, as before the grids existed).
   (a strided "spatial" softmax, not the row kernel `softmax_grid` measures); "nll_loss2d_forward"
   / "nll_loss2d_backward". Each grid is [[size, second coordinate, size per second], ...]
   keyed "<op>:<bf16|fp32>", with size and second coordinate per op (`pixel_coords`).
+- `avg_pool2d(_backward)`, `max_pool2d_with_indices(_backward)`: one thread per element with
+  64-bit index divisions, and for the average's backward a division per window it falls in:
+  far slower than their bytes at a copy's rate. The grid holds [[map bytes, map bytes per
+  second, ...], ...] per "<op>:k<kernel>s<stride>p<padding>:<bf16|fp32>:<layout>" (the map: the
+  op's full-resolution tensor); a call reads the key of its own op nearest its layout, dtype
+  and window (`pool_points`), the rate linear in log bytes, clamped at the measured ends.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import math
 
 from gobrrr.cost._ops_rnn import algorithm
 from gobrrr.cost._ops_rnn import dims as rnn_dims
-from gobrrr.cost.curves import grid_value
+from gobrrr.cost.curves import grid_value, interp
+from gobrrr.cost.shapes import channels_last_strides
 from gobrrr.graph.ir import OpNode
 from gobrrr.hardware import Calibration
 
@@ -159,8 +166,97 @@ def pixel_seconds(cal: Calibration | None, node: OpNode) -> float | None:
     return size / grid_value(points, size, second)
 
 
+POOL_OPS = (
+    "avg_pool2d",
+    "avg_pool2d_backward",
+    "max_pool2d_with_indices",
+    "max_pool2d_with_indices_backward",
+)
+
+
+def pool_key(op: str, window: tuple[int, int, int], dtype: str, layout: str) -> str:
+    """The `pool_grid` key of `op` over a (kernel, stride, padding) window, a grid dtype
+    ("bf16" | "fp32") and a layout ("channels_first" | "channels_last")."""
+    k, s, p = window
+    return f"{op}:k{k}s{s}p{p}:{dtype}:{layout}"
+
+
+def _parse_key(key: str) -> tuple[str, tuple[int, int, int], str, str] | None:
+    """`pool_key`'s inverse, or None for a key of another form."""
+    parts = key.split(":")
+    if len(parts) != 4 or not parts[1].startswith("k"):
+        return None
+    k, _, rest = parts[1][1:].partition("s")
+    s, _, p = rest.partition("p")
+    if not (k.isdigit() and s.isdigit() and p.isdigit()):
+        return None
+    return parts[0], (int(k), int(s), int(p)), parts[2], parts[3]
+
+
+def _square(value, default: int) -> int:
+    """One side of a pooling argument (an int or a list of one or two; empty: `default`)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return default
+        return round(sum(int(v) for v in value) / len(value))
+    return default if value is None else int(value)
+
+
+def pool_coords(node: OpNode) -> tuple[tuple[int, int, int], str, str, float] | None:
+    """((kernel, stride, padding), grid dtype, layout, map bytes) of a 4-D windowed pooling
+    call, or None. The map is the full-resolution tensor: the forward's input, the backward's
+    `self` (the size of the gradient it writes); a stride left empty is the kernel."""
+    if node.name not in POOL_OPS:
+        return None
+    back = node.name.endswith("backward")
+    first = 2 if back else 1
+    if len(node.inputs) <= int(back) or len(node.inputs[int(back)].shape) != 4:
+        return None
+    x = node.inputs[int(back)]
+    k = _square(node.arg(first, "kernel_size", None), 1)
+    s = _square(node.arg(first + 1, "stride", None), k)
+    p = _square(node.arg(first + 2, "padding", None), 0)
+    layout = "channels_last" if channels_last_strides(x) else "channels_first"
+    return (k, s, p), dtype_key(x.dtype), layout, float(x.nbytes)
+
+
+def pool_points(grid: dict, op: str, window, dtype: str, layout: str) -> list[list[float]]:
+    """The points of `op` nearest the call: its layout first (another layout runs another
+    kernel), then its dtype, then the window nearest in stride, kernel and padding."""
+    keys = [(key, k) for key in grid if (k := _parse_key(key)) is not None and k[0] == op]
+    if not keys:
+        return []
+
+    def distance(parsed) -> tuple:
+        _, (k, s, p), d, lay = parsed
+        return (
+            lay != layout,
+            d != dtype,
+            abs(s - window[1]),
+            abs(k - window[0]),
+            abs(p - window[2]),
+        )
+
+    key, _ = min(keys, key=lambda kp: distance(kp[1]))
+    return grid[key]
+
+
+def pool_seconds(cal: Calibration | None, node: OpNode) -> float | None:
+    """Measured device seconds of a windowed pooling call (module docstring), or None."""
+    grid = (getattr(cal, "pool_grid", None) or {}) if cal is not None else {}
+    coords = pool_coords(node) if grid else None
+    if coords is None:
+        return None
+    window, dtype, layout, nbytes = coords
+    points = sorted(p for p in pool_points(grid, node.name, window, dtype, layout) if p[1] > 0)
+    if not points or nbytes <= 0:
+        return None
+    logs = [math.log(p[0]) for p in points]
+    return nbytes / interp(logs, [p[1] for p in points], math.log(nbytes))
+
+
 def op_seconds(cal: Calibration | None, node: OpNode) -> float | None:
     """The measured device seconds of `node` from the calibration's grids, or None."""
     if cal is None:
         return None
-    return rnn_seconds(cal, node) or pixel_seconds(cal, node)
+    return rnn_seconds(cal, node) or pixel_seconds(cal, node) or pool_seconds(cal, node)

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from gobrrr.calibrate.sections.dp_host import section
-from gobrrr.cost.dp_host import hook_host_s
+from gobrrr.calibrate.sections.dp_host import section, skew
+from gobrrr.cost.dp_host import hook_host_s, rank_skew
 from gobrrr.evaluate import evaluate
 from gobrrr.hardware import Target
 from gobrrr.passes.accumulate import accumulate
@@ -117,3 +117,59 @@ def test_evaluate_charges_the_measured_time_less_the_ops_the_pass_put_there(grap
         rel=1e-9,
     )
     assert with_hooks.step_s > without.step_s + units * measured
+
+
+def test_skew_is_the_median_over_steps_of_the_slowest_rank_over_the_mean():
+    def rows(steps):
+        return [
+            dict(layers=layers, kind="plain", forward_steps=steps, backward_steps=steps)
+            for layers in (1, 2, 4, 8, 12)
+        ]
+
+    # per step: max / mean = 1/1, 2/1.5, 3/2 -> median 4/3
+    pts = skew([rows([1 * MS, 1 * MS, 1 * MS]), rows([1 * MS, 2 * MS, 3 * MS])], world=2)
+    assert len(pts) == 2 * 5 and {p["ranks"] for p in pts} == {2}
+    assert all(p["factor"] == pytest.approx(4 / 3) for p in pts)
+    assert all(p["host_s"] == pytest.approx(1.5 * MS) for p in pts)
+
+
+def test_rank_skew_reads_the_nearest_rank_count_at_its_longest_host_time():
+    sec = {
+        "skew": [
+            dict(ranks=2, phase="forward", host_s=1 * MS, factor=1.5),
+            dict(ranks=2, phase="forward", host_s=9 * MS, factor=1.1),
+            dict(ranks=4, phase="forward", host_s=9 * MS, factor=1.3),
+            dict(ranks=4, phase="backward", host_s=9 * MS, factor=0.9),
+        ]
+    }
+    assert rank_skew(sec, "forward", 2) == pytest.approx(1.1)  # the longest of the 2-rank ones
+    assert rank_skew(sec, "forward", 64) == pytest.approx(1.3)  # nearest measured: 4 ranks
+    assert rank_skew(sec, "backward", 4) == 1.0  # never faster than one rank
+    assert rank_skew(sec, "forward", 1) == 1.0 and rank_skew(None, "forward", 4) == 1.0
+
+
+def test_evaluate_charges_every_op_but_the_hooks_the_slowest_ranks_host(graph):  # noqa: F811
+    g = fsdp(graph, 4)
+    pts = [
+        dict(ranks=4, reshard=True, phase=ph, params=n, seconds=5 * MS)
+        for ph in ("forward", "backward")
+        for n in (2, 8)
+    ]
+    t = _target(pts)
+    slow = {
+        "forward": 1.25,
+        "backward": 1.1,
+    }
+    sk = [dict(ranks=4, phase=ph, host_s=MS, factor=f) for ph, f in slow.items()]
+    skewed = dataclasses.replace(
+        t, cal=dataclasses.replace(t.cal, dp_host={"points": pts, "skew": sk})
+    )
+    a, b = evaluate(g, t).time, evaluate(g, skewed).time
+    scaled = 0
+    for x, y, n in zip(a.ops, b.ops, g.nodes, strict=True):
+        if n.op == HOOKS or n.phase not in slow:
+            assert y.host_s == pytest.approx(x.host_s)
+        else:
+            assert y.host_s == pytest.approx(x.host_s * slow[n.phase])
+            scaled += x.host_s > 0
+    assert scaled > 10 and b.step_s > a.step_s

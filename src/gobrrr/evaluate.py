@@ -31,7 +31,7 @@ from gobrrr.cost._ops_offload import KINDS as OFFLOAD_KINDS
 from gobrrr.cost.collectives import parallel_time
 from gobrrr.cost.contention import Contention
 from gobrrr.cost.cudagraph import graphed_times
-from gobrrr.cost.dp_host import hook_host_s
+from gobrrr.cost.dp_host import hook_host_s, rank_skew
 from gobrrr.cost.flops import OpCost, op_cost
 from gobrrr.cost.rates import Rates
 from gobrrr.cost.roofline import (
@@ -237,7 +237,10 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
     measured `collectives` (`cost.collectives.parallel_time`); their regime "comm" (no
     compute stream time). FSDP2's hooks: host time, the calibration's `dp_host` per unit and
     phase (`cost.dp_host`) less what the ops the pass put in that unit's phase already cost
-    the host (the measurement holds them). Unchanged where the step has neither."""
+    the host (the measurement holds them). Every other op's host time in forward, backward
+    and recompute is the slowest rank's: one rank's, times the calibration's skew over that
+    many ranks (`cost.dp_host.rank_skew`; the hooks' figure is the slowest rank's already).
+    Unchanged where the step has neither collectives nor hooks."""
     idx = [o.index for o in ops if o.kind == COMM_KIND]
     hooks = [o.index for o in ops if o.kind == HOOK_KIND]
     if not idx and not hooks:
@@ -253,15 +256,33 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
         op = COLLECTIVE_OF[node.op][0]
         t = parallel_time(kind, op, ops[i].bytes, dtype, world, hosts, points)
         out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
+    section = rates.cal.dp_host if rates.cal else None
     if hooks:
         charged = _fsdp_charged(graph, ops)
-        section = rates.cal.dp_host if rates.cal else None
         for i in hooks:
             node = graph.nodes[i]
             phase, params, reshard = node.args
             t = hook_host_s(section, phase, params, reshard, world)
             out[i] = replace(ops[i], host_s=max(t - charged.get((node.module, phase), 0.0), 0.0))
-    return tuple(out)
+    return _skewed(out, section, world)
+
+
+def _skewed(ops: list[OpTime], section: Any, world: int) -> tuple[OpTime, ...]:
+    """`ops` with the host time of every op but FSDP2's hooks in forward, backward and
+    recompute scaled by the ranks' skew in that phase (the slowest rank's pace)."""
+    skew = {
+        "forward": rank_skew(section, "forward", world),
+        "backward": rank_skew(section, "backward", world),
+    }
+    skew["recompute"] = skew["backward"]
+    if all(f == 1.0 for f in skew.values()):
+        return tuple(ops)
+    return tuple(
+        replace(o, host_s=o.host_s * skew[o.phase])
+        if o.kind != HOOK_KIND and o.phase in skew and o.host_s
+        else o
+        for o in ops
+    )
 
 
 #: the ops `passes.fsdp` puts beside a unit's own on the compute stream (the rest of its ops

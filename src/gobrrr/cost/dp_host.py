@@ -7,7 +7,10 @@ Measured per unit and phase beyond an unwrapped model's host time, over the unit
 tensors, on the slowest rank. Here: the least-squares line through the points measured on the
 nearest rank count (by ratio) with the same reshard_after_forward and phase, evaluated at the
 unit's parameter count (never below zero, nor below the smallest point where the line would
-fall under it). No section: 0 (the hooks cost only the ops they run)."""
+fall under it). No section: 0 (the hooks cost only the ops they run).
+
+The same section measures the ranks' skew (`rank_skew`): run together, the slowest rank issues
+the same host work later than the average one, and every collective waits for it."""
 
 from __future__ import annotations
 
@@ -44,3 +47,17 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
         return my, 0.0
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     return my - b * mx, b
+
+
+def rank_skew(section: Mapping[str, Any] | None, phase: str, ranks: int) -> float:
+    """How much longer the slowest of `ranks` ranks takes to issue a phase's host work than
+    the average rank ("forward" | "backward"; >= 1): the section's `skew` points at the
+    nearest measured rank count (by ratio), the one with the most host seconds (the closest
+    to a real step's). No points, or one rank: 1."""
+    points = [p for p in (section or {}).get("skew", ()) if p.get("phase") == phase]
+    if not points or ranks < 2:
+        return 1.0
+    measured = {int(p["ranks"]) for p in points}
+    nearest = min(measured, key=lambda r: (abs(math.log(r / ranks)), r))
+    longest = max((p for p in points if int(p["ranks"]) == nearest), key=lambda p: p["host_s"])
+    return max(float(longest["factor"]), 1.0)

@@ -14,7 +14,12 @@ backward: `loss.backward()` to its return), the median over `REPS` steps on each
 the slowest rank's figure: every collective waits for the slowest rank, so a host-bound step
 runs at its pace.
 
-The section: {"points": [{"ranks", "reshard", "phase", "params", "seconds"}, ...], "meta"}.
+The same runs measure the ranks' skew: each step starts on every rank together, and per step
+the slowest rank's host time for the plain model over the ranks' mean (`skew`): a step whose
+host sets the pace runs at the slowest rank's, as every collective waits for it.
+
+The section: {"points": [{"ranks", "reshard", "phase", "params", "seconds"}, ...],
+"skew": [{"ranks", "phase", "host_s", "factor"}, ...], "meta"}.
 `gobrrr.cost.dp_host` reads it. Only torch is imported, so the module runs on any machine
 with CUDA and NCCL, whatever version of gobrrr is installed there.
 """
@@ -77,8 +82,11 @@ def _wrapped(layers: int, kind: str, device: torch.device) -> nn.Module:
     return model
 
 
-def _host_times(model: nn.Module, kind: str, device: torch.device) -> tuple[float, float]:
-    """(forward s, backward s): medians of the host time each takes, over REPS steps."""
+def _host_times(
+    model: nn.Module, kind: str, device: torch.device
+) -> tuple[float, float, list[float], list[float]]:
+    """(forward s, backward s, forward per step, backward per step): medians of the host time
+    each takes over REPS steps, and each step's (every rank starts each step together)."""
     x = torch.randn(16, WIDTH, device=device)
     cast = (
         torch.autocast(device.type, torch.bfloat16) if kind == "plain" else contextlib.nullcontext()
@@ -99,17 +107,27 @@ def _host_times(model: nn.Module, kind: str, device: torch.device) -> tuple[floa
         if i >= WARMUP:
             fw.append(t1 - t0)
             bw.append(t2 - t1)
-    return statistics.median(fw), statistics.median(bw)
+    return statistics.median(fw), statistics.median(bw), fw, bw
 
 
 def measure(device: torch.device) -> list[dict]:
-    """This rank's rows: {layers, kind, forward_s, backward_s} for every grid point."""
+    """This rank's rows: {layers, kind, forward_s, backward_s, forward_steps,
+    backward_steps} for every grid point."""
     rows = []
     for layers in LAYERS:
         for kind in KINDS:
             model = _wrapped(layers, kind, device)
-            fw, bw = _host_times(model, kind, device)
-            rows.append(dict(layers=layers, kind=kind, forward_s=fw, backward_s=bw))
+            fw, bw, fws, bws = _host_times(model, kind, device)
+            rows.append(
+                dict(
+                    layers=layers,
+                    kind=kind,
+                    forward_s=fw,
+                    backward_s=bw,
+                    forward_steps=fws,
+                    backward_steps=bws,
+                )
+            )
             del model
             torch.cuda.empty_cache()
     return rows
@@ -139,6 +157,34 @@ def section(ranks: list[list[dict]], world: int, units: int = UNITS + 1) -> list
     return points
 
 
+def skew(ranks: list[list[dict]], world: int) -> list[dict]:
+    """How much later than the average rank the slowest one issues the same host work: per
+    phase and layer count of the plain (unwrapped) model, the median over steps of (the
+    slowest rank's host seconds that step) / (the ranks' mean that step), beside the mean
+    host seconds. Every rank starts each step together, so a rank that the operating system
+    or its core slows is the one every collective of that step waits for."""
+    points = []
+    for phase in ("forward", "backward"):
+        for layers in LAYERS:
+            steps = [
+                next(r for r in rows if r["layers"] == layers and r["kind"] == "plain")[
+                    f"{phase}_steps"
+                ]
+                for rows in ranks
+            ]
+            ratios = [max(ts) / (sum(ts) / len(ts)) for ts in zip(*steps, strict=True)]
+            mean = statistics.mean(t for ts in steps for t in ts)
+            points.append(
+                dict(
+                    ranks=world,
+                    phase=phase,
+                    host_s=mean,
+                    factor=statistics.median(ratios),
+                )
+            )
+    return points
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the JSON written by rank 0")
@@ -153,6 +199,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         doc = {
             "points": section(ranks, dist.get_world_size()),
+            "skew": skew(ranks, dist.get_world_size()),
             "meta": {
                 "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__,

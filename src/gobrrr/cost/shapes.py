@@ -129,6 +129,22 @@ def channels_last_strides(t) -> bool:
     return True
 
 
+def contiguous_in(t, layout: str) -> bool:
+    """PyTorch's t.is_contiguous(memory_format) for the layout a convolution runs in:
+    "channels_last" (c10's compute_channels_last_contiguous_2d: strides 1, C, W·C, H·W·C
+    over C, W, H, N, dims of size 1 skipped, so a contiguous 1x1 weight is both) on 4-D
+    tensors, row-major contiguity otherwise."""
+    if layout != "channels_last" or len(t.shape) != 4:
+        return t.is_contiguous()
+    expected = 1
+    for d in (1, 3, 2, 0):
+        if t.shape[d] != 1:
+            if t.stride[d] != expected:
+                return False
+            expected *= t.shape[d]
+    return True
+
+
 def conv_layout(node: OpNode) -> str:
     """The layout cuDNN runs a convolution in, as PyTorch picks it
     (cudnn_conv_suggest_memory_format): "channels_last" when its input or its weight is
@@ -278,8 +294,12 @@ def misaligned_nt(node: OpNode) -> bool:
 
 def layout_bytes(node: OpNode, cost: OpCost) -> float:
     """Bytes cuDNN moves converting channels-first (NCHW) tensors to the channels-last layout
-    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once."""
+    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once.
+    None where cuDNN runs channels-last: PyTorch copies a channels-first operand to
+    channels-last before the call then (`cost.conv.operand_copies`, timed apart)."""
     if cost.kind != "conv" or cost.math not in ("bf16", "fp16"):
+        return 0.0
+    if conv_layout(node) == "channels_last":
         return 0.0
     acts = [t for t in (*node.inputs, *node.outputs) if len(t.shape) == 4]
     if not any(t.stride[1] != 1 and t.shape[1] > 1 for t in acts):

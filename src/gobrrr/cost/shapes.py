@@ -173,8 +173,11 @@ def conv_class(node: OpNode) -> str | None:
     padding: ConvNeXt's downsampling) and "stem-patchify" (the same on under 8 input channels:
     ViT's and Swin's patch embeddings, ConvNeXt's stem), "stem" (under
     8 input channels, kernel over 1x1 and up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand"
-    (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel,
-    strided), "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
+    (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "1xk" / "kx1" (a stride-1
+    2-D kernel one pixel high / wide: Inception's factorized 1x7 and 7x1, 1x3 and 3x1, whose
+    backward asks cuDNN for other workspaces than a square kernel's), "3x3-s2" (a larger
+    kernel, strided), "3x3" (a larger kernel, stride 1); None for an op that is no
+    convolution."""
     backward = node.name.endswith("backward")
     w = targ(node, 2 if backward else 1, "weight")
     if not _conv_node(node) or w is None or len(w.shape) < 3:
@@ -191,11 +194,18 @@ def conv_class(node: OpNode) -> str | None:
     if window == 1:
         ratio = w.shape[0] / w.shape[1]
         return "1x1-reduce" if ratio <= 0.5 else "1x1-expand" if ratio >= 2 else "1x1"
-    return "3x3-s2" if any(s > 1 for s in stride) else "3x3"
+    if any(s > 1 for s in stride):
+        return "3x3-s2"
+    if len(w.shape) == 4 and 1 in w.shape[2:]:
+        return "1xk" if w.shape[2] == 1 else "kx1"
+    return "3x3"
 
 
 # where a convolution's shape class was not measured, the class whose kernels come closest
+# (the asymmetric kernels' classes: what calibrations before them measured them as)
 CONV_FALLBACK = {
+    "1xk": ("3x3",),
+    "kx1": ("3x3",),
     "1x1-reduce": ("1x1",),
     "1x1-expand": ("1x1",),
     "3x3-s2": ("3x3",),

@@ -235,8 +235,10 @@ def test_without_a_calibration_only_channels_first_16bit_pays_layout_copies():
     *inner, top = _convs(_graph(True), True)
     for node in inner:
         assert conv.layout_scratch(node) == 0
-    # the top layer's grad_output comes from the loss channels-first: only it is copied
-    assert conv.layout_scratch(top) == 2 * 32 * 8 * 8 * 2
+    # the top layer's grad_output comes from the loss channels-first: only it is copied, by
+    # PyTorch before the call (`.to()` the input's channels-last format)
+    assert conv.layout_scratch(top) == 0
+    assert conv.copy_blocks(top) == (2 * 32 * 8 * 8 * 2,)
 
 
 def test_batch_norm_and_depthwise_read_their_layouts_curves(make_cal):
@@ -292,7 +294,7 @@ def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for()
                 assert (conv_class(node), conv_layout(node)) == (s.cls, layout), s
             assert gemm_dims(fwd) == (
                 s.plane**s.dims * s.c_out,
-                s.c_in // s.groups * s.kernel**s.dims,
+                s.c_in // s.groups * math.prod(s.kernels),
             )
         classes.add(s.cls)
     assert classes == {
@@ -300,6 +302,8 @@ def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for()
         "1x1-reduce",
         "1x1-expand",
         "3x3",
+        "1xk",
+        "kx1",
         "3x3-s2",
         "stem",
         "grouped",
@@ -307,6 +311,35 @@ def test_every_grid_shape_is_recorded_in_the_class_and_dims_it_is_measured_for()
         "patchify",
         "stem-patchify",
     }
+
+
+@pytest.mark.parametrize("kernel,cls", [((1, 7), "1xk"), ((7, 1), "kx1"), ((3, 1), "kx1")])
+def test_asymmetric_kernels_read_the_3x3_class_until_their_own_is_measured(make_cal, kernel, cls):
+    """Inception's 1x7, 7x1 and 3x1 kernels have classes of their own; a calibration that did
+    not measure them reads the 3x3 class for them, rate and inside bytes, as it always did;
+    one that did reads theirs."""
+    s = cc.ConvShape(cls, 16, 16, kernel[0], 1, 1, 8, kernel_w=kernel[1])
+    calls = cc._calls(*cc._tensors(s, 2, torch.bfloat16, "channels_first", torch.device("cpu")))
+    fn_name, fn = calls["forward"]
+    node = cc._record(fn, fn_name)
+    assert conv_class(node) == cls
+    cost = op_cost(node)
+    dims = gemm_dims(node)
+    assert dims == (2 * 8 * 8 * 16, 16 * kernel[0] * kernel[1])
+
+    def cal(c, rate, frac):
+        pts = [[d0, d1, rate] for d0 in (1.0, 1e9) for d1 in (1.0, 1e6)]
+        return make_cal(
+            conv_grid={"bf16": {f"channels_first:{c}:forward": pts}},
+            conv_workspace={"bf16": {f"inside:channels_first:{c}:forward": frac}},
+        )
+
+    old = cal("3x3", 1e14, 0.5)
+    assert Rates(H100, old).conv(node, cost) == pytest.approx(1e14)
+    assert conv.class_inside(node, old, "bf16") == int(0.5 * conv.io_bytes(node))
+    own = cal(cls, 2e14, 4.0)
+    assert Rates(H100, own).conv(node, cost) == pytest.approx(2e14)
+    assert conv.class_inside(node, own, "bf16") == int(4.0 * conv.io_bytes(node))
 
 
 def test_a_measured_grid_is_read_by_the_lookup(make_cal):

@@ -39,13 +39,27 @@ whatever the batch and image (MobileNetV3's bf16 1x1s from 14x14 to 112x112, Res
 ones from 14x14 to 56x56: each within 400 bytes in zoo_diagnose_h100.json); over few pixels it
 copies the tensors instead. The grid's class fraction scales with the tensors, so it is taken
 where it is smaller (few pixels) and the partials elsewhere.
+
+The grids measured dense operands. An operand that is not contiguous in the layout the
+convolution runs in is copied to a dense one inside the op, before the kernels: PyTorch's
+`input.contiguous(memory_format)` (and grad_output's in backward; `operand_copies`). A channel
+slice (ShuffleNet-v2's `x.chunk(2, dim=1)`) is contiguous in no layout; a dense channels-first
+tensor is not channels-last. ShuffleNet-v2's allocator trace on an H100
+(benchmarks/results/zoo_diagnose_far_h100.json) shows each such copy at the slice's dense size,
+forward and backward; its profile a copy kernel in each of those convolutions.
 """
 
 from __future__ import annotations
 
 from gobrrr.cost._ops_common import targ, tf32_of
 from gobrrr.cost.flops import op_cost
-from gobrrr.cost.shapes import CONV_FALLBACK, conv_class, conv_layout
+from gobrrr.cost.shapes import (
+    CONV_FALLBACK,
+    channels_last_strides,
+    contiguous_in,
+    conv_class,
+    conv_layout,
+)
 from gobrrr.graph.ir import OpNode, StepGraph, TensorInfo
 from gobrrr.hardware import Calibration
 
@@ -78,7 +92,11 @@ def channels_first(t) -> bool:
 
 
 def layout_scratch(node: OpNode) -> int:
-    """Bytes of the NHWC copies around a 16-bit convolution on channels-first tensors."""
+    """Bytes of the NHWC copies around a 16-bit convolution on channels-first tensors; none
+    where cuDNN runs channels-last (PyTorch copies a channels-first operand to channels-last
+    before the call then: `operand_copies`)."""
+    if conv_layout(node) == "channels_last":
+        return 0
     if node.name in FORWARD:
         x, w = targ(node, 0, "input"), targ(node, 1, "weight")
         out = node.outputs[0] if node.outputs else None
@@ -163,6 +181,104 @@ def native_depthwise(node: OpNode) -> bool:
     )
 
 
+def copy_layout(node: OpNode) -> str:
+    """The layout PyTorch makes a convolution's operands contiguous in before its kernels:
+    its own depthwise kernels' and every 1-D or 3-D convolution's "channels_first", else the
+    one cuDNN runs in (`conv_layout`)."""
+    x = targ(node, 1 if node.name in BACKWARD else 0, "input")
+    if native_depthwise(node) or x is None or len(x.shape) != 4:
+        return "channels_first"
+    return conv_layout(node)
+
+
+def operand_copies(node: OpNode) -> tuple[tuple[str, TensorInfo], ...]:
+    """The dense copies PyTorch makes of a convolution's operands that are not contiguous in
+    the layout it runs in (`copy_layout`), as (operand, tensor copied), one per copy made.
+
+    Forward (Convolution.cpp's _convolution): a 1-D input is made contiguous before it is
+    viewed as 2-D; cuDNN's gets `input.contiguous(layout)` and, in cudnn_convolution_forward,
+    the weight too; PyTorch's depthwise kernels expect both contiguous. Backward
+    (convolution_backward): the input where the weight's gradient is asked for (a 1-D one
+    always), the weight for the input's gradient, and grad_output (`_grad_output_copies`).
+    A channel slice (ShuffleNet's `x.chunk(2, dim=1)`) is contiguous in no layout; a dense
+    channels-first input beside a channels-last weight is not in the layout cuDNN picks. A
+    dense 3-D convolution's operands are left alone (cuDNN may run them channels-last)."""
+    backward = node.name in BACKWARD
+    if node.name not in FORWARD and not backward:
+        return ()
+    x = targ(node, 1 if backward else 0, "input")
+    w = targ(node, 2 if backward else 1, "weight")
+    if x is None or w is None or x.numel == 0:
+        return ()
+    layout = copy_layout(node)
+    if not backward:
+        return tuple((name, t) for name, t in (("input", x), ("weight", w)) if _copied(t, layout))
+    mask = list(node.arg(10, "output_mask", (True, True, False)) or ())
+    grad_input, grad_weight = (bool(m) for m in (*mask, False, False)[:2])
+    go = targ(node, 0, "grad_output")
+    out = []
+    if (grad_weight or len(x.shape) == 3) and _copied(x, layout):
+        out.append(("input", x))
+    if native_depthwise(node):  # expect_contiguous once, for both gradients
+        out += [("grad_output", go)] if _copied(go, layout) else []
+    elif go is not None:
+        x_format = layout if grad_weight or len(x.shape) == 3 else _suggested(x)
+        out += [("grad_output", go)] * _grad_output_copies(
+            go, w, x_format, grad_input + grad_weight
+        )
+    if grad_input and _copied(w, layout):
+        out.append(("weight", w))
+    return tuple(out)
+
+
+def _copied(t: TensorInfo | None, layout: str) -> bool:
+    if t is None or (len(t.shape) == 5 and t.is_dense()):
+        return False
+    return not contiguous_in(t, layout)
+
+
+def _suggested(t: TensorInfo) -> str:
+    """c10's suggest_memory_format: channels-last for a 4-D tensor with its strides' order."""
+    return "channels_last" if channels_last_strides(t) else "channels_first"
+
+
+def _grad_output_copies(go: TensorInfo, w: TensorInfo, x_format: str, asked: int) -> int:
+    """Copies cuDNN's backward (cudnn/ConvShared.cpp) makes of grad_output: `.to()` the
+    format the (copied) input suggests, a copy where grad_output suggests another; then each
+    gradient asked for (`asked`) makes it contiguous in the layout cuDNN runs in
+    (cudnn_conv_suggest_memory_format of it and the weight), a copy each where it is not (a
+    slice: the second is made once the first is freed)."""
+    if len(go.shape) == 5 and go.is_dense():
+        return 0
+    if len(go.shape) == 4 and _suggested(go) != x_format:
+        cl = x_format == "channels_last" or channels_last_strides(w)
+        return 1 + asked * (x_format != ("channels_last" if cl else "channels_first"))
+    cl = len(go.shape) == 4 and (channels_last_strides(go) or channels_last_strides(w))
+    return asked * (not contiguous_in(go, "channels_last" if cl else "channels_first"))
+
+
+def copy_blocks(node: OpNode) -> tuple[int, ...]:
+    """Bytes of the blocks `operand_copies` allocates, one per operand: grad_output's second
+    copy (cuDNN's weight gradient after its input gradient) is made once the first is freed,
+    in the block the first left."""
+    seen = {name: t.numel * t.itemsize for name, t in operand_copies(node)}
+    return tuple(seen.values())
+
+
+def copy_path(t: TensorInfo, layout: str) -> str:
+    """The TensorIterator path (`shapes.elementwise_path`) of copying t into a dense tensor
+    in `layout`: "strided" where t runs along the copy's fastest dim (channels for
+    channels-last, the last dim otherwise) with gaps between its runs (a channel slice of a
+    channels-last tensor), "transposed" where it is strided along it (any channels-first
+    tensor copied to channels-last)."""
+    order = (1, 3, 2, 0) if layout == "channels_last" and len(t.shape) == 4 else None
+    order = order or tuple(reversed(range(len(t.shape))))
+    dims = [d for d in order if t.shape[d] > 1]
+    if not dims:
+        return "strided"
+    return "strided" if t.stride[dims[0]] == 1 else "transposed"
+
+
 def bias_kernel(node: OpNode) -> tuple[str, TensorInfo] | None:
     """The kernel a CUDA convolution runs for its bias apart from the convolution itself:
     ("add", output) forward where cuDNN runs it (ATen's _convolution adds the bias in place
@@ -221,8 +337,10 @@ def pointwise_wgrad_partials(node: OpNode, math_mode: str) -> int | None:
     return partials * w.numel * 4
 
 
-def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
-    """{op index: bytes allocated and freed inside the op} for the graph's convolutions."""
+def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int | tuple[int, ...]]:
+    """{op index: bytes allocated and freed inside the op} for the graph's convolutions: the
+    calibrated (or modelled) inside bytes, measured on dense operands, and before them the
+    blocks of the copies of operands that are not (`copy_blocks`), where there are any."""
     tf32 = tf32_of(graph.meta)
     out = {}
     for node in graph.nodes:
@@ -238,6 +356,9 @@ def scratch(graph: StepGraph, cal: Calibration | None) -> dict[int, int]:
         extra = (
             inside if inside is not None else layout_scratch(node) + workspace(node, cal, math_mode)
         )
-        if extra:
+        copies = copy_blocks(node)
+        if copies:
+            out[node.index] = (*copies, extra) if extra else copies
+        elif extra:
             out[node.index] = extra
     return out

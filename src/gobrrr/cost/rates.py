@@ -8,7 +8,7 @@ import math
 
 from gobrrr.cost._ops_common import targ
 from gobrrr.cost._ops_optim import block_rows, quantized
-from gobrrr.cost.conv import bias_kernel
+from gobrrr.cost.conv import bias_kernel, copy_layout, copy_path, operand_copies
 from gobrrr.cost.curves import curve, curve_points, grid, grid_value, interp, measured
 from gobrrr.cost.flops import OpCost
 from gobrrr.cost.shapes import (
@@ -253,6 +253,19 @@ class Rates:
                 rate = self._outer_sum(t.dtype, channels, t.numel / max(channels, 1))
             rate = rate or self.bandwidth("reduction")
         return nbytes / rate + self.latency
+
+    def conv_copies(self, node: OpNode) -> float:
+        """Device seconds of the copies PyTorch makes of a convolution's operands that are not
+        contiguous in the layout it runs in (`conv.operand_copies`): each a TensorIterator
+        copy reading and writing the operand once, at the measured rate of its path
+        (`conv.copy_path`), else the copy bandwidth, plus a kernel's latency; 0 with none.
+        The calibration's convolution grids, measured on dense operands, hold none of them."""
+        seconds, layout = 0.0, copy_layout(node)
+        for _, t in operand_copies(node):
+            nbytes = 2 * t.numel * t.itemsize
+            rate = self._path_rate("copy", nbytes, (copy_path(t, layout),), t.itemsize)
+            seconds += nbytes / (rate or self.copy_bw) + self.latency
+        return seconds
 
     def misaligned_fraction(
         self, math_mode: str, nt: bool = False, align: int | None = None

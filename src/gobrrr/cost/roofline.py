@@ -201,8 +201,8 @@ def time_op(
     convert = 0.0 if measured else layout_bytes(node, cost)
     if convert:  # separate transpose kernels before and after the convolution
         device += convert / rates.bandwidth("copy") + 2 * rates.latency
-    if cost.kind == "conv":  # the bias's add or gradient sum, a kernel of its own
-        device += rates.conv_bias(node)
+    if cost.kind == "conv":  # the bias's add or gradient sum, copies of operands: own kernels
+        device += rates.conv_bias(node) + rates.conv_copies(node)
     if host >= device:
         regime = "overhead"
     else:

@@ -129,6 +129,22 @@ def channels_last_strides(t) -> bool:
     return True
 
 
+def contiguous_in(t, layout: str) -> bool:
+    """PyTorch's t.is_contiguous(memory_format) for the layout a convolution runs in:
+    "channels_last" (c10's compute_channels_last_contiguous_2d: strides 1, C, W·C, H·W·C
+    over C, W, H, N, dims of size 1 skipped, so a contiguous 1x1 weight is both) on 4-D
+    tensors, row-major contiguity otherwise."""
+    if layout != "channels_last" or len(t.shape) != 4:
+        return t.is_contiguous()
+    expected = 1
+    for d in (1, 3, 2, 0):
+        if t.shape[d] != 1:
+            if t.stride[d] != expected:
+                return False
+            expected *= t.shape[d]
+    return True
+
+
 def conv_layout(node: OpNode) -> str:
     """The layout cuDNN runs a convolution in, as PyTorch picks it
     (cudnn_conv_suggest_memory_format): "channels_last" when its input or its weight is
@@ -157,8 +173,11 @@ def conv_class(node: OpNode) -> str | None:
     padding: ConvNeXt's downsampling) and "stem-patchify" (the same on under 8 input channels:
     ViT's and Swin's patch embeddings, ConvNeXt's stem), "stem" (under
     8 input channels, kernel over 1x1 and up to 7x7), "1x1" / "1x1-reduce" / "1x1-expand"
-    (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "3x3-s2" (a larger kernel,
-    strided), "3x3" (a larger kernel, stride 1); None for an op that is no convolution."""
+    (C_out over C_in between 1/2 and 2, at most 1/2, at least 2), "1xk" / "kx1" (a stride-1
+    2-D kernel one pixel high / wide: Inception's factorized 1x7 and 7x1, 1x3 and 3x1, whose
+    backward asks cuDNN for other workspaces than a square kernel's), "3x3-s2" (a larger
+    kernel, strided), "3x3" (a larger kernel, stride 1); None for an op that is no
+    convolution."""
     backward = node.name.endswith("backward")
     w = targ(node, 2 if backward else 1, "weight")
     if not _conv_node(node) or w is None or len(w.shape) < 3:
@@ -175,11 +194,18 @@ def conv_class(node: OpNode) -> str | None:
     if window == 1:
         ratio = w.shape[0] / w.shape[1]
         return "1x1-reduce" if ratio <= 0.5 else "1x1-expand" if ratio >= 2 else "1x1"
-    return "3x3-s2" if any(s > 1 for s in stride) else "3x3"
+    if any(s > 1 for s in stride):
+        return "3x3-s2"
+    if len(w.shape) == 4 and 1 in w.shape[2:]:
+        return "1xk" if w.shape[2] == 1 else "kx1"
+    return "3x3"
 
 
 # where a convolution's shape class was not measured, the class whose kernels come closest
+# (the asymmetric kernels' classes: what calibrations before them measured them as)
 CONV_FALLBACK = {
+    "1xk": ("3x3",),
+    "kx1": ("3x3",),
     "1x1-reduce": ("1x1",),
     "1x1-expand": ("1x1",),
     "3x3-s2": ("3x3",),
@@ -278,8 +304,12 @@ def misaligned_nt(node: OpNode) -> bool:
 
 def layout_bytes(node: OpNode, cost: OpCost) -> float:
     """Bytes cuDNN moves converting channels-first (NCHW) tensors to the channels-last layout
-    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once."""
+    its 16-bit tensor-core kernels need, and back: each 4-D activation read and written once.
+    None where cuDNN runs channels-last: PyTorch copies a channels-first operand to
+    channels-last before the call then (`cost.conv.operand_copies`, timed apart)."""
     if cost.kind != "conv" or cost.math not in ("bf16", "fp16"):
+        return 0.0
+    if conv_layout(node) == "channels_last":
         return 0.0
     acts = [t for t in (*node.inputs, *node.outputs) if len(t.shape) == 4]
     if not any(t.stride[1] != 1 and t.shape[1] > 1 for t in acts):

@@ -78,6 +78,14 @@ class ConvShape:
     plane: int  # output height = width (the length, 1-D)
     dims: int = 2  # spatial dims: 2 (images), 1 (sequences: speech models' Conv1d)
     pad: int | None = None  # each side; None: kernel // 2 (the output keeps the input's plane)
+    kernel_w: int | None = None  # a 2-D kernel's width where it is not `kernel` (1x7, 3x1)
+
+    @property
+    def kernels(self) -> tuple[int, ...]:
+        """The kernel's size along each spatial dim (height, width)."""
+        if self.kernel_w is None:
+            return (self.kernel,) * self.dims
+        return (self.kernel, self.kernel_w)
 
     def batch(self, outputs: int) -> int:
         """The largest power-of-two batch N with N · plane^dims · C_out <= outputs (0 when
@@ -95,7 +103,10 @@ def _plane(budget: int, channels: int) -> int:
 def conv_shapes() -> Iterator[ConvShape]:
     """The grid's convolutions, by class: "1x1" (C_out = C_in, depth = C_in 64..2048),
     "1x1-reduce" and "1x1-expand" (C_out = C_in / 4 and 4 · C_in: a bottleneck's 1x1s),
-    "3x3" (stride 1, 32..512 channels), "3x3-s2" (stride 2: the downsampling 3x3 of a stage),
+    "3x3" (stride 1, 32..512 channels), "1xk" and "kx1" (stride 1, a 1x7 / 7x1 over 64..256
+    channels and a 1x3 / 3x1 over 256 and 512: Inception's factorized kernels, whose backward
+    asks other workspaces than a 3x3's: its 3x1s at 8x8 took 5.5x the 3x3 class's fraction in
+    zoo_diagnose_far_h100.json), "3x3-s2" (stride 2: the downsampling 3x3 of a stage),
     "stem" (3 input channels: a 3x3 and a 7x7, both stride 2), "grouped" (3x3, 16 groups of
     4..64 channels each), "grouped-1d" (1-D, kernel 128, 16 groups of 16..64 channels over
     512 positions: the convolutional position embedding of wav2vec2, HuBERT, WavLM and
@@ -110,6 +121,10 @@ def conv_shapes() -> Iterator[ConvShape]:
         yield ConvShape("1x1-expand", c, 4 * c, 1, 1, 1, _plane(8192, 4 * c))
     for c in (32, 64, 128, 256, 512):
         yield ConvShape("3x3", c, c, 3, 1, 1, _plane(4096, c))
+    for k, channels in ((7, (64, 128, 256)), (3, (256, 512))):
+        for c in channels:
+            yield ConvShape("1xk", c, c, 1, 1, 1, _plane(4096, c), kernel_w=k)
+            yield ConvShape("kx1", c, c, k, 1, 1, _plane(4096, c), kernel_w=1)
     for c in (64, 128, 256, 512):
         yield ConvShape("3x3-s2", c, c, 3, 2, 1, _plane(2048, c))
     # at ImageNet's 224 x 224 (112 x 112 out), the size stems run at: measured at 128 x 128,
@@ -138,26 +153,24 @@ def conv_shapes() -> Iterator[ConvShape]:
 
 def _tensors(s: ConvShape, n: int, dtype: torch.dtype, layout: str, dev: torch.device):
     """(input, weight, grad_output, convolution args after the bias) of shape s at batch n."""
-    g = torch.Generator(device=dev).manual_seed(s.c_in * 7919 + s.kernel * 31 + n)
+    g = torch.Generator(device=dev).manual_seed(s.c_in * 7919 + sum(s.kernels) * 31 + n)
     if s.pad is None:
-        pad = s.kernel // 2
+        pads = [k // 2 for k in s.kernels]
         # an even kernel with `pad` each side gives one output more than inputs (models drop
         # it): one input fewer keeps the output at `plane`
-        size = s.plane * s.stride - (1 - s.kernel % 2)
+        sizes = [s.plane * s.stride - (1 - k % 2) for k in s.kernels]
     else:
-        pad = s.pad
-        size = (s.plane - 1) * s.stride + s.kernel - 2 * pad
-    x = torch.randn(n, s.c_in, *[size] * s.dims, device=dev, dtype=dtype, generator=g)
+        pads = [s.pad] * s.dims
+        sizes = [(s.plane - 1) * s.stride + k - 2 * s.pad for k in s.kernels]
+    x = torch.randn(n, s.c_in, *sizes, device=dev, dtype=dtype, generator=g)
     w = (
-        torch.randn(
-            s.c_out, s.c_in // s.groups, *[s.kernel] * s.dims, device=dev, dtype=dtype, generator=g
-        )
+        torch.randn(s.c_out, s.c_in // s.groups, *s.kernels, device=dev, dtype=dtype, generator=g)
         * 0.05
     )
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)
-    args = ([s.stride] * s.dims, [pad] * s.dims, [1] * s.dims, False, [0] * s.dims, s.groups)
+    args = ([s.stride] * s.dims, pads, [1] * s.dims, False, [0] * s.dims, s.groups)
     y = torch.ops.aten.convolution(x, w, None, *args)
     assert y.shape[-1] == s.plane, (s, y.shape)
     return x, w, torch.randn_like(y), args  # randn_like keeps y's memory format

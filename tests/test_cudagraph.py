@@ -22,6 +22,7 @@ from gobrrr.plan import applicable
 from gobrrr.plan.apply import apply
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.search import plan
+from gobrrr.training.cudagraph import capture_error
 from gobrrr.workload import Workload
 
 H100 = Target.resolve("h100")
@@ -191,3 +192,21 @@ def test_a_sync_in_the_step_is_one_line():
     step = apply(w, Knobs(micro_batch=8, cuda_graph=True), "fp32")
     with pytest.raises(GobrrrError, match="cannot be captured as a CUDA graph at .*test_cudagraph"):
         step()
+
+
+def test_the_capture_error_reports_the_steps_own_exception():
+    """torch.cuda.graph's exit raises over the step's error; the step's line is reported."""
+
+    def step():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    try:
+        try:
+            step()
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        line = capture_error(e)
+    assert "operation not permitted when stream is capturing" in line
+    assert "previous error" not in line
+    assert "test_cudagraph.py" in line

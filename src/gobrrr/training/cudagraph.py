@@ -136,7 +136,11 @@ class CapturedStep:
 
 def capture_error(e: BaseException) -> str:
     """One line for an exception raised while capturing: what failed, the line of the step
-    it failed at (the innermost frame outside torch), and the fix."""
+    it failed at (the innermost frame outside torch), and the fix. The capture's end raises
+    its own error over the one the step raised ("operation failed due to a previous error
+    during capture"): the step's, the first of the chain, is the one reported."""
+    while e.__context__ is not None and e.__context__ is not e:
+        e = e.__context__
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     torch_dir = str(Path(torch.__file__).parent)
     frames = [f for f in traceback.extract_tb(e.__traceback__) if torch_dir not in f.filename]

@@ -49,7 +49,7 @@ from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
 from gobrrr.memory.trainable import Trainable, trainable
 from gobrrr.schedule.contention import contended
 from gobrrr.schedule.power import power_limited
-from gobrrr.schedule.scheduler import Timeline, exposed_comm, schedule
+from gobrrr.schedule.scheduler import Timeline, exposed_comm, scheduler
 from gobrrr.schedule.streams import COMM, stream_of
 
 
@@ -316,7 +316,7 @@ def step_schedule(
     touches = None
     if COMM in streams:
         touches = [frozenset(t.storage for t in (*n.inputs, *n.outputs)) for n in graph.nodes]
-    return lambda times: schedule(times, streams, syncs, repeat, param_of, touches)
+    return scheduler(streams, syncs, repeat, param_of, touches)
 
 
 def _offloaded(graph: StepGraph, ops: tuple[OpTime, ...]) -> dict[int, int]:

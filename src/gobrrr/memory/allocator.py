@@ -27,6 +27,7 @@ address wins); a replay of a recorded trace can pass the addresses cudaMalloc re
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left, insort
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -173,6 +174,10 @@ class CachingAllocator:
         self.allocated_peak = self.reserved_peak = self.segments_peak = 0
         self._allocated_at_reserved_peak = 0
         self.alloc_retries = self.ooms = self.device_allocs = self.device_frees = 0
+        # another budget to watch (None: none): `parted` is set once a segment is asked for
+        # that would pass it (an allocator with that budget would have refused it)
+        self.watch: int | None = None
+        self.parted = False
 
     # --------------------------------------------------------------------------- requests
     def malloc(self, nbytes: int, stream: str = "compute") -> int:
@@ -237,8 +242,40 @@ class CachingAllocator:
         self.segments_peak = len(self._segments)
         self._allocated_at_reserved_peak = self.allocated
 
+    def copy(self) -> CachingAllocator | None:
+        """A copy of this allocator, its blocks and pools its own (a replay goes on from it
+        with another budget, `memory.replay`); None where its segments' addresses come from
+        an iterator (which cannot be copied)."""
+        if self._addresses is not None:
+            return None
+        twin: dict[int, _Block] = {}
+        for b in self._blocks():
+            c = twin[id(b)] = _Block(b.addr, b.size, b.small, b.segment, b.stream)
+            c.allocated = b.allocated
+        for b in self._blocks():
+            c = twin[id(b)]
+            c.prev = twin[id(b.prev)] if b.prev is not None else None
+            c.next = twin[id(b.next)] if b.next is not None else None
+        new = copy.copy(self)  # the counters
+        new._pools = defaultdict(_Pool)
+        for key, pool in self._pools.items():
+            p = new._pools[key]
+            p.keys = list(pool.keys)
+            p.blocks = {k: twin[id(b)] for k, b in pool.blocks.items()}
+        new._live = {h: twin[id(b)] for h, b in self._live.items()}
+        new._segments = dict(self._segments)
+        return new
+
+    def _blocks(self) -> Iterator[_Block]:
+        """Every block: allocated, or free in a pool (a segment is made of them)."""
+        yield from self._live.values()
+        for pool in self._pools.values():
+            yield from pool.blocks.values()
+
     # --------------------------------------------------------------------------- internals
     def _new_segment(self, size: int, small: bool, stream: str) -> _Block | None:
+        if self.watch is not None and self.reserved + size > self.watch:
+            self.parted = True
         if self.budget is not None and self.reserved + size > self.budget:
             return None
         addr = next(self._addresses) if self._addresses is not None else self._next_addr

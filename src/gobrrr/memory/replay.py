@@ -23,6 +23,7 @@ process (`process_budget`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -32,7 +33,13 @@ from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph.ir import OpNode, StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
-from gobrrr.memory.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gobrrr.memory.allocator import (
+    AllocatorStats,
+    CachingAllocator,
+    OutOfMemory,
+    round_size,
+    segment_size,
+)
 from gobrrr.memory.scratch import attention as attention_scratch
 from gobrrr.memory.scratch import norm as norm_scratch
 from gobrrr.memory.scratch import reduce as reduce_scratch
@@ -235,10 +242,10 @@ def replay(
     if graph.meta.parallel is not None:  # the measured step starts from an emptied cache
         return _replay_free_first(graph, workspace, scratch or {}, budget, steps)
     first = _Process(graph, workspace, scratch or {}, budget)
-    limited = first.run(steps)
+    limited = first.run(steps, watch=budget)
     if limited.oom_index is None:
         return limited
-    free = _Process(graph, workspace, scratch or {}, None, first.ops).run(steps)
+    free = _other(first, graph, workspace, scratch or {}, None, steps)
     return dataclasses.replace(free, oom_index=limited.oom_index)
 
 
@@ -249,13 +256,29 @@ def _replay_free_first(
     warm-ups may pass the budget where the measured step does not (the unlimited replay is
     then the answer), which the limited replay alone cannot tell."""
     first = _Process(graph, workspace, scratch, None)
-    free = first.run(steps)
+    free = first.run(steps, watch=budget)
     if free.stats.reserved_peak <= budget:
         return free
-    limited = _Process(graph, workspace, scratch, budget, first.ops).run(steps)
+    limited = _other(first, graph, workspace, scratch, budget, steps)
     if limited.oom_index is None:
         return limited
     return dataclasses.replace(free, oom_index=limited.oom_index)
+
+
+def _other(
+    first: _Process,
+    graph: StepGraph,
+    workspace: Workspaces,
+    scratch: Scratch,
+    budget: int | None,
+    steps: int,
+) -> Replayed:
+    """The replay with `budget` where `first` ran with the other one (None or a budget): from
+    the copy of `first` it kept where the two could first part (`_Process.run`'s `watch`),
+    else from the start. Up to there the two are one, op for op."""
+    if first.forked is not None:
+        return first.forked.resume(steps)
+    return _Process(graph, workspace, scratch, budget, first.ops).run(steps)
 
 
 def replay_reserved(
@@ -313,6 +336,15 @@ class _Process:
         # called with each op, before its allocations (zoo/allocdiff.py labels the
         # allocator's events with it)
         self.watch: Callable[[OpNode], None] | None = None
+        # a copy of this process as it was before the first op where a replay with the
+        # other budget could part from this one (`run`'s `watch`), and where that was
+        self.forked: _Process | None = None
+        self.position = (0, 0)  # (step, op) a copy resumes at
+        self.pending: _Process | None = None  # the copy before the op being replayed
+        self._bounds: dict[str, list[int]] = {}  # `_most`
+        self.timeline: list[int] = []  # bytes allocated during each op of the last step
+        self.scratch_at: dict[int, int] = {}  # op -> its scratch blocks' bytes
+        self.at = -1  # the op being replayed
 
     def _ops(self) -> list[tuple]:
         """Per op: (index, its allocations as (storage, bytes, outlives the step), its
@@ -326,73 +358,176 @@ class _Process:
             out.append((n.index, allocs, n.stream, blocks, n.frees))
         return out
 
-    def run(self, steps: int) -> Replayed:
-        at, timeline, scratch = -1, [], {}
-        alloc, handles, sizes = self.alloc, self.handles, self.sizes
-        malloc, free, block_size = alloc.malloc, alloc.free, alloc.block_size
+    def run(self, steps: int, watch: int | None = None) -> Replayed:
+        """Replay `steps` steps. `watch`: the budget of another replay of this process (this
+        one's budget None) or None (this one's budget set). The two are one, op for op,
+        until a request asks for a segment that would pass that budget (one replay then
+        releases cached segments or fails, the other does not): a copy of this process as
+        it was before that op is kept (`forked`, resumed with `resume`). Copied before
+        each op that could (its requests, each a new segment, could pass the budget) and
+        dropped where it did not."""
         if self.ops is None:
             self.ops = self._ops()
-        ops, watch = self.ops, self.watch
-        nodes = {n.index: n for n in self.graph.nodes} if watch is not None else {}
+        alloc = self.alloc
         try:
             for sid in self.start:
                 if sid not in self.lazy:
                     self._malloc(sid)
-            self.ws_bytes = sum(block_size(malloc(b)) for b in self.workspace)
-            for step in range(steps):
-                first = step == 0
-                last = step == steps - 1
+            self.ws_bytes = sum(alloc.block_size(alloc.malloc(b)) for b in self.workspace)
+            if watch is not None and alloc.reserved <= watch:  # else parted already
+                alloc.watch = watch
+            self._steps(steps, 0, 0)
+        except OutOfMemory:
+            self._parted()
+            return Replayed(alloc.stats(), (), oom_index=self.at)
+        return self._replayed()
+
+    def resume(self, steps: int) -> Replayed:
+        """`run` of a `forked` copy, from where it was copied."""
+        try:
+            self._steps(steps, *self.position)
+        except OutOfMemory:
+            return Replayed(self.alloc.stats(), (), oom_index=self.at)
+        return self._replayed()
+
+    def _replayed(self) -> Replayed:
+        timeline, alloc = self.timeline, self.alloc
+        peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
+        if peak_index >= 0 and timeline[peak_index] < alloc.allocated_peak:
+            peak_index = -1  # the step never tops what it started with
+        return Replayed(
+            alloc.stats(),
+            tuple(timeline),
+            peak_index,
+            self.sizes,
+            self.ws_bytes,
+            self.scratch_at,
+        )
+
+    def _copy(self, step: int, k: int) -> _Process | None:
+        """This process before op k of `step`, with the budget its allocator watches."""
+        twin = self.alloc.copy()
+        if twin is None:  # addresses given: the other replay runs from the start
+            return None
+        twin.budget = None if self.alloc.budget is not None else self.alloc.watch
+        twin.watch, twin.parted = None, False
+        c = copy.copy(self)  # the graph and the per-op work shared
+        c.alloc = twin
+        c.handles, c.sizes = dict(self.handles), dict(self.sizes)
+        c.timeline, c.scratch_at = list(self.timeline), dict(self.scratch_at)
+        c.position, c.forked, c.pending = (step, k), None, None
+        return c
+
+    def _parted(self) -> None:
+        """The op after the last copy is done: keep the copy where the replays parted
+        there (and watch no more), else drop it."""
+        if self.pending is not None and self.alloc.parted:
+            self.forked, self.alloc.watch = self.pending, None
+        self.pending = None
+
+    def _steps(self, steps: int, step0: int, k0: int) -> None:
+        """Steps step0.. (the first from its op k0, its start already done where k0 > 0)."""
+        timeline, scratch = self.timeline, self.scratch_at
+        alloc, handles, sizes = self.alloc, self.handles, self.sizes
+        malloc, free, block_size = alloc.malloc, alloc.free, alloc.block_size
+        ops, hook = self.ops, self.watch
+        nodes = {n.index: n for n in self.graph.nodes} if hook is not None else {}
+        for step in range(step0, steps):
+            first = step == 0
+            last = step == steps - 1
+            lo = k0 if step == step0 else 0
+            # captured as a CUDA graph (`passes.cudagraph`): the warm-ups' cache emptied, then
+            # the measured step is the capture, its allocations in the graph's pool
+            pool = self.captured if last else None
+            if lo == 0:
                 if last and self.graph.meta.parallel is not None:
-                    # the multi-GPU protocol (benchmarks/multigpu/steps.py) releases the cache
-                    # after the warm-ups: what building the unsharded model left cached
+                    # the multi-GPU protocol (benchmarks/multigpu/steps.py) releases the
+                    # cache after the warm-ups: what building the unsharded model left cached
                     alloc.empty_cache()
-                # captured as a CUDA graph (`passes.cudagraph`): the warm-ups' cache emptied,
-                # then the measured step is the capture, its allocations in the graph's pool
-                pool = self.captured if last else None
                 if pool is not None:
                     alloc.empty_cache()
                 if last:
                     alloc.reset_peaks()
-                for at, allocs, stream, blocks, frees in ops:
-                    inside = "compute"  # the pool of what an op allocates inside itself
-                    if pool is not None and at >= pool:
-                        stream = inside = CUDA_GRAPH_POOL
-                    if first and at == self.first_opt:
-                        for sid in self.lazy:
-                            self._malloc(sid)
-                    if watch is not None:
-                        watch(nodes[at])
-                    # an op's allocations (a storage that outlived the previous step is
-                    # replaced by this step's), in the pool of the stream that allocates it
-                    for sid, nbytes, survives in allocs:
-                        if survives and sid in handles:
-                            free(handles.pop(sid))
-                        if nbytes > 0:
-                            h = handles[sid] = malloc(nbytes, stream)
-                            sizes[sid] = block_size(h)
-                    if first and at in self.ws_at:  # a BLAS handle's workspace, kept
-                        for b in self.ws_at[at]:
-                            self.ws_bytes += block_size(malloc(b))
-                    if blocks:  # its scratch, allocated and freed while it runs
-                        got = [malloc(b, inside) for b in blocks]
-                        during = alloc.allocated
-                        scratch[at] = sum(block_size(h) for h in got)
-                        for h in got:
-                            free(h)
-                    else:
-                        during = alloc.allocated
-                        scratch[at] = 0
-                    for sid in frees:
-                        if sid in handles:
-                            free(handles.pop(sid))
-                    if last:
-                        timeline.append(during)
-        except OutOfMemory:
-            return Replayed(alloc.stats(), (), oom_index=at)
-        peak_index = max(range(len(timeline)), key=timeline.__getitem__, default=-1)
-        if peak_index >= 0 and timeline[peak_index] < alloc.allocated_peak:
-            peak_index = -1  # the step never tops what it started with
-        return Replayed(alloc.stats(), tuple(timeline), peak_index, sizes, self.ws_bytes, scratch)
+            most = self._most(first) if alloc.watch is not None else None
+            for k in range(lo, len(ops)):
+                at, allocs, stream, blocks, frees = ops[k]
+                self.at = at
+                inside = "compute"  # the pool of what an op allocates inside itself
+                if pool is not None and at >= pool:
+                    stream = inside = CUDA_GRAPH_POOL
+                if most is not None:  # watching for where another budget parts
+                    if self.pending is not None:
+                        self._parted()
+                        if alloc.watch is None:
+                            most = None
+                    if most is not None and alloc.reserved + most[k] > alloc.watch:
+                        alloc.parted = False
+                        self.pending = self._copy(step, k)
+                if first and at == self.first_opt:
+                    for sid in self.lazy:
+                        self._malloc(sid)
+                if hook is not None:
+                    hook(nodes[at])
+                # an op's allocations (a storage that outlived the previous step is
+                # replaced by this step's), in the pool of the stream that allocates it
+                for sid, nbytes, survives in allocs:
+                    if survives and sid in handles:
+                        free(handles.pop(sid))
+                    if nbytes > 0:
+                        h = handles[sid] = malloc(nbytes, stream)
+                        sizes[sid] = block_size(h)
+                if first and at in self.ws_at:  # a BLAS handle's workspace, kept
+                    for b in self.ws_at[at]:
+                        self.ws_bytes += block_size(malloc(b))
+                if blocks:  # its scratch, allocated and freed while it runs
+                    got = [malloc(b, inside) for b in blocks]
+                    during = alloc.allocated
+                    scratch[at] = sum(block_size(h) for h in got)
+                    for h in got:
+                        free(h)
+                else:
+                    during = alloc.allocated
+                    scratch[at] = 0
+                for sid in frees:
+                    if sid in handles:
+                        free(handles.pop(sid))
+                if last:
+                    timeline.append(during)
+            self._parted()
+
+    def _most(self, first: bool) -> list[int]:
+        """Per op: the most its requests can add to the reserved bytes (each a new
+        segment), in the first step (its lazy optimizer states and BLAS workspaces too) or
+        a later one."""
+        key = "first" if first else "later"
+        if key in self._bounds:
+            return self._bounds[key]
+        seg: dict[int, int] = {}  # request bytes -> its segment's (a step repeats sizes)
+
+        def most(sizes) -> int:
+            n = 0
+            for b in sizes:
+                got = seg.get(b)
+                if got is None:
+                    got = seg[b] = segment_size(round_size(b)) if b > 0 else 0
+                n += got
+            return n
+
+        if not first:
+            out = [
+                most(b for _, b, _ in allocs) + most(blocks) if allocs or blocks else 0
+                for _, allocs, _, blocks, _ in self.ops
+            ]
+        else:
+            out = list(self._most(False))
+            st = self.graph.storages
+            for k, (at, *_) in enumerate(self.ops):
+                if at in self.ws_at:
+                    out[k] += most(self.ws_at[at])
+                if at == self.first_opt:
+                    out[k] += most(st[s].nbytes for s in self.lazy)
+        self._bounds[key] = out
+        return out
 
     def _malloc(self, sid: int, stream: str = "compute") -> None:
         if self.graph.storages[sid].nbytes > 0:

@@ -512,11 +512,16 @@ def _backward_gathers(plan: _Plan, units: list[Unit], reshard: bool | None) -> d
 def _read(plan, ps: list[Param], ga: _Gather, lo: int, hi: int, phases) -> None:
     """The unit's ops lo..hi of those phases read its parameters from the gather's buffers
     (any op of the phase in the micro-batch: a tied weight read outside its unit's span)."""
+    bufs = {p.sid: ga.bufs[p.sid] for p in ps}
+    nodes, remap = plan.graph.nodes, plan.remap
     for i in range(lo, hi + 1):
-        if plan.graph.nodes[i].phase in phases:
-            m = plan.remap.setdefault(i, {})
-            for p in ps:
-                m.setdefault(p.sid, ga.bufs[p.sid])
+        if nodes[i].phase in phases:
+            m = remap.get(i)
+            if m is None:  # most ops: the unit's map, copied (a later pass adds to it)
+                remap[i] = bufs.copy()
+            else:  # what an earlier unit or phase mapped stays
+                for sid, buf in bufs.items():
+                    m.setdefault(sid, buf)
 
 
 def _retarget_adds(plan: _Plan, lo: int, hi: int, grads, accumulated: dict[int, int]) -> None:

@@ -162,6 +162,9 @@ class _ParallelSearch(_Search):
         # the fastest plan that fits so far, with its graph: the chosen plan's memory chart
         # (`report.charts`) asks for that graph again once the search is done
         self._best: tuple[Knobs, Plan, StepGraph] | None = None
+        # candidates costed ahead in forked children, (knobs, timed) -> (plan, replay), until
+        # `cost` asks for them (`prefetch`)
+        self._fetched: dict[tuple[Knobs, bool], tuple[Plan, MemoryResult]] = {}
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
         """Every parallelism's candidates; `progress` called with (variants costed, of)."""
@@ -207,6 +210,16 @@ class _ParallelSearch(_Search):
             v = replace(v, parallel="fsdp", sync_each=True)  # unsharded fp32 grads cannot fit
         plain_first = False  # the first micro-batch: checkpointing every block first
         for m in ms:
+            if parallel == "fsdp" and not plain_first and m != ms[-1] and self.blocks:
+                # the rank's whole share, checkpointed, is costed in the end whichever
+                # micro-batch stops the loop: costed beside this one's first candidate
+                full = every_kth(self.blocks, 1)
+                self.prefetch(
+                    [
+                        (self._knobs(m, v, parallel)(checkpoint=full), False),
+                        (self._knobs(ms[-1], v, parallel)(checkpoint=full), False),
+                    ]
+                )
             plans = self.at_micro_batch(m, v, parallel, plain_first)
             if not any(p.fits for p in plans):
                 break
@@ -238,15 +251,7 @@ class _ParallelSearch(_Search):
         """The candidates at micro-batch m, the plain step first where `plain_first` (it
         fitted at the micro-batch before), else checkpointing every block first (where even
         that does not fit, nothing at m does)."""
-        n = self.req.per_rank // m
-        knobs = functools.partial(
-            replace,
-            v,
-            micro_batch=m,
-            accumulation=n,
-            parallel=parallel,
-            sync_each=v.sync_each and n > 1,
-        )
+        knobs = self._knobs(m, v, parallel)
         ckpt = bool(self.blocks)
         if plain_first or not ckpt:
             plain = self.cost(knobs())
@@ -255,6 +260,17 @@ class _ParallelSearch(_Search):
         full = self.cost(knobs(checkpoint=every_kth(self.blocks, 1)))
         if not full.fits:
             return self._no_reshard([full])
+        # what comes next, costed at once: the plain step (timed); the selective and
+        # every-other-block candidates, wanted where it does not fit (where it does, their
+        # costs are dropped); the fitting full plan without reshard
+        ahead = [
+            (knobs(), True),
+            (knobs(checkpoint=every_kth(self.blocks, 1, "selective")), True),
+            (knobs(checkpoint=every_kth(self.blocks, 2)), False),
+        ]
+        if full.knobs.parallel == "fsdp" and full.knobs.reshard:
+            ahead.append((replace(full.knobs, reshard=False), False))
+        self.prefetch(ahead)
         plain = self.cost(knobs(), timed=True)
         out = [plain, full]
         if not plain.fits:
@@ -267,6 +283,34 @@ class _ParallelSearch(_Search):
             out += [sel, half]
             out += self.budget_optimal(knobs, plain, sel, full)
         return self._no_reshard(out)
+
+    def _knobs(self, m: int, v: Variant, parallel: str) -> Callable[..., Knobs]:
+        """(**changes) -> the knobs of `v` under `parallel` at micro-batch m, accumulated to
+        the rank's share, with those changes."""
+        n = self.req.per_rank // m
+        return functools.partial(
+            replace,
+            v,
+            micro_batch=m,
+            accumulation=n,
+            parallel=parallel,
+            sync_each=v.sync_each and n > 1,
+        )
+
+    def prefetch(self, wanted: list[tuple[Knobs, bool]]) -> None:
+        """Cost `wanted` ((knobs, timed) each) ahead, the first here and the others in forked
+        children meanwhile, where the trace workers allow it (as `cost_each`); `cost` then
+        takes each plan as it asks for it, in the search's own order, and counts it there.
+        A candidate the search does not ask for after all costs a child's time, never a
+        different plan (each plan is its knobs' alone)."""
+        a = self.ahead
+        todo = [w for w in dict.fromkeys(wanted) if w not in self._fetched and self._wanted(*w)]
+        if a is None or a.here or a.processes < 1 or len(todo) < 2:
+            return
+        self.graph(todo[0][0])  # the micro-batch's graph, derived here (children share it)
+        with self.collected():
+            got = forked_map([functools.partial(self._costed, k, t) for k, t in todo], a.processes)
+        self._fetched.update(zip(todo, got, strict=True))
 
     def _no_reshard(self, plans: list[Plan]) -> list[Plan]:
         """FSDP2's plans that fit, costed again with reshard_after_forward off (each from
@@ -310,8 +354,12 @@ class _ParallelSearch(_Search):
         (or `timed`: the knapsack reads the times of plans that do not fit)."""
         if not self._wanted(knobs, timed):
             return self.costed[knobs]
-        with self.collected():
-            plan = self._one(knobs, timed)
+        got = self._fetched.pop((knobs, timed), None)
+        if got is not None:  # costed ahead (`prefetch`)
+            plan, self.memory[knobs] = got
+        else:
+            with self.collected():
+                plan = self._one(knobs, timed)
         self._record(knobs, plan)
         return plan
 
@@ -329,17 +377,8 @@ class _ParallelSearch(_Search):
         same plans, in the same order, as one after another here. What a child works out
         on the way (a graph before sharding, the per-op memo) is worked out here again where
         a later candidate needs it."""
-        a = self.ahead
-        todo = [(k, t) for k, t in dict(wanted).items() if self._wanted(k, t)]
-        if a is None or a.here or a.processes < 1 or len(todo) < 2:
-            return [self.cost(k, t) for k, t in wanted]
-        self.graph(todo[0][0])  # the micro-batch's graph, derived here (children share it)
-        with self.collected():
-            got = forked_map([functools.partial(self._costed, k, t) for k, t in todo], a.processes)
-        for (k, _), (plan, mem) in zip(todo, got, strict=True):
-            self.memory[k] = mem
-            self._record(k, plan)
-        return [self.costed[k] for k, _ in wanted]
+        self.prefetch(wanted)
+        return [self.cost(k, t) for k, t in wanted]  # counted in the order asked
 
     def _wanted(self, knobs: Knobs, timed: bool) -> bool:
         """Whether `cost(knobs, timed)` has work to do (else it returns what it costed)."""

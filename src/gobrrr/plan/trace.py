@@ -432,15 +432,18 @@ def uses_torchscript(model: torch.nn.Module) -> bool:
 
 def forked_map(fns: list[Callable[[], Any]], processes: int) -> list[Any]:
     """[fn() for fn in fns], the first here and up to `processes` of the others in forked
-    children meanwhile (the rest here after it); a child that fails is run again here, which
-    raises its error here. Each fn must leave this process's state as it found it (what it
-    changes in a child is lost): its result is what counts."""
-    children = [_Child.fork(fn) for fn in fns[1 : 1 + processes]]
+    children meanwhile (the rest here after it, before waiting for the children); a child
+    that fails is run again here, which raises its error here. Each fn must leave this
+    process's state as it found it (what it changes in a child is lost): its result is what
+    counts."""
+    forked = fns[1 : 1 + processes]
+    children = [_Child.fork(fn) for fn in forked]
     out = [fns[0]()]
-    for fn, child in zip(fns[1:], children + [None] * len(fns), strict=False):
+    rest = [fn() for fn in fns[1 + processes :]]
+    for fn, child in zip(forked, children, strict=True):
         got = child.result() if child is not None else None
         out.append(fn() if got is None else got)
-    return out
+    return out + rest
 
 
 def _run_child(fn: Callable[[], Any], fd: int) -> None:

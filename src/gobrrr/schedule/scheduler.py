@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gobrrr.cost.roofline import OpTime
@@ -137,10 +137,25 @@ def schedule(
     waits of `syncs` (op indices), of CPU offload (`param_of`, see `offload_waits`) and of
     the collectives (`touches`, see `comm_waits`; only where the step has some), the
     segment `repeat` (start, end, times) repeated."""
+    return scheduler(streams, syncs, repeat, param_of, touches)(ops)
+
+
+def scheduler(
+    streams: Sequence[str],
+    syncs: set[int],
+    repeat: tuple[int, int, int] | None,
+    param_of: dict[int, int] | None = None,
+    touches: Sequence[frozenset[int]] | None = None,
+) -> Callable[[tuple[OpTime, ...]], Timeline]:
+    """`schedule` of the step's ops given their times, its waits worked out once: they
+    depend on the streams and storages alone, and the power limit and the contention model
+    schedule one step several times with other times (a 64-rank FSDP2 step's collective
+    waits took a tenth of each schedule)."""
     waits = (*sync_waits(syncs), *offload_waits(streams, param_of or {}))
     if touches is not None:
         waits = (*waits, *comm_waits(streams, touches))
-    return place(ops, streams, waits, repeat)
+    plan = _Plan(streams, tuple(waits))
+    return lambda ops: _Run(ops, plan).timeline(repeat)
 
 
 def exposed_comm(timeline: Timeline) -> tuple[float, float]:
@@ -188,17 +203,16 @@ def place(
     """Every op on its stream (`streams[i]`) with the waits given (e.g. a collective on the
     comm stream waiting for the op producing its input, the op consuming its output waiting
     for the collective), the segment `repeat` (start, end, times) repeated."""
-    return _Run(ops, streams, tuple(waits)).timeline(repeat)
+    return _Run(ops, _Plan(streams, tuple(waits))).timeline(repeat)
 
 
-class _Run:
-    """The clocks as the ops run: the host's, each device resource's, each stream's tail (its
-    last op's end) and each op's latest end."""
+class _Plan:
+    """What a schedule of the step reads besides its ops' times, the same for every
+    schedule of it: each op's stream, the resource it occupies (None: the host's op, or a
+    copy's `True` flag below), and its waits by where they hold."""
 
-    def __init__(
-        self, ops: tuple[OpTime, ...], streams: Sequence[str], waits: tuple[Wait, ...]
-    ) -> None:
-        self.ops, self.streams, self.waits = ops, streams, waits
+    def __init__(self, streams: Sequence[str], waits: tuple[Wait, ...]) -> None:
+        self.streams, self.waits = streams, waits
         # op -> its waits (most ops have none: looked up with .get, no empty list each)
         self.before: dict[int, list[Wait]] = {}  # the host's, before issuing
         self.on_device: dict[int, list[Wait]] = {}
@@ -206,6 +220,19 @@ class _Run:
         for w in waits:
             where = self.after if w.after else self.before if w.stream == HOST else self.on_device
             where.setdefault(w.op, []).append(w)
+        # per op: (its resource or None on the host, whether it is a copy)
+        kinds = {s: (RESOURCE.get(s), s in COPY_STREAMS) for s in set(streams)}
+        self.kinds = [kinds[s] for s in streams]
+
+
+class _Run:
+    """The clocks as the ops run: the host's, each device resource's, each stream's tail (its
+    last op's end) and each op's latest end."""
+
+    def __init__(self, ops: tuple[OpTime, ...], plan: _Plan) -> None:
+        self.ops, self.plan = ops, plan
+        self.streams, self.waits = plan.streams, plan.waits
+        self.before, self.on_device, self.after = plan.before, plan.on_device, plan.after
         self.host = 0.0
         self.free: dict[str, float] = defaultdict(float)  # resource -> when it is free
         self.tail: dict[str, float] = defaultdict(float)  # stream -> its last op's end
@@ -231,11 +258,14 @@ class _Run:
         moves on by its host time (after the waits before it), a device op starts when its
         resource is free and its waits are met. The hot loop of every evaluation (several
         schedules of every op, for the power limit): the clocks are kept in locals, waits
-        looked up only for the few ops that have them (`_at` reads `self.host`: set first)."""
-        ops, streams, wait = self.ops, self.streams, self._wait
+        looked up only for the few ops that have them (`_at` reads `self.host`: set first),
+        each op's resource read off the plan, its span made without the frozen dataclass's
+        `__init__` (half its cost: every schedule makes one per op)."""
+        ops, streams, kinds, wait = self.ops, self.streams, self.plan.kinds, self._wait
         before, on_device, after = self.before, self.on_device, self.after
         free, tail, ended, clock = self.free, self.tail, self.ended, self.clock
         out: list[OpSpan] = []
+        append, new = out.append, object.__new__
         host = self.host
         for i in range(lo, hi):
             o, stream = ops[i], streams[i]
@@ -245,11 +275,10 @@ class _Run:
             issue_start = host
             host += o.host_s
             issue_end, start, end = host, None, None
+            resource, copy = kinds[i]
             # a copy always occupies the link (its time is never 0: a copy's latency); a
             # compute op without device time is no kernel (a view, an op fused into another)
-            copy = stream in COPY_STREAMS
-            if copy or (stream != HOST and o.device_s > 0):
-                resource = RESOURCE[stream]
+            if copy or (resource is not None and o.device_s > 0):
                 w = on_device.get(i)
                 start = max(free[resource], host)
                 if w is not None:
@@ -269,7 +298,16 @@ class _Run:
             if (w := after.get(i)) is not None:
                 self.host = host
                 host = wait(host, w)
-            out.append(OpSpan(i, stream, issue_start, issue_end, start, end))
+            span = new(OpSpan)
+            span.__dict__.update(
+                index=i,
+                stream=stream,
+                issue_start=issue_start,
+                issue_end=issue_end,
+                start=start,
+                end=end,
+            )
+            append(span)
         self.host = host
         return out
 

@@ -64,6 +64,8 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
                     "checkpointed",
                     "recompute_selective",
                     "checkpointed_selective",
+                    "checkpointed_per_saved",
+                    "checkpointed_selective_per_saved",
                 )
                 if k in here
             }

@@ -60,7 +60,10 @@ def step_overhead(
     rate, over its recomputed ops; a forward op inside a checkpointed block costs its
     forward's time less what the other forward ops cost at the forward rate, over those ops.
     That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
-    re-entering the block's Python) as a cost per op."""
+    re-entering the block's Python) as a cost per op. "checkpointed_per_saved" (and
+    "_selective"): the same forward time beyond the forward rate, over the tensors those ops
+    saved for backward (`checkpoint_surcharge`): the checkpoint's hook runs once per saved
+    tensor, so a block whose ops save fewer (a LoRA layer's frozen linears) pays less."""
     models = [
         _timed_model(make, ckpt, dev, warmup)
         for make in _tiny_workloads()
@@ -88,7 +91,28 @@ def step_overhead(
                     statistics.median(m.times[phase]) - m.counts[others] * out[phase] for m in ckpt
                 )
                 out[key + suffix] = max(extra / n, out.get("forward", 0.0))
+        saved = sum(m.counts["saved"] for m in ckpt)
+        if "checkpointed" + suffix in out and saved:
+            per_op = out["checkpointed" + suffix] - out["forward"]
+            n = sum(m.counts["checkpointed"] for m in ckpt)
+            out["checkpointed" + suffix + "_per_saved"] = checkpoint_surcharge(per_op, n, saved)
     return out
+
+
+def checkpoint_surcharge(per_op: float, ops: int, saved: int) -> float:
+    """Host seconds per tensor saved for backward that checkpointing adds to a forward, from
+    the same forward's surcharge measured per op (`per_op` s beyond the forward rate, over
+    `ops` forward ops inside checkpointed blocks that saved `saved` > 0 tensors): the total
+    surcharge over the saved tensors."""
+    return per_op * ops / saved
+
+
+def checkpointed_counts(graph) -> dict[str, int]:
+    """The forward ops of `graph` inside checkpointed blocks ("checkpointed") and the tensors
+    they saved for backward ("saved"), as `step_overhead` divides by them."""
+    under = checkpointed_modules(graph)
+    ops = [n for n in graph.nodes if n.phase == "forward" and n.module in under]
+    return {"checkpointed": len(ops), "saved": sum(n.saved or 0 for n in ops)}
 
 
 class _Timed(NamedTuple):
@@ -104,18 +128,8 @@ class _Timed(NamedTuple):
 
 def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Timed:
     """A tiny model with `checkpoint`, on the device, warmed up."""
-    policies = (
-        checkpoint
-        if checkpoint != "selective"
-        else dict.fromkeys(block_names(make().model), "selective")
-    )
-    graph = capture(make, precision="fp32", checkpoint=policies)
-    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
-    under = checkpointed_modules(graph)
-    counts["checkpointed"] = sum(
-        1 for n in graph.nodes if n.phase == "forward" and n.module in under
-    )
-    counts["outside"] = counts["forward"] - counts["checkpointed"]
+    policies = _policies(make, checkpoint)
+    counts = tiny_counts(make, checkpoint)
     wl, opt, _ = prepare(
         make(), dev.type, "fp32", checkpoint="none" if checkpoint == "selective" else checkpoint
     )
@@ -124,6 +138,23 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Time
     for _ in range(warmup):
         _phase_times(wl, opt, dev)
     return _Timed(wl, opt, checkpoint, counts, {p: [] for p in PHASES})
+
+
+def _policies(make, checkpoint: str) -> str | dict[str, str]:
+    if checkpoint != "selective":
+        return checkpoint
+    return dict.fromkeys(block_names(make().model), "selective")
+
+
+def tiny_counts(make, checkpoint: str) -> dict[str, int]:
+    """The ops of tiny model `make` per phase under `checkpoint` ("none", "full",
+    "selective"), those of its forward inside checkpointed blocks and outside them, and the
+    tensors those inside saved for backward, as traced (they do not depend on the device)."""
+    graph = capture(make, precision="fp32", checkpoint=_policies(make, checkpoint))
+    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
+    counts.update(checkpointed_counts(graph))
+    counts["outside"] = counts["forward"] - counts["checkpointed"]
+    return counts
 
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:

@@ -306,8 +306,9 @@ def _python_holds(t: torch.Tensor) -> bool:
 
 
 def _saved_count(fn: Any) -> int:
-    """How many tensors autograd node `fn` saved (a defined one: packed data not None),
-    read off its raw saved variables, which are not unpacked."""
+    """How many tensors autograd node `fn` saved through the saved-tensor hooks (a defined
+    one: packed data not None, and not a Python number autograd wrapped, which it saves
+    without calling the hooks), read off its raw saved variables, which are not unpacked."""
     n = 0
     for name in dir(fn):
         if not name.startswith("_raw_saved_"):
@@ -317,8 +318,25 @@ def _saved_count(fn: Any) -> int:
         except RuntimeError:  # freed already
             continue
         for v in value if isinstance(value, (list, tuple)) else (value,):
-            n += _packed(v) is not None
+            data = _packed(v)
+            n += data is not None and not _wrapped_number(data)
     return n
+
+
+#: the dtypes autograd wraps a Python bool, int, float or complex in (a 0-dim CPU tensor)
+_WRAPPED = (torch.bool, torch.int64, torch.float64, torch.complex128)
+
+
+def _wrapped_number(data: Any) -> bool:
+    """Whether saved `data` is a Python number's wrapper (`x * 2.0`'s 2.0): a 0-dim CPU
+    tensor in a wrapped number's dtype that is no fake tensor (a fake trace leaves the
+    wrapper real; no hook packed it, so it is a tensor, not a hook's holder)."""
+    return (
+        type(data) is torch.Tensor
+        and data.dim() == 0
+        and data.device.type == "cpu"
+        and data.dtype in _WRAPPED
+    )
 
 
 def _packed(v: Any) -> Any:

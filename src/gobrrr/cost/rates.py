@@ -411,14 +411,18 @@ def _variant_curve(curves: dict, prefix: str, variant: str) -> list | None:
 def _checkpointed(per_op: dict[str, float], key: str, saved: int | None) -> float | None:
     """Host seconds of a forward op inside a checkpointed block (`key` "checkpointed" or
     "checkpointed_selective") that saves `saved` tensors for backward: the forward rate plus
-    the checkpoint's surcharge per saved tensor (its saved-tensor hook runs once for each),
-    "<key>_per_saved" in s/tensor. None where that is not known: no count on the op, or a
-    calibration that measured the surcharge per op only (then charged per op)."""
+    the checkpoint's surcharge in two parts, "<key>_fit_per_op" (s) and "<key>_fit_per_saved"
+    (s a tensor: its saved-tensor hook runs once for each), fitted on the calibration's tiny
+    steps (`calibrate.sections.host.fit_surcharge`). None where that is not known: no count on
+    the op, or a calibration that measured the surcharge per op only (then charged per op); a
+    selective block without its policy's figures reads the full policy's."""
     if saved is None or not key.startswith("checkpointed") or "forward" not in per_op:
         return None
     for k in (key, key.removesuffix("_selective")):
-        if k + "_per_saved" in per_op:
-            return per_op["forward"] + saved * per_op[k + "_per_saved"]
+        if k + "_fit_per_op" in per_op and k + "_fit_per_saved" in per_op:
+            return (
+                per_op["forward"] + per_op[k + "_fit_per_op"] + saved * per_op[k + "_fit_per_saved"]
+            )
         if k in per_op:
             return None
     return None

@@ -419,10 +419,9 @@ def _checkpointed(per_op: dict[str, float], key: str, saved: int | None) -> floa
     if saved is None or not key.startswith("checkpointed") or "forward" not in per_op:
         return None
     for k in (key, key.removesuffix("_selective")):
-        if k + "_fit_per_op" in per_op and k + "_fit_per_saved" in per_op:
-            return (
-                per_op["forward"] + per_op[k + "_fit_per_op"] + saved * per_op[k + "_fit_per_saved"]
-            )
+        a, b = per_op.get(k + "_fit_per_op"), per_op.get(k + "_fit_per_saved")
+        if a is not None and b is not None:
+            return per_op["forward"] + a + saved * b
         if k in per_op:
             return None
     return None

@@ -29,7 +29,9 @@ from gobrrr.kernels.bench import env_info, write_json
 # calibration, and the host's per-op cost by phase, merged as ratios to the forward's (below)
 SECTIONS = {
     **gpu_sections(),
-    "checkpoint_overhead": lambda d: {"op_overhead": ch.step_overhead(d)},
+    "checkpoint_overhead": lambda d: dict(
+        zip(("op_overhead", "checkpoint_rows"), ch.step_overhead_rows(d), strict=True)
+    ),
     "attention_host": lambda d: {"attention_host": ch.attention_host_costs(d)},
 }
 
@@ -56,7 +58,7 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
         if "checkpoint_overhead" in sections:
             # host speed differs between machines: keep the file's own per-op costs and add
             # the checkpointed phases' at their ratios to the forward's measured here
-            here = measured.pop("op_overhead")
+            here, rows = measured.pop("op_overhead"), measured.pop("checkpoint_rows")
             ratios = {
                 k: here[k] / here["forward"]
                 for k in (
@@ -64,6 +66,10 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
                     "checkpointed",
                     "recompute_selective",
                     "checkpointed_selective",
+                    "checkpointed_fit_per_op",
+                    "checkpointed_fit_per_saved",
+                    "checkpointed_selective_fit_per_op",
+                    "checkpointed_selective_fit_per_saved",
                 )
                 if k in here
             }
@@ -75,6 +81,7 @@ def run(out_path: str | Path, sections: list[str], into: str | Path | None = Non
                 **meta["checkpoint_overhead"],
                 "measured": here,
                 "over_forward": ratios,
+                "rows": rows,  # the surcharge fit's tiny models, as timed here
             }
         if "attention_host" in measured:
             # the fused attention ops' keys of op_host, the rest of it as the file has it

@@ -216,9 +216,10 @@ def _per_op(graph: StepGraph, rates: Rates, memo: dict) -> tuple[list[OpCost], t
 
 
 def _op_key(n, host_phase: str | None) -> tuple:
-    """What an op's cost and time depend on: the op, its phase and host-cost key, its
-    tensors but for which storage each is in (only which of them share one), its arguments
-    (as repr: 1, 1.0 and True differ)."""
+    """What an op's cost and time depend on: the op, its phase and host-cost key (and, for a
+    forward op under checkpointing, the tensors it saves), its tensors but for which storage
+    each is in (only which of them share one), its arguments (as repr: 1, 1.0 and True
+    differ)."""
     ids: dict[int, int] = {}
     ins = tuple(
         (t.shape, t.stride, t.dtype, t.offset, ids.setdefault(t.storage, len(ids)))
@@ -228,7 +229,8 @@ def _op_key(n, host_phase: str | None) -> tuple:
         (t.shape, t.stride, t.dtype, t.offset, ids.setdefault(t.storage, len(ids)))
         for t in n.outputs
     )
-    return (n.op, n.phase, host_phase, ins, outs, repr(n.args), repr(n.kwargs))
+    saved = n.saved if host_phase and host_phase.startswith("checkpointed") else None
+    return (n.op, n.phase, host_phase, saved, ins, outs, repr(n.args), repr(n.kwargs))
 
 
 def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple[OpTime, ...]:

@@ -555,6 +555,7 @@ def _trace(
     graph = _assemble(rec, table, w, precision)
     return dataclasses.replace(
         graph,
+        nodes=saved.counted(graph.nodes),
         meta=graph.meta.replace(
             syncs=tuple(step.syncs),
             autograd=saved.meta(),

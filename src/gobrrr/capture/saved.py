@@ -16,6 +16,7 @@ recorded) and dropped again.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
 import weakref
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from gobrrr.capture.recorder import StorageTable
+from gobrrr.graph.ir import OpNode
 from gobrrr.graph.meta import AUTOGRAD_VERSION, Autograd, NodeSpan, SavedRow, Unreferenced
 from gobrrr.workload import iter_tensors
 
@@ -51,6 +53,9 @@ class SavedTracker:
         self.unreferenced: list[list[int]] = []
         self.block_inputs: dict[str, list[int]] = {}
         self.unmapped = 0  # nodes whose op was guessed from their neighbours
+        self._guessed: dict[int, int] = {}  # their sequence numbers -> the op guessed
+        self.counts: dict[int, int] = {}  # forward op -> tensors its node saved
+        self.first_backward: int | None = None  # the op backward started at
         self.hooked = False  # the forward packed saved tensors through hooks
         self._clock = -1  # the last op recorded
         self._held: list[tuple[weakref.ref, int]] | None = []  # forward tensors Python holds
@@ -83,7 +88,10 @@ class SavedTracker:
         elif self.rows is None:
             self._held = None
             self._resolve(index)
-            self.rows = [] if self.hooked else self._walk()
+            self.first_backward = index
+            fns = self._reachable()
+            self.counts = self._count(fns)
+            self.rows = [] if self.hooked else self._walk(fns)
 
     def meta(self) -> Autograd:
         """What the trace learnt, for StepMeta.autograd."""
@@ -160,7 +168,22 @@ class SavedTracker:
                 keep.append((ref, index))
         self._pending = keep
 
-    def _walk(self) -> list[list[Any]]:
+    def counted(self, nodes: tuple[OpNode, ...]) -> tuple[OpNode, ...]:
+        """`nodes` with each forward op before backward's start given `saved`: the tensors
+        its autograd node saved (0: none, or no node). Later micro-batches' forward ops are
+        not walked and keep None."""
+        end = self.first_backward
+        if end is None:
+            return nodes
+        return tuple(
+            dataclasses.replace(n, saved=self.counts.get(n.index, 0))
+            if n.index < end and n.phase == "forward"
+            else n
+            for n in nodes
+        )
+
+    def _reachable(self) -> list[Any]:
+        """Every autograd node reachable from a forward output still alive."""
         seen: dict[int, Any] = {}
         todo = [
             t.grad_fn
@@ -173,9 +196,23 @@ class SavedTracker:
                 continue
             seen[id(fn)] = fn
             todo.extend(f for f, _ in fn.next_functions)
+        return list(seen.values())
+
+    def _count(self, fns: list[Any]) -> dict[int, int]:
+        """Tensors saved per forward op, counted without unpacking them: under a checkpoint's
+        hooks unpacking would recompute the block, and the hook packed each one once."""
+        seqs = sorted(self.seq_op)
+        out: dict[int, int] = {}
+        for fn in fns:
+            if n := _saved_count(fn):
+                index = self._op_of(fn._sequence_nr(), seqs)
+                out[index] = out.get(index, 0) + n
+        return out
+
+    def _walk(self, fns: list[Any]) -> list[list[Any]]:
         seqs = sorted(self.seq_op)
         rows = []
-        for fn in seen.values():
+        for fn in fns:
             saved = _saved_tensors(fn)
             if saved:
                 index = self._op_of(fn._sequence_nr(), seqs)
@@ -201,11 +238,11 @@ class SavedTracker:
         fn.register_hook(post)
 
     def _op_of(self, seq: int, seqs: list[int]) -> int:
-        index = self.seq_op.get(seq)
+        index = self.seq_op.get(seq, self._guessed.get(seq))
         if index is None:  # its outputs died before it could be tied: the op before it
             self.unmapped += 1
             i = bisect.bisect_left(seqs, seq)
-            index = self.seq_op[seqs[i - 1]] if i else 0
+            index = self._guessed[seq] = self.seq_op[seqs[i - 1]] if i else 0
         return index
 
     def _row(self, index: int, t: torch.Tensor) -> list[Any]:
@@ -266,6 +303,48 @@ def _python_holds(t: torch.Tensor) -> bool:
     reference count then also counts the argument, and, while C++ shares the tensor (its use
     count > 1), the reference PyTorch's preservation of its Python object adds."""
     return sys.getrefcount(t) - (t._use_count() > 1) > 3
+
+
+def _saved_count(fn: Any) -> int:
+    """How many tensors autograd node `fn` saved through the saved-tensor hooks (a defined
+    one: packed data not None, and not a Python number autograd wrapped, which it saves
+    without calling the hooks), read off its raw saved variables, which are not unpacked."""
+    n = 0
+    for name in dir(fn):
+        if not name.startswith("_raw_saved_"):
+            continue
+        try:
+            value = getattr(fn, name)
+        except RuntimeError:  # freed already
+            continue
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            data = _packed(v)
+            n += data is not None and not _wrapped_number(data)
+    return n
+
+
+#: the dtypes autograd wraps a Python bool, int, float or complex in (a 0-dim CPU tensor)
+_WRAPPED = (torch.bool, torch.int64, torch.float64, torch.complex128)
+
+
+def _wrapped_number(data: Any) -> bool:
+    """Whether saved `data` is a Python number's wrapper (`x * 2.0`'s 2.0): a 0-dim CPU
+    tensor in a wrapped number's dtype that is no fake tensor (a fake trace leaves the
+    wrapper real; no hook packed it, so it is a tensor, not a hook's holder)."""
+    return (
+        type(data) is torch.Tensor
+        and data.dim() == 0
+        and data.device.type == "cpu"
+        and data.dtype in _WRAPPED
+    )
+
+
+def _packed(v: Any) -> Any:
+    """What a raw saved variable holds (its tensor, or what a hook packed it into), or None."""
+    try:
+        return getattr(v, "data", None)
+    except RuntimeError:
+        return None
 
 
 def _saved_tensors(fn: Any) -> list[torch.Tensor]:

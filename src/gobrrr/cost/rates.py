@@ -310,23 +310,34 @@ class Rates:
             return self.cal.attention_flops[key]
         return self.gpu.peak(math_mode) * ATTENTION_EFFICIENCY
 
-    def host(self, phase: str, launches: int, op: str = "", math_mode: str = "") -> float:
+    def host(
+        self,
+        phase: str,
+        launches: int,
+        op: str = "",
+        math_mode: str = "",
+        saved: int | None = None,
+    ) -> float:
         """Host seconds to issue one op: the measured per-op cost of an eager training step in
         this phase (calibrated), plus a launch for each kernel past the first, plus what this
         op costs the host beyond an ordinary one where that was measured (cuDNN's
         convolutions and batch norm: `op_host`, keyed "name:dtype"). gobrrr's own kernel ops
-        cost what was measured for them (`kernel_host`) instead."""
+        cost what was measured for them (`kernel_host`) instead. A forward op inside a
+        checkpointed block that saves `saved` tensors for backward: see `_checkpointed`."""
         if self.cal and op in self.cal.kernel_host:
             return self.cal.kernel_host[op]
         per_op = self.cal.op_overhead if self.cal else {}
+        base = _checkpointed(per_op, phase, saved)
         key = phase
         if key.endswith("_selective") and key not in per_op:  # not measured: as full
             key = key.removesuffix("_selective")
         if key in CHECKPOINT_PHASES and key not in per_op:
             key = "forward"
-        if key in per_op:
+        if base is None and key in per_op:
+            base = per_op[key]
+        if base is not None:
             extra = self.cal.op_host.get(f"{op}:{_host_dtype(math_mode)}", 0.0)
-            return per_op[key] + self.launch * max(launches - 1, 0) + extra
+            return base + self.launch * max(launches - 1, 0) + extra
         if launches == 0:
             return self.launch * VIEW_HOST_FRACTION
         return self.launch * launches
@@ -395,6 +406,25 @@ def _variant_curve(curves: dict, prefix: str, variant: str) -> list | None:
     if not dims:
         return None
     return curves[f"{prefix}:{mask}:d{min(dims, key=lambda x: abs(x - int(d)))}"]
+
+
+def _checkpointed(per_op: dict[str, float], key: str, saved: int | None) -> float | None:
+    """Host seconds of a forward op inside a checkpointed block (`key` "checkpointed" or
+    "checkpointed_selective") that saves `saved` tensors for backward: the forward rate plus
+    the checkpoint's surcharge in two parts, "<key>_fit_per_op" (s) and "<key>_fit_per_saved"
+    (s a tensor: its saved-tensor hook runs once for each), fitted on the calibration's tiny
+    steps (`calibrate.sections.host.fit_surcharge`). None where that is not known: no count on
+    the op, or a calibration that measured the surcharge per op only (then charged per op); a
+    selective block without its policy's figures reads the full policy's."""
+    if saved is None or not key.startswith("checkpointed") or "forward" not in per_op:
+        return None
+    for k in (key, key.removesuffix("_selective")):
+        a, b = per_op.get(k + "_fit_per_op"), per_op.get(k + "_fit_per_saved")
+        if a is not None and b is not None:
+            return per_op["forward"] + a + saved * b
+        if k in per_op:
+            return None
+    return None
 
 
 def _host_dtype(math_mode: str) -> str:

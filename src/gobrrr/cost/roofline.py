@@ -141,7 +141,9 @@ def time_op(
         return OpTime.of(
             node, cost, flops=0.0, intensity=0.0, host_s=host, regime="none", side_s=side
         )
-    host = rates.host(host_phase or node.phase, cost.launches, _host_op(node.name), cost.math)
+    host = rates.host(
+        host_phase or node.phase, cost.launches, _host_op(node.name), cost.math, node.saved
+    )
     if (measured8 := rates.adam8bit(node, cost.bytes)) is not None:
         device, host = measured8
         return _measured(node, cost, device, host)

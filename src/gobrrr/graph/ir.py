@@ -153,6 +153,9 @@ class OpNode:
     allocs: tuple[int, ...] = ()  # storages this op created
     frees: tuple[int, ...] = ()  # storages that died right after this op
     stream: str = "compute"  # the stream it runs on (gobrrr.schedule.streams)
+    # tensors its autograd node saved for backward (a forward op of a trace that read
+    # autograd's graph; None where unknown): a checkpoint's saved-tensor hook runs once each
+    saved: int | None = None
 
     @property
     def name(self) -> str:
@@ -265,6 +268,7 @@ class StepGraph:
                 allocs=tuple(n["allocs"]),
                 frees=tuple(n["frees"]),
                 stream=n.get("stream", "compute"),
+                saved=n.get("saved"),
             )
             for n in data["nodes"]
         )

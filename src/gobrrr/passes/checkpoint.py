@@ -120,6 +120,7 @@ class _Builder:
             if b is not None and b.cached(n.index, n):
                 for t in n.outputs:  # the selective cache's detach of each output
                     self.last[n.index] = self._emit(DETACH, n.phase, n.module, (t,), (t,))
+                    self._counted(n, 0)
         triggers, unpacks = {}, {}
         for b in sorted(self.blocks, key=lambda b: -b.lo):
             triggers.setdefault(b.trigger, []).append(b)
@@ -171,6 +172,13 @@ class _Builder:
         self.new[n.index] = self.last[n.index] = self._emit(
             n.op, n.phase, n.module, inputs, outputs, n.args, n.kwargs, n.allocs
         )
+        self._counted(n, n.saved)
+
+    def _counted(self, n: OpNode, saved: int | None) -> None:
+        """The op just emitted saves `saved` tensors where the trace counted `n`'s (a
+        checkpointed forward op's host cost grows with them)."""
+        if n.saved is not None:
+            self.nodes[-1] = evolve(self.nodes[-1], saved=saved)
 
     def _read(self, t: TensorInfo, n: OpNode) -> TensorInfo:
         hit = self.remap.get(t.storage)

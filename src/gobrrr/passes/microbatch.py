@@ -234,6 +234,7 @@ def _node_at(r: Any, k: int, den: int) -> OpNode:
         allocs=n.allocs,
         frees=n.frees,
         stream=n.stream,
+        saved=n.saved,
     )
 
 

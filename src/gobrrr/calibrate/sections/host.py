@@ -41,29 +41,70 @@ def _tiny_workloads():
     )
 
 
+def _tiny_lora():
+    """The tiny Llama LoRA'd as peft's default recipe does it: every weight frozen, q_proj and
+    v_proj given trainable rank-4 adapters (`_LoRA`). Its checkpointed ops save about 0.3
+    tensors an op, against 0.4 in the tiny Llama and 0.9 in the tiny GPT-2, so the three
+    together tell a surcharge per op from one per saved tensor."""
+    wl = list(_tiny_workloads())[1]()
+    wl.model.requires_grad_(False)
+    for block in wl.model.layers:
+        for name in ("q_proj", "v_proj"):
+            setattr(block.self_attn, name, _LoRA(getattr(block.self_attn, name)))
+    return wl
+
+
+class _LoRA(torch.nn.Module):
+    """A frozen linear plus a trainable low-rank update, as peft's LoRA layer runs it:
+    base(x) + B(A(x)) * scale."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4, scale: float = 2.0):
+        super().__init__()
+        self.base, self.scale = base.requires_grad_(False), scale
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+
+
+def _fit_workloads():
+    """(name, make) of the tiny models the checkpoint surcharge is fitted on: the two whose
+    pooled per-op figures `step_overhead` records, and the LoRA'd one."""
+    yield from zip(("gpt2", "llama3"), _tiny_workloads(), strict=True)
+    yield "llama3-lora", _tiny_lora
+
+
+#: the tiny models whose ops the pooled per-op figures ("forward", ..., "checkpointed") are
+#: averaged over, as before the LoRA'd one was timed
+POOLED = ("gpt2", "llama3")
+POLICIES = (("full", ""), ("selective", "_selective"))
+
+
 def step_overhead(
     dev: torch.device, reps: int = 20, rounds: int = 5, warmup: int = 10
 ) -> dict[str, float]:
-    """Host seconds per traced ATen op, per phase, in eager training steps of tiny models:
-    `rounds` alternating rounds of `reps` steps per model after `warmup` steps each, the
-    median of all of them.
+    """Host seconds per traced ATen op, per phase, in eager training steps of tiny models,
+    and the checkpoint's forward surcharge fitted in two parts: `step_overhead_rows`'s
+    figures without its rows."""
+    return step_overhead_rows(dev, reps, rounds, warmup)[0]
+
+
+def step_overhead_rows(
+    dev: torch.device, reps: int = 20, rounds: int = 5, warmup: int = 10
+) -> tuple[dict[str, float], list[dict]]:
+    """({key: host seconds}, rows): the tiny models of `_fit_workloads` timed in `rounds`
+    alternating rounds of `reps` steps per model after `warmup` steps each, the median of
+    all of them, then read by `summarize`.
 
     On a shared machine the host's speed drifts over seconds to minutes, and a real step sees
     the same drift. Six back-to-back measurements in one process
     (docs/investigations/2026-11-22-host-overhead-measurement-spread.md) found five rounds
     steadier than one in one trial and no better in another:
-    spreads of 20% and 32% per forward op against 49% and 30%.
-
-    "recompute" and "checkpointed": the same models with every block checkpointed ("_selective":
-    every block under the selective policy, whose dispatch mode sees every op). A
-    recomputed op costs its backward's time less what its backward ops cost at the backward
-    rate, over its recomputed ops; a forward op inside a checkpointed block costs its
-    forward's time less what the other forward ops cost at the forward rate, over those ops.
-    That carries the checkpoint machinery (saved-tensor hooks on every saved tensor,
-    re-entering the block's Python) as a cost per op."""
+    spreads of 20% and 32% per forward op against 49% and 30%."""
     models = [
-        _timed_model(make, ckpt, dev, warmup)
-        for make in _tiny_workloads()
+        _timed_model(make, ckpt, dev, warmup, name)
+        for name, make in _fit_workloads()
         for ckpt in ("none", "full", "selective")
     ]
     for _ in range(rounds):
@@ -71,14 +112,33 @@ def step_overhead(
             for _ in range(reps):
                 for p, t in _phase_times(m.workload, m.optimizer, dev).items():
                     m.times[p].append(t)
-    plain = [m for m in models if m.checkpoint == "none"]
+    return summarize(models)
+
+
+def summarize(models: list[_Timed]) -> tuple[dict[str, float], list[dict]]:
+    """The figures of timed tiny models (`_Timed`, "none" / "full" / "selective" each).
+
+    Per phase (PHASES), over the POOLED models without checkpointing: the summed median
+    seconds over the summed ops. "recompute" and "checkpointed": the same models with every
+    block checkpointed ("_selective": every block under the selective policy, whose dispatch
+    mode sees every op). A recomputed op costs its backward's time less what its backward ops
+    cost at the backward rate, over its recomputed ops; a forward op inside a checkpointed
+    block costs its forward's time less what the other forward ops cost at the forward rate,
+    over those ops. That carries the checkpoint machinery (saved-tensor hooks on every saved
+    tensor, re-entering the block's Python) as a cost per op.
+
+    "checkpointed_fit_per_op" and "checkpointed_fit_per_saved" (and "checkpointed_selective_
+    fit_..."): the same forward surcharge as a + b x saved per checkpointed op, s and
+    s/tensor, fitted over every model's row (`surcharge_rows`, `fit_surcharge`). Returns the
+    figures and the rows."""
+    plain = [m for m in models if m.checkpoint == "none" and m.name in POOLED]
     out = {
         p: sum(statistics.median(m.times[p]) for m in plain) / n
         for p in PHASES
         if (n := sum(m.counts[p] for m in plain))
     }
-    for policy, suffix in (("full", ""), ("selective", "_selective")):
-        ckpt = [m for m in models if m.checkpoint == policy]
+    for policy, suffix in POLICIES:
+        ckpt = [m for m in models if m.checkpoint == policy and m.name in POOLED]
         for key, phase, others in (
             ("recompute", "backward", "backward"),
             ("checkpointed", "forward", "outside"),
@@ -88,34 +148,101 @@ def step_overhead(
                     statistics.median(m.times[phase]) - m.counts[others] * out[phase] for m in ckpt
                 )
                 out[key + suffix] = max(extra / n, out.get("forward", 0.0))
-    return out
+    rows = surcharge_rows(models)
+    for policy, suffix in POLICIES:
+        fit = fit_surcharge([r for r in rows if r["policy"] == policy])
+        if fit is not None:
+            out[f"checkpointed{suffix}_fit_per_op"] = fit[0]
+            out[f"checkpointed{suffix}_fit_per_saved"] = fit[1]
+    return out, rows
+
+
+def surcharge_rows(models: list[_Timed]) -> list[dict]:
+    """One row per tiny model and checkpoint policy: "extra_s", the seconds its checkpointed
+    forward took beyond its forward ops at its own plain forward's seconds per op (the same
+    model timed without checkpointing), and the ops inside checkpointed blocks that paid it
+    ("checkpointed") with the tensors they saved for backward ("saved")."""
+    plain = {m.name: m for m in models if m.checkpoint == "none"}
+    rows = []
+    for m in models:
+        base = plain.get(m.name)
+        if m.checkpoint == "none" or base is None or not m.counts["checkpointed"]:
+            continue
+        rate = statistics.median(base.times["forward"]) / base.counts["forward"]
+        forward = statistics.median(m.times["forward"])
+        rows.append(
+            {
+                "model": m.name,
+                "policy": m.checkpoint,
+                "extra_s": forward - m.counts["forward"] * rate,
+                "checkpointed": m.counts["checkpointed"],
+                "saved": m.counts["saved"],
+                "forward_s": forward,
+                "plain_forward_s": rate * base.counts["forward"],
+            }
+        )
+    return rows
+
+
+def fit_surcharge(rows: list[dict]) -> tuple[float, float] | None:
+    """(a, b): the least-squares fit of extra_s = a x checkpointed + b x saved over `rows`
+    (`surcharge_rows`), with a >= 0 s an op and b >= 0 s a saved tensor (non-negative least
+    squares): where the free fit gives one of them below 0, that one is 0 and the other is
+    fitted alone; where both alone would be below 0, both are 0. Rows whose ops save tensors
+    at one density alone cannot tell a from b: then the surcharge is all per op (b = 0), as
+    it was charged before. None without rows."""
+    if not rows:
+        return None
+    n = [float(r["checkpointed"]) for r in rows]
+    s = [float(r["saved"]) for r in rows]
+    y = [float(r["extra_s"]) for r in rows]
+    nn_, ns, ss = _dot(n, n), _dot(n, s), _dot(s, s)
+    ny, sy = _dot(n, y), _dot(s, y)
+    det = nn_ * ss - ns * ns
+    if det <= 1e-9 * nn_ * ss:  # one density (or nothing saved): a and b cannot be told apart
+        return max(ny / nn_, 0.0), 0.0
+    a, b = (ss * ny - ns * sy) / det, (nn_ * sy - ns * ny) / det
+    if a >= 0 and b >= 0:
+        return a, b
+    # the least squares under a, b >= 0 lies on an edge: one of them 0, the other fitted alone
+    fits = ((max(ny / nn_, 0.0), 0.0), (0.0, max(sy / ss, 0.0)))
+    return min(fits, key=lambda f: _residual(f, n, s, y))
+
+
+def _dot(u: list[float], v: list[float]) -> float:
+    return sum(a * b for a, b in zip(u, v, strict=True))
+
+
+def _residual(fit: tuple[float, float], n: list[float], s: list[float], y: list[float]) -> float:
+    """Sum of squared misses of extra = fit[0] x ops + fit[1] x saved over the rows."""
+    return sum((fit[0] * a + fit[1] * b - c) ** 2 for a, b, c in zip(n, s, y, strict=True))
+
+
+def checkpointed_counts(graph) -> dict[str, int]:
+    """The forward ops of `graph` inside checkpointed blocks ("checkpointed") and the tensors
+    they saved for backward ("saved"), as `surcharge_rows` counts them."""
+    under = checkpointed_modules(graph)
+    ops = [n for n in graph.nodes if n.phase == "forward" and n.module in under]
+    return {"checkpointed": len(ops), "saved": sum(n.saved or 0 for n in ops)}
 
 
 class _Timed(NamedTuple):
-    """A tiny model ready to time: its ops per phase (and inside / outside checkpointed blocks)
-    and the seconds of each timed step, per phase."""
+    """A tiny model ready to time: its ops per phase (and inside / outside checkpointed blocks,
+    and the tensors those inside saved: `tiny_counts`) and the seconds of each timed step, per
+    phase."""
 
     workload: object
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     checkpoint: str
     counts: dict[str, int]
     times: dict[str, list[float]]
+    name: str = ""
 
 
-def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Timed:
+def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int, name: str) -> _Timed:
     """A tiny model with `checkpoint`, on the device, warmed up."""
-    policies = (
-        checkpoint
-        if checkpoint != "selective"
-        else dict.fromkeys(block_names(make().model), "selective")
-    )
-    graph = capture(make, precision="fp32", checkpoint=policies)
-    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
-    under = checkpointed_modules(graph)
-    counts["checkpointed"] = sum(
-        1 for n in graph.nodes if n.phase == "forward" and n.module in under
-    )
-    counts["outside"] = counts["forward"] - counts["checkpointed"]
+    policies = _policies(make, checkpoint)
+    counts = tiny_counts(make, checkpoint)
     wl, opt, _ = prepare(
         make(), dev.type, "fp32", checkpoint="none" if checkpoint == "selective" else checkpoint
     )
@@ -123,7 +250,24 @@ def _timed_model(make, checkpoint: str, dev: torch.device, warmup: int) -> _Time
         apply_checkpointing(wl.model, policies)
     for _ in range(warmup):
         _phase_times(wl, opt, dev)
-    return _Timed(wl, opt, checkpoint, counts, {p: [] for p in PHASES})
+    return _Timed(wl, opt, checkpoint, counts, {p: [] for p in PHASES}, name)
+
+
+def _policies(make, checkpoint: str) -> str | dict[str, str]:
+    if checkpoint != "selective":
+        return checkpoint
+    return dict.fromkeys(block_names(make().model), "selective")
+
+
+def tiny_counts(make, checkpoint: str) -> dict[str, int]:
+    """The ops of tiny model `make` per phase under `checkpoint` ("none", "full",
+    "selective"), those of its forward inside checkpointed blocks and outside them, and the
+    tensors those inside saved for backward, as traced (they do not depend on the device)."""
+    graph = capture(make, precision="fp32", checkpoint=_policies(make, checkpoint))
+    counts = {p: sum(1 for n in graph.nodes if n.phase == p) for p in (*PHASES, "recompute")}
+    counts.update(checkpointed_counts(graph))
+    counts["outside"] = counts["forward"] - counts["checkpointed"]
+    return counts
 
 
 def _phase_times(wl, opt, dev) -> dict[str, float]:

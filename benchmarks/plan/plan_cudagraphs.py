@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "src")]
+HERE = Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parents[2] / "src"), str(HERE.parent)]
 import torch  # noqa: E402
+from cudagraph import timed  # noqa: E402  (benchmarks/plan/cudagraph.py)
 
 import gobrrr  # noqa: E402
 from gobrrr.models.registry import get_workload  # noqa: E402
@@ -75,12 +77,7 @@ def main(out):
         rounds = {k: [] for k in steps}
         for i in range(15):
             for k in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    steps[k]()
-                torch.cuda.synchronize()
-                rounds[k].append((time.perf_counter() - t0) / 10)
+                rounds[k].append(timed(steps[k], 10, "cuda"))
         del steps
         torch.cuda.empty_cache()
         peaks = {}

@@ -31,12 +31,16 @@ def hook_host_s(
     ]
     if not points or ranks < 2:
         return 0.0
-    measured = {int(p["ranks"]) for p in points}
-    nearest = min(measured, key=lambda r: (abs(math.log(r / ranks)), r))
+    nearest = _nearest_ranks(points, ranks)
     xs = [float(p["params"]) for p in points if int(p["ranks"]) == nearest]
     ys = [float(p["seconds"]) for p in points if int(p["ranks"]) == nearest]
     a, b = _line(xs, ys)
     return max(a + b * params, min(ys), 0.0)
+
+
+def _nearest_ranks(points: list[Mapping[str, Any]], ranks: int) -> int:
+    """The rank count measured among `points` nearest `ranks` by ratio (the smaller on a tie)."""
+    return min({int(p["ranks"]) for p in points}, key=lambda r: (abs(math.log(r / ranks)), r))
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -57,7 +61,6 @@ def rank_skew(section: Mapping[str, Any] | None, phase: str, ranks: int) -> floa
     points = [p for p in (section or {}).get("skew", ()) if p.get("phase") == phase]
     if not points or ranks < 2:
         return 1.0
-    measured = {int(p["ranks"]) for p in points}
-    nearest = min(measured, key=lambda r: (abs(math.log(r / ranks)), r))
+    nearest = _nearest_ranks(points, ranks)
     longest = max((p for p in points if int(p["ranks"]) == nearest), key=lambda p: p["host_s"])
     return max(float(longest["factor"]), 1.0)

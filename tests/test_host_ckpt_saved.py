@@ -17,6 +17,7 @@ from gobrrr.calibrate.sections.host import (
     _fit_workloads,
     _Timed,
     fit_surcharge,
+    step_overhead,
     step_overhead_rows,
     summarize,
     tiny_counts,
@@ -175,6 +176,15 @@ def test_section_runs_on_the_cpu():
     for key in ("forward", "checkpointed", "checkpointed_selective", *FIT):
         assert out[key] >= 0
     assert len(rows) == 6 and all(r["checkpointed"] > r["saved"] > 0 for r in rows)
+
+
+def test_gobrrr_calibrate_keeps_the_surcharge_per_op():
+    # the two-part fit is not adopted: a calibration `gobrrr calibrate` makes must not carry
+    # it (rates.host would charge it), and its pooled figures are all there
+    out = step_overhead(torch.device("cpu"), reps=1, rounds=1, warmup=0)
+    assert not [k for k in out if "_fit_" in k]
+    for key in ("forward", "backward", "recompute", "checkpointed", "checkpointed_selective"):
+        assert out[key] >= 0
 
 
 def _real_pack_calls(make) -> dict[str, int]:

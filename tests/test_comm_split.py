@@ -82,6 +82,17 @@ def test_overlap_with_compute_splits_exposed_into_transfer_and_waiting():
     assert ag["transfer_exposed_s"] == pytest.approx(2 * MS)
     assert (rs["wait_s"], rs["transfer_exposed_s"]) == pytest.approx((0, 5 * MS))
     assert r1["comm_wait_s"] == 0 and r1["comm_transfer_exposed_s"] == pytest.approx(15 * MS)
+    # per kernel, in start order from rank 0's first kernel (0 ms): the same split
+    assert [(k["op"], k["k"]) for k in r0["kernels"]] == [
+        ("all_gather", 0),
+        ("all_gather", 1),
+        ("reduce_scatter", 0),
+    ]
+    times = [[k[x] for x in ("start_s", "wait_s", "transfer_s")] for k in r0["kernels"]]
+    assert sum(times, []) == pytest.approx(
+        [0, 2 * MS, 4 * MS, 20 * MS, 3 * MS, MS, 30 * MS, 0, 10 * MS]
+    )
+    assert [k["transfer_exposed_s"] for k in r0["kernels"]] == pytest.approx([2 * MS, 0, 5 * MS])
 
 
 def test_the_kth_kernel_of_each_collective_is_matched_whatever_the_interleaving():

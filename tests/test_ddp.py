@@ -184,6 +184,31 @@ def test_accumulated_reduces_once():
     assert times == 2 and d.nodes[start].op == g.nodes[g.repeat[0]].op
 
 
+def test_two_micro_batches_reduce_in_the_last_ones_backward():
+    """Over two micro-batches the repeated segment runs once and is the last micro-batch:
+    each bucket is copied in and all-reduced inside it, right after its gradients' last
+    reference there (PyTorch's hooks in the last backward), so the last buckets' all-reduces
+    end the step instead of overlapping the next micro-batch's forward."""
+    g = accumulate(_graph(), 2)
+    d = ddp(g, 2, bucket_cap_mb=1)
+    start, end, times = d.repeat
+    assert times == 1
+    reduces = [n.index for n in d.nodes if n.op == ALL_REDUCE]
+    # in the last micro-batch (the last bucket's right after its final backward op, which
+    # ends the segment)
+    opt = next(n.index for n in d.nodes if n.phase == "optimizer")
+    assert len(reduces) == 3 and all(start <= i < opt for i in reduces)
+    ready = {x.storage: x.ready for x in gradients(g)}  # last references: in the segment
+    assert all(g.repeat[0] <= r < g.repeat[1] for r in ready.values())
+    for i in reduces:  # each right after the op that made its bucket's last gradient ready
+        k = i - 1
+        while d.nodes[k].op in (ALL_REDUCE, "aten.mul.out"):
+            k -= 1
+        assert d.nodes[k].phase == "backward" and d.nodes[k].stream == COMPUTE
+    # no reducer work in the first micro-batch
+    assert not any(n.op in (ALL_REDUCE, "aten.mul.out") for n in d.nodes[:start])
+
+
 def _op(i: int, device: float) -> OpTime:
     return OpTime(i, "x", "", "backward", "k", "vector", 0, 0, 0, 0, 0, device, 0.0, "memory")
 
@@ -203,6 +228,20 @@ def test_exposed_comm_by_hand():
     busy, exposed = exposed_comm(t)
     assert busy == pytest.approx(3e-3) and exposed == pytest.approx(2e-3)
     assert t.step_s == pytest.approx(6e-3)
+
+
+def test_exposed_comm_counts_the_comm_streams_copies_as_other_kernels():
+    """compute a (2 ms) -> a copy-in on the comm stream (1 ms, FSDP2's all-gather copy-in)
+    -> the all-gather (2 ms) -> compute b (consumes it): a profile counts NCCL kernels
+    against every other kernel, so the copy is not communication: busy 2 ms (the all-gather,
+    3..5 ms), all of it exposed; counted by stream, the copy would add 1 ms to both."""
+    ops = (_op(0, 2e-3), _op(1, 1e-3), _op(2, 2e-3), _op(3, 1e-3))
+    streams = [COMPUTE, COMM, COMM, COMPUTE]
+    touches = [frozenset({7}), frozenset({7}), frozenset({7}), frozenset({7})]
+    t = place(ops, streams, comm_waits(streams, touches))
+    assert t.ops[2].start == pytest.approx(3e-3) and t.ops[2].end == pytest.approx(5e-3)
+    assert exposed_comm(t, frozenset({2})) == pytest.approx((2e-3, 2e-3))
+    assert exposed_comm(t) == pytest.approx((3e-3, 3e-3))
 
 
 @pytest.mark.parametrize(

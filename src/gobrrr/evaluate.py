@@ -345,7 +345,13 @@ def prediction(
     step = timeline.step_s
     # the collectives run on the comm stream: not the compute stream's busy time
     weights = [0 if o.kind == COMM_KIND else w for o, w in zip(ops, weights, strict=True)]
-    comm_s, exposed_s = exposed_comm(timeline)
+    kinds = {o.index: COLLECTIVE_OF[graph.nodes[o.index].op][0] for o in ops if o.kind == COMM_KIND}
+    colls = frozenset(kinds)
+    comm_s, exposed_s = exposed_comm(timeline, colls)
+    by_collective = {
+        k: exposed_comm(timeline, colls, frozenset(i for i in colls if kinds[i] == k))
+        for k in sorted(set(kinds.values()))
+    }
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)
@@ -371,6 +377,7 @@ def prediction(
         timeline=timeline,
         comm_s=comm_s,
         exposed_comm_s=exposed_s,
+        comm_by_collective=by_collective,
         world=graph.meta.parallel.world if graph.meta.parallel else 1,
     )
 
@@ -396,10 +403,12 @@ class Prediction:
     clock_fraction: float = 1.0
     #: every op on the host and its stream (`gobrrr.schedule`); None where not scheduled
     timeline: Timeline | None = field(default=None, repr=False)
-    #: the collectives' time on the comm stream, and the part of it the compute stream sits
-    #: idle (exposed; the rest overlaps compute)
+    #: the collectives' time on the comm stream, and the part of it no other kernel runs
+    #: (exposed; the rest overlaps compute: `schedule.scheduler.exposed_comm`)
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
+    #: per collective ("all_gather", "reduce_scatter", "all_reduce"): (busy, exposed) s
+    comm_by_collective: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: data-parallel ranks (`meta.parallel`; 1: one GPU); `tokens` are one rank's
     world: int = 1
 

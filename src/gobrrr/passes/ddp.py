@@ -22,15 +22,17 @@ Every rank holds the whole model and runs the traced step on its own batch; DDP'
 Accumulation (a graph from `passes.accumulate`, `StepMeta.repeat`): the micro-batches before
 the last run under `no_sync` (no reducer work); the last one copies its gradients into the
 buckets and all-reduces them during its backward. The accumulated graph holds the first
-micro-batch, then a segment standing for the n - 1 identical others (the last among them),
-which cannot hold work done once; so the last micro-batch's copies and all-reduces are put in
-the FIRST micro-batch's backward, at the same points of the same ops, where they overlap the
-same backward compute as they do in the last one (the step's time), and write buffers that
-exist throughout (the buckets: no allocation moves). The copies back into the gradients stay
-at the end of backward, after every micro-batch. One difference remains: the buckets
-all-reduced last can overlap the next micro-batch's forward here, where in PyTorch they end
-the step (4xH100: 0.0-0.1 ms exposed predicted against 1.1-3.4 ms measured; the old placement,
-after every micro-batch, predicted 2.6-17.7 ms).
+micro-batch, then a segment standing for the n - 1 identical others (the last among them).
+Over two micro-batches the segment runs once: it is the last micro-batch, and the copies and
+all-reduces go at their own points in its backward, as PyTorch runs them (the last buckets'
+all-reduces end the step). Over more, the segment cannot hold work done once; so the last
+micro-batch's copies and all-reduces are put in the FIRST micro-batch's backward, at the same
+points of the same ops, where they overlap the same backward compute as they do in the last
+one, and write buffers that exist throughout (the buckets: no allocation moves). The copies
+back into the gradients stay at the end of backward, after every micro-batch. One difference
+remains there: the buckets all-reduced last can overlap the next micro-batch's forward, where
+in PyTorch they end the step (4xH100, two micro-batches placed that way: 0.0-0.1 ms exposed
+predicted against 1.1-3.4 ms measured).
 
 Left out: the broadcast of module buffers before each forward (broadcast_buffers: small),
 the reducer's host work beyond one op per copy.
@@ -159,9 +161,11 @@ def _inserts(
 ) -> dict[int, list[OpNode]]:
     """{old op index: the new nodes to put after it} (index fields filled in later)."""
     split = next((n.index for n in graph.nodes if n.phase == "optimizer"), len(graph.nodes))
-    # accumulated: the last micro-batch's hooks, at their points in the first micro-batch's
-    # backward (see the module's docstring)
-    ready = _first_ready(graph) if graph.repeat is not None else {}
+    # accumulated over more than two micro-batches: the last micro-batch's hooks, at their
+    # points in the first micro-batch's backward; over two, the repeated segment runs once
+    # and is the last micro-batch: its own points (see the module's docstring)
+    r = graph.repeat
+    ready = _first_ready(graph) if r is not None and r[2] > 1 else {}
     out: dict[int, list[OpNode]] = {}
     for b in buckets:
         for g in b:

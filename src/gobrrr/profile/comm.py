@@ -26,7 +26,9 @@ prediction of ranks in lockstep predicts the transfer, not the wait. Added per r
 `comm_wait_s` (union of the waits), `comm_transfer_busy_s` (union of the transfers),
 `comm_transfer_exposed_s` (the transfers' union no other kernel overlaps) and
 `comm_wait_exposed_s` (the rest of `comm_exposed_s`: exposed = transfer exposed + wait
-exposed), per collective `wait_s`, `transfer_busy_s`, `transfer_exposed_s`; `comm_split` says
+exposed), per collective `wait_s`, `transfer_busy_s`, `transfer_exposed_s`, and `kernels`: per
+NCCL kernel in start order its collective, `k`, start (s from the rank's first kernel), wait,
+transfer and exposed transfer, to set beside a prediction's collectives; `comm_split` says
 what was matched. Where the ranks' counts differ there is no split (its figures None) and
 `comm_split` says so; busy and exposed stay the rank's own.
 
@@ -181,10 +183,12 @@ def _add_split(
         return
     waits: list[Interval] = []
     transfers: list[Interval] = []
+    each: list[dict] = []
     for op, ivs in comm.items():
         w, t = split(sorted(ivs), latest[op])
         waits += w
         transfers += t
+        each += _each(op, sorted(ivs), latest[op], compute_u)
         out["collectives"][op].update(
             wait_s=length(union(w)),
             transfer_busy_s=length(union(t)),
@@ -198,6 +202,32 @@ def _add_split(
         comm_transfer_busy_s=length(transfer_u),
         comm_transfer_exposed_s=uncovered(transfer_u, compute_u),
     )
+    t0 = min([s for s, _ in compute_u] + [k["start_s"] for k in each], default=0.0)
+    for k in each:
+        k["start_s"] -= t0
+    out["kernels"] = sorted(each, key=lambda k: k["start_s"])
+
+
+def _each(
+    op: str, kernels: Sequence[Interval], latest: Sequence[float], compute_u: list[Interval]
+) -> list[dict]:
+    """One record per NCCL kernel of collective `op` (in start order, `k`: its place among
+    that collective's kernels): its start (s, this rank's clock), the seconds it waits for
+    the other ranks, transfers, and transfers with no other kernel running (exposed)."""
+    out = []
+    for k, ((s, e), cut) in enumerate(zip(kernels, latest, strict=True)):
+        cut = min(max(cut, s), e)
+        out.append(
+            {
+                "op": op,
+                "k": k,
+                "start_s": s,
+                "wait_s": cut - s,
+                "transfer_s": e - cut,
+                "transfer_exposed_s": uncovered([(cut, e)], compute_u) if e > cut else 0.0,
+            }
+        )
+    return out
 
 
 def split(kernels: Sequence[Interval], latest: Sequence[float]) -> tuple[list, list]:

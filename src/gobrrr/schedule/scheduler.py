@@ -158,15 +158,26 @@ def scheduler(
     return lambda ops: _Run(ops, plan).timeline(repeat)
 
 
-def exposed_comm(timeline: Timeline) -> tuple[float, float]:
-    """(busy, exposed) seconds of the comm stream: the time it runs collectives, and the part
-    of it during which the compute stream runs nothing (the repeated segment's first and
-    second runs counted as scheduled)."""
-    spans = (*timeline.ops, *timeline.repeat_run)
-    comm = _union([(o.start, o.end) for o in spans if o.stream == COMM and o.start is not None])
-    compute = _union(
-        [(o.start, o.end) for o in spans if o.stream == COMPUTE and o.start is not None]
-    )
+def exposed_comm(
+    timeline: Timeline, collectives: frozenset[int] | None = None, of: frozenset[int] | None = None
+) -> tuple[float, float]:
+    """(busy, exposed) seconds of communication: the time collectives run, and the part of
+    it during which no other kernel runs (the repeated segment's first and second runs
+    counted as scheduled). `collectives`: the indices of the collective ops; every other op
+    on a device stream counts as other kernels, the comm stream's copies (FSDP2's
+    all-gather copy-in, its casts) included, as a profile of NCCL kernels against every
+    other kernel counts them (`gobrrr.profile.comm`); `of`: those of the collectives to
+    count (e.g. one collective's; default all). `collectives` None: every op of the comm
+    stream is communication and the compute stream's ops are the other kernels."""
+    spans = [o for o in (*timeline.ops, *timeline.repeat_run) if o.start is not None]
+    if collectives is None:
+        comm = [(o.start, o.end) for o in spans if o.stream == COMM]
+        other = [(o.start, o.end) for o in spans if o.stream == COMPUTE]
+    else:
+        of = collectives if of is None else of
+        comm = [(o.start, o.end) for o in spans if o.index in of]
+        other = [(o.start, o.end) for o in spans if o.index not in collectives and o.stream != HOST]
+    comm, compute = _union(comm), _union(other)
     busy = sum(e - s for s, e in comm)
     return busy, busy - _overlap(comm, compute)
 

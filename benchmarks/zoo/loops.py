@@ -180,6 +180,7 @@ def hf_trainer_loop(wl, opt, precision, device):
         optimizer.step()
         model.zero_grad()
 
+    step.trainer = trainer
     return step
 
 

@@ -21,8 +21,9 @@ statements (forward and loss under the precision's autocast, backward outside it
   the model and optimizer prepared by its Accelerator (which autocasts the forward and
   returns its outputs in fp32), the attributes its loop sets, `trainer.training_step(model,
   inputs, num_items_in_batch)`, `optimizer.step()`, `model.zero_grad()`; compute_loss
-  returns only the loss. loop="drops-output". Needs accelerate (recorded as an error
-  without it).
+  returns only the loss. loop="hf-trainer" (in fp32, the same as "drops-output": the
+  Accelerator's fp32 copy of the fp16/bf16 outputs is what it adds). Needs accelerate
+  (recorded as an error without it).
 - timm (image models): timm's train.py `train_one_epoch` as of commit 004fb5f: `output =
   model(input); loss = loss_fn(output, target)` under autocast, `optimizer.zero_grad()`,
   `loss.backward()`, `optimizer.step()`: `output` kept, and last step's gradients alive
@@ -82,7 +83,7 @@ IMAGE_LOOPS = ("trainstep", "plain", "timm", "torchvision")
 #: the loop gobrrr predicts each measured loop with
 PREDICTED_AS = {
     "trainstep": "drops-output",
-    "hf-trainer": "drops-output",
+    "hf-trainer": "hf-trainer",
     "plain": "keeps-output",
     "timm": "zero-grad-first",
     "torchvision": "zero-grad-first",
@@ -180,6 +181,7 @@ def hf_trainer_loop(wl, opt, precision, device):
         optimizer.step()
         model.zero_grad()
 
+    step.trainer = trainer
     return step
 
 

@@ -114,12 +114,15 @@ def estimate(
 
     loop: the training loop whose memory is predicted (`gobrrr.passes.loop`):
     "keeps-output" (the default: `out = model(...); loss.backward(); opt.step()`, the model's
-    output alive until the next step rebinds it), "drops-output" (gobrrr's own step, HF
-    Trainer, Lightning: the output freed before backward) or "zero-grad-first" (timm's and
-    torchvision's train_one_epoch: the output kept, and zero_grad() called just before
-    backward, so the last step's gradients live through the forward). Leave it None for a
+    output alive until the next step rebinds it), "drops-output" (gobrrr's own step,
+    Lightning, HF Trainer in fp32: the output freed before backward), "hf-trainer" (HF
+    Trainer: dropped too, after Accelerate's mixed precision copied its fp16/bf16 tensors to
+    fp32, the originals still alive) or "zero-grad-first" (timm's and torchvision's
+    train_one_epoch: the output kept, and zero_grad() called just before backward, so the
+    last step's gradients live through the forward). Leave it None for a
     Workload(forward_backward=...), whose own loop is traced. The Estimate's `other_loop`
-    is the memory under the other loop; the time is the same under both.
+    is the memory under the other loop; the time is the same under both, but for
+    "hf-trainer"'s copies.
 
     compile: the model runs under torch.compile (the optimizer stays eager): the step is
     traced as AOTAutograd partitions it, with Inductor's fusion (`gobrrr.capture.compiled`,

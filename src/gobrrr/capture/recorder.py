@@ -170,13 +170,14 @@ class Recorder(TorchDispatchMode):
         cache), as of the last op recorded: the loop pass (`gobrrr.passes.loop`) keeps them
         alive as a loop holding `out = model(...)` does."""
         marked: set[int] = set()
-        for path, t in _returned_tensors(out, "", set(), depth=0):
+        for path, t, contained in _returned_tensors(out, "", set(), depth=0):
             sid = self.table.lookup(t)
             if sid is not None and sid not in marked:
                 marked.add(sid)
                 shape = tuple(int(s) for s in t.shape)
                 dtype = str(t.dtype).removeprefix("torch.")
-                self.outputs.append(ModelOutput(len(self.nodes) - 1, sid, path, shape, dtype))
+                at = len(self.nodes) - 1
+                self.outputs.append(ModelOutput(at, sid, path, shape, dtype, contained))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_see_through(t) for t in types):
@@ -241,13 +242,15 @@ class Recorder(TorchDispatchMode):
             self._on_op(index, phase, out_flat, [t.storage for t in outputs])
 
 
-def _returned_tensors(x: Any, path: str, seen: set[int], depth: int):
-    """(path, tensor) of every tensor in a returned structure, depth-first, each object once
-    (`seen` by id); modules and classes are not entered (their tensors are parameters)."""
+def _returned_tensors(x: Any, path: str, seen: set[int], depth: int, contained: bool = True):
+    """(path, tensor, contained) of every tensor in a returned structure, depth-first, each
+    object once (`seen` by id); modules and classes are not entered (their tensors are
+    parameters). `contained`: reached through tuples, lists and dicts alone, as Accelerate's
+    `convert_to_fp32` walks it (an object's attribute on the way: False)."""
     if id(x) in seen or depth > 6:
         return
     if isinstance(x, torch.Tensor):
-        yield path or "output", x
+        yield path or "output", x, contained
         return
     if x is None or isinstance(x, (str, bytes, int, float, bool, type, torch.nn.Module)):
         return
@@ -261,5 +264,6 @@ def _returned_tensors(x: Any, path: str, seen: set[int], depth: int):
         if not isinstance(fields, dict):
             return
         items = ((f"{path}.{k}" if path else k, v) for k, v in fields.items())
+        contained = False
     for p, v in items:
-        yield from _returned_tensors(v, p, seen, depth + 1)
+        yield from _returned_tensors(v, p, seen, depth + 1, contained)

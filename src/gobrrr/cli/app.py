@@ -518,7 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=one_of("loop", LOOPS),
         help="the training loop whose memory is predicted: keeps-output (default: "
         "out = model(...); loss.backward(); opt.step(), the output alive until the next step) "
-        "| drops-output (HF Trainer, Lightning, gobrrr's plan/apply: freed before backward) "
+        "| drops-output (Lightning, gobrrr's plan/apply, HF Trainer in fp32: freed before "
+        "backward) | hf-trainer (HF Trainer: dropped too, after Accelerate's mixed precision "
+        "copied its fp16/bf16 tensors to fp32) "
         "| zero-grad-first (timm's and torchvision's train_one_epoch: the output kept, and "
         "zero_grad() just before backward, so last step's gradients live through the forward)",
     )

@@ -157,22 +157,27 @@ class ModelOutput(NamedTuple):
     """One tensor the model's forward returned (`gobrrr.capture.recorder.Recorder.outputs`):
     `returned`, the op after which that forward call returned; the storage it lives in; where
     it sits in what the call returned (e.g. "logits", "[0]", "past_key_values.layers[0].keys");
-    its shape and dtype. A training loop that keeps the output (`out = model(...)` alive until
-    the next step rebinds it) keeps these storages (`gobrrr.passes.loop`)."""
+    its shape and dtype; whether it was reached through tuples, lists and dicts alone (False:
+    an object's attribute lies on the way, as for an HF KV cache's tensors). A training loop
+    that keeps the output (`out = model(...)` alive until the next step rebinds it) keeps
+    these storages; Accelerate's mixed precision copies the `contained` fp16/bf16 ones to
+    fp32 (`gobrrr.passes.loop`)."""
 
     returned: int
     storage: int
     path: str
     shape: tuple[int, ...]
     dtype: str
+    contained: bool = True
 
 
 #: The training loops a step graph can assume (`gobrrr.passes.loop`): "drops-output", the
-#: model's output freed before backward (gobrrr's TrainStep, HF Trainer, Lightning);
+#: model's output freed before backward (gobrrr's TrainStep, Lightning, HF Trainer in fp32);
 #: "keeps-output", `out = model(...)` held until the next step rebinds it (the plain loop,
-#: timm's and torchvision's reference scripts); "forward-backward", the user's own
+#: timm's and torchvision's reference scripts); "hf-trainer", dropped too, after Accelerate's
+#: mixed precision copied its fp16/bf16 tensors to fp32; "forward-backward", the user's own
 #: `Workload(forward_backward=...)`, traced as it holds its tensors.
-LOOPS = ("drops-output", "keeps-output", "zero-grad-first", "forward-backward")
+LOOPS = ("drops-output", "keeps-output", "zero-grad-first", "hf-trainer", "forward-backward")
 
 
 #: Fields whose JSON form is not the value itself: (to JSON, from JSON).
@@ -219,8 +224,10 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "passes": (list, tuple),
     "cuda_graph": (lambda c: c._asdict(), lambda d: Captured(int(d["start"]), int(d["graphs"]))),
     "outputs": (
-        lambda os: [[*o[:3], list(o.shape), o.dtype] for o in os],
-        lambda os: tuple(ModelOutput(a, b, c, tuple(d), e) for a, b, c, d, e in os),
+        lambda os: [
+            [*o[:3], list(o.shape), o.dtype, *([] if o.contained else [False])] for o in os
+        ],
+        lambda os: tuple(ModelOutput(a, b, c, tuple(d), e, *rest) for a, b, c, d, e, *rest in os),
     ),
 }
 #: Fields written even when None (the file holds null).

@@ -137,6 +137,8 @@ def loop_line(est: Estimate) -> str:
     size = _size(abs(diff))
     if kind == "zero-grad-first":  # the other loop (drops-output) frees both
         what = f"{what} and the last step's gradients"
+    if alt == "keeps-output" and diff < 0:  # hf-trainer: its copy can outweigh the output
+        return f"{line}; a loop that keeps it alive through backward peaks {size} lower: {what}"
     if alt == "keeps-output":
         return f"{line}; a loop that keeps it alive through backward holds +{size} more: {what}"
     return f"{line}; one that drops it before backward peaks {size} lower: {what}"

@@ -130,6 +130,30 @@ def test_replayed_step_against_hand_derived_times(n):
     assert got.step_s < eager.time.step_s  # this tiny step is host-bound eagerly
 
 
+def test_a_captured_matmul_costs_the_measured_gap_against_its_eager_figure():
+    """A section with matmul gaps (-2 us at 1 MFLOP, -1 us at 100 MFLOP): a replayed matmul's
+    device time is its eager figure plus the gap at its FLOPs, interpolated in log FLOPs
+    (held past the ends), never under a node's; the other kernels keep eager less the
+    latency plus a node's (here equal); the interpolation by hand."""
+    from gobrrr.cost.cudagraph import GraphRates
+
+    gaps = {**RATES, "matmul_gap_s": -2e-6, "matmul_gaps": [[1e6, -2e-6], [1e8, -1e-6]]}
+    rates = GraphRates.of(gaps)
+    assert rates.matmul_gap(1e5) == -2e-6 and rates.matmul_gap(1e9) == -1e-6
+    assert rates.matmul_gap(1e7) == pytest.approx(-1.5e-6)  # halfway in log FLOPs
+    target = Target(H100.gpu, dataclasses.replace(H100.cal, cudagraph=gaps))
+    c = cuda_graph(traced())
+    plain, gapped = evaluate(c, GRAPHED).time.ops, evaluate(c, target).time.ops
+    mms = [o for o in plain[c.meta.cuda_graph.start :] if o.kind == "matmul" and o.device_s]
+    assert mms
+    for o in mms:
+        want = max(o.device_s + rates.matmul_gap(o.flops), RATES["node_device_s"])
+        # (the power limit rescales the matmuls after: within half a percent)
+        assert gapped[o.index].device_s == pytest.approx(want, rel=5e-3)
+    others = [o for o in plain[c.meta.cuda_graph.start :] if o.kind != "matmul"]
+    assert all(gapped[o.index].device_s == o.device_s for o in others)
+
+
 def test_replayed_memory_holds_the_static_inputs_and_a_pool_of_its_own():
     g = traced()
     eager, c = evaluate(g, GRAPHED).memory, evaluate(cuda_graph(g), GRAPHED).memory
@@ -210,3 +234,33 @@ def test_the_capture_error_reports_the_steps_own_exception():
     assert "operation not permitted when stream is capturing" in line
     assert "previous error" not in line
     assert "test_cudagraph.py" in line
+
+
+def test_the_sections_fit_by_hand():
+    """Tiny chains of N nodes: host 5 us + 10 ns x N, device 2 us + 1.2 us x N; matmul chains
+    at two sizes: 2.6 us a node against 5 us timed alone (256), 20 us against 21 us (2048)."""
+    from gobrrr.calibrate.sections.cudagraph import fit
+
+    pts = [
+        {"kind": "tiny", "nodes": n, "host_s": 5e-6 + 1e-8 * n, "device_s": 2e-6 + 1.2e-6 * n}
+        for n in (10, 100, 1000)
+    ]
+    for size, node, alone in ((256, 2.6e-6, 5e-6), (2048, 20e-6, 21e-6)):
+        pts += [
+            {
+                "kind": "matmul",
+                "nodes": n,
+                "host_s": 0.0,
+                "device_s": 3e-6 + node * n,
+                "size": size,
+                "flops": 2.0 * size**3,
+                "eager_kernel_s": alone,
+            }
+            for n in (10, 100, 1000)
+        ]
+    f = fit(pts)
+    assert f["launch_host_s"] == pytest.approx(5e-6) and f["node_host_s"] == pytest.approx(1e-8)
+    assert f["launch_device_s"] == pytest.approx(2e-6)
+    assert f["node_device_s"] == pytest.approx(1.2e-6)
+    assert f["matmul_gap_s"] == pytest.approx(-2.4e-6)
+    assert sum(f["matmul_gaps"], []) == pytest.approx([2.0 * 256**3, -2.4e-6, 2.0 * 2048**3, -1e-6])

@@ -4,7 +4,9 @@ Eagerly, the host issues every op (dispatch, then a launch per kernel: `Rates.ho
 GPU runs each kernel for its work plus the kernel latency (`Rates.latency`). Replayed, the
 host issues one `graph.replay()` per captured graph, which costs a launch plus a little per
 kernel node (the driver submits the nodes), and the GPU runs the captured kernels back to
-back, each for its work plus the gap between graph nodes. The four figures come from the
+back, each for its work plus the gap between graph nodes; a matmul as a captured chain of
+matmuls ran it (`matmul_gap_s`: the node against the same matmul timed alone, as the
+calibration's matmul figures are). The four figures come from the
 calibration's `cudagraph` section (`gobrrr.calibrate.sections.cudagraph`: chains of N
 captured kernels, host time around replay and device time between events, fitted in N);
 without it nothing here guesses them: the step is not costed replayed.
@@ -12,6 +14,7 @@ without it nothing here guesses them: the step is not costed replayed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gobrrr.cost.flops import OpCost
@@ -36,6 +39,12 @@ class GraphRates:
     node_host_s: float
     node_device_s: float
     launch_device_s: float = 0.0
+    #: what a captured matmul node costs the GPU beyond the same matmul timed alone, as the
+    #: calibration's matmul figures are (negative: a chain of captured matmuls runs each
+    #: faster than one matmul timed between events); 0 where not measured
+    matmul_gap_s: float = 0.0
+    #: the same by matmul size where measured at several: ((FLOPs, gap s), ...) ascending
+    matmul_gaps: tuple[tuple[float, float], ...] = ()
 
     @staticmethod
     def of(section: dict | None) -> GraphRates | None:
@@ -43,7 +52,27 @@ class GraphRates:
         keys = ("launch_host_s", "node_host_s", "node_device_s")
         if not section or any(not isinstance(section.get(k), (int, float)) for k in keys):
             return None
-        return GraphRates(*(float(section[k]) for k in keys), section.get("launch_device_s", 0.0))
+        return GraphRates(
+            *(float(section[k]) for k in keys),
+            section.get("launch_device_s", 0.0),
+            section.get("matmul_gap_s", 0.0),
+            tuple(sorted((float(f), float(g)) for f, g in section.get("matmul_gaps") or ())),
+        )
+
+    def matmul_gap(self, flops: float) -> float:
+        """What a captured matmul of `flops` costs the GPU beyond the same matmul timed alone
+        (s): the measured gaps interpolated in log FLOPs, the end ones held past the grid;
+        `matmul_gap_s` where measured at one size only."""
+        pts = self.matmul_gaps
+        if not pts:
+            return self.matmul_gap_s
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        for (f0, g0), (f1, g1) in zip(pts, pts[1:], strict=False):
+            if flops <= f1:
+                t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return g0 + t * (g1 - g0)
+        return pts[-1][1]
 
     def host_s(self, kernels: int, graphs: int = 1) -> float:
         """Host seconds to replay `graphs` graphs holding `kernels` kernel nodes in all."""
@@ -72,6 +101,11 @@ def graphed_times(
         launches = costs[o.index].launches if o.device_s > 0 else 0
         kernels += launches * weights[o.index]
         device = o.device_s + (g.node_device_s - rates.latency) * launches
+        if o.kind == "matmul" and launches:
+            # the node as measured in a captured chain of matmuls, not the eager kernel
+            # (the node's gap is in the measured figure: no second one)
+            gap = g.matmul_gap(o.flops / launches)
+            device = max(o.device_s + gap * launches, g.node_device_s * launches)
         out[o.index] = evolve(o, host_s=0.0, device_s=max(device, 0.0), streamed_s=0.0)
     if captured.start < len(out):
         first = out[captured.start]

@@ -12,7 +12,9 @@ beside the latency). Each chain is replayed REPS times:
 Fitted in N over the tiny chains: host = launch_host_s + node_host_s x N, device =
 launch_device_s + node_device_s x N (node_device_s takes the place of the eager kernel
 latency for a captured kernel: `cost.cudagraph`). The matmul chains' device time per node,
-beside one matmul timed eagerly, says what a node costs beyond its work ("matmul_gap_s").
+beside the same matmul timed alone (as the calibration's matmul figures are), says what a
+captured matmul node costs beyond it, per size (MATMULS: "matmul_gaps", [FLOPs, s]; the
+smallest's also as "matmul_gap_s").
 """
 
 from __future__ import annotations
@@ -28,24 +30,28 @@ from gobrrr.calibrate.timing import time_op
 NODES = (10, 100, 1000)
 REPS = 50
 MATMUL = 256  # a (256, 256) x (256, 256) bf16 matmul: ~34 MFLOP, a few microseconds
+#: the square bf16 matmuls whose captured chains are set beside the same matmul timed alone
+#: (34 MFLOP to 17 GFLOP: a few microseconds to ~30)
+MATMULS = (256, 1024, 2048)
 
 
 def cudagraph_section(dev: torch.device, nodes: Sequence[int] = NODES, reps: int = REPS) -> dict:
     """The `cudagraph` calibration section measured on `dev` (a CUDA device)."""
     points = []
-    for kind in ("tiny", "matmul"):
-        body, work = _kernels(kind, dev)
+    for kind, size in (("tiny", 0), *(("matmul", m) for m in MATMULS)):
+        body, work = _kernels(kind, dev, size)
+        mine = []
         for n in nodes:
             graph = _captured(lambda body=body, n=n: [body() for _ in range(n)])
             host = _host_time(graph, reps)
             device = time_op(graph.replay, dev, reps)
-            points.append({"kind": kind, "nodes": n, "host_s": host, "device_s": device})
+            mine.append({"kind": kind, "nodes": n, "host_s": host, "device_s": device})
             del graph
         if kind == "matmul":
             eager = time_op(body, dev, reps)
-            for p in points:
-                if p["kind"] == "matmul":
-                    p["eager_kernel_s"] = eager
+            for p in mine:
+                p.update(size=size, flops=work, eager_kernel_s=eager)
+        points += mine
     return {**fit(points), "points": points}
 
 
@@ -64,10 +70,19 @@ def fit(points: list[dict]) -> dict[str, float]:
         "launch_device_s": max(a_dev, 0.0),
         "node_device_s": max(b_dev, 0.0),
     }
-    mm = [p for p in points if p["kind"] == "matmul" and "eager_kernel_s" in p]
-    if len(mm) >= 2:
-        _, per = _line([float(p["nodes"]) for p in mm], [p["device_s"] for p in mm])
-        out["matmul_gap_s"] = per - mm[0]["eager_kernel_s"]
+    gaps = []
+    for size in sorted({p.get("size", MATMUL) for p in points if p["kind"] == "matmul"}):
+        mm = [
+            p
+            for p in points
+            if p["kind"] == "matmul" and "eager_kernel_s" in p and p.get("size", MATMUL) == size
+        ]
+        if len(mm) >= 2:
+            _, per = _line([float(p["nodes"]) for p in mm], [p["device_s"] for p in mm])
+            gaps.append([mm[0].get("flops", 2.0 * size**3), per - mm[0]["eager_kernel_s"]])
+    if gaps:
+        out["matmul_gap_s"] = gaps[0][1]  # the smallest matmul's
+        out["matmul_gaps"] = gaps  # [flops, gap s] by size
     return out
 
 
@@ -79,15 +94,18 @@ def _line(x: list[float], y: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _kernels(kind: str, dev: torch.device) -> tuple[Callable[[], object], float]:
-    """One kernel of a chain, writing in place (a captured chain allocates nothing)."""
+def _kernels(
+    kind: str, dev: torch.device, size: int = MATMUL
+) -> tuple[Callable[[], object], float]:
+    """One kernel of a chain, writing in place (a captured chain allocates nothing), and its
+    FLOPs: the tiny add, or a (size, size) x (size, size) bf16 matmul."""
     if kind == "tiny":
         x = torch.zeros(1, device=dev)
         return (lambda: x.add_(1.0)), 0.0
-    a = torch.randn(MATMUL, MATMUL, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
     b = torch.randn_like(a)
     c = torch.empty_like(a)
-    return (lambda: torch.mm(a, b, out=c)), 2.0 * MATMUL**3
+    return (lambda: torch.mm(a, b, out=c)), 2.0 * size**3
 
 
 def _captured(body: Callable[[], object]) -> torch.cuda.CUDAGraph:

@@ -182,6 +182,24 @@ def test_planner_chooses_graphs_where_host_bound_only():
     assert big.plans
 
 
+def test_the_plans_memory_chart_follows_a_captured_plan():
+    """`plan --json`'s memory chart replays the graph the search costed, the captured step's
+    input copies included (it had rebuilt the graph without the CUDA graph pass: a timeline
+    longer than the graph, and an IndexError)."""
+    from gobrrr.plan.search import Planner
+    from gobrrr.report.charts import plan_charts
+
+    planner = Planner(
+        functools.partial(mlp, width=64), GRAPHED, global_batch=8, allow=["cudagraphs"]
+    )
+    result = planner.run()
+    best = result.plans[0]
+    assert best.knobs.cuda_graph
+    mem = plan_charts(planner, result)["memory"]["chosen"]
+    assert mem["ops"] == len(planner.search.step_graph(best.knobs).nodes)
+    assert max(mem["total"]) == best.peak_bytes
+
+
 def test_planner_without_the_section_says_so():
     r = plan(functools.partial(mlp, width=64), BARE, global_batch=8, allow=["cudagraphs"])
     assert not any(p.knobs.cuda_graph for p in r.plans)
@@ -264,3 +282,28 @@ def test_the_sections_fit_by_hand():
     assert f["node_device_s"] == pytest.approx(1.2e-6)
     assert f["matmul_gap_s"] == pytest.approx(-2.4e-6)
     assert sum(f["matmul_gaps"], []) == pytest.approx([2.0 * 256**3, -2.4e-6, 2.0 * 2048**3, -1e-6])
+
+
+def test_a_captured_step_is_traced_with_its_optimizer_capturable():
+    """apply makes the optimizer capturable before capturing; the planner traces the captured
+    variant so: AdamW's bias corrections become device tensors, and its two divisions of
+    every state by a 0-dim tensor leave multi_tensor_apply for a kernel per parameter (ATen's
+    fast-route rule: the lists' i-th tensors share shape), as a profile of a captured GPT-2
+    step shows (2 x 148 division kernels, benchmarks/results/cudagraph_profile_h100.json)."""
+    from gobrrr.plan.search import variant_of
+    from gobrrr.plan.trace import Tracer
+
+    knobs = Knobs(micro_batch=8, cuda_graph=True)
+    assert variant_of(knobs).cuda_graph  # traced apart from the eager step
+    kw = dict(seq=None, precision="bf16-mixed", target=H100)
+    eager = Tracer(mlp, variant=Knobs(micro_batch=1), **kw).trace(8)
+    graphed = Tracer(mlp, variant=variant_of(knobs), **kw).trace(8)
+    ops = [n.op for n in graphed.nodes if n.phase == "optimizer"]
+    assert ops.count("aten._foreach_div_.List") == 2
+    assert "aten._foreach_div_.List" not in [n.op for n in eager.nodes]
+    params = len(list(mlp().model.parameters()))
+    divs = [n for n in graphed.nodes if n.op == "aten._foreach_div_.List"]
+    assert [op_cost(n).launches for n in divs] == [params, params]
+    # the forward and backward are the eager step's
+    fwd = [n.op for n in eager.nodes if n.phase != "optimizer"]
+    assert [n.op for n in graphed.nodes if n.phase != "optimizer"] == fwd

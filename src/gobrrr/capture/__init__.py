@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -513,7 +515,7 @@ def _trace(
     whole: bool = True,
 ) -> StepGraph:
     names = {id(p): n for n, p in w.model.named_parameters(remove_duplicate=False)}
-    with torch.enable_grad():
+    with torch.enable_grad(), _capturable_traced():
         step = _Step(w, precision, accumulation=accumulation)
         values.during("warm-up")
         _guarded(step.init_optimizer_state, "optimizer's first step")
@@ -614,6 +616,38 @@ def _assemble(rec: Recorder, table: StorageTable, w: Workload, precision: Precis
         ),
     )
     return StepGraph(nodes=nodes, storages=table.infos(), meta=meta)
+
+
+@contextlib.contextmanager
+def _capturable_traced() -> Iterator[None]:
+    """An optimizer made capturable (`capturable=True`: its step counts and bias corrections
+    on the device, as a CUDA graph needs them; `gobrrr.apply` sets it for a captured step)
+    traced on the fake CPU tensors that stand for the GPU's: torch's optimizers check that
+    such tensors are on a device they can capture on, which the trace's stand-ins are not, so
+    the trace's device type is added to that list while tracing. The ops recorded are those
+    the optimizer runs on a GPU; an optimizer that is not capturable is not affected."""
+    import torch.optim.optimizer as base
+
+    orig = base._get_capturable_supported_devices
+
+    def supported(supports_xla: bool = True) -> list[str]:
+        return [*orig(supports_xla), "cpu"]
+
+    # every torch.optim module that imported the check by name (adam, rmsprop, ...)
+    mods = [
+        m
+        for name, m in list(sys.modules.items())
+        if (name == "torch.optim" or name.startswith("torch.optim."))
+        and isinstance(m, types.ModuleType)
+        and getattr(m, "_get_capturable_supported_devices", None) is orig
+    ]
+    for m in mods:
+        m._get_capturable_supported_devices = supported
+    try:
+        yield
+    finally:
+        for m in mods:
+            m._get_capturable_supported_devices = orig
 
 
 def _guarded(fn: Callable[[], None], what: str, rec: Recorder | None = None) -> None:

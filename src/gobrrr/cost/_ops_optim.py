@@ -75,9 +75,27 @@ def foreach(node: OpNode, tf32: bool) -> OpCost:
     scalar_list = any(
         isinstance(a, (list, tuple)) and a and not isinstance(a[0], dict) for a in node.args
     )
+    if slow_route(selves, lists):  # one TensorIterator kernel per tensor
+        n = sum(1 for x in numels if x > 0)
+        return vector(_FOREACH_PER_ELEM.get(base, 1) * sum(numels), nbytes, "pointwise", n)
     launches = mta_launches(numels, depth, scalar_list) + (base == "norm")  # + norm cleanup
     kind = "reduction" if base == "norm" else "optimizer"
     return vector(_FOREACH_PER_ELEM.get(base, 1) * sum(numels), nbytes, kind, launches)
+
+
+def slow_route(selves: list, lists: list[list]) -> bool:
+    """Whether a _foreach_ op over tensor lists leaves multi_tensor_apply for a loop of the
+    op per tensor (ATen's `check_fast_path_restrictions`): the i-th tensors of the lists
+    must share shape, strides and dtype. E.g. a capturable Adam's `_foreach_div_(exp_avg_sq_
+    sqrt, bias_correction2_sqrt)` divides each state by a 0-dim tensor: on a GPU, a kernel
+    per parameter."""
+    for other in lists[1:]:
+        if len(other) != len(selves):
+            continue
+        for a, b in zip(selves, other, strict=True):
+            if a.shape != b.shape or a.stride != b.stride or a.dtype != b.dtype:
+                return True
+    return False
 
 
 def _list(node: OpNode, i: int, name: str) -> list:

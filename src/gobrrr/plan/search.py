@@ -84,8 +84,9 @@ BASE: Variant = Knobs(micro_batch=1)
 
 
 def variant_of(knobs: Knobs) -> Variant:
-    """The traced variant a configuration is derived from."""
-    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=(), cuda_graph=False)
+    """The traced variant a configuration is derived from (a captured step's is traced apart:
+    its optimizer is made capturable, which changes its ops: `plan.trace.Tracer`)."""
+    return replace(knobs, micro_batch=1, accumulation=1, checkpoint=())
 
 
 @dataclass(frozen=True)
@@ -767,16 +768,22 @@ class _Search:
             self.memory[k] = memory
         return [plan for plan, _ in got]
 
-    def _costed(self, knobs: Knobs) -> tuple[Plan, MemoryResult]:
-        """The plan of `knobs` and its memory replay; nothing of the search's state changes
-        but the graph cache (`cost_all` runs it in children)."""
+    def step_graph(self, knobs: Knobs) -> StepGraph:
+        """The graph `cost` evaluates for `knobs`: its variant at its micro-batch with the
+        passes of its other knobs applied."""
         g = self.graph(knobs)
-        plain = not knobs.checkpoint and knobs.accumulation == 1 and not knobs.cuda_graph
         if knobs.checkpoint:
             g = checkpoint_pass(g, dict(knobs.checkpoint))
         g = accumulate(g, knobs.accumulation)
         if knobs.cuda_graph:  # the last pass: captured as apply captures it
             g = cuda_graph_pass(g)
+        return g
+
+    def _costed(self, knobs: Knobs) -> tuple[Plan, MemoryResult]:
+        """The plan of `knobs` and its memory replay; nothing of the search's state changes
+        but the graph cache (`cost_all` runs it in children)."""
+        g = self.step_graph(knobs)
+        plain = not knobs.checkpoint and knobs.accumulation == 1 and not knobs.cuda_graph
         est = evaluate(g, self.target, memo=self.memo)
         if plain:  # the graph `budget_optimal` reads its per-op times from
             self._plain = (g, est)

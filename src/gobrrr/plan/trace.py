@@ -27,6 +27,7 @@ from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Target
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.probe import samples
+from gobrrr.training.cudagraph import make_capturable
 from gobrrr.training.fp8 import traced_fp8
 from gobrrr.training.fused_loss import use_fused_loss
 from gobrrr.training.offload import stand_in
@@ -98,9 +99,11 @@ class Tracer:
         and loss, the optimizer keeping its states as planned (8-bit: torchao's states and
         one traced op per update, `optim_trace`), or offloaded (torchao's CPUOffloadOptimizer,
         traced as gobrrr.training.offload's stand-in); the linears converted to torchao's
-        Float8Linear for FP8 training (traced as they run: `fp8.traced_fp8`)."""
+        Float8Linear for FP8 training (traced as they run: `fp8.traced_fp8`); for a step
+        captured as a CUDA graph, the optimizer made capturable, as apply makes it."""
         v = self.variant
-        if not v.fused_loss and v.optimizer_states == "as-is" and not v.offload and not v.fp8:
+        plain = v.optimizer_states == "as-is" and not v.offload and not v.cuda_graph
+        if not v.fused_loss and plain and not v.fp8:
             return make
         if v.offload and v.optimizer_states != "as-is":
             raise GobrrrError(
@@ -119,6 +122,8 @@ class Tracer:
                 w.optimizer = lambda ps: stand_in(user(ps))
             elif v.optimizer_states != "as-is":
                 w.optimizer = lambda ps: traced_states_optimizer(user(ps), v.optimizer_states)
+            if v.cuda_graph:  # as apply captures it: step counts on the device
+                w.optimizer = lambda ps, made=w.optimizer or user: make_capturable(made(ps))
             return w
 
         return build

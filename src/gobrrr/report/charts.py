@@ -25,8 +25,6 @@ from gobrrr.evaluate import Estimate, evaluate
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.memory.replay import MemoryResult, round_alloc
-from gobrrr.passes.accumulate import accumulate
-from gobrrr.passes.checkpoint import checkpoint as checkpoint_pass
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.result import PlanResult
 from gobrrr.plan.search import Planner
@@ -307,13 +305,7 @@ def plan_charts(planner: Planner, result: PlanResult) -> dict[str, Any]:
 def _plan_memory(planner: Planner, knobs: Knobs) -> dict[str, Any]:
     # the graph `_Search.cost` evaluates for these knobs (plan/search.py); a data-parallel
     # search's own (`plan/parallel.py`: sharded after checkpointing and accumulation)
-    if knobs.distributed:
-        g = planner.search.sharded(knobs)
-    else:
-        g = planner.search.graph(knobs)
-        if knobs.checkpoint:
-            g = checkpoint_pass(g, dict(knobs.checkpoint))
-        g = accumulate(g, knobs.accumulation)
+    g = planner.search.sharded(knobs) if knobs.distributed else planner.search.step_graph(knobs)
     known = planner.search.memory.get(knobs)  # the search's replay of this very graph
     return memory_series(g, known if known is not None else evaluate(g, planner.target).memory)
 

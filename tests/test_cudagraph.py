@@ -307,3 +307,22 @@ def test_a_captured_step_is_traced_with_its_optimizer_capturable():
     # the forward and backward are the eager step's
     fwd = [n.op for n in eager.nodes if n.phase != "optimizer"]
     assert [n.op for n in graphed.nodes if n.phase != "optimizer"] == fwd
+
+
+def test_foreach_fast_route_by_hand():
+    """ATen's rule for a foreach op over tensor lists: the i-th tensors share shape, dtype and
+    strides, a size-1 dimension's stride aside (a depthwise weight (96, 1, 7, 7) and its
+    gradient differ only there: fast); a 0-dim divisor or a transposed twin: a kernel each."""
+    from gobrrr.cost._ops_optim import slow_route
+    from gobrrr.graph.ir import TensorInfo
+
+    def t(shape, stride, dtype="float32"):
+        return TensorInfo(shape, stride, dtype, 0)
+
+    w = t((96, 1, 7, 7), (49, 49, 7, 1))
+    assert not slow_route([w], [[w], [t((96, 1, 7, 7), (49, 1, 7, 1))]])
+    assert slow_route([w], [[w], [t((), ())]])
+    m = t((4, 8), (8, 1))
+    assert slow_route([m], [[m], [t((4, 8), (1, 4))]])
+    assert slow_route([m], [[m], [t((4, 8), (8, 1), "bfloat16")]])
+    assert not slow_route([m], [[m], [t((4, 8), (8, 1)), t((4, 8), (8, 1))]])  # other lengths

@@ -86,16 +86,22 @@ def foreach(node: OpNode, tf32: bool) -> OpCost:
 def slow_route(selves: list, lists: list[list]) -> bool:
     """Whether a _foreach_ op over tensor lists leaves multi_tensor_apply for a loop of the
     op per tensor (ATen's `check_fast_path_restrictions`): the i-th tensors of the lists
-    must share shape, strides and dtype. E.g. a capturable Adam's `_foreach_div_(exp_avg_sq_
-    sqrt, bias_correction2_sqrt)` divides each state by a 0-dim tensor: on a GPU, a kernel
-    per parameter."""
+    must share shape, dtype and strides (but in size-1 dimensions). E.g. a capturable
+    Adam's `_foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)` divides each state by a
+    0-dim tensor: on a GPU, a kernel per parameter."""
     for other in lists[1:]:
         if len(other) != len(selves):
             continue
         for a, b in zip(selves, other, strict=True):
-            if a.shape != b.shape or a.stride != b.stride or a.dtype != b.dtype:
+            if a.shape != b.shape or a.dtype != b.dtype or not _same_strides(a, b):
                 return True
     return False
+
+
+def _same_strides(a, b) -> bool:
+    """Equal strides but in size-1 dimensions, whose stride ATen's check skips (a depthwise
+    convolution's weight (C, 1, k, k) and its gradient may differ there)."""
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride, b.stride, strict=True))
 
 
 def _list(node: OpNode, i: int, name: str) -> list:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gobrrr import formulas
@@ -257,7 +257,7 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
         dtype = "fp32" if buf.dtype == "float32" else "bf16"
         op = COLLECTIVE_OF[node.op][0]
         t = parallel_time(kind, op, ops[i].bytes, dtype, world, hosts, points)
-        out[i] = replace(ops[i], device_s=t, memory_s=t, regime="comm")
+        out[i] = evolve(ops[i], device_s=t, memory_s=t, regime="comm")
     section = rates.cal.dp_host if rates.cal else None
     if hooks:
         charged = _fsdp_charged(graph, ops)
@@ -265,7 +265,7 @@ def comm_times(graph: StepGraph, ops: tuple[OpTime, ...], rates: Rates) -> tuple
             node = graph.nodes[i]
             phase, params, reshard = node.args
             t = hook_host_s(section, phase, params, reshard, world)
-            out[i] = replace(ops[i], host_s=max(t - charged.get((node.module, phase), 0.0), 0.0))
+            out[i] = evolve(ops[i], host_s=max(t - charged.get((node.module, phase), 0.0), 0.0))
     return _skewed(out, section, world)
 
 
@@ -279,8 +279,10 @@ def _skewed(ops: list[OpTime], section: Any, world: int) -> tuple[OpTime, ...]:
     skew["recompute"] = skew["backward"]
     if all(f == 1.0 for f in skew.values()):
         return tuple(ops)
+    # `evolve`, not `dataclasses.replace`: every op of a 64-rank step is copied (several
+    # seconds of each planner run over the candidates)
     return tuple(
-        replace(o, host_s=o.host_s * skew[o.phase])
+        evolve(o, host_s=o.host_s * skew[o.phase])
         if o.kind != HOOK_KIND and o.phase in skew and o.host_s
         else o
         for o in ops

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from gobrrr.capture import accumulate, assume, bnb, compiled
+from gobrrr.capture import accumulate, assume, bnb, compiled, optim_state
 from gobrrr.capture.autocast import cuda_autocast_rules
 from gobrrr.capture.cuda_calls import on_traced_gpu
 from gobrrr.capture.dropout import cuda_dropout
@@ -328,10 +328,16 @@ class _Step(TrainStep):
 
     def init_optimizer_state(self) -> None:
         """What a warm-up step leaves behind, without its forward and backward: the optimizer
-        state (created lazily by the first step). Gradients of zeros stand in for real ones."""
+        state (created lazily by the first step). Gradients of zeros stand in for real ones.
+        torch's Adam and AdamW get their state made directly, without the step's update
+        (`optim_state`); any other optimizer, or a step through the GradScaler, runs it."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for p in params:
             p.grad = torch.zeros_like(p)
+        if not self.scaler and optim_state.direct(self.optimizer):
+            optim_state.init_state(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         if self.scaler:
             self.scaler.scale(torch.zeros((), dtype=torch.float32))  # creates its scale tensor
         self.optimizer_step()

@@ -73,7 +73,7 @@ class FactTable:
         )
         if not found:
             return
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = _out_tensors(out)
         if isinstance(facts, Fact) or facts is None:
             facts = [facts] * len(outs)
         origin = str(func).removesuffix(".default")
@@ -94,4 +94,12 @@ def _version(t: torch.Tensor) -> int | None:
 
 def _wanted(out: Any) -> bool:
     """Only fake outputs need facts kept: a real tensor's come from its values when asked."""
-    return any(isinstance(t, FakeTensor) for t in tree_leaves(out))
+    return any(isinstance(t, FakeTensor) for t in _out_tensors(out))
+
+
+def _out_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned, in `tree_leaves`' order (most ops return one tensor: no
+    walk over it; every op of the step comes here)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

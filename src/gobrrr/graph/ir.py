@@ -63,6 +63,8 @@ def itemsize(dtype: str) -> int:
 
 R = TypeVar("R")
 
+_OP_NAMES: dict[str, str] = {}  # OpNode.op -> OpNode.name
+
 
 def evolve(record: R, **changes: Any) -> R:
     """`record` with `changes` to its fields: `dataclasses.replace` for the step graph's frozen
@@ -159,9 +161,13 @@ class OpNode:
 
     @property
     def name(self) -> str:
-        """ "aten.mm.default" -> "mm"."""
-        parts = self.op.split(".")
-        return parts[1] if len(parts) >= 2 else self.op
+        """ "aten.mm.default" -> "mm" (once per op name: the replay's scratch tables ask
+        for every op's, candidate after candidate)."""
+        name = _OP_NAMES.get(self.op)
+        if name is None:
+            parts = self.op.split(".")
+            name = _OP_NAMES[self.op] = parts[1] if len(parts) >= 2 else self.op
+        return name
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         """Positional argument i, or keyword `name`, of the op's schema."""

@@ -136,11 +136,23 @@ class _Plan:
     dropped: set[int] = field(default_factory=set)  # traced ops FSDP2 does not run
     # op -> {storage it reads: the storage (or the whole view) it reads instead}
     remap: dict[int, dict[int, TensorInfo | int]] = field(default_factory=dict)
+    # ids of the maps in `remap` that several ops share (a unit's, `_read`): copied by `own`
+    # before one op's is changed
+    shared: set[int] = field(default_factory=set)
 
     def new_storage(self, nbytes: int, kind: str, label: str, module: str) -> int:
         sid = len(self.storages)
         self.storages.append(StorageInfo(sid, nbytes, kind, 0, None, label, module))
         return sid
+
+    def own(self, i: int) -> dict[int, TensorInfo | int]:
+        """Op i's map in `remap`, its own to change (made, or copied where it is shared)."""
+        m = self.remap.get(i)
+        if m is None:
+            m = self.remap[i] = {}
+        elif id(m) in self.shared:
+            m = self.remap[i] = m.copy()
+        return m
 
     def op(self, at: dict[int, list[OpNode]], i: int, *nodes: OpNode) -> None:
         at.setdefault(i, []).extend(nodes)
@@ -514,12 +526,14 @@ def _read(plan, ps: list[Param], ga: _Gather, lo: int, hi: int, phases) -> None:
     (any op of the phase in the micro-batch: a tied weight read outside its unit's span)."""
     bufs = {p.sid: ga.bufs[p.sid] for p in ps}
     nodes, remap = plan.graph.nodes, plan.remap
+    plan.shared.add(id(bufs))
     for i in range(lo, hi + 1):
         if nodes[i].phase in phases:
             m = remap.get(i)
-            if m is None:  # most ops: the unit's map, copied (a later pass adds to it)
-                remap[i] = bufs.copy()
+            if m is None:  # most ops: the unit's map, shared (`own` copies it to change it)
+                remap[i] = bufs
             else:  # what an earlier unit or phase mapped stays
+                m = plan.own(i)
                 for sid, buf in bufs.items():
                     m.setdefault(sid, buf)
 
@@ -532,7 +546,7 @@ def _retarget_adds(plan: _Plan, lo: int, hi: int, grads, accumulated: dict[int, 
             acc = accumulated.get(p.sid)
             if acc is not None:
                 view = dataclasses.replace(n.inputs[0], storage=acc, dtype=REDUCE_DTYPE)
-                plan.remap.setdefault(n.index, {})[p.grad] = view
+                plan.own(n.index)[p.grad] = view
 
 
 def _fresh_grads(plan: _Plan, lo: int, hi: int, grads) -> dict[int, int]:
@@ -688,7 +702,7 @@ def _optimizer(plan: _Plan, params: dict[int, Param], rs_outs: dict[str, int]) -
     for n in g.nodes:
         if n.phase != "optimizer":
             continue
-        m = plan.remap.setdefault(n.index, {})
+        m = plan.own(n.index)
         for t in (*n.inputs, *n.outputs):
             if t.storage in grad_view:
                 m[t.storage] = grad_view[t.storage]

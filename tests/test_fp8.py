@@ -285,3 +285,30 @@ def test_the_grid_case_is_a_tensorwise_scaled_matmul():
     out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), a.float() @ b.float(), rtol=1e-2, atol=0.5)
+
+
+def test_fp8_blocks_compile_once_for_every_block():
+    """FP8 with each block compiled (`--allow fp8,compile`) over more blocks than dynamo's
+    recompile limit (8): every block reuses one compiled graph. The trace's input cast was
+    a wrapper per layer, whose identity each block's guards held: a recompile per block, then
+    eager past the limit."""
+    from gobrrr.plan.search import variant_of
+
+    def ten_blocks(batch_size: int = 2, seq_len: int = 32):
+        return get_workload(
+            "llama3-1b",
+            batch_size,
+            seq_len,
+            n_layer=10,
+            dim=64,
+            n_head=4,
+            n_kv_head=2,
+            ffn_dim=128,
+            vocab_size=248,
+        )
+
+    target = Target.resolve("h100", calibration=False)
+    variant = variant_of(Knobs(micro_batch=2, fp8=True, compile="blocks"))
+    g = Tracer(ten_blocks, seq=32, precision="bf16-mixed", target=target, variant=variant).trace(2)
+    assert g.meta.compiled_graphs == {"forward": 1, "backward": 1}
+    assert len(g.meta.compiled_regions) == 2 * 10  # each block's forward and backward

@@ -17,7 +17,6 @@ in_features or out_features is not a multiple of 16 (`torch._scaled_mm` needs bo
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -131,14 +130,17 @@ def traced_fp8(model: nn.Module) -> str:
     what = use_fp8(model)
     for mod in model.modules():
         if _qualname(type(mod)) == FLOAT8_LINEAR:
-            mod.forward = functools.partial(_cast_then, mod.forward)
+            # one hook function for every layer: compiled per block, each block's guards
+            # hold the same function (a wrapper per layer made each block a recompile)
+            mod.register_forward_pre_hook(_cast_input)
     return what
 
 
-def _cast_then(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _cast_input(module: nn.Module, args: tuple) -> tuple | None:
+    """The input cast to CPU autocast's dtype where CPU autocast stands for CUDA's."""
     if torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled():
-        x = x.to(torch.get_autocast_dtype("cpu"))
-    return forward(x)
+        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
 
 
 def _qualname(cls: type) -> str:

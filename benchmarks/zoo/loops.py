@@ -363,6 +363,35 @@ def merge(out: str, parts: list[str]) -> dict:
     return data
 
 
+def summary(data: dict) -> list[dict]:
+    """Per loop: the cases measured and predicted, the allocated peak's median |error|
+    (predicted / measured - 1), how many within 1%, the most under and the most over."""
+    out = []
+    for loop in PREDICTED_AS:
+        errs = []
+        for name, rows in data["cases"].items():
+            r = rows.get(loop)
+            if not isinstance(r, dict):
+                continue
+            m = (r.get("measured") or {}).get("peak_allocated")
+            p = (r.get("predicted") or {}).get("peak_allocated")
+            if m and p:
+                errs.append((p / m - 1, name))
+        if errs:
+            out.append(
+                {
+                    "loop": loop,
+                    "predicted_as": PREDICTED_AS[loop],
+                    "cases": len(errs),
+                    "median_abs": statistics.median(abs(e) for e, _ in errs),
+                    "within_1pct": sum(abs(e) <= 0.01 for e, _ in errs),
+                    "most_under": min(errs),
+                    "most_over": max(errs),
+                }
+            )
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", nargs="?", default="loops.json")
@@ -377,6 +406,7 @@ def main(argv=None) -> int:
     p.add_argument("--predict-only", action="store_true", help="no measurements (any host)")
     p.add_argument("--gpu", help="the GPU predictions are for (default: the one measured)")
     p.add_argument("--merge", nargs="+", metavar="PART", help="join PART files into OUT")
+    p.add_argument("--summary", action="store_true", help="per loop, OUT's peaks against them")
     p.add_argument("--one", nargs=2, metavar=("CASE", "LOOP"), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, default=0, help=argparse.SUPPRESS)
@@ -393,6 +423,10 @@ def main(argv=None) -> int:
         return 0
     if args.merge:
         merge(args.out, args.merge)
+        return 0
+    if args.summary:
+        for row in summary(json.loads(Path(args.out).read_text())):
+            print(json.dumps(row))
         return 0
     run(args)
     return 0

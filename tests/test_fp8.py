@@ -4,6 +4,7 @@ planner's gate, and apply on the CPU."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -31,13 +32,14 @@ FP8 = Knobs(micro_batch=1, fp8=True)  # the traced FP8 variant
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_llama(batch_size: int = 2, seq_len: int = 64):
-    """Two Llama blocks whose linears are all multiples of 16 wide, a 248-token head (not)."""
+def tiny_llama(batch_size: int = 2, seq_len: int = 64, n_layer: int = 2):
+    """Llama blocks (two by default) whose linears are all multiples of 16 wide, a 248-token
+    head (not)."""
     return get_workload(
         "llama3-1b",
         batch_size,
         seq_len,
-        n_layer=2,
+        n_layer=n_layer,
         dim=64,
         n_head=4,
         n_kv_head=2,
@@ -294,19 +296,7 @@ def test_fp8_blocks_compile_once_for_every_block():
     eager past the limit."""
     from gobrrr.plan.search import variant_of
 
-    def ten_blocks(batch_size: int = 2, seq_len: int = 32):
-        return get_workload(
-            "llama3-1b",
-            batch_size,
-            seq_len,
-            n_layer=10,
-            dim=64,
-            n_head=4,
-            n_kv_head=2,
-            ffn_dim=128,
-            vocab_size=248,
-        )
-
+    ten_blocks = functools.partial(tiny_llama, n_layer=10)
     target = Target.resolve("h100", calibration=False)
     variant = variant_of(Knobs(micro_batch=2, fp8=True, compile="blocks"))
     g = Tracer(ten_blocks, seq=32, precision="bf16-mixed", target=target, variant=variant).trace(2)

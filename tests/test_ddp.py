@@ -17,7 +17,7 @@ from gobrrr.estimate import estimate, shard
 from gobrrr.evaluate import evaluate
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.ddp import ALL_REDUCE, MIB, bucket_assignment, ddp, gradients
-from gobrrr.schedule.scheduler import comm_waits, exposed_comm, place
+from gobrrr.schedule.scheduler import comm_waits, exposed_comm, exposed_comm_by, place
 from gobrrr.schedule.streams import COMM, COMPUTE
 
 WIDTHS = (256, 512, 1024, 1024, 8)
@@ -242,6 +242,9 @@ def test_exposed_comm_counts_the_comm_streams_copies_as_other_kernels():
     assert t.ops[2].start == pytest.approx(3e-3) and t.ops[2].end == pytest.approx(5e-3)
     assert exposed_comm(t, frozenset({2})) == pytest.approx((2e-3, 2e-3))
     assert exposed_comm(t) == pytest.approx((3e-3, 3e-3))
+    # per collective in one pass (what evaluate reports), the copy again not counted
+    total, by = exposed_comm_by(t, {2: "all_gather"})
+    assert total == pytest.approx((2e-3, 2e-3)) and by == {"all_gather": total}
 
 
 @pytest.mark.parametrize(

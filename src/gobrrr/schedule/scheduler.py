@@ -169,17 +169,42 @@ def exposed_comm(
     other kernel counts them (`gobrrr.profile.comm`); `of`: those of the collectives to
     count (e.g. one collective's; default all). `collectives` None: every op of the comm
     stream is communication and the compute stream's ops are the other kernels."""
-    spans = [o for o in (*timeline.ops, *timeline.repeat_run) if o.start is not None]
-    if collectives is None:
-        comm = [(o.start, o.end) for o in spans if o.stream == COMM]
-        other = [(o.start, o.end) for o in spans if o.stream == COMPUTE]
-    else:
+    if collectives is not None:
         of = collectives if of is None else of
-        comm = [(o.start, o.end) for o in spans if o.index in of]
-        other = [(o.start, o.end) for o in spans if o.index not in collectives and o.stream != HOST]
-    comm, compute = _union(comm), _union(other)
+        _, by = exposed_comm_by(timeline, {i: "of" if i in of else "rest" for i in collectives})
+        return by.get("of", (0.0, 0.0))
+    spans = [o for o in (*timeline.ops, *timeline.repeat_run) if o.start is not None]
+    comm = _union([(o.start, o.end) for o in spans if o.stream == COMM])
+    compute = _union([(o.start, o.end) for o in spans if o.stream == COMPUTE])
     busy = sum(e - s for s, e in comm)
     return busy, busy - _overlap(comm, compute)
+
+
+def exposed_comm_by(
+    timeline: Timeline, kinds: dict[int, str]
+) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
+    """`exposed_comm` of all the collectives (`kinds`: op index -> its collective) and of
+    each collective apart, in one pass over the timeline: ((busy, exposed), {collective:
+    (busy, exposed)})."""
+    comm: dict[str, list[tuple[float, float]]] = {}
+    other = []
+    for o in (*timeline.ops, *timeline.repeat_run):
+        if o.start is None:
+            continue
+        k = kinds.get(o.index)
+        if k is not None:
+            comm.setdefault(k, []).append((o.start, o.end))
+        elif o.stream != HOST:
+            other.append((o.start, o.end))
+    compute = _union(other)
+
+    def busy_exposed(spans: list[tuple[float, float]]) -> tuple[float, float]:
+        u = _union(spans)
+        busy = sum(e - s for s, e in u)
+        return busy, busy - _overlap(u, compute)
+
+    total = busy_exposed([iv for ivs in comm.values() for iv in ivs])
+    return total, {k: busy_exposed(v) for k, v in sorted(comm.items())}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

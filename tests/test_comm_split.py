@@ -277,6 +277,26 @@ def test_the_table_shows_transfer_beside_the_prediction_and_waiting_unpredicted(
     assert "waiting for other ranks" in text.splitlines()[2]  # the per-rank table's column
 
 
+def test_the_table_sets_each_collectives_exposed_transfer_beside_its_prediction():
+    """One all-gather, its transfer 2 ms exposed on every rank (`skewed`): the job's
+    per-collective row gives the spread over ranks and the prediction's own all-gather
+    figure beside it (0.5 ms under); a prediction without that collective shows a dash."""
+    out = pd.summarize(_ranks(comm.ranks_communication(skewed(3.0))), pd.ParallelRun("fsdp"), "w")
+    assert out["measured"]["collectives"]["all_gather"]["transfer_exposed_s"] == pytest.approx(
+        {"min": 2 * MS, "median": 2 * MS, "max": 2 * MS}
+    )
+    for by, want in (
+        ({"all_gather": {"busy_s": 2 * MS, "exposed_s": 1.5 * MS}}, "-0.50 ms vs median"),
+        ({}, " - "),
+    ):
+        predicted = {**PREDICTED, "comm_by_collective": by}
+        out["predicted"], out["error"] = predicted, pd.errors(out["measured"], predicted)
+        buf = io.StringIO()
+        print_parallel(out, Console(file=buf, width=250))
+        (row,) = [ln for ln in buf.getvalue().splitlines() if "all_gather transfer exposed" in ln]
+        assert "2 ms" in row and want in row
+
+
 # -- benchmarks/multigpu ---------------------------------------------------------------------
 
 

@@ -179,6 +179,8 @@ def summarize(ranks: list[dict], run: ParallelRun, workload: str) -> dict:
         for key in ("comm_busy_s", "comm_exposed_s"):
             measured[key] = spread([r["comm"][key] for r in ranks])
         measured.update(split_spread(ranks))
+        if by := collective_spread(ranks):
+            measured["collectives"] = by
     else:
         measured["comm"] = NO_NCCL_ON_CPU
     return {
@@ -217,6 +219,20 @@ def split_spread(ranks: list[dict]) -> dict:
     return out
 
 
+def collective_spread(ranks: list[dict]) -> dict:
+    """Per collective (all_gather, reduce_scatter, all_reduce, ...), its exposed transfer's
+    min / median / max over the ranks (`transfer_exposed_s`), where every rank's NCCL kernels
+    were split; {} where not."""
+    comms = [r["comm"] for r in ranks]
+    ops = sorted({op for c in comms for op in c.get("collectives", {})})
+    out = {}
+    for op in ops:
+        xs = [c.get("collectives", {}).get(op, {}).get("transfer_exposed_s") for c in comms]
+        if all(x is not None for x in xs):
+            out[op] = {"transfer_exposed_s": spread(xs)}
+    return out
+
+
 def predict(make: Callable[[], Workload], target: Target, run: ParallelRun, world: int) -> dict:
     """The prediction of one rank's step (`gobrrr.estimate` with gpus=world, parallel=...;
     FSDP2 without resharding after forward through `passes.fsdp`, which `shard` does not
@@ -240,6 +256,9 @@ def predict(make: Callable[[], Workload], target: Target, run: ParallelRun, worl
         "step_s": est.time.step_s,
         "comm_busy_s": est.time.comm_s,
         "comm_exposed_s": est.time.exposed_comm_s,
+        "comm_by_collective": {
+            k: {"busy_s": b, "exposed_s": e} for k, (b, e) in est.time.comm_by_collective.items()
+        },
     }
 
 

@@ -222,6 +222,18 @@ def print_parallel(out: dict, console: Console | None = None) -> None:
         elif p:  # the exposed time, once split, is the transfer row's and the waiting's
             extra = ("not predicted" if key == "comm_wait_s" else "-", "")
         t.add_row(f"{label} (min / median / max over ranks)", spread, *extra)
+    for op, row in m.get("collectives", {}).items():
+        s = row["transfer_exposed_s"]
+        spread = f"{_t(s['min'])} / {_t(s['median'])} / {_t(s['max'])}"
+        extra = ()
+        if p:
+            exposed = (p.get("comm_by_collective") or {}).get(op, {}).get("exposed_s")
+            extra = (
+                ("-", "")
+                if exposed is None
+                else (_t(exposed), f"{(exposed - s['median']) * 1e3:+.2f} ms vs median")
+            )
+        t.add_row(f"  {op} transfer exposed (min / median / max)", spread, *extra)
     c.print(t)
     if "comm" in m:
         c.print(m["comm"])

@@ -17,7 +17,7 @@ from gobrrr.estimate import estimate, shard
 from gobrrr.evaluate import evaluate
 from gobrrr.passes.accumulate import accumulate
 from gobrrr.passes.ddp import ALL_REDUCE, MIB, bucket_assignment, ddp, gradients
-from gobrrr.schedule.scheduler import comm_waits, exposed_comm, exposed_comm_by, place
+from gobrrr.schedule.scheduler import comm_waits, exposed_comm, place
 from gobrrr.schedule.streams import COMM, COMPUTE
 
 WIDTHS = (256, 512, 1024, 1024, 8)
@@ -225,7 +225,7 @@ def test_exposed_comm_by_hand():
     spans = t.ops
     assert spans[1].start == pytest.approx(2e-3) and spans[1].end == pytest.approx(5e-3)
     assert spans[3].start == pytest.approx(5e-3)
-    busy, exposed = exposed_comm(t)
+    (busy, exposed), _ = exposed_comm(t, {1: "all_reduce"})
     assert busy == pytest.approx(3e-3) and exposed == pytest.approx(2e-3)
     assert t.step_s == pytest.approx(6e-3)
 
@@ -240,11 +240,11 @@ def test_exposed_comm_counts_the_comm_streams_copies_as_other_kernels():
     touches = [frozenset({7}), frozenset({7}), frozenset({7}), frozenset({7})]
     t = place(ops, streams, comm_waits(streams, touches))
     assert t.ops[2].start == pytest.approx(3e-3) and t.ops[2].end == pytest.approx(5e-3)
-    assert exposed_comm(t, frozenset({2})) == pytest.approx((2e-3, 2e-3))
-    assert exposed_comm(t) == pytest.approx((3e-3, 3e-3))
-    # per collective in one pass (what evaluate reports), the copy again not counted
-    total, by = exposed_comm_by(t, {2: "all_gather"})
-    assert total == pytest.approx((2e-3, 2e-3)) and by == {"all_gather": total}
+    total, by = exposed_comm(t, {2: "all_gather"})
+    assert total == pytest.approx((2e-3, 2e-3))
+    assert by == {"all_gather": {"busy_s": total[0], "exposed_s": total[1]}}
+    # counted as communication (as counting the comm stream did), the copy adds 1 ms to both
+    assert exposed_comm(t, {1: "copy", 2: "all_gather"})[0] == pytest.approx((3e-3, 3e-3))
 
 
 @pytest.mark.parametrize(

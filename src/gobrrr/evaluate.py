@@ -49,7 +49,7 @@ from gobrrr.memory.replay import MemoryResult, round_alloc, step_memory
 from gobrrr.memory.trainable import Trainable, trainable
 from gobrrr.schedule.contention import contended
 from gobrrr.schedule.power import power_limited
-from gobrrr.schedule.scheduler import Timeline, exposed_comm_by, scheduler
+from gobrrr.schedule.scheduler import Timeline, exposed_comm, scheduler
 from gobrrr.schedule.streams import COMM, stream_of
 
 
@@ -348,7 +348,7 @@ def prediction(
     # the collectives run on the comm stream: not the compute stream's busy time
     weights = [0 if o.kind == COMM_KIND else w for o, w in zip(ops, weights, strict=True)]
     kinds = {o.index: COLLECTIVE_OF[graph.nodes[o.index].op][0] for o in ops if o.kind == COMM_KIND}
-    (comm_s, exposed_s), by_collective = exposed_comm_by(timeline, kinds)
+    (comm_s, exposed_s), by_collective = exposed_comm(timeline, kinds)
     device_busy = sum(o.device_s * w for o, w in zip(ops, weights, strict=True))
     phase_s: dict[str, float] = defaultdict(float)
     regime_s: dict[str, float] = defaultdict(float)
@@ -401,11 +401,11 @@ class Prediction:
     #: every op on the host and its stream (`gobrrr.schedule`); None where not scheduled
     timeline: Timeline | None = field(default=None, repr=False)
     #: the collectives' time on the comm stream, and the part of it no other kernel runs
-    #: (exposed; the rest overlaps compute: `schedule.scheduler.exposed_comm_by`)
+    #: (exposed; the rest overlaps compute: `schedule.scheduler.exposed_comm`)
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
-    #: per collective ("all_gather", "reduce_scatter", "all_reduce"): (busy, exposed) s
-    comm_by_collective: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: per collective ("all_gather", "reduce_scatter", "all_reduce"): {"busy_s", "exposed_s"}
+    comm_by_collective: dict[str, dict[str, float]] = field(default_factory=dict)
     #: data-parallel ranks (`meta.parallel`; 1: one GPU); `tokens` are one rank's
     world: int = 1
 

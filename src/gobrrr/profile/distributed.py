@@ -256,9 +256,7 @@ def predict(make: Callable[[], Workload], target: Target, run: ParallelRun, worl
         "step_s": est.time.step_s,
         "comm_busy_s": est.time.comm_s,
         "comm_exposed_s": est.time.exposed_comm_s,
-        "comm_by_collective": {
-            k: {"busy_s": b, "exposed_s": e} for k, (b, e) in est.time.comm_by_collective.items()
-        },
+        "comm_by_collective": est.time.comm_by_collective,
     }
 
 

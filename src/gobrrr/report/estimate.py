@@ -165,9 +165,7 @@ def parallel_dict(est: Estimate) -> dict[str, Any]:
             "comm_s": t.comm_s,
             "exposed_comm_s": t.exposed_comm_s,
             "overlapped_comm_s": t.overlapped_comm_s,
-            "comm_by_collective": {
-                k: {"busy_s": b, "exposed_s": e} for k, (b, e) in t.comm_by_collective.items()
-            },
+            "comm_by_collective": t.comm_by_collective,
             "per_rank_state": per_rank_state(est.graph),
         }
     }

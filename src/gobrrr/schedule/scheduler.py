@@ -159,33 +159,15 @@ def scheduler(
 
 
 def exposed_comm(
-    timeline: Timeline, collectives: frozenset[int] | None = None, of: frozenset[int] | None = None
-) -> tuple[float, float]:
-    """(busy, exposed) seconds of communication: the time collectives run, and the part of
-    it during which no other kernel runs (the repeated segment's first and second runs
-    counted as scheduled). `collectives`: the indices of the collective ops; every other op
-    on a device stream counts as other kernels, the comm stream's copies (FSDP2's
-    all-gather copy-in, its casts) included, as a profile of NCCL kernels against every
-    other kernel counts them (`gobrrr.profile.comm`); `of`: those of the collectives to
-    count (e.g. one collective's; default all). `collectives` None: every op of the comm
-    stream is communication and the compute stream's ops are the other kernels."""
-    if collectives is not None:
-        of = collectives if of is None else of
-        _, by = exposed_comm_by(timeline, {i: "of" if i in of else "rest" for i in collectives})
-        return by.get("of", (0.0, 0.0))
-    spans = [o for o in (*timeline.ops, *timeline.repeat_run) if o.start is not None]
-    comm = _union([(o.start, o.end) for o in spans if o.stream == COMM])
-    compute = _union([(o.start, o.end) for o in spans if o.stream == COMPUTE])
-    busy = sum(e - s for s, e in comm)
-    return busy, busy - _overlap(comm, compute)
-
-
-def exposed_comm_by(
     timeline: Timeline, kinds: dict[int, str]
-) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
-    """`exposed_comm` of all the collectives (`kinds`: op index -> its collective) and of
-    each collective apart, in one pass over the timeline: ((busy, exposed), {collective:
-    (busy, exposed)})."""
+) -> tuple[tuple[float, float], dict[str, dict[str, float]]]:
+    """Communication in seconds: ((busy, exposed), {collective: {"busy_s", "exposed_s"}}) of
+    the collective ops (`kinds`: op index -> its collective, "all_gather", ...), all together
+    and each apart, in one pass over the timeline (the repeated segment's first and second
+    runs counted as scheduled). Busy: the time they run; exposed: the part of it no other
+    kernel runs. Every other op on a device stream counts as another kernel, the comm
+    stream's copies (FSDP2's all-gather copy-in, its casts) included, as a profile of NCCL
+    kernels against every other kernel counts them (`gobrrr.profile.comm`)."""
     comm: dict[str, list[tuple[float, float]]] = {}
     other = []
     for o in (*timeline.ops, *timeline.repeat_run):
@@ -204,7 +186,11 @@ def exposed_comm_by(
         return busy, busy - _overlap(u, compute)
 
     total = busy_exposed([iv for ivs in comm.values() for iv in ivs])
-    return total, {k: busy_exposed(v) for k, v in sorted(comm.items())}
+    by = {
+        k: dict(zip(("busy_s", "exposed_s"), busy_exposed(v), strict=True))
+        for k, v in sorted(comm.items())
+    }
+    return total, by
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -141,6 +141,9 @@ def test_a_captured_matmul_costs_the_measured_gap_against_its_eager_figure():
     rates = GraphRates.of(gaps)
     assert rates.matmul_gap(1e5) == -2e-6 and rates.matmul_gap(1e9) == -1e-6
     assert rates.matmul_gap(1e7) == pytest.approx(-1.5e-6)  # halfway in log FLOPs
+    one = GraphRates.of({**RATES, "matmul_gap_s": -2e-6})  # measured at one size: held
+    assert one.matmul_gap(1e5) == one.matmul_gap(1e9) == -2e-6
+    assert GraphRates.of(RATES).matmul_gap(1e7) == 0.0  # not measured
     target = Target(H100.gpu, dataclasses.replace(H100.cal, cudagraph=gaps))
     c = cuda_graph(traced())
     plain, gapped = evaluate(c, GRAPHED).time.ops, evaluate(c, target).time.ops

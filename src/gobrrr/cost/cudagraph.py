@@ -5,7 +5,7 @@ GPU runs each kernel for its work plus the kernel latency (`Rates.latency`). Rep
 host issues one `graph.replay()` per captured graph, which costs a launch plus a little per
 kernel node (the driver submits the nodes), and the GPU runs the captured kernels back to
 back, each for its work plus the gap between graph nodes; a matmul as a captured chain of
-matmuls ran it (`matmul_gap_s`: the node against the same matmul timed alone, as the
+matmuls ran it (`matmul_gaps`: the node against the same matmul timed alone, as the
 calibration's matmul figures are). The four figures come from the
 calibration's `cudagraph` section (`gobrrr.calibrate.sections.cudagraph`: chains of N
 captured kernels, host time around replay and device time between events, fitted in N);
@@ -41,9 +41,8 @@ class GraphRates:
     launch_device_s: float = 0.0
     #: what a captured matmul node costs the GPU beyond the same matmul timed alone, as the
     #: calibration's matmul figures are (negative: a chain of captured matmuls runs each
-    #: faster than one matmul timed between events); 0 where not measured
-    matmul_gap_s: float = 0.0
-    #: the same by matmul size where measured at several: ((FLOPs, gap s), ...) ascending
+    #: faster than one matmul timed between events), by size: ((FLOPs, gap s), ...)
+    #: ascending; none measured: 0
     matmul_gaps: tuple[tuple[float, float], ...] = ()
 
     @staticmethod
@@ -52,20 +51,22 @@ class GraphRates:
         keys = ("launch_host_s", "node_host_s", "node_device_s")
         if not section or any(not isinstance(section.get(k), (int, float)) for k in keys):
             return None
+        # a section measured at one size has its gap alone ("matmul_gap_s"): held at any size
+        gaps = section.get("matmul_gaps") or (
+            [[0.0, section["matmul_gap_s"]]] if "matmul_gap_s" in section else []
+        )
         return GraphRates(
             *(float(section[k]) for k in keys),
             section.get("launch_device_s", 0.0),
-            section.get("matmul_gap_s", 0.0),
-            tuple(sorted((float(f), float(g)) for f, g in section.get("matmul_gaps") or ())),
+            tuple(sorted((float(f), float(g)) for f, g in gaps)),
         )
 
     def matmul_gap(self, flops: float) -> float:
         """What a captured matmul of `flops` costs the GPU beyond the same matmul timed alone
-        (s): the measured gaps interpolated in log FLOPs, the end ones held past the grid;
-        `matmul_gap_s` where measured at one size only."""
+        (s): the measured gaps interpolated in log FLOPs, the end ones held past the grid."""
         pts = self.matmul_gaps
         if not pts:
-            return self.matmul_gap_s
+            return 0.0
         if flops <= pts[0][0]:
             return pts[0][1]
         for (f0, g0), (f1, g1) in zip(pts, pts[1:], strict=False):
@@ -100,12 +101,13 @@ def graphed_times(
     for o in ops[captured.start :]:
         launches = costs[o.index].launches if o.device_s > 0 else 0
         kernels += launches * weights[o.index]
-        device = o.device_s + (g.node_device_s - rates.latency) * launches
         if o.kind == "matmul" and launches:
             # the node as measured in a captured chain of matmuls, not the eager kernel
             # (the node's gap is in the measured figure: no second one)
             gap = g.matmul_gap(o.flops / launches)
             device = max(o.device_s + gap * launches, g.node_device_s * launches)
+        else:  # the eager kernel's latency becomes the node's
+            device = o.device_s + (g.node_device_s - rates.latency) * launches
         out[o.index] = evolve(o, host_s=0.0, device_s=max(device, 0.0), streamed_s=0.0)
     if captured.start < len(out):
         first = out[captured.start]

@@ -86,6 +86,8 @@ class _Args:  # bench_plan.measure's
 
 
 def measure(out: Path, plans: dict, names: list[str]) -> dict:
+    from gobrrr.plan.knobs import Knobs
+
     doc = {"environment": bp.child_environment(), "scenarios": {}}
     for name in names:
         source, seq, g, precision, *_ = SCENARIOS[name]
@@ -96,8 +98,6 @@ def measure(out: Path, plans: dict, names: list[str]) -> dict:
             ("grid_best", grid_best["knobs"]),
             ("plan_without", plan_eager["knobs"]),
         ):
-            from gobrrr.plan.knobs import Knobs
-
             m = bp.measure(_Args, source, seq, g, precision, Knobs.from_dict(knobs))
             rows[role] = {"knobs": knobs, "measured": m}
             doc["scenarios"][name] = {"plan": plans[name], "rows": rows}

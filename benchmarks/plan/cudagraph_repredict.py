@@ -7,7 +7,9 @@ Reads `results/cudagraph_h100.json` (`plan/cudagraph.py`: the applied graph of f
 steps) and `results/plan_cudagraphs_h100.json` (`plan/plan_cudagraphs.py`: three plans made with
 `--allow cudagraphs`), costs each recorded configuration again (`Planner.cost`, the H100 and its
 shipped calibration) and writes, per step, the measured replay, the prediction recorded with
-it and the one now, with their errors (predicted / measured - 1). CPU, about a minute.
+it and the one now, with their errors (predicted / measured - 1); and the captured convnet's
+predicted device time per kind of kernel beside its profile (`cudagraph_profile_h100.json`).
+CPU, about a minute.
 """
 
 from __future__ import annotations
@@ -67,6 +69,47 @@ def planned(target: Target) -> dict:
     return out
 
 
+#: the convnet's kernels by what they do: (name, the predicted ops' ATen names, a test on a
+#: profiled kernel's name)
+CATEGORIES = (
+    (
+        "batch norm",
+        ("native_batch_norm", "native_batch_norm_backward"),
+        lambda k: "batch_norm" in k or "bn_" in k,
+    ),
+    (
+        "ReLU, add, max pool",
+        (
+            "relu",
+            "threshold_backward",
+            "add",
+            "max_pool2d_with_indices",
+            "max_pool2d_with_indices_backward",
+        ),  # fmt: skip
+        lambda k: any(x in k for x in ("threshold", "clamp_min", "CUDAFunctor_add", "max_pool")),
+    ),
+)
+
+
+def by_category(target: Target) -> dict:
+    """The captured convnet's predicted device seconds per category beside its profiled
+    kernels' (`cudagraph_profile_h100.json`, per step)."""
+    from gobrrr.evaluate import evaluate
+
+    prof = json.loads((RESULTS / "cudagraph_profile_h100.json").read_text())
+    kernels = prof["cases"]["convnet-graph"]["kernels"]
+    make = functools.partial(get_workload, "convnet", 32, None)
+    planner = Planner(make, target, global_batch=32, allow=["cudagraphs"])
+    knobs = Knobs(micro_batch=32, cuda_graph=True)
+    ops = evaluate(planner.search.step_graph(knobs), target).time.ops
+    out = {}
+    for name, aten, test in CATEGORIES:
+        predicted = sum(o.device_s for o in ops if o.op.split(".")[1] in aten)
+        measured = sum(v["us_per_step"] for k, v in kernels.items() if test(k)) / 1e6
+        out[name] = {"predicted_s": predicted, "measured_s": measured}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(RESULTS / "cudagraph_h100_repredicted.json"))
@@ -76,6 +119,7 @@ def main() -> None:
         "calibration_cudagraph": {k: v for k, v in target.cal.cudagraph.items() if k != "points"},
         "applied": applied(target),
         "planned": planned(target),
+        "convnet_captured_by_category": by_category(target),
     }
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for group in ("applied", "planned"):
@@ -85,6 +129,11 @@ def main() -> None:
                 f"{r['recorded_prediction_s'] * 1e3:7.3f} ({r['recorded_error']:+.1%}) -> "
                 f"{r['prediction_s'] * 1e3:7.3f} ({r['error']:+.1%})"
             )
+    for name, r in doc["convnet_captured_by_category"].items():
+        print(
+            f"convnet captured, {name}: {r['measured_s'] * 1e3:.2f} ms profiled, "
+            f"{r['predicted_s'] * 1e3:.2f} predicted"
+        )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ SCENARIOS: dict[str, tuple] = {
     "llama3-3b-seq4k": ("llama3-3b", 4096, 8, "bf16-mixed"),
     "resnet50-cl-b2048": (f"{HERE}:resnet50", None, 2048, "bf16-mixed"),
     "gpt2-xl-seq1k": ("gpt2-xl", 1024, 32, "bf16-mixed"),
+    "vit-l16-b512": (f"{HERE}:vit_l_16", None, 512, "bf16-mixed"),
     "llama-5b-seq4k-states": (
         f"{HERE}:llama_5b",
         4096,
@@ -43,6 +44,11 @@ SCENARIOS: dict[str, tuple] = {
 def resnet50(batch_size: int = 256, seq_len: int | None = None):
     """torchvision ResNet-50, channels_last, 224 x 224 images, cross-entropy, AdamW."""
     return torchvision_model(batch_size, None, arch="resnet50", channels_last=True)
+
+
+def vit_l_16(batch_size: int = 256, seq_len: int | None = None):
+    """torchvision ViT-L/16 (304M parameters), 224 x 224 images, cross-entropy, AdamW."""
+    return torchvision_model(batch_size, None, arch="vit_l_16")
 
 
 def llama_5b(batch_size: int = 8, seq_len: int = 4096):

@@ -121,3 +121,35 @@ def test_on_cpu_ranks_it_needs_cuda_one_line_exit_2(tmp_path):
     (line,) = rank_log(tmp_path, 0, "stderr").splitlines()
     assert "calibrate --collectives measures NCCL between CUDA GPUs" in line
     assert rank_log(tmp_path, 1, "stderr") == ""  # one rank speaks for all
+
+
+def test_small_messages_are_measured_in_sweeps_and_their_median_kept(monkeypatch):
+    """Below SWEEP_BELOW each point is measured once a sweep (alternating direction) and its
+    median sweep kept with every sweep's figure; the larger points once."""
+    calls = []
+    fig = {0: 5e-5, 1: 9e-5, 2: 4e-5, 3: 6e-5, 4: 7e-5}  # sweep -> seconds: median 6e-5
+
+    def fake(op, dtype, nbytes, rounds, stream, max_iters=100):
+        sweep = sum(c[:3] == (op, dtype, nbytes) for c in calls)
+        calls.append((op, dtype, nbytes, sweep))
+        t = fig[sweep] if nbytes < cs.SWEEP_BELOW else 1e-3
+        return {"op": op, "dtype": dtype, "bytes": nbytes, "ranks": 4, "iters": 1,
+                "seconds": t, "min_s": t / 2, "max_s": t * 2}  # fmt: skip
+
+    monkeypatch.setattr(cs, "measure_op", fake)
+    monkeypatch.setattr(cs.torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(cs, "environment", lambda: {})
+    small, big = 2**20, cs.SWEEP_BELOW
+    r = cs.measure_all([small, 2 * small, big], ("bf16",), overlap=False, sweeps=5)
+    pts = {(p["op"], p["bytes"]): p for p in r["points"]}
+    assert len(pts) == 3 * len(cs.OPS)
+    p = pts[("all_reduce", small)]
+    assert p["seconds"] == 6e-5 and p["sweeps_s"] == [fig[k] for k in range(5)]
+    assert p["min_s"] == 2e-5 and p["max_s"] == 18e-5  # over every sweep
+    q = pts[("all_reduce", big)]
+    assert q["seconds"] == 1e-3 and "sweeps_s" not in q
+    assert sum(c[2] == big for c in calls) == len(cs.OPS)  # once each
+    # the second sweep runs the sizes downwards
+    second = [c[2] for c in calls if c[3] == 1 and c[0] == "all_reduce"]
+    assert second == [2 * small, small]
+    assert r["meta"]["sweeps"] == 5

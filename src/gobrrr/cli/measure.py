@@ -463,6 +463,7 @@ def _calibrate_collectives(args, group, dog) -> int:
         overlap=not args.quick,
         max_iters=20 if args.quick else 100,
         waiting=dog.waiting,
+        sweeps=1 if args.quick else 5,
     )
     grid = None
     if not args.quick:  # what the collectives and the compute beside them cost each other

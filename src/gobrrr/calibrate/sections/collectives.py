@@ -210,6 +210,20 @@ def environment() -> dict:
     }
 
 
+#: below this many bytes a call takes tens of microseconds and one sweep's figure moves by
+#: up to a third between sweeps (benchmarks/results/collectives_spread_h200_x4.json: below
+#: 8 MiB only ~80% of single sweeps lie within 10% of their five-sweep median, from 8 MiB up
+#: 97%): such points are measured in `sweeps` interleaved sweeps and their median kept
+SWEEP_BELOW = 2**24
+
+
+def _sweep_order(sizes: list[int], sweep: int) -> list[int]:
+    """Ascending on even sweeps, descending on odd ones: a drift over the run (clocks, the
+    host) lands on the two ends alike."""
+    s = sorted(sizes)
+    return s if sweep % 2 == 0 else s[::-1]
+
+
 def measure_all(
     sizes=SIZES,
     dtypes=("bf16", "fp32"),
@@ -217,21 +231,36 @@ def measure_all(
     overlap: bool = True,
     max_iters: int = 100,
     waiting=None,
+    sweeps: int = 5,
 ) -> dict:
     """Every point of the grid on every rank of the initialised NCCL process group (the
     current CUDA device this rank's): the result rank 0 writes, {"version", "kind", "meta",
-    "points", "overlap"}. `waiting(what)`: a context manager around each point (the caller's
-    watchdog), none by default."""
+    "points", "overlap"}. Points under `SWEEP_BELOW` bytes are measured in `sweeps` sweeps
+    over the grid, the larger ones in the first only; a point's `seconds` is the median of
+    its sweeps' figures (each the slowest rank's median over `rounds`), `sweeps_s` all of
+    them. `waiting(what)`: a context manager around each point (the caller's watchdog),
+    none by default."""
     waiting = waiting or (lambda what: contextlib.nullcontext())
     stream = torch.cuda.Stream()
-    points = []
-    for dtype in dtypes:
-        for op in OPS:
-            if dtype == "fp32" and op == "all_gather":
-                continue  # FSDP2 gathers parameters in param_dtype: bf16 is the case
-            for size in sorted(sizes):
+    cases = [
+        (op, dtype)
+        for dtype in dtypes
+        for op in OPS
+        # FSDP2 gathers parameters in param_dtype: bf16 is the case
+        if not (dtype == "fp32" and op == "all_gather")
+    ]
+    found: dict[tuple, list[dict]] = {}
+    for sweep in range(max(1, sweeps)):
+        for op, dtype in cases:
+            for size in _sweep_order(sizes, sweep):
+                if sweep and size >= SWEEP_BELOW:
+                    continue
                 with waiting(f"{op} of {size} bytes ({dtype})"):
-                    points.append(measure_op(op, dtype, size, rounds, stream, max_iters))
+                    p = measure_op(op, dtype, size, rounds, stream, max_iters)
+                found.setdefault((op, dtype, size), []).append(p)
+    points = [
+        _median_point(found[(op, dtype, size)]) for op, dtype in cases for size in sorted(sizes)
+    ]
     over = []
     for op in OPS if overlap else ():
         for size in (2**24, 2**27):
@@ -240,10 +269,23 @@ def measure_all(
     return {
         "version": 1,
         "kind": "collectives",
-        "meta": environment(),
+        "meta": {**environment(), "rounds": rounds, "sweeps": sweeps, "sweep_below": SWEEP_BELOW},
         "points": points,
         "overlap": over,
     }
+
+
+def _median_point(sweeps: list[dict]) -> dict:
+    """One point from its sweeps: the median sweep's seconds (the lower middle of an even
+    count), the spread over every round of every sweep, and each sweep's figure."""
+    times = [p["seconds"] for p in sweeps]
+    t = statistics.median_low(times)
+    p = dict(sweeps[times.index(t)])
+    p["min_s"] = min(q["min_s"] for q in sweeps)
+    p["max_s"] = max(q["max_s"] for q in sweeps)
+    if len(sweeps) > 1:
+        p["sweeps_s"] = times
+    return p
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -287,11 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--max-bytes", type=int, default=2**30)
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument(
+        "--sweeps",
+        type=int,
+        default=5,
+        help=f"sweeps over the messages under {SWEEP_BELOW // 2**20} MiB (their median kept)",
+    )
     args = ap.parse_args(argv)
     if not join_torchrun("collectives", "coll.json"):
         return 2
     sizes = [s for s in SIZES if s <= args.max_bytes]
-    result = measure_all(sizes, args.dtypes.split(","), args.rounds)
+    result = measure_all(sizes, args.dtypes.split(","), args.rounds, sweeps=args.sweeps)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

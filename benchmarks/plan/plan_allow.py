@@ -41,6 +41,7 @@ RECORDED = {
     "llama3-3b-seq4k": "plan_h100_llama3b",
     "gpt2-xl-seq1k": "plan_h100_gpt2xl",
     "resnet50-cl-b2048": "plan_h100_resnet50",
+    "vit-l16-b512": "plan_h100_vit",
 }
 
 

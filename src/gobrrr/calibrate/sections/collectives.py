@@ -11,7 +11,12 @@ all-gather into one tensor, reduce-scatter from one tensor), dtype and size (byt
 *whole* buffer: the all-reduce's tensor, the all-gather's output, the reduce-scatter's input),
 the collective is queued `iters` times between barriers and timed with CUDA events on the
 communication stream: the median per call over `rounds` rounds, and the slowest rank's
-figure (a collective ends when its slowest rank does). Bus bandwidth is NCCL's convention
+figure (a collective ends when its slowest rank does). Each round is queued behind a sleep
+on the GPU long enough for the host to queue all of it, so the events time NCCL's kernels
+back to back: queued straight from the host, a call under a few MiB would time
+ProcessGroupNCCL's host work instead (about 45 us a call, against 15-40 us of kernel;
+docs/investigations/2026-11-28-small-collectives-time-the-host.md). The host's issue time is
+kept beside it (`host_issue_s`). Bus bandwidth is NCCL's convention
 (nccl-tests' PERFORMANCE.md): bytes × 2(n-1)/n / time for all-reduce, bytes × (n-1)/n / time
 for all-gather and reduce-scatter; it is the figure a cost model can hold roughly constant
 across rank counts, and small messages show NCCL's fixed latency under it.
@@ -34,6 +39,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,22 +84,54 @@ def _call(op: str, inp, out, group=None):
     return dist.reduce_scatter_tensor(out, inp, group=group)
 
 
-def _timed(fn, iters: int, rounds: int, stream) -> list[float]:
-    """Seconds per call of `fn` queued `iters` times on `stream`, once per round, the ranks
-    lined up by a barrier before each round."""
-    out = []
+def _timed(fn, iters: int, rounds: int, stream, ahead_s: float = 0.0) -> tuple[list, list]:
+    """(device seconds per call, host seconds per call) of `fn` queued `iters` times on
+    `stream`, once per round, the ranks lined up by a barrier before each round. With
+    `ahead_s` the stream first sleeps that long on the GPU, so the host has queued every call
+    before the first runs and the events time the device alone; without it a small
+    collective's figure is the host's issue rate (ProcessGroupNCCL's ~40-50 us a call), not
+    NCCL's kernel."""
+    device, host = [], []
+    cycles = int(ahead_s * _sleep_cycles_per_s()) if ahead_s > 0 else 0
     for _ in range(rounds):
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            if cycles:
+                torch.cuda._sleep(cycles)
             start.record(stream)
+            t = time.perf_counter()
             for _ in range(iters):
                 fn()
+            host.append((time.perf_counter() - t) / iters)
             end.record(stream)
         end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3 / iters)
-    return out
+        device.append(start.elapsed_time(end) / 1e3 / iters)
+    return device, host
+
+
+_CYCLES: list[float] = []
+
+
+def _sleep_cycles_per_s() -> float:
+    """GPU clock cycles a second of `torch.cuda._sleep` on this device, timed once."""
+    if not _CYCLES:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        b.synchronize()
+        _CYCLES.append(20_000_000 / (a.elapsed_time(b) / 1e3))
+    return _CYCLES[0]
+
+
+def ahead_for(host_s_per_call: float, iters: int) -> float:
+    """Seconds the stream sleeps before a round: twice the host's time to queue the round
+    (timed on the warm-up), and 1 ms at least, at most 0.2 s."""
+    return min(max(2.0 * host_s_per_call * iters, 1e-3), 0.2)
 
 
 def _slowest(x: float) -> float:
@@ -113,8 +151,15 @@ def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream, max_iters:
     with torch.cuda.stream(stream):
         for _ in range(iters):
             _call(op, inp, out)  # warm-up: NCCL's communicator, channels and buffers set up
+        stream.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            _call(op, inp, out)  # the host's time to queue a round
+        issue = (time.perf_counter() - t) / iters
     stream.synchronize()
-    times = _timed(lambda: _call(op, inp, out), iters, rounds, stream)
+    # one sleep on every rank: a rank that slept less would time the others' sleep too
+    ahead = ahead_for(_slowest(issue), iters)
+    times, host = _timed(lambda: _call(op, inp, out), iters, rounds, stream, ahead)
     t = _slowest(statistics.median(times))
     return {
         "op": op,
@@ -126,6 +171,11 @@ def measure_op(op: str, dtype: str, nbytes: int, rounds: int, stream, max_iters:
         "min_s": _slowest(min(times)),
         "max_s": _slowest(max(times)),
         "bus_bytes_per_s": whole * bus_factor(op, n) / t if t > 0 else None,
+        # the host's issue time a call (slowest rank), and the rounds whose queuing outlasted
+        # the sleep ahead of them (their device figure may hold host time: 0 expected)
+        "host_issue_s": _slowest(statistics.median(host)),
+        "ahead_s": ahead,
+        "host_bound_rounds": int(_slowest(float(sum(h * iters > ahead for h in host)))),
     }
 
 

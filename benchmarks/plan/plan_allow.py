@@ -72,6 +72,39 @@ def plan(out: Path, names: list[str], allow: list[str]) -> dict:
     return doc
 
 
+def repredict(out: Path, plans: dict, names: list[str]) -> dict:
+    """Each plan in `plans` costed again by this machine's torch (`Planner.cost`): the
+    partitioner's choice of what a compiled forward saves is torch's, and moves between
+    versions, so a plan measured with one torch is predicted with that torch."""
+    import torch
+
+    from gobrrr.plan.knobs import Knobs
+    from gobrrr.plan.search import Planner
+
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    for name in names:
+        source, seq, g, precision, *_ = SCENARIOS[name]
+        t = time.perf_counter()
+        planner = Planner(
+            source, "h100", global_batch=g, seq=seq, precision=precision,
+            allow=plans[name]["allow"],
+        )  # fmt: skip
+        now = planner.cost(Knobs.from_dict(plans[name]["best"]))
+        doc[name] = {
+            "torch": torch.__version__,
+            "cost_s": time.perf_counter() - t,
+            "predicted": {
+                "step_s": now.step_s,
+                "units_per_s": now.units_per_s,
+                "peak": now.peak_bytes,
+                "reserved": now.reserved_bytes,
+            },
+        }
+        out.write_text(json.dumps(doc, indent=1))
+        print(name, torch.__version__, doc[name]["predicted"], flush=True)
+    return doc
+
+
 def recorded(name: str) -> tuple[dict, dict]:
     """(the grid's best row, the plan's row) of the scenario's recorded run."""
     rec = json.loads((ROOT / f"tests/fixtures/{RECORDED[name]}.json").read_text())
@@ -137,7 +170,7 @@ def summary(files: list[Path]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("plan", "measure", "summary"))
+    ap.add_argument("what", choices=("plan", "measure", "repredict", "summary"))
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--allow", default="compile")
     ap.add_argument("--plans", type=Path)
@@ -149,6 +182,8 @@ def main() -> None:
         plan(a.files[0], names, a.allow.split(","))
     elif a.what == "measure":
         measure(a.files[0], json.loads(a.plans.read_text()), names)
+    elif a.what == "repredict":
+        repredict(a.files[0], json.loads(a.plans.read_text()), names)
     else:
         s = summary(a.files)
         print(json.dumps(s, indent=1))

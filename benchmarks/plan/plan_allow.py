@@ -140,16 +140,21 @@ def measure(out: Path, plans: dict, names: list[str]) -> dict:
     return doc
 
 
-def summary(files: list[Path]) -> dict:
+def summary(files: list[Path], repredicted: dict | None = None) -> dict:
     """Per scenario: the allowed plan's throughput over the grid's best and over the plan
-    without the knobs (same run), its predicted throughput and peak against the measured."""
+    without the knobs (same run), its predicted throughput and peak against the measured:
+    as planned, and where `repredicted` (`repredict`'s output) has the scenario, as the
+    torch that ran it predicts it (then the figures' `torch`)."""
+    repredicted = repredicted or {}
     out = {}
     for f in files:
         doc = json.loads(f.read_text())
         for name, s in doc["scenarios"].items():
             r = s["rows"]
             t = {k: r[k]["measured"].get("step_s") for k in r}
-            p = s["plan"]["predicted"]
+            planned = s["plan"]["predicted"]
+            again = repredicted.get(name)
+            p = again["predicted"] if again else planned
             without = t.get("plan_without")
             out[name] = {
                 "device": doc["environment"].get("device"),
@@ -160,6 +165,12 @@ def summary(files: list[Path]) -> dict:
                 "over_plan_without": without / t["plan_allowed"] if without else None,
                 "throughput_error": t["plan_allowed"] / p["step_s"] - 1,
                 "peak_error": p["peak"] / r["plan_allowed"]["measured"]["peak_allocated"] - 1,
+                "predicted_with_torch": again["torch"] if again else None,
+                "as_planned": {
+                    "throughput_error": t["plan_allowed"] / planned["step_s"] - 1,
+                    "peak_error": planned["peak"] / r["plan_allowed"]["measured"]["peak_allocated"]
+                    - 1,
+                },
             }
     ratios = [v["over_grid_best"] for v in out.values()]
     return {
@@ -176,6 +187,7 @@ def main() -> None:
     ap.add_argument("--plans", type=Path)
     ap.add_argument("--scenarios", default="llama3-1b-seq16k,llama3-3b-seq4k")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--repredicted", type=Path, help="summary: repredict's output")
     a = ap.parse_args()
     names = a.scenarios.split(",")
     if a.what == "plan":
@@ -185,7 +197,8 @@ def main() -> None:
     elif a.what == "repredict":
         repredict(a.files[0], json.loads(a.plans.read_text()), names)
     else:
-        s = summary(a.files)
+        again = json.loads(a.repredicted.read_text()) if a.repredicted else None
+        s = summary(a.files, again)
         print(json.dumps(s, indent=1))
         if a.out:
             a.out.write_text(json.dumps(s, indent=1))

@@ -58,6 +58,7 @@ def rows() -> list[dict]:
                     "file": path.name,
                     "name": name,
                     "global_batch": sc["global_batch"],
+                    "seq": sc.get("seq"),
                     "grid_points": sum(1 for c in sc["configs"] if c["role"] == "grid"),
                     "grid_oom": s["grid_oom"],
                     "grid_best": s["grid_best_units_per_s"],
@@ -108,7 +109,7 @@ def table(rs: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rs:
-        unit = "tok/s" if "resnet" not in r["name"] else "img/s"
+        unit = "tok/s" if r["seq"] else "img/s"  # a workload without a sequence: images
         best = (
             f"{r['grid_best']:,.0f} {unit}"
             if r["grid_best"]

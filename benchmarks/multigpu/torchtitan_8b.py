@@ -18,7 +18,7 @@ gobrrr's prediction of each recipe: `llama3-8b` (the shape of Llama-3.1-8B: 32 l
 Llama-3.1's RoPE frequency scaling changes values, not shapes or FLOPs), traced as
 `gobrrr.estimate` traces FSDP2 (bf16), sharded by `estimate.shard(..., "fsdp", 8)`, evaluated
 with the shipped H100 calibration. What gobrrr cannot model is said in the JSON and the table:
-torch.compile under FSDP2, Float8 linears, torchtitan's every-second-matmul policy (gobrrr's
+torch.compile and Float8 linears under FSDP2, torchtitan's every-second-matmul policy (gobrrr's
 "selective" keeps every matmul output, so it saves more and recomputes less; "full" brackets
 it from the other side), and their GPUs (H100 with 96 GB HBM2e at 2.4 TB/s under a 500 W
 limit, against the calibrated H100 SXM: 80 GB HBM3, 3.35 TB/s, 700 W). The memory peaks are
@@ -109,7 +109,7 @@ PUBLISHED = [
         "compile": True,
         "float8": True,
         "predict": None,
-        "why_not": "gobrrr models no Float8 linears (nor FSDP2's float8 all-gather)",
+        "why_not": "gobrrr models Float8 linears on one GPU only (`--allow fp8`), not under FSDP2 (nor FSDP2's float8 all-gather)",
     },
 ]
 GPUS, BATCH, SEQ = 8, 2, 8192
@@ -238,7 +238,7 @@ def table(doc: dict) -> str:
         "reserved peak; gobrrr's reserved peak is replayed with a 96 GB budget to match. "
         "gobrrr's `selective` keeps every matmul output (torchtitan's recomputes every second "
         "one) and `full` recomputes whole blocks: the two bracket their policy. torch.compile "
-        "under FSDP2 and Float8 are not modelled. With different GPUs the ratio is context, "
+        "and Float8 linears under FSDP2 are not modelled. With different GPUs the ratio is context, "
         "not gobrrr's error (the measured cases above give that). Source: "
         "`benchmarks/multigpu/torchtitan_8b.py` -> `benchmarks/results/torchtitan_8b.json`.",
         "",

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gobrrr.capture import capture
 from gobrrr.graph.ir import OpNode, StepGraph, StorageInfo, TensorInfo, evolve
 from gobrrr.graph.meta import Autograd, ModelOutput, NodeSpan, SavedRow, Unreferenced
 
@@ -448,3 +449,17 @@ def deepen(shallow: StepGraph, deeper: StepGraph, depth: int) -> StepGraph:
     if _synth(shallow, deeper.meta, a + 1) != deeper:
         raise NotRepeated("the trace with one block more is not the shallow one deepened")
     return _synth(shallow, deeper.meta, depth)
+
+
+def capture_deep(make: Callable[[int], Any], depth: int, **kwargs: Any) -> StepGraph:
+    """`capture(make(depth), **kwargs)`, traced as SHALLOW and SHALLOW + 1 blocks and
+    deepened (`deepen`); where the traces do not show repeated blocks, the whole model is
+    traced. `make(blocks)`: the workload source with that many blocks."""
+    if depth <= 2 * SHALLOW + 1:  # two traces would run as many blocks as one
+        return capture(make(depth), **kwargs)
+    shallow = capture(make(SHALLOW), **kwargs)
+    deeper = capture(make(SHALLOW + 1), **kwargs)
+    try:
+        return deepen(shallow, deeper, depth)
+    except NotRepeated:
+        return capture(make(depth), **kwargs)

@@ -77,3 +77,34 @@ def test_traces_of_other_models_are_refused():
     b = capture(_maker("llama3-8b", 1, 32, **TINY_LLAMA)(6), precision="fp32")
     with pytest.raises(NotRepeated):
         deepen(a, b, 14)
+
+
+@pytest.mark.parametrize(
+    "source,variant,blocks",
+    [
+        ("llama3-70b", {}, 80),
+        ("llama3-70b", dict(fused_loss=True), 80),
+        ("gpt2-medium", {}, 24),
+        ("llama3-70b", dict(compile="model"), None),  # traced through dynamo: whole
+        ("llama3-70b", dict(optimizer_states="8bit"), None),
+        ("llama3-70b", dict(offload=True), None),
+        ("convnet", {}, None),
+        (lambda batch_size, seq_len: None, {}, None),  # the user's own: whole
+    ],
+)
+def test_the_planner_deepens_built_in_transformers_only(source, variant, blocks):
+    """The planner's traces are made by `capture_deep` for the variants tests/test_deepen.py
+    holds it to (a built-in transformer, eager, optimizer and weights as built), and traced
+    whole otherwise."""
+    from gobrrr.hardware import Target
+    from gobrrr.plan.knobs import Knobs
+    from gobrrr.plan.trace import Tracer
+
+    tracer = Tracer(
+        source,
+        seq=128,
+        precision="bf16-mixed",
+        target=Target.resolve("h100", calibration=False),
+        variant=Knobs(micro_batch=1, **variant),
+    )
+    assert tracer._depth() == blocks

@@ -67,8 +67,8 @@ def test_blocks_that_differ_are_traced_whole():
     shallow, deeper = capture(make(5), precision="fp32"), capture(make(6), precision="fp32")
     with pytest.raises(NotRepeated):
         deepen(shallow, deeper, 14)
-    made = capture_deep(make, 14, precision="fp32")
-    assert made == capture(make(14), precision="fp32")
+    made = capture_deep(make, 16, precision="fp32")
+    assert made == capture(make(16), precision="fp32")
 
 
 def test_traces_of_other_models_are_refused():
@@ -85,6 +85,7 @@ def test_traces_of_other_models_are_refused():
         ("llama3-70b", {}, 80),
         ("llama3-70b", dict(fused_loss=True), 80),
         ("gpt2-medium", {}, 24),
+        ("gpt2", {}, 12),  # capture_deep traces it whole (DEEP_FROM)
         ("llama3-70b", dict(compile="model"), None),  # traced through dynamo: whole
         ("llama3-70b", dict(optimizer_states="8bit"), None),
         ("llama3-70b", dict(offload=True), None),

@@ -34,6 +34,11 @@ from gobrrr.graph.meta import Autograd, ModelOutput, NodeSpan, SavedRow, Unrefer
 #: (neither the first nor the last), so a copy's references to its neighbours line up
 SHALLOW = 5
 TEMPLATE = 2
+#: blocks from which two shallow traces cost less than the whole model's: each also runs what
+#: surrounds the blocks (embedding, head, loss, the optimizer's state), and 11 blocks in all
+#: (gpt2's 12 blocks: 0.8-1.0 CPU-s whole, 0.9-1.2 as two traces and `deepen`; llama3-1b's
+#: 16: 1.6 whole, 1.4 made)
+DEEP_FROM = 16
 
 
 class NotRepeated(Exception):  # noqa: N818 - a condition, not a failure of gobrrr
@@ -455,7 +460,7 @@ def capture_deep(make: Callable[[int], Any], depth: int, **kwargs: Any) -> StepG
     """`capture(make(depth), **kwargs)`, traced as SHALLOW and SHALLOW + 1 blocks and
     deepened (`deepen`); where the traces do not show repeated blocks, the whole model is
     traced. `make(blocks)`: the workload source with that many blocks."""
-    if depth <= 2 * SHALLOW + 1:  # two traces would run as many blocks as one
+    if depth < DEEP_FROM:
         return capture(make(depth), **kwargs)
     shallow = capture(make(SHALLOW), **kwargs)
     deeper = capture(make(SHALLOW + 1), **kwargs)

@@ -451,9 +451,12 @@ def deepen(shallow: StepGraph, deeper: StepGraph, depth: int) -> StepGraph:
     a = len(shallow.meta.blocks or ())
     if len(deeper.meta.blocks or ()) != a + 1:
         raise NotRepeated(f"traces of {a} and {len(deeper.meta.blocks or ())} blocks")
-    if _synth(shallow, deeper.meta, a + 1) != deeper:
-        raise NotRepeated("the trace with one block more is not the shallow one deepened")
-    return _synth(shallow, deeper.meta, depth)
+    try:
+        if _synth(shallow, deeper.meta, a + 1) != deeper:
+            raise NotRepeated("the trace with one block more is not the shallow one deepened")
+        return _synth(shallow, deeper.meta, depth)
+    except (LookupError, ValueError, TypeError) as e:  # a graph laid out unlike the tagging
+        raise NotRepeated(f"{type(e).__name__}: {e}") from e
 
 
 def capture_deep(make: Callable[[int], Any], depth: int, **kwargs: Any) -> StepGraph:

@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from gobrrr.capture import capture
+from gobrrr.capture.deepen import capture_deep
 from gobrrr.capture.sdpa import target_for
 from gobrrr.errors import GobrrrError
 from gobrrr.estimate import workload_factory
 from gobrrr.graph.ir import StepGraph
 from gobrrr.hardware import Target
+from gobrrr.models.registry import describe, get_workload, model_names
 from gobrrr.plan.knobs import Knobs
 from gobrrr.plan.probe import samples
 from gobrrr.training.cudagraph import make_capturable
@@ -74,14 +76,35 @@ class Tracer:
             self.ahead.expect(self, micro_batches)
 
     def trace(self, micro_batch: int) -> StepGraph:
-        """Trace the step at `micro_batch` in this process."""
-        make = self._variant(self._maker(micro_batch))
-        return capture(
-            make,
+        """Trace the step at `micro_batch` in this process: a built-in transformer's from
+        traces with a few of its blocks (`capture.deepen`), the same graph in less time."""
+        kwargs = dict(
             precision=self.variant.precision(self.precision),
             sdpa=target_for(self.target.gpu.full_name),
             compile=self.variant.compile,
         )
+        depth = self._depth()
+        if depth is not None:
+            return capture_deep(lambda d: self._variant(self._at(micro_batch, d)), depth, **kwargs)
+        return capture(self._variant(self._maker(micro_batch)), **kwargs)
+
+    def _depth(self) -> int | None:
+        """The blocks of a built-in transformer traced in a variant that `capture.deepen` is
+        held to (tests/test_deepen.py): eager, the optimizer and weights as built, the fused
+        loss or not; None otherwise."""
+        v = self.variant
+        if not isinstance(self.source, str) or self.source not in model_names():
+            return None
+        if v.compiled or v.fp8 or v.offload or v.cuda_graph:
+            return None
+        if v.optimizer_states != "as-is" or v.weights != "as-is":
+            return None
+        info = describe(self.source)
+        return info.get("layers") if info["family"] in ("gpt2", "llama") else None
+
+    def _at(self, m: int, blocks: int):
+        """The built-in workload at micro-batch m with `blocks` blocks."""
+        return lambda: get_workload(self.source, batch_size=m, seq_len=self.seq, n_layer=blocks)
 
     def _maker(self, m: int):
         """The workload at micro-batch m: built at m, and its first m samples cut where its

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 import gobrrr
 from gobrrr.capture import capture
@@ -78,6 +77,8 @@ def gpu_of(meta: dict) -> str:
 
 def workload(shape: str, batch: int, seq: int, checkpoint: bool) -> gobrrr.Workload:
     """One micro-batch of the case's step on one rank, as `steps.py` runs it (unwrapped)."""
+    import transformers  # the zoo extra: only the predictions need it, not the table
+
     cls, kw = SHAPES[shape]
     config = getattr(transformers, cls)(**kw)
     config._attn_implementation = "sdpa"
@@ -282,6 +283,8 @@ def exposed_hit(row: dict) -> bool:
 
 
 def versions() -> dict:
+    import transformers
+
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()

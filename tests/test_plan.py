@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from gobrrr.capture import capture
 from gobrrr.cli import main
@@ -290,6 +291,7 @@ def test_plan_json_round_trips_its_knobs(planned):
     _, r, _ = planned
     d = json.loads(json.dumps(r.to_dict()))
     assert d["version"] == 1
+    assert d["torch"] == torch.__version__  # the version that traced the step
     assert Knobs.from_dict(d["best"]["knobs"]) == r.best.knobs
     for key in ("tokens_per_s", "peak_bytes", "reserved_bytes", "fits", "why"):
         assert key in d["plans"][0]

@@ -85,6 +85,7 @@ class PlanResult:
     parallelism planned, None where the search did not cost it). plans: every distinct
     configuration costed, those that fit first, each group by predicted throughput.
     budget_bytes: what each GPU's reserved peak must stay within. gpus, nodes: the job's.
+    torch: the version of PyTorch that traced the step.
     """
 
     workload: str
@@ -101,6 +102,9 @@ class PlanResult:
     notes: tuple[str, ...] = ()
     gpus: int = 1
     nodes: int = 1
+    # the PyTorch that traced the step: what a compiled step saves for backward is its
+    # partitioner's choice, which moves between versions (plan with the torch that runs it)
+    torch: str = ""
 
     @property
     def best(self) -> Plan | None:
@@ -130,6 +134,7 @@ class PlanResult:
             "traces": self.traces,
             "took_s": self.took_s,
             "notes": list(self.notes),
+            "torch": self.torch,
         }
         if self.gpus > 1:
             out.update(gpus=self.gpus, nodes=self.nodes, per_rank=self.global_batch // self.gpus)

@@ -380,6 +380,7 @@ class Planner:
             notes=tuple(self.search.notes),
             gpus=self.req.gpus,
             nodes=self.req.nodes,
+            torch=_torch_version(),
         )
 
 
@@ -890,3 +891,10 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 
 
 __all__ = ["ALLOW", "BlockCosts", "Planner", "Request", "describe", "divisors", "plan"]
+
+
+def _torch_version() -> str:
+    """The running PyTorch's version (the traces', made here or in forked workers)."""
+    import torch
+
+    return torch.__version__

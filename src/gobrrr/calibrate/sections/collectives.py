@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -84,22 +85,21 @@ def _call(op: str, inp, out, group=None):
     return dist.reduce_scatter_tensor(out, inp, group=group)
 
 
-def _timed(fn, iters: int, rounds: int, stream, ahead_s: float = 0.0) -> tuple[list, list]:
+def _timed(fn, iters: int, rounds: int, stream, ahead_s: float) -> tuple[list, list]:
     """(device seconds per call, host seconds per call) of `fn` queued `iters` times on
-    `stream`, once per round, the ranks lined up by a barrier before each round. With
-    `ahead_s` the stream first sleeps that long on the GPU, so the host has queued every call
-    before the first runs and the events time the device alone; without it a small
-    collective's figure is the host's issue rate (ProcessGroupNCCL's ~40-50 us a call), not
-    NCCL's kernel."""
+    `stream`, once per round, the ranks lined up by a barrier before each round. The stream
+    first sleeps `ahead_s` on the GPU, so the host has queued every call before the first
+    runs and the events time the device alone; queued without it, a small collective's
+    figure is the host's issue rate (ProcessGroupNCCL's ~40-50 us a call), not NCCL's
+    kernel."""
     device, host = [], []
-    cycles = int(ahead_s * _sleep_cycles_per_s()) if ahead_s > 0 else 0
+    cycles = int(ahead_s * _sleep_cycles_per_s())
     for _ in range(rounds):
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
-            if cycles:
-                torch.cuda._sleep(cycles)
+            torch.cuda._sleep(cycles)
             start.record(stream)
             t = time.perf_counter()
             for _ in range(iters):
@@ -111,21 +111,17 @@ def _timed(fn, iters: int, rounds: int, stream, ahead_s: float = 0.0) -> tuple[l
     return device, host
 
 
-_CYCLES: list[float] = []
-
-
+@functools.cache
 def _sleep_cycles_per_s() -> float:
     """GPU clock cycles a second of `torch.cuda._sleep` on this device, timed once."""
-    if not _CYCLES:
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(20_000_000)
-        b.record()
-        b.synchronize()
-        _CYCLES.append(20_000_000 / (a.elapsed_time(b) / 1e3))
-    return _CYCLES[0]
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(20_000_000)
+    b.record()
+    b.synchronize()
+    return 20_000_000 / (a.elapsed_time(b) / 1e3)
 
 
 def ahead_for(host_s_per_call: float, iters: int) -> float:

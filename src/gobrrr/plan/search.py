@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import torch
+
 from gobrrr.cost.cudagraph import NOT_CALIBRATED as GRAPHS_NOT_CALIBRATED
 from gobrrr.cost.cudagraph import GraphRates
 from gobrrr.cost.offload import NOT_CALIBRATED
@@ -380,7 +382,7 @@ class Planner:
             notes=tuple(self.search.notes),
             gpus=self.req.gpus,
             nodes=self.req.nodes,
-            torch=_torch_version(),
+            torch=torch.__version__,  # the traces' (made here or in forked workers)
         )
 
 
@@ -891,10 +893,3 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 
 
 __all__ = ["ALLOW", "BlockCosts", "Planner", "Request", "describe", "divisors", "plan"]
-
-
-def _torch_version() -> str:
-    """The running PyTorch's version (the traces', made here or in forked workers)."""
-    import torch
-
-    return torch.__version__

@@ -8,8 +8,13 @@ in one run, each configuration in a fresh process.
     # 2. on the GPU:
     PYTHONPATH=src:. python benchmarks/plan/plan_allow.py measure OUT.json --plans PLANS.json \
         [--scenarios NAME,...]
+    # 2b. on the GPU machine's CPU, where the plans were made under another torch (a compiled
+    #     step's saved tensors are the partitioner's choice, which moves between versions):
+    PYTHONPATH=src:. python benchmarks/plan/plan_allow.py repredict AGAIN.json --plans PLANS.json \
+        [--scenarios NAME,...]
     # 3. the summary of one or more OUT files:
-    PYTHONPATH=src:. python benchmarks/plan/plan_allow.py summary OUT.json ... [--out SUMMARY.json]
+    PYTHONPATH=src:. python benchmarks/plan/plan_allow.py summary OUT.json ... \
+        [--repredicted AGAIN.json] [--out SUMMARY.json]
 
 Scenarios are `zoo.scenarios.SCENARIOS`; the grid's best point and the plan without the
 extra knobs are read from the scenario's recorded `bench_plan.py` result
@@ -45,27 +50,36 @@ RECORDED = {
 }
 
 
-def plan(out: Path, names: list[str], allow: list[str]) -> dict:
-    """The best plan of each scenario with `allow`, as `gobrrr plan --allow` makes it."""
+def _planner(name: str, allow: list[str]):
+    """The scenario's Planner, as `gobrrr plan --allow` makes it on an H100."""
     from gobrrr.plan.search import Planner
 
+    source, seq, g, precision, *_ = SCENARIOS[name]
+    return Planner(source, "h100", global_batch=g, seq=seq, precision=precision, allow=allow)
+
+
+def _predicted(p) -> dict:
+    """A Plan's predicted step, throughput and peaks, as the files keep them."""
+    return {
+        "step_s": p.step_s,
+        "units_per_s": p.units_per_s,
+        "peak": p.peak_bytes,
+        "reserved": p.reserved_bytes,
+    }
+
+
+def plan(out: Path, names: list[str], allow: list[str]) -> dict:
+    """The best plan of each scenario with `allow`, as `gobrrr plan --allow` makes it."""
     doc = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
-        source, seq, g, precision, *_ = SCENARIOS[name]
         t = time.perf_counter()
-        planner = Planner(source, "h100", global_batch=g, seq=seq, precision=precision, allow=allow)
-        best = planner.run().plans[0]
+        best = _planner(name, allow).run().plans[0]
         doc[name] = {
             "allow": allow,
             "plan_s": time.perf_counter() - t,
             "best": best.knobs.to_dict(),
             "changes": list(best.changes),
-            "predicted": {
-                "step_s": best.step_s,
-                "units_per_s": best.units_per_s,
-                "peak": best.peak_bytes,
-                "reserved": best.reserved_bytes,
-            },
+            "predicted": _predicted(best),
         }
         out.write_text(json.dumps(doc, indent=1))
         print(name, best.changes, f"{best.units_per_s:,.0f} /s predicted", flush=True)
@@ -79,26 +93,15 @@ def repredict(out: Path, plans: dict, names: list[str]) -> dict:
     import torch
 
     from gobrrr.plan.knobs import Knobs
-    from gobrrr.plan.search import Planner
 
     doc = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
-        source, seq, g, precision, *_ = SCENARIOS[name]
         t = time.perf_counter()
-        planner = Planner(
-            source, "h100", global_batch=g, seq=seq, precision=precision,
-            allow=plans[name]["allow"],
-        )  # fmt: skip
-        now = planner.cost(Knobs.from_dict(plans[name]["best"]))
+        now = _planner(name, plans[name]["allow"]).cost(Knobs.from_dict(plans[name]["best"]))
         doc[name] = {
             "torch": torch.__version__,
             "cost_s": time.perf_counter() - t,
-            "predicted": {
-                "step_s": now.step_s,
-                "units_per_s": now.units_per_s,
-                "peak": now.peak_bytes,
-                "reserved": now.reserved_bytes,
-            },
+            "predicted": _predicted(now),
         }
         out.write_text(json.dumps(doc, indent=1))
         print(name, torch.__version__, doc[name]["predicted"], flush=True)

@@ -46,6 +46,7 @@ TARGET_S = 60.0
 def run_once() -> dict:
     """One run of the command in a fresh process: wall and CPU seconds and its JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     proc = subprocess.run(
@@ -59,7 +60,13 @@ def run_once() -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     out = json.loads(proc.stdout)
-    return {"wall_s": wall, "cpu_s": cpu, "exit_code": proc.returncode, "plan": _summary(out)}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load_average_1m_before": load,
+        "exit_code": proc.returncode,
+        "plan": _summary(out),
+    }
 
 
 def _summary(d: dict) -> dict:
@@ -91,9 +98,23 @@ def environment() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo; None where there is none): hosts of one kind
+    differ, and the times with them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def main() -> int:

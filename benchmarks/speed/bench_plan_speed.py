@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.plan.multigpu_plan_time import cpu_model  # noqa: E402
 
 #: (case, arguments after `gobrrr plan`, target in seconds)
 COMMANDS = [
@@ -49,9 +52,10 @@ COMMANDS = [
 
 def run_case(args: list[str], runs: int, env: dict[str, str]) -> dict:
     """The case's wall times (s) over `runs` fresh processes, and its last run's JSON."""
-    times, loads, out, code = [], [], {}, 0
+    times, cpu, loads, out, code = [], [], [], {}, 0
     for _ in range(runs):
         loads.append(os.getloadavg()[0])
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "gobrrr", "plan", *args, "--json"],
@@ -61,11 +65,13 @@ def run_case(args: list[str], runs: int, env: dict[str, str]) -> dict:
             cwd=ROOT,
         )
         times.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
         if proc.returncode not in (0, 1):  # refused (exit 2): recorded, not timed further
             return {"times_s": times, "load_1min": loads, "error": proc.stderr.strip()}
         out, code = json.loads(proc.stdout), proc.returncode
     loads.append(os.getloadavg()[0])
-    return {"times_s": times, "load_1min": loads, "json": out, "exit": code}
+    return {"times_s": times, "cpu_s": cpu, "load_1min": loads, "json": out, "exit": code}
 
 
 def main(argv=None) -> None:
@@ -89,6 +95,7 @@ def main(argv=None) -> None:
                 "args": args,
                 "median_s": round(med, 2),
                 "times_s": [round(t, 2) for t in got["times_s"]],
+                "cpu_s": [round(t, 1) for t in got["cpu_s"]],
                 "load_1min": [round(x, 2) for x in got["load_1min"]],
                 "exit": got["exit"],
                 "traces": out["traces"],
@@ -105,6 +112,7 @@ def main(argv=None) -> None:
     result = {
         "version": 2,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(),
         "torch": torch.__version__,

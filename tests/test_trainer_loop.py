@@ -182,3 +182,39 @@ def test_without_fp32_copy_keeps_autocast(bench):
     assert isinstance(model.forward, MethodType)
     out = model(**w.batch)
     assert out["logits"].dtype == torch.bfloat16  # autocast kept, no fp32 conversion
+
+
+def test_the_trainer_turns_the_kv_cache_off_and_so_does_the_trace(bench):
+    """transformers' Trainer sets model.config.use_cache to TrainingArguments.use_cache (False)
+    when it is made: under it a decoder returns no KV cache. "hf-trainer" traces the model so
+    configured; the other loops trace it as built; a Workload the caller built gets its
+    setting back."""
+    from tests.test_loop import _hf
+
+    w = _hf("llama")
+    assert w.model.config.use_cache is True
+    bench.hf_trainer_loop(w, w.make_optimizer(), "bf16-mixed", "cpu")
+    assert w.model.config.use_cache is False  # the real Trainer's doing
+
+    def cache(est):
+        return [o for o in est.graph.meta.outputs if o.path.startswith("past_key_values")]
+
+    mine = _hf("llama")
+    hf = gobrrr.estimate(mine, "h100", precision="bf16-mixed", loop="hf-trainer")
+    assert not cache(hf) and {o.path for o in hf.graph.meta.outputs} == {"loss", "logits"}
+    assert mine.model.config.use_cache is True  # put back
+    drop = gobrrr.estimate(mine, "h100", precision="bf16-mixed", loop="drops-output")
+    assert cache(drop)
+    # the real Trainer's step returns what the trace says: the loss and the logits only
+    seen = {}
+    w = _hf("llama")
+    forward = w.model.forward
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen["keys"] = sorted(k for k, v in out.items() if v is not None)
+        return out
+
+    w.model.forward = spy
+    bench.hf_trainer_loop(w, w.make_optimizer(), "bf16-mixed", "cpu")()
+    assert seen["keys"] == ["logits", "loss"]

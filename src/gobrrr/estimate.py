@@ -3,10 +3,11 @@ step on fake tensors, then `evaluate` the graph."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,8 @@ def estimate(
     output alive until the next step rebinds it), "drops-output" (gobrrr's own step,
     Lightning, HF Trainer in fp32: the output freed before backward), "hf-trainer" (HF
     Trainer: dropped too, after Accelerate's mixed precision copied its fp16/bf16 tensors to
-    fp32, the originals still alive) or "zero-grad-first" (timm's and torchvision's
+    fp32, the originals still alive; the model traced with `config.use_cache` False, as the
+    Trainer sets it) or "zero-grad-first" (timm's and torchvision's
     train_one_epoch: the output kept, and zero_grad() called just before backward, so the
     last step's gradients live through the forward). Leave it None for a
     Workload(forward_backward=...), whose own loop is traced. The Estimate's `other_loop`
@@ -167,13 +169,14 @@ def estimate(
         )
     target = Target.resolve(gpu, calibration)
     t0 = time.perf_counter()
-    graph = capture(
-        workload_factory(source, batch, seq),
-        precision=traced_precision(precision, gpus, parallel),
-        checkpoint=checkpoint,
-        sdpa=target_for(target.gpu.full_name),
-        compile=compile,
-    )
+    with _configured_for(loop, workload_factory(source, batch, seq)) as factory:
+        graph = capture(
+            factory,
+            precision=traced_precision(precision, gpus, parallel),
+            checkpoint=checkpoint,
+            sdpa=target_for(target.gpu.full_name),
+            compile=compile,
+        )
     traced = graph
     graph = _looped(traced, loop)
     sharded = (
@@ -189,6 +192,42 @@ def estimate(
         return dataclasses.replace(est, other_loop=est.memory)
     memory = step_memory(sharded(loop_pass(traced, alternative)), target.gpu, target.cal)
     return dataclasses.replace(est, other_loop=memory)
+
+
+@contextlib.contextmanager
+def _configured_for(
+    loop: str | None, factory: Callable[[], Workload]
+) -> Iterator[Callable[[], Workload]]:
+    """The workload's factory as loop `loop` configures the model before its first step.
+
+    HF's `Trainer` sets `model.config.use_cache = TrainingArguments.use_cache` (False unless
+    asked for) when it is made (transformers 5.17, trainer.py, "Finalize"), so a decoder under
+    the Trainer returns no KV cache: none of its keys and values is an output (under
+    torch.compile, Inductor then writes no contiguous copy of them). For "hf-trainer" the
+    model is traced so configured; what was set is put back after the trace (a Workload the
+    caller built is theirs)."""
+    if loop != "hf-trainer":
+        yield factory
+        return
+    touched: list[tuple[Any, bool, Any]] = []
+
+    def build() -> Workload:
+        w = factory()
+        config = getattr(w.model, "config", None)
+        if config is not None:
+            had = hasattr(config, "use_cache")
+            touched.append((config, had, getattr(config, "use_cache", None)))
+            config.use_cache = False
+        return w
+
+    try:
+        yield build
+    finally:
+        for config, had, value in reversed(touched):
+            if had:
+                config.use_cache = value
+            else:
+                delattr(config, "use_cache")
 
 
 def _looped(graph: StepGraph, kind: str | None) -> StepGraph:

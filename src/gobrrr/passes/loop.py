@@ -75,7 +75,8 @@ DESCRIBED = {
     "so last step's gradients live through the forward (timm's and torchvision's "
     "train_one_epoch)",
     "hf-trainer": "drops the model's output before backward after Accelerate copied its "
-    "fp16/bf16 tensors to fp32 (HF Trainer, an Accelerate-prepared model)",
+    "fp16/bf16 tensors to fp32, the model's KV cache off (HF Trainer: an Accelerate-prepared "
+    "model, config.use_cache False)",
     "forward-backward": "is the workload's own forward_backward, traced as it holds its tensors",
 }
 #: the dtypes Accelerate's `convert_to_fp32` copies

@@ -20,10 +20,8 @@ these figures bound what sharing one compile between them could save.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -115,25 +113,6 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def environment() -> dict:
-    import torch
-
-    from benchmarks.plan.multigpu_plan_time import cpu_model
-
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", type=Path)
@@ -148,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         ap.error("give the output JSON's path")
+    from benchmarks.plan.multigpu_plan_time import environment
+
     micro_batches = [int(m) for m in args.micro_batches.split(",")]
     rows = []
     for _ in range(args.runs):
@@ -163,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     result = {
         "version": 1,
-        "environment": environment(),
+        "environment": environment(),  # multigpu_plan_time's: commit, versions, CPU, load
         "model": args.model,
         "precision": "bf16-mixed",
         "rows": rows,

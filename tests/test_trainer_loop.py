@@ -218,3 +218,35 @@ def test_the_trainer_turns_the_kv_cache_off_and_so_does_the_trace(bench):
     w.model.forward = spy
     bench.hf_trainer_loop(w, w.make_optimizer(), "bf16-mixed", "cpu")()
     assert seen["keys"] == ["logits", "loss"]
+
+
+class CachedLM(FirstTokenLM):
+    """FirstTokenLM that also returns a "cache" (its logits doubled) while its config asks."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, input_ids, labels, **kwargs):
+        out = super().forward(input_ids, labels)
+        use = getattr(self.config, "use_cache", False)
+        return {**out, "cache": out["logits"] * 2} if use else out
+
+
+def test_any_config_with_use_cache_is_switched_and_one_without_is_left_alone():
+    from types import SimpleNamespace
+
+    def made(config):
+        w = workload()
+        w.model = CachedLM(config)
+        return w
+
+    cfg = SimpleNamespace(use_cache=True)
+    hf = gobrrr.estimate(made(cfg), "h100", precision="bf16-mixed", loop="hf-trainer")
+    drop = gobrrr.estimate(made(cfg), "h100", precision="bf16-mixed", loop="drops-output")
+    assert {o.path for o in drop.graph.meta.outputs} == {"loss", "logits", "cache"}
+    assert {o.path for o in hf.graph.meta.outputs} == {"loss", "logits"}
+    assert cfg.use_cache is True
+    # a config that is no HF config (here a dict) has no flag to switch: traced as built
+    odd = gobrrr.estimate(made({"d": D}), "h100", precision="bf16-mixed", loop="hf-trainer")
+    assert {o.path for o in odd.graph.meta.outputs} == {"loss", "logits"}

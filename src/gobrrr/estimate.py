@@ -209,25 +209,22 @@ def _configured_for(
     if loop != "hf-trainer":
         yield factory
         return
-    touched: list[tuple[Any, bool, Any]] = []
+    touched: list[tuple[Any, Any]] = []
 
     def build() -> Workload:
         w = factory()
         config = getattr(w.model, "config", None)
-        if config is not None:
-            had = hasattr(config, "use_cache")
-            touched.append((config, had, getattr(config, "use_cache", None)))
+        # a config without the flag has no cache to switch off (and may not take attributes)
+        if config is not None and hasattr(config, "use_cache"):
+            touched.append((config, config.use_cache))
             config.use_cache = False
         return w
 
     try:
         yield build
     finally:
-        for config, had, value in reversed(touched):
-            if had:
-                config.use_cache = value
-            else:
-                delattr(config, "use_cache")
+        for config, value in reversed(touched):
+            config.use_cache = value
 
 
 def _looped(graph: StepGraph, kind: str | None) -> StepGraph:

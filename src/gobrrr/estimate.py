@@ -124,7 +124,8 @@ def estimate(
     last step's gradients live through the forward). Leave it None for a
     Workload(forward_backward=...), whose own loop is traced. The Estimate's `other_loop`
     is the memory under the other loop; the time is the same under both, but for
-    "hf-trainer"'s copies.
+    "hf-trainer"'s copies. It is read off the same trace: under "hf-trainer" that is the
+    model with its KV cache off, so the other loop's figure holds no cache either.
 
     compile: the model runs under torch.compile (the optimizer stays eager): the step is
     traced as AOTAutograd partitions it, with Inductor's fusion (`gobrrr.capture.compiled`,

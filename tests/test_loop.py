@@ -143,6 +143,50 @@ def test_the_difference_is_what_real_loops_hold(traced):
     assert measured == predicted == OUT_BYTES
 
 
+def _forward_peak(run) -> int:
+    """Most bytes alive at once while the first step's forward runs (real CPU tensors): the
+    dispatch-mode count of `_live_bytes_peak`, stopped as backward starts."""
+
+    class Stop(Exception):
+        pass
+
+    def forward_only():
+        orig = torch.Tensor.backward
+
+        def stop(*a, **k):
+            raise Stop
+
+        torch.Tensor.backward = stop
+        try:
+            run()
+        except Stop:
+            pass
+        finally:
+            torch.Tensor.backward = orig
+
+    return _live_bytes_peak(forward_only)
+
+
+def test_the_first_step_has_no_previous_output_to_keep(traced):
+    """In a process's first step there is no earlier `out`: the replay leaves the previous
+    step's output (`carried`) out of it, where the first step's segments are mapped, and
+    holds it from the second step on."""
+    from gobrrr.memory.replay import replay
+
+    real = _forward_peak(_plain(True, steps=1)) - _forward_peak(_plain(False, steps=1))
+    kept = loop(traced, "keeps-output")
+    assert [s.label for s in kept.storages if s.carried] == ["previous step's output"]
+    (returned,) = {o.returned for o in kept.meta.outputs}
+
+    def model_peak(graph, steps):  # the replay's last step, until the model has returned
+        return max(replay(graph, steps=steps).timeline[: returned + 1])
+
+    assert real == 0  # the first step: both loops hold the same bytes through the forward
+    assert model_peak(kept, 1) - model_peak(traced, 1) == real
+    # from the second step on, last step's output is alive until the model returns
+    assert model_peak(kept, 2) - model_peak(traced, 2) == OUT_BYTES
+
+
 def _zero_grad_first(steps: int = 3):
     """timm's and torchvision's train_one_epoch: `output` kept, zero_grad() just before
     backward, so last step's gradients are alive through the forward."""

@@ -4,6 +4,10 @@ training loops, and gobrrr's prediction for each loop (`gobrrr.estimate(loop=...
     PYTHONUNBUFFERED=1 python benchmarks/zoo/loops.py OUT.json [--cases NAME,NAME]
     python benchmarks/zoo/loops.py /tmp/loops.json --device cpu --tiny --cases gpt2-124m
 
+The zoo-wide run that tests read is tests/fixtures/loops_zoo_h200.json (`--cases zoo`,
+measured with `--measure-only`, predicted with `--predict-only`, joined with `--merge`):
+write a new run there.
+
 Each (case, loop) runs in a fresh process of this script (`--one CASE LOOP`): the case built
 on the device (seeded) and prepared as gobrrr's profile runner prepares it (moved, cast,
 its optimizer made), 3 warm-up steps of the loop, the peak-memory stats reset, `--steps`
@@ -364,31 +368,38 @@ def merge(out: str, parts: list[str]) -> dict:
 
 
 def summary(data: dict) -> list[dict]:
-    """Per loop: the cases measured and predicted, the allocated peak's median |error|
-    (predicted / measured - 1), how many within 1%, the most under and the most over."""
+    """Per loop: the cases measured and predicted; the allocated peak's median |error|
+    (predicted / measured - 1), how many within 1%, the most under and the most over; the
+    reserved peak's median |error|, how many within 8% and the worst."""
     out = []
     for loop in PREDICTED_AS:
-        errs = []
+        errs, reserved = [], []
         for name, rows in data["cases"].items():
             r = rows.get(loop)
             if not isinstance(r, dict):
                 continue
-            m = (r.get("measured") or {}).get("peak_allocated")
-            p = (r.get("predicted") or {}).get("peak_allocated")
-            if m and p:
-                errs.append((p / m - 1, name))
+            m, p = r.get("measured") or {}, r.get("predicted") or {}
+            if m.get("peak_allocated") and p.get("peak_allocated"):
+                errs.append((p["peak_allocated"] / m["peak_allocated"] - 1, name))
+            if m.get("peak_reserved") and p.get("peak_reserved"):
+                reserved.append((p["peak_reserved"] / m["peak_reserved"] - 1, name))
         if errs:
-            out.append(
-                {
-                    "loop": loop,
-                    "predicted_as": PREDICTED_AS[loop],
-                    "cases": len(errs),
-                    "median_abs": statistics.median(abs(e) for e, _ in errs),
-                    "within_1pct": sum(abs(e) <= 0.01 for e, _ in errs),
-                    "most_under": min(errs),
-                    "most_over": max(errs),
+            row = {
+                "loop": loop,
+                "predicted_as": PREDICTED_AS[loop],
+                "cases": len(errs),
+                "median_abs": statistics.median(abs(e) for e, _ in errs),
+                "within_1pct": sum(abs(e) <= 0.01 for e, _ in errs),
+                "most_under": min(errs),
+                "most_over": max(errs),
+            }
+            if reserved:
+                row |= {
+                    "reserved_median_abs": statistics.median(abs(e) for e, _ in reserved),
+                    "reserved_within_8pct": sum(abs(e) <= 0.08 for e, _ in reserved),
+                    "reserved_worst": max(reserved, key=lambda x: abs(x[0])),
                 }
-            )
+            out.append(row)
     return out
 
 

@@ -137,6 +137,9 @@ class StorageInfo:
     freed: int | None
     label: str = ""  # e.g. the parameter name; empty for anonymous activations
     module: str = ""  # module of the op that created it
+    # what the previous step left alive (a kept output, last step's gradients: `passes.loop`),
+    # allocated by op 0 from the second step on: the process's first step has none
+    carried: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Both numbers come from replaying the process through a model of the caching allo
 The cache keeps what earlier steps left in it, so the replay runs the process as a training
 loop does: parameters, buffers and the batch first; the BLAS workspaces; then step 1, whose
 optimizer creates its state when its first op runs (in the cached blocks the freed
-activations left); then the same step again up to the measured one (`STEPS`), whose peaks
+activations left; what a loop carries from one step into the next, a kept output, is not
+there yet: `StorageInfo.carried`); then the same step again up to the measured one (`STEPS`), whose peaks
 are reset at its start (a multi-GPU step releases the cache first, as its measured protocol
 does). Within a step, per op: its allocations, its scratch (allocated and freed while it
 runs), then its frees; each allocation from the pool of the stream of the op that makes it.
@@ -347,12 +348,16 @@ class _Process:
         self.at = -1  # the op being replayed
 
     def _ops(self) -> list[tuple]:
-        """Per op: (index, its allocations as (storage, bytes, outlives the step), its
-        stream, its scratch requests, its frees)."""
+        """Per op: (index, its allocations as (storage, bytes, outlives the step, left by
+        the previous step), its stream, its scratch requests, its frees)."""
         st, survivors, scratch = self.graph.storages, self.survivors, self.scratch
         out = []
         for n in self.graph.nodes:
-            allocs = tuple((s, st[s].nbytes, s in survivors) for s in n.allocs) if n.allocs else ()
+            allocs = (
+                tuple((s, st[s].nbytes, s in survivors, st[s].carried) for s in n.allocs)
+                if n.allocs
+                else ()
+            )
             blocks = scratch.get(n.index)
             blocks = tuple(b for b in _blocks(blocks) if b > 0) if blocks else ()
             out.append((n.index, allocs, n.stream, blocks, n.frees))
@@ -469,8 +474,11 @@ class _Process:
                 if hook is not None:
                     hook(nodes[at])
                 # an op's allocations (a storage that outlived the previous step is
-                # replaced by this step's), in the pool of the stream that allocates it
-                for sid, nbytes, survives in allocs:
+                # replaced by this step's; what a previous step left is not there in the
+                # first), in the pool of the stream that allocates it
+                for sid, nbytes, survives, carried in allocs:
+                    if carried and first:
+                        continue
                     if survives and sid in handles:
                         free(handles.pop(sid))
                     if nbytes > 0:
@@ -515,7 +523,7 @@ class _Process:
 
         if not first:
             out = [
-                most(b for _, b, _ in allocs) + most(blocks) if allocs or blocks else 0
+                most(b for _, b, _, _ in allocs) + most(blocks) if allocs or blocks else 0
                 for _, allocs, _, blocks, _ in self.ops
             ]
         else:

@@ -20,7 +20,9 @@ marks what each call of the model's forward returned (`StepMeta.outputs`); `loop
 - the output of micro-batch k lives until micro-batch k + 1's forward has returned; the
   last micro-batch's until the end of the step;
 - the previous step's output (the same storages) is alive from the step's first op until
-  its first forward returns: a storage allocated by op 0 and freed there.
+  its first forward returns: a storage allocated by op 0 and freed there, `carried`: the
+  process's first step has no previous step, and the memory replay leaves it out there
+  (where the first step's segments are mapped).
 
 "zero-grad-first" is timm's and torchvision's train_one_epoch: the output kept as above, and
 `optimizer.zero_grad()` called after the loss, just before backward, so last step's gradients
@@ -140,7 +142,9 @@ def _keeps(graph: StepGraph, kind: str = "keeps-output") -> StepGraph:
     for sid in calls[returns[-1]]:  # the previous step's output, until the first forward returns
         s, new = storages[sid], len(storages)
         label = f"previous step's {paths[sid]}"
-        storages.append(StorageInfo(new, s.nbytes, s.kind, 0, returns[0], label, s.module))
+        storages.append(
+            StorageInfo(new, s.nbytes, s.kind, 0, returns[0], label, s.module, carried=True)
+        )
         previous.append(new)
     frees[returns[0]].update(previous)
     nodes = list(graph.nodes)
@@ -263,7 +267,9 @@ def _previous_gradients(graph: StepGraph) -> StepGraph:
         if s.kind == "gradient" and s.created >= 0 and s.freed is not None and s.nbytes > 0:
             new = len(storages)
             label = f"previous step's gradient {s.label}".rstrip()
-            storages.append(StorageInfo(new, s.nbytes, s.kind, 0, until, label, s.module))
+            storages.append(
+                StorageInfo(new, s.nbytes, s.kind, 0, until, label, s.module, carried=True)
+            )
             previous.append(new)
     if not previous:
         return graph

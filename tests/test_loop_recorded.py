@@ -1,0 +1,48 @@
+"""The loops users run, held to their recorded measurement (tests/fixtures/loops_zoo_h200.json,
+written by benchmarks/zoo/loops.py on an H200): cases predicted again with the code as it
+is, as the file's plain and timm rows were (the shipped H100 calibration; allocated and
+reserved bytes do not depend on which Hopper card runs them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import gobrrr
+from zoo.cases import get_case
+
+RECORDED = json.loads(
+    (Path(__file__).parent / "fixtures" / "loops_zoo_h200.json").read_text()
+)["cases"]
+
+
+def _predict(name: str, loop: str):
+    case, row = get_case(name), RECORDED[name]
+    return gobrrr.estimate(
+        case.factory(),
+        "h100",
+        batch=row["batch"] or case.batch,
+        seq=row["seq"] or case.seq,
+        precision=case.precision,
+        compile=case.compile,
+        loop=loop,
+    ).memory
+
+
+# Two steps whose reserved peak was 8-10% over while the replay's first step held a previous
+# output that a process's first step does not have (`StorageInfo.carried`): that step maps
+# the segments the later ones reuse.
+@pytest.mark.parametrize(
+    ("name", "loop", "recorded"),
+    [
+        ("distilbert-mlm", "keeps-output", "plain"),
+        ("convnext_tiny-timm-gc", "zero-grad-first", "timm"),
+    ],
+)
+def test_reserved_peak_of_the_loop_is_the_gpus(name, loop, recorded):
+    measured = RECORDED[name][recorded]["measured"]
+    mem = _predict(name, loop)
+    assert abs(mem.peak / measured["peak_allocated"] - 1) < 0.005
+    assert abs(mem.reserved / measured["peak_reserved"] - 1) < 0.01

@@ -18,11 +18,11 @@ RECORDED = json.loads(
 )["cases"]
 
 
-def _predict(name: str, loop: str):
+def _predict(name: str, loop: str, gpu: str = "h100"):
     case, row = get_case(name), RECORDED[name]
     return gobrrr.estimate(
         case.factory(),
-        "h100",
+        gpu,
         batch=row["batch"] or case.batch,
         seq=row["seq"] or case.seq,
         precision=case.precision,
@@ -46,3 +46,20 @@ def test_reserved_peak_of_the_loop_is_the_gpus(name, loop, recorded):
     mem = _predict(name, loop)
     assert abs(mem.peak / measured["peak_allocated"] - 1) < 0.005
     assert abs(mem.reserved / measured["peak_reserved"] - 1) < 0.01
+
+
+def test_an_h200_reads_the_memory_tables_of_the_h100_sxm():
+    """No calibration ships for the H200; its cuDNN and cuBLAS workspaces are the H100 SXM's
+    (one GH100 die, 132 SMs: `hardware.memory_calibration`). Without them ConvNeXt-T's
+    convolution workspaces were the uncalibrated model's, +1.7% over on the H200."""
+    from gobrrr.hardware import find_calibration, get_gpu, memory_calibration
+
+    h100, h200, pcie = get_gpu("h100"), get_gpu("h200"), get_gpu("h100-pcie")
+    shipped = find_calibration(h100)
+    assert find_calibration(h200) is None
+    assert memory_calibration(h200, None) == shipped
+    assert memory_calibration(pcie, None) is None  # 114 SMs: other kernels, other workspaces
+    assert memory_calibration(h100, shipped) is shipped
+    measured = RECORDED["convnext_tiny-timm-gc"]["plain"]["measured"]
+    mem = _predict("convnext_tiny-timm-gc", "keeps-output", "h200")
+    assert abs(mem.peak / measured["peak_allocated"] - 1) < 0.005

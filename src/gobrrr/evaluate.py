@@ -476,6 +476,16 @@ class Estimate:
         return self.cal.device_name if self.cal else None
 
     @property
+    def memory_calibration(self) -> str | None:
+        """The device name of the calibration the memory's workspace tables came from where
+        it is not `calibration`: a GPU without one reads those of its chip's
+        (`hardware.memory_calibration`). None otherwise."""
+        from gobrrr.hardware import memory_calibration
+
+        tables = memory_calibration(self.gpu, self.cal)
+        return tables.device_name if tables is not None and tables is not self.cal else None
+
+    @property
     def fits(self) -> bool:
         """The step runs on the GPU: the caching allocator's reserved peak stays within the
         memory CUDA leaves to the process (`gobrrr.memory.replay.process_budget`)."""

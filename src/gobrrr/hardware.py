@@ -48,6 +48,8 @@ class GpuSpec:
         matmul_efficiency / bandwidth_efficiency: achievable fraction of peak when no
             calibration exists (large, well-shaped problems).
         aliases: other names users type.
+        chip: the GPU die ("GH100"); with `sms`, what cuDNN's and cuBLAS's choices of kernel,
+            and so their workspaces, go by (`memory_calibration`). "" where not known.
     """
 
     name: str
@@ -63,6 +65,7 @@ class GpuSpec:
     matmul_efficiency: float = 0.80
     bandwidth_efficiency: float = 0.88
     aliases: tuple[str, ...] = ()
+    chip: str = ""
 
     @property
     def fp8_tensor_cores(self) -> bool:
@@ -114,6 +117,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         None,
         108,
         aliases=("a100-40",),
+        chip="GA100",
     ),
     _spec(
         "a100-80gb",
@@ -126,6 +130,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         None,
         108,
         aliases=("a100", "a100-80"),
+        chip="GA100",
     ),
     _spec(
         "h100-sxm",
@@ -140,6 +145,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         blas_workspace=_HOPPER_WS,
         blaslt_workspace=_HOPPER_WS,
         aliases=("h100", "h100-80gb"),
+        chip="GH100",
     ),
     _spec(
         "h100-pcie",
@@ -153,6 +159,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         114,
         blas_workspace=_HOPPER_WS,
         blaslt_workspace=_HOPPER_WS,
+        chip="GH100",
     ),
     _spec(
         "h200",
@@ -167,6 +174,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         blas_workspace=_HOPPER_WS,
         blaslt_workspace=_HOPPER_WS,
         aliases=("h200-sxm",),
+        chip="GH100",
     ),
     _spec(
         "b200",
@@ -180,9 +188,10 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         148,
         blas_workspace=_HOPPER_WS,
         blaslt_workspace=_HOPPER_WS,
+        chip="GB100",
     ),
-    _spec("l4", "NVIDIA L4", 22.5, 300, 30.3, 60, 121, 242, 58),
-    _spec("l40s", "NVIDIA L40S", 44.5, 864, 91.6, 183, 362, 733, 142),
+    _spec("l4", "NVIDIA L4", 22.5, 300, 30.3, 60, 121, 242, 58, chip="AD104"),
+    _spec("l40s", "NVIDIA L40S", 44.5, 864, 91.6, 183, 362, 733, 142, chip="AD102"),
     _spec(
         "rtx4090",
         "NVIDIA GeForce RTX 4090",
@@ -194,6 +203,7 @@ BUILTIN_GPUS: tuple[GpuSpec, ...] = (
         330.3,
         128,
         aliases=("4090", "rtx-4090"),
+        chip="AD102",
     ),
 )
 
@@ -668,6 +678,25 @@ def find_calibration(gpu: GpuSpec) -> Calibration | None:
         p = d / f"{gpu.name}.json"
         if p.exists():
             return Calibration.load(p)
+    return None
+
+
+def memory_calibration(gpu: GpuSpec, cal: Calibration | None) -> Calibration | None:
+    """The calibration a step's memory on `gpu` reads its tables from (the BLAS workspaces,
+    cuDNN's workspace per convolution class: `memory.replay.step_memory`): `cal` where given;
+    else, for a GPU with no calibration, the saved or shipped one of a built-in GPU of the
+    same chip and SM count (an H200 reads the H100 SXM's: one GH100 die, 132 SMs). The
+    libraries pick their kernels, and so their workspaces, by the device's architecture and
+    SM count, not its memory: the zoo measured on H200s is predicted from the H100 SXM's
+    tables within 0.01% at the median (tests/fixtures/loops_zoo_h200.json). Only memory
+    reads it: the time model and the memory budget stay the GPU's own."""
+    if cal is not None or not gpu.chip:
+        return cal
+    for other in BUILTIN_GPUS:
+        if other.name != gpu.name and (other.chip, other.sms) == (gpu.chip, gpu.sms):
+            found = find_calibration(other)
+            if found is not None:
+                return found
     return None
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph.ir import OpNode, StepGraph
-from gobrrr.hardware import Calibration, GpuSpec
+from gobrrr.hardware import Calibration, GpuSpec, memory_calibration
 from gobrrr.memory.allocator import (
     AllocatorStats,
     CachingAllocator,
@@ -581,11 +581,14 @@ def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> Memo
     convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
     (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
     and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_mm`),
-    replayed through the caching allocator against the memory CUDA leaves the process."""
+    replayed through the caching allocator against the memory CUDA leaves the process.
+    The workspaces' sizes come from `cal`, or where `gpu` has none from a calibration of the
+    same chip (`hardware.memory_calibration`)."""
+    tables = memory_calibration(gpu, cal)
     return simulate(
         graph,
-        workspace=blas_workspace_ops(graph, gpu, cal),
-        scratch=step_scratch(graph, cal),
+        workspace=blas_workspace_ops(graph, gpu, tables),
+        scratch=step_scratch(graph, tables),
         budget=process_budget(gpu, cal),
     )
 

@@ -39,6 +39,7 @@ def estimate_dict(est: Estimate, top: int = 15) -> dict[str, Any]:
             "name": est.gpu.name,
             "memory_bytes": est.gpu.memory_bytes,
             "calibration": est.calibration,
+            "memory_calibration": est.memory_calibration,
         },
         "memory": {
             "peak_bytes": m.peak,

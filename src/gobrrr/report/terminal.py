@@ -110,6 +110,8 @@ def summary_lines(est: Estimate) -> list[Text]:
     cal = (
         f"calibrated ({est.calibration})" if est.calibration else "datasheet peaks, no calibration"
     )
+    if est.memory_calibration:  # no calibration of its own: its chip's workspaces
+        cal += f"; workspaces as measured on the {est.memory_calibration}"
     mode = " · torch.compile" if est.compiled else ""
     precision = str(meta.precision)
     if meta.parallel is not None and meta.parallel.kind in ("fsdp", "hsdp"):  # as FSDP2 computes

@@ -686,10 +686,13 @@ def memory_calibration(gpu: GpuSpec, cal: Calibration | None) -> Calibration | N
     cuDNN's workspace per convolution class: `memory.replay.step_memory`): `cal` where given;
     else, for a GPU with no calibration, the saved or shipped one of a built-in GPU of the
     same chip and SM count (an H200 reads the H100 SXM's: one GH100 die, 132 SMs). The
-    libraries pick their kernels, and so their workspaces, by the device's architecture and
-    SM count, not its memory: the zoo measured on H200s is predicted from the H100 SXM's
-    tables within 0.01% at the median (tests/fixtures/loops_zoo_h200.json). Only memory
-    reads it: the time model and the memory budget stay the GPU's own."""
+    workspaces follow the kernels the libraries pick, which go by the device's architecture
+    and SM count: the zoo measured on H200s is predicted from the H100 SXM's tables within
+    0.01% at the median, 96 loop rows (tests/fixtures/loops_zoo_h200.json). Not every choice
+    is the same on both (Inductor's pad_mm, which times its candidates on the device, pads a
+    matmul on the H200 that it leaves on the H100: docs/investigations/2026-11-28-compiled-
+    gpt2-plain-loop-peak.md). Only memory reads it: the time model and the memory budget stay
+    the GPU's own."""
     if cal is not None or not gpu.chip:
         return cal
     for other in BUILTIN_GPUS:

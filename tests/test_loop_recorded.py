@@ -71,3 +71,20 @@ def test_an_h200_is_predicted_with_the_h100_sxms_workspaces():
     measured = RECORDED["convnext_tiny-timm-gc"]["plain"]["measured"]
     mem = _predict("convnext_tiny-timm-gc", "keeps-output", "h200")
     assert abs(mem.peak / measured["peak_allocated"] - 1) < 0.005
+
+
+def test_the_output_says_whose_workspaces_an_uncalibrated_gpu_reads():
+    from gobrrr.report.estimate import estimate_dict
+    from gobrrr.report.pages import estimate_summary
+    from gobrrr.report.terminal import summary_lines
+
+    est = gobrrr.estimate("mlp", "h200")
+    name = "NVIDIA H100 80GB HBM3"
+    assert est.calibration is None and est.memory_calibration == name
+    d = estimate_dict(est)
+    assert d["gpu"]["memory_calibration"] == name
+    assert f"workspaces as measured on the {name}" in " ".join(str(t) for t in summary_lines(est))
+    assert f"workspaces as measured on the {name}" in str(estimate_summary(d).body)
+    own = gobrrr.estimate("mlp", "h100")  # a GPU with its own calibration says nothing more
+    assert own.memory_calibration is None
+    assert estimate_dict(own)["gpu"]["memory_calibration"] is None

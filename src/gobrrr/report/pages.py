@@ -100,10 +100,13 @@ def estimate_summary(r: dict[str, Any]) -> Section:
     w, t, m, g = r["workload"], r["time"], r["memory"], r["gpu"]
     unit = t.get("unit", "tokens")
     cal = g.get("calibration")
+    note = f"calibrated: {cal}" if cal else "datasheet"
+    if g.get("memory_calibration"):  # no calibration of its own: its chip's workspaces
+        note += f"; workspaces as measured on the {g['memory_calibration']}"
     s = Section("summary", "Summary")
     s.body = facts(
         fact("workload", "workload.name", w.get("name"), str(w.get("name")), _workload_line(w)),
-        fact("GPU", "gpu.name", g["name"], g["name"], f"calibrated: {cal}" if cal else "datasheet"),
+        fact("GPU", "gpu.name", g["name"], g["name"], note),
         fact("peak allocated", "memory.peak_bytes", m["peak_bytes"], gib(m["peak_bytes"])),
         fact(
             "peak reserved",

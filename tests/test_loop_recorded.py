@@ -73,18 +73,26 @@ def test_an_h200_is_predicted_with_the_h100_sxms_workspaces():
     assert abs(mem.peak / measured["peak_allocated"] - 1) < 0.005
 
 
+NAME = "NVIDIA H100 80GB HBM3"
+
+
 def test_the_output_says_whose_workspaces_an_uncalibrated_gpu_reads():
     from gobrrr.report.estimate import estimate_dict
-    from gobrrr.report.pages import estimate_summary
     from gobrrr.report.terminal import summary_lines
 
     est = gobrrr.estimate("mlp", "h200")
-    name = "NVIDIA H100 80GB HBM3"
-    assert est.calibration is None and est.memory_calibration == name
-    d = estimate_dict(est)
-    assert d["gpu"]["memory_calibration"] == name
-    assert f"workspaces as measured on the {name}" in " ".join(str(t) for t in summary_lines(est))
-    assert f"workspaces as measured on the {name}" in str(estimate_summary(d).body)
+    assert est.calibration is None and est.memory_calibration == NAME
+    assert estimate_dict(est)["gpu"]["memory_calibration"] == NAME
+    assert f"workspaces as measured on the {NAME}" in " ".join(str(t) for t in summary_lines(est))
     own = gobrrr.estimate("mlp", "h100")  # a GPU with its own calibration says nothing more
     assert own.memory_calibration is None
     assert estimate_dict(own)["gpu"]["memory_calibration"] is None
+
+
+def test_the_html_report_says_it_too():
+    pytest.importorskip("plotly")
+    from gobrrr.report.estimate import estimate_dict
+    from gobrrr.report.pages import estimate_summary
+
+    d = estimate_dict(gobrrr.estimate("mlp", "h200"))
+    assert f"workspaces as measured on the {NAME}" in str(estimate_summary(d).body)

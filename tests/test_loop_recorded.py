@@ -14,9 +14,8 @@ import gobrrr
 from zoo.cases import get_case
 from zoo.common import available
 
-RECORDED = json.loads(
-    (Path(__file__).parent / "fixtures" / "loops_zoo_h200.json").read_text()
-)["cases"]
+FIXTURE = Path(__file__).parent / "fixtures" / "loops_zoo_h200.json"
+RECORDED = json.loads(FIXTURE.read_text())["cases"]
 
 
 def _predict(name: str, loop: str, gpu: str = "h100"):

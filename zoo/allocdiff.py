@@ -163,10 +163,8 @@ class RecordingAllocator(CachingAllocator):
 
 def predicted_steps(est, steps: int = memory.STEPS) -> list[dict]:
     """The prediction's process replayed as gobrrr.memory.replay does, split like `real_steps`."""
-    from gobrrr.hardware import find_calibration, memory_calibration
-
     g = est.graph
-    cal = memory_calibration(est.gpu, find_calibration(est.gpu))
+    cal = est.memory_cal if est.memory_cal is not None else est.cal
     ws = memory.blas_workspace_ops(g, est.gpu, cal)
     scratch = memory.step_scratch(g, cal)
     proc = memory._Process(g, ws, scratch, None)

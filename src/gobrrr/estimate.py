@@ -191,7 +191,9 @@ def estimate(
         return est
     if not held(traced):  # the model returns nothing a loop could keep longer
         return dataclasses.replace(est, other_loop=est.memory)
-    memory = step_memory(sharded(loop_pass(traced, alternative)), target.gpu, target.cal)
+    memory = step_memory(
+        sharded(loop_pass(traced, alternative)), target.gpu, target.cal, target.memory_cal
+    )
     return dataclasses.replace(est, other_loop=memory)
 
 

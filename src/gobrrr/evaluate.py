@@ -79,9 +79,10 @@ def evaluate(
     return Estimate(
         graph=graph,
         gpu=t.gpu,
-        memory=memory if memory is not None else step_memory(graph, t.gpu, t.cal),
+        memory=memory if memory is not None else step_memory(graph, t.gpu, t.cal, t.memory_cal),
         time=time,
         cal=t.cal,
+        memory_cal=t.memory_cal,
         formulas=closed_forms(graph),
         capture_s=capture_s,
         compiled=compiled,
@@ -469,6 +470,8 @@ class Estimate:
     # the step's memory under the other training loop (`gobrrr.passes.loop.other`), where
     # `gobrrr.estimate` replayed it; None otherwise
     other_loop: MemoryResult | None = None
+    # where the memory's workspace tables came from, if not `cal` (`Target.memory_cal`)
+    memory_cal: Calibration | None = None
 
     @property
     def calibration(self) -> str | None:
@@ -480,9 +483,7 @@ class Estimate:
         """The device name of the calibration the memory's workspace tables came from where
         it is not `calibration`: a GPU without one reads those of its chip's
         (`hardware.memory_calibration`). None otherwise."""
-        from gobrrr.hardware import memory_calibration
-
-        tables = memory_calibration(self.gpu, self.cal)
+        tables = self.memory_cal
         return tables.device_name if tables is not None and tables is not self.cal else None
 
     @property

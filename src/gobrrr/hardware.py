@@ -691,8 +691,8 @@ def memory_calibration(gpu: GpuSpec, cal: Calibration | None) -> Calibration | N
     0.01% at the median, 96 loop rows (tests/fixtures/loops_zoo_h200.json). Not every choice
     is the same on both (Inductor's pad_mm, which times its candidates on the device, pads a
     matmul on the H200 that it leaves on the H100: docs/investigations/2026-11-28-compiled-
-    gpt2-plain-loop-peak.md). Only memory reads it: the time model and the memory budget stay
-    the GPU's own."""
+    gpt2-plain-loop-peak.md). Only memory reads it (`Target.memory_cal`): the time model and
+    the memory budget stay the GPU's own."""
     if cal is not None or not gpu.chip:
         return cal
     for other in BUILTIN_GPUS:
@@ -706,10 +706,13 @@ def memory_calibration(gpu: GpuSpec, cal: Calibration | None) -> Calibration | N
 @dataclass(frozen=True)
 class Target:
     """The GPU a graph is evaluated on: its spec and the calibration its rates come from
-    (None = the datasheet peaks with default efficiencies)."""
+    (None = the datasheet peaks with default efficiencies). memory_cal: the calibration the
+    memory replay reads its workspace tables from where it is not `cal` (a GPU without a
+    calibration reads its chip's: `memory_calibration`, resolved once here); None = `cal`'s."""
 
     gpu: GpuSpec
     cal: Calibration | None
+    memory_cal: Calibration | None = None
 
     @staticmethod
     def resolve(
@@ -720,10 +723,13 @@ class Target:
         gpu: a built-in name or alias, a .toml/.json spec file, a CUDA device name as
         `torch.cuda.get_device_name()` reports it, a GpuSpec (or a Target, returned as it
         is). A name gobrrr cannot place raises GobrrrError saying so (never a default GPU).
-        calibration: True = the saved calibration for this GPU if there is one; False/None =
-        none; or the Calibration to use."""
+        calibration: True = the saved calibration for this GPU if there is one (and, where there
+        is none, its chip's for the memory's tables); False/None = none; or the Calibration to
+        use."""
         if isinstance(gpu, Target):
             return gpu
         spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
-        cal = find_calibration(spec) if calibration is True else (calibration or None)
-        return Target(spec, cal)
+        if calibration is not True:
+            return Target(spec, calibration or None)
+        cal = find_calibration(spec)
+        return Target(spec, cal, memory_calibration(spec, cal))

@@ -13,10 +13,11 @@ The cache keeps what earlier steps left in it, so the replay runs the process as
 loop does: parameters, buffers and the batch first; the BLAS workspaces; then step 1, whose
 optimizer creates its state when its first op runs (in the cached blocks the freed
 activations left; what a loop carries from one step into the next, a kept output, is not
-there yet: `StorageInfo.carried`); then the same step again up to the measured one (`STEPS`), whose peaks
-are reset at its start (a multi-GPU step releases the cache first, as its measured protocol
-does). Within a step, per op: its allocations, its scratch (allocated and freed while it
-runs), then its frees; each allocation from the pool of the stream of the op that makes it.
+there yet: `StorageInfo.carried`); then the same step again up to the measured one
+(`STEPS`), whose peaks are reset at its start (a multi-GPU step releases the cache first,
+as its measured protocol does). Within a step, per op: its allocations, its scratch
+(allocated and freed while it runs), then its frees; each allocation from the pool of the
+stream of the op that makes it.
 
 Whether a step fits is judged on the reserved peak against the memory CUDA leaves to the
 process (`process_budget`).
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from gobrrr.cost import conv, pad_mm
 from gobrrr.cost._ops_optim import adam8bit_scratch
 from gobrrr.graph.ir import OpNode, StepGraph
-from gobrrr.hardware import Calibration, GpuSpec, memory_calibration
+from gobrrr.hardware import Calibration, GpuSpec
 from gobrrr.memory.allocator import (
     AllocatorStats,
     CachingAllocator,
@@ -576,15 +577,17 @@ def module_rollup(by_module: dict[str, int], depth: int = 2) -> dict[str, int]:
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot"}
 
 
-def step_memory(graph: StepGraph, gpu: GpuSpec, cal: Calibration | None) -> MemoryResult:
+def step_memory(
+    graph: StepGraph, gpu: GpuSpec, cal: Calibration | None, tables: Calibration | None = None
+) -> MemoryResult:
     """The step's memory on `gpu`: the graph's tensors, the BLAS workspaces, and what
     convolutions, attention kernels, reductions and LayerNorms allocate inside themselves
     (their sizes per op come from `cost.conv`, `cost.attention_scratch`, `cost.reduce_scratch`
     and `cost.norm_scratch`) and what a compiled matmul pads (`cost.pad_mm`),
     replayed through the caching allocator against the memory CUDA leaves the process.
-    The workspaces' sizes come from `cal`, or where `gpu` has none from a calibration of the
-    same chip (`hardware.memory_calibration`)."""
-    tables = memory_calibration(gpu, cal)
+    The workspaces' sizes come from `tables` where given (`Target.memory_cal`: where `gpu`
+    has no calibration, its chip's), else from `cal`."""
+    tables = tables if tables is not None else cal
     return simulate(
         graph,
         workspace=blas_workspace_ops(graph, gpu, tables),

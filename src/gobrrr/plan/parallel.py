@@ -395,7 +395,9 @@ class _ParallelSearch(_Search):
         g = self.sharded(knobs)
         mem = self.memory.get(knobs)  # replayed already where a plan is timed after all
         if mem is None:
-            mem = self.memory[knobs] = step_memory(g, self.target.gpu, self.target.cal)
+            mem = self.memory[knobs] = step_memory(
+                g, self.target.gpu, self.target.cal, self.target.memory_cal
+            )
         reserved = mem.reserved or mem.peak
         if (mem.oom_index is not None or reserved > self.req.usable) and not timed:
             plan = _untimed(knobs, g, mem.peak, reserved, self.req, self.blocks)
